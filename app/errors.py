@@ -1,0 +1,97 @@
+"""One error envelope for every error, and the one table mapping domain errors to status codes."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.schemas.common import ErrorEnvelope
+from core.errors import (
+    BrokerUnavailable,
+    Conflict,
+    DomainError,
+    NotFound,
+    PayloadTooLarge,
+    UpstreamFailed,
+    ValidationFailed,
+    WorkerTimeout,
+)
+
+log = logging.getLogger(__name__)
+
+STATUS_FOR: dict[type[DomainError], int] = {
+    ValidationFailed: 422,
+    NotFound: 404,
+    Conflict: 409,
+    PayloadTooLarge: 413,
+    BrokerUnavailable: 503,
+    UpstreamFailed: 502,
+    WorkerTimeout: 504,
+}
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorEnvelope, "description": cls.__doc__ or cls.__name__}
+    for cls, status in STATUS_FOR.items()
+}
+
+
+def envelope(code: str, message: str, field: str | None = None, details: Any = None) -> dict[str, Any]:
+    """The JSON body of an error response."""
+    body: dict[str, Any] = {"code": code, "message": message, "field": field}
+    if details is not None:
+        body["details"] = details
+    return {"error": body}
+
+
+def status_for(exc: DomainError) -> int:
+    """Look a domain error up in the table (most specific class first)."""
+    for cls in type(exc).__mro__:
+        if cls in STATUS_FOR:
+            return STATUS_FOR[cls]  # type: ignore[index]
+    return 400
+
+
+def _loc_to_field(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header", "form")]
+    return ".".join(parts) or None
+
+
+async def _domain(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, DomainError)
+    return JSONResponse(status_code=status_for(exc), content={"error": exc.to_dict()})
+
+
+async def _validation(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    field = _loc_to_field(tuple(first.get("loc", ())))
+    details = [{"field": _loc_to_field(tuple(e.get("loc", ()))), "message": e.get("msg"), "type": e.get("type")}
+               for e in errors]
+    message = f"{field}: {first.get('msg')}" if field else str(first.get("msg"))
+    return JSONResponse(status_code=422, content=envelope("validation_error", message, field, details))
+
+
+async def _http(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status_code, "http_error")
+    return JSONResponse(status_code=exc.status_code, content=envelope(code, str(exc.detail)),
+                        headers=getattr(exc, "headers", None))
+
+
+async def _unhandled(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=exc)
+    return JSONResponse(status_code=500, content=envelope("internal_error", "internal server error"))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error through the envelope."""
+    app.add_exception_handler(DomainError, _domain)
+    app.add_exception_handler(RequestValidationError, _validation)
+    app.add_exception_handler(StarletteHTTPException, _http)
+    app.add_exception_handler(Exception, _unhandled)

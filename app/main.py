@@ -1,0 +1,46 @@
+"""The FastAPI application factory. Imports neither torch nor transformers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from app.errors import install_error_handlers
+from app.routes import classify, datasets, health, jobs
+from core.celery_app import make_celery
+from core.db import make_engine, make_sessionmaker
+from core.queue import CeleryTaskQueue, TaskQueue
+from core.settings import Settings, get_settings
+
+
+def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = None) -> FastAPI:
+    """Build the app; the lifespan creates and disposes the database engine and broker client."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        resolved = settings or get_settings()
+        engine = make_engine(resolved.resolved_database_url)
+        celery = None if task_queue is not None else make_celery(resolved)
+        app.state.settings = resolved
+        app.state.engine = engine
+        app.state.sessionmaker = make_sessionmaker(engine)
+        app.state.task_queue = task_queue or CeleryTaskQueue(celery)  # type: ignore[arg-type]
+        try:
+            yield
+        finally:
+            engine.dispose()
+            if celery is not None:
+                celery.close()
+
+    app = FastAPI(title="trainserve", version="0.1.0", lifespan=lifespan,
+                  description="Fine-tune BERT classifiers and serve the results.")
+    install_error_handlers(app)
+    origins = [o.strip() for o in (settings or get_settings()).cors_origins.split(",") if o.strip()]
+    if origins:
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
+    for router in (health.router, datasets.router, jobs.router, classify.router):
+        app.include_router(router)
+    return app

@@ -1,0 +1,113 @@
+"""Job schemas: what clients send and what dashboards poll."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from core.hyperparams import Hyperparameters
+
+
+class JobCreate(BaseModel):
+    """A fine-tune request. Unknown fields are rejected so typos do not pass silently."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task: Literal["text-classification"] = "text-classification"
+    base_model: str = Field(min_length=1, max_length=500,
+                            description="Built-in alias (minilm-l6), absolute local folder, or hub id.")
+    train_dataset: str = Field(min_length=1, max_length=40)
+    eval_dataset: str | None = Field(None, min_length=1, max_length=40)
+    text_column: str = Field("text", min_length=1, max_length=200)
+    label_column: str = Field("label", min_length=1, max_length=200)
+    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+    metadata: dict[str, str] = Field(default_factory=dict, description="Up to 16 string pairs for your own use.")
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded_metadata(cls, value: dict[str, str]) -> dict[str, str]:
+        if len(value) > 16:
+            raise ValueError("at most 16 keys")
+        for key, item in value.items():
+            if len(key) > 64 or len(item) > 512:
+                raise ValueError("keys are at most 64 characters and values at most 512")
+        return value
+
+
+class Progress(BaseModel):
+    step: int
+    total_steps: int | None
+    epoch: float
+    fraction: float
+
+
+class ArtifactRead(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    kind: str
+    step: int | None
+    size_bytes: int
+    files: list[str]
+    created_at: datetime
+    download_url: str
+
+
+class JobRead(BaseModel):
+    id: str
+    object: Literal["job"] = "job"
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
+    task: str
+    base_model: str
+    train_dataset: str | None
+    eval_dataset: str | None
+    text_column: str
+    label_column: str
+    labels: list[Any]
+    hyperparameters: dict[str, Any]
+    progress: Progress
+    eta_seconds: float | None
+    metrics: dict[str, float]
+    device: str | None
+    error: dict[str, Any] | None
+    attempts: int
+    cancel_requested: bool
+    artifacts: list[ArtifactRead]
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    metadata: dict[str, Any]
+
+
+class MetricPointRead(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    step: int
+    epoch: float
+    name: str
+    value: float
+    created_at: datetime
+
+
+class MetricHistory(BaseModel):
+    job_id: str
+    data: list[MetricPointRead]
+    next_since_step: int | None = Field(description="Pass as since_step to continue when the page was full.")
+
+
+class EventRead(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    kind: str
+    level: str
+    message: str
+    data: dict[str, Any] | None
+    created_at: datetime
+
+
+class EventList(BaseModel):
+    job_id: str
+    data: list[EventRead]

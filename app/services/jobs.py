@@ -1,0 +1,162 @@
+"""Fine-tuning jobs: validate, write, commit, then enqueue; cancel; read history."""
+
+from __future__ import annotations
+
+import difflib
+
+from sqlalchemy.orm import Session
+
+from app.schemas.jobs import ArtifactRead, JobCreate, JobRead, Progress
+from core.base_models import resolve_base_model
+from core.errors import BrokerUnavailable, Conflict, NotFound, ValidationFailed
+from core.models import Dataset, Job, JobStatus, new_id, utcnow
+from core.queue import TaskQueue
+from core.settings import Settings
+from core.store import datasets as dataset_store
+from core.store import jobs as store
+from core.store.paging import decode_cursor, encode_cursor
+from core.tabular import label_space
+from core.tasks import QUEUE_TRAIN, TASK_TRAIN
+
+
+def create_job(session: Session, settings: Settings, queue: TaskQueue, *, spec: JobCreate) -> Job:
+    """Validate a fine-tune request against its datasets, store the job, then enqueue it."""
+    hp = spec.hyperparameters
+    if hp.max_length > settings.max_text_length:
+        raise ValidationFailed("hyperparameters.max_length",
+                               f"must be at most {settings.max_text_length} on this server")
+    base_path = resolve_base_model(spec.base_model)
+    train = _dataset(session, spec.train_dataset, "train_dataset")
+    _require_column(train, spec.text_column, "text_column")
+    _require_column(train, spec.label_column, "label_column")
+    labels = _labels(train, spec.label_column, "train_dataset")
+    _require_text(train, spec.text_column, "train_dataset")
+    if len(labels) < 2:
+        raise ValidationFailed("train_dataset", f"label column {spec.label_column!r} has only one class "
+                               f"({labels[0]!r}); classification needs at least two")
+    if spec.eval_dataset is not None:
+        evaluation = _dataset(session, spec.eval_dataset, "eval_dataset")
+        _require_column(evaluation, spec.text_column, "eval_dataset")
+        _require_column(evaluation, spec.label_column, "eval_dataset")
+        _require_text(evaluation, spec.text_column, "eval_dataset")
+        unseen = sorted(map(str, set(_labels(evaluation, spec.label_column, "eval_dataset")) - set(labels)))
+        if unseen:
+            raise ValidationFailed("eval_dataset", f"labels not present in the training data: {unseen[:10]}")
+
+    job = Job(
+        id=new_id("job"), status=JobStatus.QUEUED, task=spec.task, base_model=spec.base_model,
+        base_model_path=base_path, train_dataset_id=train.id, eval_dataset_id=spec.eval_dataset,
+        text_column=spec.text_column, label_column=spec.label_column,
+        hyperparameters=hp.model_dump(), metadata_=spec.metadata, labels=labels, metrics={},
+        created_at=utcnow(),
+    )
+    store.add_job(session, job=job)
+    store.add_event(session, job_id=job.id, kind="created", message="job created and queued")
+    session.commit()
+    return enqueue_job(session, queue, job=job)
+
+
+def enqueue_job(session: Session, queue: TaskQueue, *, job: Job) -> Job:
+    """Send a committed job to the training queue; if the broker refuses, the row says so (503)."""
+    try:
+        job.task_id = queue.send(TASK_TRAIN, [job.id], queue=QUEUE_TRAIN)
+    except BrokerUnavailable as exc:
+        job.status = JobStatus.FAILED
+        job.error = exc.to_dict()
+        job.finished_at = utcnow()
+        store.add_event(session, job_id=job.id, kind="failed", level="error", message=exc.message)
+        session.commit()
+        raise
+    session.commit()
+    return job
+
+
+def _dataset(session: Session, dataset_id: str, field: str) -> Dataset:
+    try:
+        return dataset_store.get_dataset(session, dataset_id=dataset_id)
+    except NotFound as exc:
+        raise ValidationFailed(field, f"dataset {dataset_id!r} does not exist") from exc
+
+
+def _require_column(dataset: Dataset, column: str, field: str) -> None:
+    if column in dataset.columns:
+        return
+    close = difflib.get_close_matches(column, dataset.columns, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ValidationFailed(field, f"column {column!r} is not in dataset {dataset.id} "
+                           f"(columns: {', '.join(dataset.columns)}){hint}")
+
+
+def _labels(dataset: Dataset, column: str, field: str) -> list[int | str]:
+    stats = dataset.column_stats.get(column, {})
+    if stats.get("empty"):
+        raise ValidationFailed(field, f"{stats['empty']} rows have an empty {column!r} label")
+    values = stats.get("values")
+    if values is None:
+        raise ValidationFailed(field, f"column {column!r} has over 1000 distinct values; is it the label?")
+    # Stats keys are strings; numeric labels come back as ints so the label map keeps their type.
+    return label_space([int(v) if v.lstrip("-").isdigit() else v for v in values])
+
+
+def _require_text(dataset: Dataset, column: str, field: str) -> None:
+    empty = dataset.column_stats.get(column, {}).get("empty", 0)
+    if empty:
+        raise ValidationFailed(field, f"{empty} rows have an empty {column!r} text")
+
+
+def get_job(session: Session, *, job_id: str) -> Job:
+    """One job by id."""
+    return store.get_job(session, job_id=job_id)
+
+
+def list_jobs(session: Session, *, limit: int, status: str | None, cursor: str | None
+              ) -> tuple[list[Job], str | None]:
+    """A page of jobs and the cursor of the next one."""
+    after = decode_cursor(cursor) if cursor else None
+    rows = store.list_jobs(session, limit=limit + 1, status=status, after=after)
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return rows, encode_cursor(rows[-1].created_at, rows[-1].id) if more else None
+
+
+def cancel_job(session: Session, queue: TaskQueue, *, job_id: str) -> Job:
+    """Cancel a queued job at once; ask a running one to stop after its current step."""
+    job = store.get_job(session, job_id=job_id, for_update=True)
+    if job.is_terminal:
+        raise Conflict(f"job {job_id!r} has already {job.status}; only queued or running jobs can be cancelled",
+                       field="status")
+    now = utcnow()
+    job.cancel_requested_at = job.cancel_requested_at or now
+    if job.status == JobStatus.QUEUED:
+        job.status = JobStatus.CANCELLED
+        job.finished_at = now
+        store.add_event(session, job_id=job.id, kind="cancelled", message="cancelled before it started")
+    else:
+        store.add_event(session, job_id=job.id, kind="cancel_requested",
+                        message="cancel requested; the worker stops after the current step")
+    session.commit()
+    if job.status == JobStatus.CANCELLED and job.task_id:
+        queue.revoke(job.task_id)
+    return job
+
+
+def job_read(job: Job) -> JobRead:
+    """Build the public job object from a row."""
+    total = job.total_steps
+    fraction = 1.0 if job.status == JobStatus.SUCCEEDED else (min(job.step / total, 1.0) if total else 0.0)
+    return JobRead(
+        id=job.id, status=job.status, task=job.task, base_model=job.base_model,  # type: ignore[arg-type]
+        train_dataset=job.train_dataset_id, eval_dataset=job.eval_dataset_id,
+        text_column=job.text_column, label_column=job.label_column, labels=job.labels,
+        hyperparameters=job.hyperparameters,
+        progress=Progress(step=job.step, total_steps=total, epoch=round(job.epoch, 4), fraction=round(fraction, 4)),
+        eta_seconds=None if job.is_terminal else job.eta_seconds,
+        metrics=job.metrics or {}, device=job.device, error=job.error, attempts=job.attempts,
+        cancel_requested=job.cancel_requested_at is not None,
+        artifacts=[ArtifactRead(id=a.id, kind=a.kind, step=a.step, size_bytes=a.size_bytes, files=a.files,
+                                created_at=a.created_at,
+                                download_url=f"/jobs/{job.id}/artifacts/{a.id}/download")
+                   for a in job.artifacts],
+        created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
+        metadata=job.metadata_ or {},
+    )

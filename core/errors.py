@@ -1,0 +1,73 @@
+"""Domain errors: raised by services and data access, mapped to HTTP status codes in one table in app/."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DomainError(Exception):
+    """Base class: a stable machine-readable code, a human message and the offending field."""
+
+    code = "error"
+
+    def __init__(self, message: str, *, field: str | None = None, code: str | None = None,
+                 details: Any = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.details = details
+        if code is not None:
+            self.code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        """The error envelope body shared by REST responses, SSE events and job rows."""
+        body: dict[str, Any] = {"code": self.code, "message": self.message, "field": self.field}
+        if self.details is not None:
+            body["details"] = self.details
+        return body
+
+
+class ValidationFailed(DomainError):
+    """Input is well-formed JSON/multipart but its content is unacceptable."""
+
+    code = "validation_error"
+
+    def __init__(self, field: str | None, message: str, *, code: str | None = None,
+                 details: Any = None) -> None:
+        super().__init__(message, field=field, code=code, details=details)
+
+
+class NotFound(DomainError):
+    """The resource does not exist (or is not visible to the caller)."""
+
+    code = "not_found"
+
+
+class Conflict(DomainError):
+    """The request conflicts with the resource's current state."""
+
+    code = "conflict"
+
+
+class PayloadTooLarge(DomainError):
+    """An upload or body exceeds a configured limit."""
+
+    code = "payload_too_large"
+
+
+class BrokerUnavailable(DomainError):
+    """The task broker refused or could not be reached; the job row records it."""
+
+    code = "broker_unavailable"
+
+
+class WorkerTimeout(DomainError):
+    """A worker did not answer a synchronous request in time."""
+
+    code = "worker_timeout"
+
+
+class UpstreamFailed(DomainError):
+    """A worker answered with an error for a synchronous request."""
+
+    code = "worker_error"

@@ -1,0 +1,58 @@
+"""Enqueueing tasks by name, behind a small interface so tests can use a recording fake."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from celery import Celery
+
+from core.errors import BrokerUnavailable, UpstreamFailed, WorkerTimeout
+
+
+class TaskQueue(Protocol):
+    """What services need from the broker."""
+
+    def send(self, name: str, args: list[Any], *, queue: str) -> str:
+        """Enqueue task `name`; return its task id or raise BrokerUnavailable."""
+        ...
+
+    def call(self, name: str, args: list[Any], *, queue: str, timeout: float) -> Any:
+        """Run task `name` on a worker and wait for its result."""
+        ...
+
+    def revoke(self, task_id: str) -> None:
+        """Best effort: drop a queued task message."""
+        ...
+
+
+class CeleryTaskQueue:
+    """TaskQueue on a Celery app (Redis broker and result backend)."""
+
+    def __init__(self, celery: Celery) -> None:
+        self.celery = celery
+
+    def send(self, name: str, args: list[Any], *, queue: str) -> str:
+        try:
+            result = self.celery.send_task(name, args=args, queue=queue, retry=False)
+        except Exception as exc:  # noqa: BLE001 - kombu raises many types for an unreachable broker
+            raise BrokerUnavailable(f"task broker unavailable: {type(exc).__name__}") from exc
+        return str(result.id)
+
+    def call(self, name: str, args: list[Any], *, queue: str, timeout: float) -> Any:
+        task_id = self.send(name, args, queue=queue)
+        result = self.celery.AsyncResult(task_id)
+        try:
+            return result.get(timeout=timeout, propagate=True, disable_sync_subtasks=False)
+        except TimeoutError as exc:
+            result.revoke()
+            raise WorkerTimeout(f"no worker answered within {timeout:g} s") from exc
+        except Exception as exc:  # noqa: BLE001 - the worker's exception, re-raised by Celery
+            raise UpstreamFailed(f"worker failed: {exc}") from exc
+        finally:
+            result.forget()
+
+    def revoke(self, task_id: str) -> None:
+        try:
+            self.celery.control.revoke(task_id)
+        except Exception:  # noqa: BLE001 - revoking is an optimisation; the job row is the truth
+            pass

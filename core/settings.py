@@ -1,0 +1,67 @@
+"""The one typed settings object; every TRAINSERVE_* variable is documented here and in the README."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Service configuration read from TRAINSERVE_* environment variables."""
+
+    model_config = SettingsConfigDict(env_prefix="TRAINSERVE_", extra="ignore")
+
+    home: Path = Field(Path("./var"), description="Folder for the SQLite file, datasets, artifacts, Redis socket.")
+    database_url: str | None = Field(None, description="SQLAlchemy URL; default sqlite:///<home>/trainserve.db.")
+    redis_url: str | None = Field(
+        None, description="Broker and result backend; default: the embedded server's socket under <home>."
+    )
+    devices: str = Field("auto", description="Devices `trainserve up` starts training workers on: auto, cpu, cuda:0,cuda:1.")
+    worker_device: str = Field("auto", description="Device of this worker process (set by `trainserve worker --device`).")
+    max_upload_bytes: int = Field(100 * 1024 * 1024, description="Largest accepted dataset file.")
+    max_dataset_rows: int = Field(2_000_000, description="Most rows accepted in one dataset.")
+    max_text_length: int = Field(512, description="Upper bound for the max_length hyperparameter.")
+    max_classify_texts: int = Field(256, description="Most texts in one /classify request.")
+    classify_timeout_s: float = Field(60.0, description="How long /classify waits for a worker.")
+    checkpoint_steps: int = Field(200, description="Optimizer steps between training checkpoints.")
+    visibility_timeout_s: int = Field(7 * 24 * 3600, description="Broker redelivery timeout; longer than any job.")
+    metrics_flush_s: float = Field(1.0, description="How often a running job writes buffered metric points.")
+    cors_origins: str = Field("", description="Comma-separated origins allowed by CORS (empty: none).")
+
+    @property
+    def resolved_database_url(self) -> str:
+        """The database URL, defaulting to a SQLite file under home."""
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.home / 'trainserve.db').resolve()}"
+
+    @property
+    def redis_socket(self) -> Path:
+        """Unix socket of the embedded Redis server in local mode."""
+        return (self.home / "redis.sock").resolve()
+
+    @property
+    def resolved_redis_url(self) -> str:
+        """The broker URL, defaulting to the embedded server's unix socket."""
+        if self.redis_url:
+            return self.redis_url
+        return f"redis+socket://{self.redis_socket}"
+
+    @property
+    def datasets_dir(self) -> Path:
+        """Where uploaded dataset files are stored."""
+        return self.home / "datasets"
+
+    @property
+    def jobs_dir(self) -> Path:
+        """Where job outputs (models, checkpoints) are stored."""
+        return self.home / "jobs"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """Build the settings once, lazily, from the environment."""
+    return Settings()

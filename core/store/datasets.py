@@ -1,0 +1,49 @@
+"""Data access for datasets."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from core.errors import Conflict, NotFound
+from core.models import Dataset, Job
+from core.store.paging import before_cursor
+
+
+def add_dataset(session: Session, *, dataset: Dataset) -> Dataset:
+    """Insert a dataset row (the caller commits)."""
+    session.add(dataset)
+    session.flush()
+    return dataset
+
+
+def get_dataset(session: Session, *, dataset_id: str, field: str | None = None) -> Dataset:
+    """Fetch a dataset or raise NotFound (naming `field` when it came from a request body)."""
+    dataset = session.get(Dataset, dataset_id)
+    if dataset is None:
+        raise NotFound(f"dataset {dataset_id!r} not found", field=field)
+    return dataset
+
+
+def list_datasets(session: Session, *, limit: int, after: tuple[str, str] | None = None) -> list[Dataset]:
+    """Newest first; `after` is the (created_at iso, id) of the last row of the previous page."""
+    query = select(Dataset).order_by(Dataset.created_at.desc(), Dataset.id.desc()).limit(limit)
+    if after is not None:
+        query = query.where(before_cursor(Dataset, after))
+    return list(session.scalars(query))
+
+
+def delete_dataset(session: Session, *, dataset_id: str) -> Dataset:
+    """Delete a dataset row unless an unfinished job still needs it."""
+    dataset = get_dataset(session, dataset_id=dataset_id)
+    busy = session.scalar(
+        select(Job.id).where(
+            (Job.train_dataset_id == dataset_id) | (Job.eval_dataset_id == dataset_id),
+            Job.status.in_(["queued", "running"]),
+        ).limit(1)
+    )
+    if busy is not None:
+        raise Conflict(f"dataset {dataset_id!r} is used by unfinished job {busy!r}")
+    session.delete(dataset)
+    session.flush()
+    return dataset

@@ -1,0 +1,128 @@
+"""Data access for jobs, their metric points, events and artifacts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from core.errors import NotFound
+from core.models import Artifact, Job, JobEvent, JobStatus, MetricPoint, utcnow
+from core.store.paging import before_cursor
+
+
+def add_job(session: Session, *, job: Job) -> Job:
+    """Insert a job row (the caller commits)."""
+    session.add(job)
+    session.flush()
+    return job
+
+
+def get_job(session: Session, *, job_id: str, for_update: bool = False) -> Job:
+    """Fetch a job or raise NotFound."""
+    query = select(Job).where(Job.id == job_id)
+    if for_update:
+        query = query.with_for_update()
+    job = session.scalars(query).first()
+    if job is None:
+        raise NotFound(f"job {job_id!r} not found")
+    return job
+
+
+def list_jobs(session: Session, *, limit: int, status: str | None = None,
+              after: tuple[str, str] | None = None) -> list[Job]:
+    """Newest first, optionally filtered by status."""
+    query = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
+    if status is not None:
+        query = query.where(Job.status == status)
+    if after is not None:
+        query = query.where(before_cursor(Job, after))
+    return list(session.scalars(query))
+
+
+def add_event(session: Session, *, job_id: str, kind: str, message: str, level: str = "info",
+              data: dict[str, Any] | None = None) -> JobEvent:
+    """Append an event to a job's log."""
+    event = JobEvent(job_id=job_id, kind=kind, level=level, message=message, data=data, created_at=utcnow())
+    session.add(event)
+    session.flush()
+    return event
+
+
+def list_events(session: Session, *, job_id: str, after_id: int = 0, limit: int = 100) -> list[JobEvent]:
+    """Events in the order they happened, after a given event id."""
+    query = (select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > after_id)
+             .order_by(JobEvent.id).limit(limit))
+    return list(session.scalars(query))
+
+
+def add_metric_points(session: Session, *, job_id: str,
+                      points: Iterable[tuple[int, float, str, float]]) -> None:
+    """Insert (step, epoch, name, value) points; a point already stored for (name, step) is kept."""
+    rows = [{"job_id": job_id, "step": step, "epoch": epoch, "name": name, "value": value,
+             "created_at": utcnow()} for step, epoch, name, value in points]
+    if not rows:
+        return
+    # A resumed job replays steps after its last checkpoint; the first value written for a step wins.
+    insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    session.execute(insert(MetricPoint).values(rows).on_conflict_do_nothing(
+        index_elements=["job_id", "name", "step"]))
+
+
+def list_metric_points(session: Session, *, job_id: str, since_step: int = 0,
+                       names: Sequence[str] | None = None, limit: int = 10_000) -> list[MetricPoint]:
+    """Metric history for charts, ordered by step then name."""
+    query = (select(MetricPoint).where(MetricPoint.job_id == job_id, MetricPoint.step >= since_step)
+             .order_by(MetricPoint.step, MetricPoint.name).limit(limit))
+    if names:
+        query = query.where(MetricPoint.name.in_(list(names)))
+    return list(session.scalars(query))
+
+
+def add_artifact(session: Session, *, artifact: Artifact) -> Artifact:
+    """Record an artifact produced by a job."""
+    session.add(artifact)
+    session.flush()
+    return artifact
+
+
+def get_artifact(session: Session, *, job_id: str, artifact_id: str) -> Artifact:
+    """Fetch one of a job's artifacts or raise NotFound."""
+    artifact = session.get(Artifact, artifact_id)
+    if artifact is None or artifact.job_id != job_id:
+        raise NotFound(f"artifact {artifact_id!r} not found on job {job_id!r}")
+    return artifact
+
+
+def count_jobs(session: Session, *, statuses: Sequence[str]) -> int:
+    """How many jobs are in the given statuses."""
+    return session.scalar(select(func.count()).select_from(Job).where(Job.status.in_(list(statuses)))) or 0
+
+
+def claim_job(session: Session, *, job_id: str, device: str, now: datetime) -> Job | None:
+    """Move a queued (or redelivered running) job to running; None if it is already terminal."""
+    job = get_job(session, job_id=job_id, for_update=True)
+    if job.is_terminal:
+        return None
+    job.status = JobStatus.RUNNING
+    job.device = device
+    job.attempts += 1
+    job.started_at = job.started_at or now
+    job.heartbeat_at = now
+    session.flush()
+    return job
+
+
+def cancel_requested(session: Session, *, job_id: str) -> bool:
+    """True once someone asked to cancel the job (cheap: one indexed column)."""
+    return session.scalar(select(Job.cancel_requested_at).where(Job.id == job_id)) is not None
+
+
+def update_progress(session: Session, *, job_id: str, values: dict[str, Any]) -> None:
+    """Write progress columns of a running job without loading the row."""
+    session.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.RUNNING).values(**values))

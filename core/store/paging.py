@@ -1,0 +1,34 @@
+"""Keyset (cursor) pagination over (created_at, id), newest first."""
+
+from __future__ import annotations
+
+import base64
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import and_, or_
+
+from core.errors import ValidationFailed
+
+
+def encode_cursor(created_at: datetime, row_id: str) -> str:
+    """Opaque cursor for the row a page ended on."""
+    raw = f"{created_at.isoformat()}|{row_id}".encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[str, str]:
+    """Inverse of encode_cursor; a tampered cursor is a 422 on the `cursor` field."""
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        created, row_id = base64.urlsafe_b64decode(padded.encode()).decode().split("|", 1)
+        datetime.fromisoformat(created)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValidationFailed("cursor", "malformed pagination cursor") from exc
+    return created, row_id
+
+
+def before_cursor(model: Any, after: tuple[str, str]) -> Any:
+    """Rows strictly after the cursor in (created_at desc, id desc) order."""
+    created = datetime.fromisoformat(after[0])
+    return or_(model.created_at < created, and_(model.created_at == created, model.id < after[1]))

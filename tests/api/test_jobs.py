@@ -1,0 +1,161 @@
+"""POST /jobs validation, polling, listing, cancel and history against a real PostgreSQL."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.db import make_engine, make_sessionmaker, session_scope
+from core.store import jobs as store
+from core.tasks import QUEUE_TRAIN, TASK_TRAIN
+from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
+
+
+@pytest.fixture()
+def train_id(client):
+    return upload(client, tsv_bytes(sentiment_rows())).json()["id"]
+
+
+def _error(response, status, field):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["field"] == field, error
+    return error
+
+
+def test_create_job_resolves_hyperparameters_and_enqueues_by_name(client, queue, train_id):
+    response = client.post("/jobs", json=job_body(train_id, metadata={"team": "nlp"}))
+    assert response.status_code == 201, response.text
+    job = response.json()
+    assert job["status"] == "queued"
+    assert job["labels"] == [0, 1]
+    assert job["hyperparameters"]["learning_rate"] == 5e-5
+    assert job["hyperparameters"]["epochs"] == 1
+    assert job["progress"] == {"step": 0, "total_steps": None, "epoch": 0.0, "fraction": 0.0}
+    assert job["metadata"] == {"team": "nlp"}
+    assert queue.sent == [(TASK_TRAIN, [job["id"]], QUEUE_TRAIN)]
+    assert client.get(f"/jobs/{job['id']}").json()["id"] == job["id"]
+    events = client.get(f"/jobs/{job['id']}/events").json()["data"]
+    assert [e["kind"] for e in events] == ["created"]
+
+
+def test_string_labels_build_a_label_map(client):
+    rows = [(t, "pos" if y else "neg") for t, y in sentiment_rows()]
+    ds = upload(client, tsv_bytes(rows)).json()["id"]
+    job = client.post("/jobs", json=job_body(ds)).json()
+    assert job["labels"] == ["neg", "pos"]
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ({"base_model": "no-such-model"}, "base_model"),
+    ({"base_model": "/nonexistent/folder"}, "base_model"),
+    ({"text_column": "sentnce"}, "text_column"),
+    ({"label_column": "lable"}, "label_column"),
+    ({"train_dataset": "ds_missing"}, "train_dataset"),
+    ({"eval_dataset": "ds_missing"}, "eval_dataset"),
+    ({"hyperparameters": {"learning_rate": -1}}, "hyperparameters.learning_rate"),
+    ({"hyperparameters": {"batch_size": 0}}, "hyperparameters.batch_size"),
+    ({"hyperparameters": {"precision": "fp8"}}, "hyperparameters.precision"),
+    ({"hyperparameters": {"max_length": 100000}}, "hyperparameters.max_length"),
+    ({"hyperparameters": {"learning_rte": 1e-4}}, "hyperparameters.learning_rte"),
+    ({"task": "image-classification"}, "task"),
+    ({"surprise": 1}, "surprise"),
+])
+def test_bad_job_requests_name_the_field(client, queue, train_id, override, field):
+    body = job_body(train_id)
+    body.update(override)
+    _error(client.post("/jobs", json=body), 422, field)
+    assert client.get("/jobs").json()["data"] == []
+    assert queue.sent == []
+
+
+def test_one_class_and_empty_labels_are_refused(client):
+    one_class = upload(client, tsv_bytes([(t, 1) for t, _ in sentiment_rows()])).json()["id"]
+    error = _error(client.post("/jobs", json=job_body(one_class)), 422, "train_dataset")
+    assert "one class" in error["message"]
+    gaps = upload(client, b"sentence\tlabel\ngood\t1\nbad\t\nfine\t0\n").json()["id"]
+    assert "empty" in _error(client.post("/jobs", json=job_body(gaps)), 422, "train_dataset")["message"]
+
+
+def test_eval_labels_must_exist_in_training(client, train_id):
+    other = upload(client, tsv_bytes([("meh", 2), ("ok", 0)])).json()["id"]
+    _error(client.post("/jobs", json=job_body(train_id, other)), 422, "eval_dataset")
+
+
+def test_malformed_json_is_422_envelope(client):
+    response = client.post("/jobs", content=b"{nope", headers={"content-type": "application/json"})
+    assert response.status_code == 422
+    assert response.json()["error"]["code"] == "validation_error"
+
+
+def test_broker_outage_gives_503_and_a_row_that_says_so(client, queue, train_id):
+    queue.refuse = True
+    error = client.post("/jobs", json=job_body(train_id))
+    assert error.status_code == 503
+    assert error.json()["error"]["code"] == "broker_unavailable"
+    jobs = client.get("/jobs").json()["data"]
+    assert len(jobs) == 1 and jobs[0]["status"] == "failed"
+    assert jobs[0]["error"]["code"] == "broker_unavailable"
+
+
+def test_cancel_queued_then_cancel_again_is_409(client, queue, train_id):
+    job = client.post("/jobs", json=job_body(train_id)).json()
+    cancelled = client.post(f"/jobs/{job['id']}/cancel")
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    assert queue.revoked == ["task-1"]
+    _error(client.post(f"/jobs/{job['id']}/cancel"), 409, "status")
+    _error(client.post("/jobs/job_nope/cancel"), 404, None)
+
+
+def test_cancel_running_sets_a_request_the_worker_sees(client, settings, train_id):
+    job = client.post("/jobs", json=job_body(train_id)).json()
+    engine = make_engine(settings.resolved_database_url)
+    factory = make_sessionmaker(engine)
+    with session_scope(factory) as session:
+        from core.models import utcnow
+
+        store.claim_job(session, job_id=job["id"], device="cpu", now=utcnow())
+    body = client.post(f"/jobs/{job['id']}/cancel").json()
+    assert body["status"] == "running" and body["cancel_requested"] is True
+    with factory() as session:
+        assert store.cancel_requested(session, job_id=job["id"])
+    engine.dispose()
+
+
+def test_list_filter_and_paginate(client, train_id):
+    ids = [client.post("/jobs", json=job_body(train_id)).json()["id"] for _ in range(3)]
+    client.post(f"/jobs/{ids[0]}/cancel")
+    page = client.get("/jobs", params={"limit": 2}).json()
+    assert [j["id"] for j in page["data"]] == [ids[2], ids[1]]
+    rest = client.get("/jobs", params={"limit": 2, "cursor": page["next_cursor"]}).json()
+    assert [j["id"] for j in rest["data"]] == [ids[0]]
+    assert [j["id"] for j in client.get("/jobs", params={"status": "cancelled"}).json()["data"]] == [ids[0]]
+    _error(client.get("/jobs", params={"status": "bogus"}), 422, "status")
+    _error(client.get("/jobs", params={"cursor": "!!!"}), 422, "cursor")
+
+
+def test_metrics_history_since_step(client, settings, train_id):
+    job = client.post("/jobs", json=job_body(train_id)).json()
+    engine = make_engine(settings.resolved_database_url)
+    with session_scope(make_sessionmaker(engine)) as session:
+        store.add_metric_points(session, job_id=job["id"], points=[
+            (s, s / 10, "train_loss", 1.0 / s) for s in range(1, 6)])
+        # the same step written again (a resumed job) is ignored, not duplicated
+        store.add_metric_points(session, job_id=job["id"], points=[(5, 0.5, "train_loss", 99.0)])
+    engine.dispose()
+    data = client.get(f"/jobs/{job['id']}/metrics", params={"since_step": 3}).json()["data"]
+    assert [(p["step"], p["name"]) for p in data] == [(3, "train_loss"), (4, "train_loss"), (5, "train_loss")]
+    assert data[-1]["value"] == pytest.approx(0.2)
+    _error(client.get("/jobs/job_nope/metrics"), 404, None)
+
+
+def test_classify_refuses_unknown_and_unfinished_models(client, train_id):
+    _error(client.post("/classify", json={"model": "job_nope", "texts": ["hi"]}), 404, "model")
+    job = client.post("/jobs", json=job_body(train_id)).json()
+    _error(client.post("/classify", json={"model": job["id"], "texts": ["hi"]}), 422, "model")
+    _error(client.post("/classify", json={"model": job["id"], "texts": []}), 422, "texts")
+    _error(client.post("/classify", json={"model": job["id"], "texts": ["  "]}), 422, "texts.0")
+
+
+def test_unknown_route_and_method_use_the_envelope(client):
+    assert client.get("/nope").json()["error"]["code"] == "not_found"
+    assert client.put("/jobs").json()["error"]["code"] == "method_not_allowed"

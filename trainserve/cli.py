@@ -1,0 +1,92 @@
+"""The `trainserve` command: up, api, worker, migrate."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from pathlib import Path
+
+
+def _api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    uvicorn.run("app.main:create_app", factory=True, host=args.host, port=args.port, log_level="info",
+                proxy_headers=False)
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    device = args.device
+    # Pin the process to one GPU before anything can initialise CUDA; inside it, that GPU is cuda:0.
+    if device.startswith("cuda:"):
+        os.environ["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+        os.environ["TRAINSERVE_WORKER_DEVICE"] = "cuda:0"
+    elif device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ["TRAINSERVE_WORKER_DEVICE"] = "cpu"
+    elif device == "auto":
+        os.environ["TRAINSERVE_WORKER_DEVICE"] = "auto"
+    else:
+        print(f"--device must be cpu, auto or cuda:N, not {device!r}", file=sys.stderr)
+        return 2
+    from worker.app import celery
+
+    name = f"{args.queues.replace(',', '+')}-{device.replace(':', '')}-{os.getpid()}@{socket.gethostname()}"
+    # Solo pool: the task runs in the worker's main process, so a shutdown signal reaches the training loop,
+    # which checkpoints and requeues its job instead of losing it.
+    celery.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", args.queues, "-n", name,
+                        "--loglevel", args.loglevel, "--without-gossip", "--without-mingle"])
+    return 0
+
+
+def _migrate(_: argparse.Namespace) -> int:
+    from core.migrate import upgrade
+    from core.settings import get_settings
+
+    upgrade(get_settings().resolved_database_url)
+    print("database is at the latest revision")
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from trainserve.supervisor import run_up
+
+    home = Path(args.home or os.environ.get("TRAINSERVE_HOME", "./var"))
+    return run_up(host=args.host, port=args.port, home=home, devices=args.devices)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for tests and --help)."""
+    parser = argparse.ArgumentParser(prog="trainserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="local mode: embedded Redis, migrations, API and workers in one command")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--home", default=None, help="data folder (default $TRAINSERVE_HOME or ./var)")
+    up.add_argument("--devices", default=os.environ.get("TRAINSERVE_DEVICES", "auto"),
+                    help="training devices: auto, cpu, or a list like cuda:0,cuda:1")
+    up.set_defaults(func=_up)
+    api = sub.add_parser("api", help="run the HTTP API")
+    api.add_argument("--host", default="127.0.0.1")
+    api.add_argument("--port", type=int, default=8000)
+    api.set_defaults(func=_api)
+    worker = sub.add_parser("worker", help="run a Celery worker pinned to one device")
+    worker.add_argument("--device", default="auto", help="cpu, cuda:N or auto")
+    worker.add_argument("--queues", default="training", help="training, inference or both (comma-separated)")
+    worker.add_argument("--loglevel", default="INFO")
+    worker.set_defaults(func=_worker)
+    migrate = sub.add_parser("migrate", help="apply database migrations")
+    migrate.set_defaults(func=_migrate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `trainserve` script."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

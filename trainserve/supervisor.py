@@ -1,0 +1,128 @@
+"""`trainserve up`: one command that runs Redis, migrations, the API and the workers, and stops them all."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainserve.redis_server import start_redis
+
+
+@dataclass
+class Child:
+    """A supervised process: restarted when it dies unexpectedly."""
+
+    name: str
+    args: list[str]
+    env: dict[str, str]
+    process: subprocess.Popen[bytes] | None = None
+    restarts: list[float] = field(default_factory=list)
+
+    def start(self) -> None:
+        # Own session: Ctrl-C reaches only the supervisor, which then stops children in order.
+        self.process = subprocess.Popen(self.args, env=self.env, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+def _say(message: str) -> None:
+    print(f"[trainserve] {message}", flush=True)
+
+
+def worker_devices(devices: str) -> list[str]:
+    """The training workers to start: one per listed device; auto means every visible GPU, else the CPU."""
+    if devices != "auto":
+        return [d.strip() for d in devices.split(",") if d.strip()]
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout
+        gpus = [f"cuda:{line.strip()}" for line in out.splitlines() if line.strip()]
+    except (OSError, subprocess.SubprocessError):
+        gpus = []
+    return gpus or ["cpu"]
+
+
+def run_up(*, host: str, port: int, home: Path, devices: str) -> int:
+    """Start everything and supervise it until SIGINT/SIGTERM."""
+    home = home.resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, TRAINSERVE_HOME=str(home), PYTHONUNBUFFERED="1")
+    redis_proc = None
+    if not env.get("TRAINSERVE_REDIS_URL"):
+        redis_proc = start_redis(home)
+        _say(f"embedded Redis on {home / 'redis.sock'}")
+    from core.migrate import upgrade
+    from core.settings import Settings
+
+    settings = Settings(home=home, database_url=env.get("TRAINSERVE_DATABASE_URL") or None)
+    upgrade(settings.resolved_database_url)
+    _say(f"database ready: {settings.resolved_database_url.split('@')[-1]}")
+
+    cli = [sys.executable, "-m", "trainserve.cli"]
+    children = [Child("api", [*cli, "api", "--host", host, "--port", str(port)], env)]
+    for device in worker_devices(devices):
+        children.append(Child(f"worker[{device}]", [*cli, "worker", "--device", device], env))
+    children.append(Child("worker[inference]", [*cli, "worker", "--device", "auto", "--queues", "inference"], env))
+
+    stop = False
+
+    def _stop(signum: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    for child in children:
+        child.start()
+    _say(f"API on http://{host}:{port} (docs at /docs); home {home}; Ctrl-C stops everything")
+    try:
+        while not stop:
+            time.sleep(0.5)
+            for child in children:
+                if not child.alive() and not stop:
+                    _restart(child)
+    finally:
+        _shutdown(children, redis_proc)
+    return 0
+
+
+def _restart(child: Child) -> None:
+    now = time.monotonic()
+    child.restarts = [t for t in child.restarts if now - t < 60] + [now]
+    code = child.process.returncode if child.process else None
+    if len(child.restarts) > 5:
+        _say(f"{child.name} exited (code {code}) 5 times within a minute; waiting before restarting")
+        time.sleep(10)
+    _say(f"{child.name} exited (code {code}); restarting")
+    child.start()
+
+
+def _shutdown(children: list[Child], redis_proc: subprocess.Popen[bytes] | None) -> None:
+    _say("stopping: workers checkpoint their running jobs and requeue them")
+    for child in children:
+        if child.alive():
+            assert child.process is not None
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    for child in children:
+        if child.process is None:
+            continue
+        try:
+            child.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            _say(f"{child.name} did not stop in time; killing it")
+            child.process.kill()
+            child.process.wait()
+    if redis_proc is not None:
+        redis_proc.terminate()
+        try:
+            redis_proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            redis_proc.kill()
+    _say("stopped")
