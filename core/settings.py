@@ -61,7 +61,20 @@ class Settings(BaseSettings):
         return self.home / "jobs"
 
 
+_override: Settings | None = None
+
+
 @lru_cache(maxsize=1)
-def get_settings() -> Settings:
-    """Build the settings once, lazily, from the environment."""
+def _from_environment() -> Settings:
     return Settings()
+
+
+def get_settings() -> Settings:
+    """The process's settings: built once, lazily, from the environment unless overridden."""
+    return _override or _from_environment()
+
+
+def override_settings(settings: Settings | None) -> None:
+    """Use `settings` in this process (tests, embedded runs); None goes back to the environment."""
+    global _override
+    _override = settings

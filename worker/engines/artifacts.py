@@ -1,0 +1,161 @@
+"""Checkpoints (atomic, resumable), the final model folder and its manifest."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import re
+import shutil
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import safetensors.torch
+import torch
+import transformers
+
+from worker.engines.device import DevicePlan
+
+MANIFEST = "manifest.json"
+KEEP_CHECKPOINTS = 2
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_STATE = "state.json"  # written last inside a checkpoint: its presence marks a complete one
+
+
+def checkpoint_path(checkpoint_dir: Path, step: int) -> Path:
+    """Folder of the checkpoint taken after optimizer step `step`."""
+    return Path(checkpoint_dir) / f"checkpoint-{step}"
+
+
+def list_checkpoints(checkpoint_dir: Path) -> list[Path]:
+    """Complete checkpoints under checkpoint_dir, oldest step first."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _CHECKPOINT.match(child.name)
+        if match and (child / _STATE).is_file():
+            found.append((int(match.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
+    """The most recent complete checkpoint, or None."""
+    checkpoints = list_checkpoints(checkpoint_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def save_checkpoint(checkpoint_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scaler: torch.amp.GradScaler, plan: DevicePlan, state: dict[str, Any]) -> Path:
+    """Write weights, optimizer/scaler/RNG state and loop state atomically; keep the last few."""
+    root = Path(checkpoint_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(root, step)
+    for stale in root.glob(".tmp-checkpoint-*"):  # left by a process that died mid-write
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    tmp.mkdir()
+    # save_model/load_model handle shared tensors, so any architecture round-trips exactly.
+    safetensors.torch.save_model(model, str(tmp / "model.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scaler.state_dict(), tmp / "scaler.pt")
+    torch.save(_rng_state(plan), tmp / "rng.pt")
+    (tmp / _STATE).write_text(json.dumps(dict(state, step=step), indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)  # a rename within one folder: readers see all of it or none
+    for old in list_checkpoints(root)[:-KEEP_CHECKPOINTS]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scaler: torch.amp.GradScaler, plan: DevicePlan) -> dict[str, Any]:
+    """Restore a checkpoint into model/optimizer/scaler and the RNGs; return the loop state."""
+    path = Path(path)
+    safetensors.torch.load_model(model, str(path / "model.safetensors"), strict=True, device=plan.device)
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=plan.device, weights_only=True))
+    scaler_state = torch.load(path / "scaler.pt", weights_only=True)
+    if scaler_state:
+        scaler.load_state_dict(scaler_state)
+    _set_rng_state(torch.load(path / "rng.pt", weights_only=True), plan)
+    return json.loads((path / _STATE).read_text())
+
+
+def _rng_state(plan: DevicePlan) -> dict[str, Any]:
+    # Plain tensors, lists and numbers only, so torch.load(weights_only=True) can read it back.
+    py_version, py_internal, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [py_version, list(py_internal), py_gauss],
+        "numpy": [np_name, torch.from_numpy(np.asarray(np_keys, dtype=np.int64)), np_pos, np_has_gauss, np_gauss],
+        "torch": torch.get_rng_state(),
+    }
+    if plan.is_cuda:
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], plan: DevicePlan) -> None:
+    py_version, py_internal, py_gauss = state["python"]
+    random.setstate((py_version, tuple(py_internal), py_gauss))
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
+    np.random.set_state((np_name, np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
+    torch.set_rng_state(state["torch"])
+    if plan.is_cuda and "cuda" in state and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def build_manifest(*, base_model: str, base_model_name: str, labels: list[int | str],
+                   hyperparameters: dict[str, Any], dataset_hashes: dict[str, str],
+                   metrics: dict[str, float], plan: DevicePlan) -> dict[str, Any]:
+    """The self-description stored next to a trained model."""
+    return {
+        "task": "text-classification",
+        "base_model": base_model,
+        "base_model_name": base_model_name or base_model,
+        "labels": list(labels),
+        "hyperparameters": hyperparameters,
+        "dataset_hashes": dict(dataset_hashes),
+        "metrics": metrics,
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "datasets": datasets.__version__,
+            "python": platform.python_version(),
+        },
+        "device": plan.device,
+        "precision": plan.precision,
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def save_final(output_dir: Path, model: transformers.PreTrainedModel, tokenizer: Any,
+               manifest: dict[str, Any]) -> Path:
+    """Save model and tokenizer with save_pretrained, then the manifest last as the completion mark."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output_dir, safe_serialization=True)
+    tokenizer.save_pretrained(output_dir)
+    write_manifest(output_dir, manifest)
+    return output_dir
+
+
+def write_manifest(output_dir: Path, manifest: dict[str, Any]) -> Path:
+    """Write manifest.json atomically (tmp file, then rename)."""
+    target = Path(output_dir) / MANIFEST
+    tmp = target.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, target)
+    return target
+
+
+def read_manifest(model_dir: Path) -> dict[str, Any] | None:
+    """The manifest of a model folder, or None when it has none."""
+    path = Path(model_dir) / MANIFEST
+    return json.loads(path.read_text()) if path.is_file() else None

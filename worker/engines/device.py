@@ -1,0 +1,98 @@
+"""The one place that decides device, precision, autocast and gradient scaling."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from dataclasses import dataclass
+
+import torch
+
+PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """Where a model runs and in which precision; built only by resolve_device()."""
+
+    device: str
+    precision: str
+    autocast_dtype: torch.dtype | None
+    use_grad_scaler: bool
+
+    @property
+    def device_type(self) -> str:
+        """The torch device type ("cpu", "cuda") that autocast and GradScaler expect."""
+        return torch.device(self.device).type
+
+    @property
+    def is_cuda(self) -> bool:
+        """True when the plan places work on a CUDA device."""
+        return self.device_type == "cuda"
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Autocast context for forward passes, or a no-op context for fp32."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        """A GradScaler that is active only for fp16 on CUDA (a pass-through otherwise)."""
+        return torch.amp.GradScaler(self.device_type, enabled=self.use_grad_scaler)
+
+
+def resolve_device(device: str = "auto", precision: str = "auto") -> DevicePlan:
+    """Resolve "auto"/"cpu"/"cuda[:N]" and "auto"/"fp32"/"fp16"/"bf16" into a DevicePlan."""
+    resolved = _resolve_device_name(device.strip().lower())
+    is_cuda = resolved.startswith("cuda")
+    precision = precision.strip().lower()
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    if precision == "auto":
+        if not is_cuda:
+            precision = "fp32"
+        else:
+            precision = "bf16" if _cuda_bf16_supported(resolved) else "fp16"
+    elif precision == "bf16" and is_cuda and not _cuda_bf16_supported(resolved):
+        raise ValueError(f"precision 'bf16' is not supported on {resolved}; use 'fp16' or 'fp32'")
+    # fp16/bf16 on CPU means CPU autocast: allowed so tiny tests can exercise the mixed-precision
+    # path, but slow on most CPUs. Loss scaling is only needed for fp16's narrow range on CUDA.
+    return DevicePlan(
+        device=resolved,
+        precision=precision,
+        autocast_dtype=_DTYPES[precision],
+        use_grad_scaler=is_cuda and precision == "fp16",
+    )
+
+
+def release_memory(plan: DevicePlan) -> None:
+    """Free what can be freed after a model is dropped (Python garbage, CUDA cache)."""
+    gc.collect()
+    if plan.is_cuda:
+        torch.cuda.empty_cache()
+
+
+def _resolve_device_name(device: str) -> str:
+    if device == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return "cpu"
+    if device == "cuda" or device.startswith("cuda:"):
+        index_text = device.partition(":")[2] or "0"
+        if not index_text.isdigit():
+            raise ValueError(f"invalid device {device!r}; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} was requested but CUDA is not available on this machine")
+        index = int(index_text)
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise ValueError(f"device {device!r} was requested but only {count} CUDA device(s) exist")
+        return f"cuda:{index}"
+    raise ValueError(f"invalid device {device!r}; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+
+def _cuda_bf16_supported(device: str) -> bool:
+    # Ampere (compute capability 8.0) and newer have native bf16 tensor cores; older cards
+    # emulate it slowly, so "auto" picks fp16 there.
+    return torch.cuda.get_device_capability(torch.device(device))[0] >= 8

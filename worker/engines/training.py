@@ -1,0 +1,344 @@
+"""Fine-tune a sequence-classification model: one readable loop with callbacks, cancel and resume."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from worker.engines import artifacts, data
+from worker.engines.device import DevicePlan, resolve_device
+
+MAX_GRAD_NORM = 1.0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one fine-tuning run needs; paths are local, hyperparameters already validated."""
+
+    base_model: str
+    train_file: Path
+    eval_file: Path | None
+    text_column: str
+    label_column: str
+    output_dir: Path
+    checkpoint_dir: Path
+    epochs: float = 3.0
+    max_steps: int | None = None
+    batch_size: int = 32
+    learning_rate: float = 5e-5
+    warmup_ratio: float = 0.0
+    weight_decay: float = 0.01
+    max_length: int = 128
+    gradient_accumulation_steps: int = 1
+    precision: str = "auto"
+    seed: int = 42
+    eval_steps: int | None = None
+    checkpoint_steps: int | None = None
+    device: str = "auto"
+    base_model_name: str = ""
+    dataset_hashes: Mapping[str, str] = field(default_factory=dict)
+
+
+class TrainCallbacks:
+    """Progress hooks and the cancel check; the defaults do nothing."""
+
+    def on_start(self, info: dict[str, Any]) -> None:
+        """Called once before the first step with sizes, labels, device and resume point."""
+
+    def on_log(self, step: int, epoch: float, metrics: dict[str, float]) -> None:
+        """Called after every optimizer step with train_loss, learning_rate, samples_per_second."""
+
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Called after each evaluation with eval_loss, eval_accuracy and eval_f1."""
+
+    def on_checkpoint(self, step: int, path: Path) -> None:
+        """Called after a checkpoint folder is complete."""
+
+    def on_event(self, kind: str, message: str) -> None:
+        """Called for notable moments (resumed, cancelled, saved) with a human message."""
+
+    def should_stop(self) -> bool:
+        """Return True to cancel; checked after every optimizer step."""
+        return False
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """How a run ended, its final metrics and (when completed) where the model is."""
+
+    status: str
+    global_step: int
+    total_steps: int
+    metrics: dict[str, float]
+    model_dir: Path | None
+    manifest: dict[str, Any]
+
+
+@dataclass
+class _Progress:
+    """Loop state that a checkpoint carries across a resume."""
+
+    step: int = 0
+    loss_sum: float = 0.0  # sum of per-step train losses, for the run's mean train_loss
+    samples: int = 0
+    runtime: float = 0.0  # seconds spent in training steps only (no eval, loading or saving)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "train_loss": self.loss_sum / max(self.step, 1),
+            "train_samples_per_second": self.samples / self.runtime if self.runtime else 0.0,
+            "train_runtime": self.runtime,
+        }
+
+
+def lr_at(step: int, total_steps: int, warmup_steps: int, base_lr: float) -> float:
+    """Linear warmup then linear decay to zero; `step` counts optimizer steps already taken."""
+    if step < warmup_steps:
+        return base_lr * step / max(1, warmup_steps)
+    return base_lr * max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+
+def train(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> TrainResult:
+    """Run (or resume) a fine-tuning job to completion or cancellation."""
+    callbacks = callbacks or TrainCallbacks()
+    _check_config(config)
+    plan = resolve_device(config.device, config.precision)
+    seed_everything(config.seed)
+
+    tokenizer = AutoTokenizer.from_pretrained(config.base_model)
+    labels, train_set, eval_set = _prepare_data(config, tokenizer)
+    model = _load_model(config.base_model, labels).to(plan.device)
+    optimizer = _build_optimizer(model, config, plan)
+    scaler = plan.grad_scaler()
+
+    accumulation = config.gradient_accumulation_steps
+    per_epoch = data.steps_per_epoch(len(train_set), config.batch_size, accumulation)
+    total_steps = config.max_steps or math.ceil(config.epochs * per_epoch)
+    warmup_steps = math.ceil(config.warmup_ratio * total_steps)
+    identity = {"num_train": len(train_set), "batch_size": config.batch_size,
+                "gradient_accumulation_steps": accumulation, "seed": config.seed, "labels": labels}
+
+    progress, resumed_from = _Progress(), None
+    checkpoint = artifacts.latest_checkpoint(config.checkpoint_dir)
+    if checkpoint is not None:
+        progress = _resume(checkpoint, model, optimizer, scaler, plan, identity)
+        resumed_from = progress.step
+        callbacks.on_event("resumed", f"resumed from {checkpoint.name} at step {progress.step}")
+    callbacks.on_start({
+        "total_steps": total_steps, "steps_per_epoch": per_epoch, "warmup_steps": warmup_steps,
+        "num_train": len(train_set), "num_eval": len(eval_set) if eval_set is not None else 0,
+        "labels": labels, "device": plan.device, "precision": plan.precision,
+        "resumed_from_step": resumed_from,
+    })
+
+    def save(step: int) -> None:
+        state = dict(identity, loss_sum=progress.loss_sum, samples=progress.samples, runtime=progress.runtime)
+        path = artifacts.save_checkpoint(config.checkpoint_dir, step, model, optimizer, scaler, plan, state)
+        callbacks.on_checkpoint(step, path)
+
+    def cancelled() -> TrainResult:
+        callbacks.on_event("cancelled", f"stopped at step {progress.step} of {total_steps}")
+        return TrainResult("cancelled", progress.step, total_steps, progress.metrics(), None, {})
+
+    if callbacks.should_stop():  # cancelled while loading: nothing new to checkpoint
+        return cancelled()
+
+    epoch_plan: tuple[int, list[list[list[int]]]] | None = None
+    while progress.step < total_steps:
+        epoch, index = divmod(progress.step, per_epoch)
+        if epoch_plan is None or epoch_plan[0] != epoch:
+            # The order is a pure function of (seed, epoch): a resumed run skips `index` steps of it.
+            epoch_plan = (epoch, data.epoch_steps(train_set.lengths, config.batch_size, accumulation,
+                                                  config.seed, epoch))
+        lr = lr_at(progress.step, total_steps, warmup_steps, config.learning_rate)
+
+        started = time.perf_counter()
+        loss, grad_norm, samples = _train_step(model, optimizer, scaler, plan, train_set,
+                                               epoch_plan[1][index], lr)
+        progress.runtime += time.perf_counter() - started
+        progress.step += 1
+        progress.loss_sum += loss
+        progress.samples += samples
+        callbacks.on_log(progress.step, progress.step / per_epoch, {
+            "train_loss": loss, "learning_rate": lr, "grad_norm": grad_norm,
+            "samples_per_second": progress.samples / progress.runtime,
+        })
+
+        if eval_set is not None and config.eval_steps and progress.step % config.eval_steps == 0 \
+                and progress.step < total_steps:
+            callbacks.on_eval(progress.step, evaluate(model, eval_set, plan, config.batch_size, len(labels)))
+        saved = bool(config.checkpoint_steps) and progress.step % config.checkpoint_steps == 0
+        if saved:
+            save(progress.step)
+        if callbacks.should_stop():
+            if not saved:
+                save(progress.step)
+            return cancelled()
+
+    metrics = progress.metrics()
+    if eval_set is not None:
+        eval_metrics = evaluate(model, eval_set, plan, config.batch_size, len(labels))
+        callbacks.on_eval(progress.step, eval_metrics)
+        metrics.update(eval_metrics)
+    manifest = artifacts.build_manifest(
+        base_model=str(config.base_model), base_model_name=config.base_model_name, labels=labels,
+        hyperparameters=_hyperparameters(config, plan, total_steps, per_epoch, warmup_steps),
+        dataset_hashes=dict(config.dataset_hashes), metrics=metrics, plan=plan,
+    )
+    manifest["data"] = {"text_column": config.text_column, "label_column": config.label_column,
+                        "num_train": len(train_set), "num_eval": len(eval_set) if eval_set is not None else 0}
+    artifacts.save_final(config.output_dir, model, tokenizer, manifest)
+    callbacks.on_event("saved", f"model saved to {config.output_dir}")
+    return TrainResult("completed", progress.step, total_steps, metrics, Path(config.output_dir), manifest)
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                plan: DevicePlan, train_set: data.Encoded, micro_batches: list[list[int]],
+                lr: float) -> tuple[float, float, int]:
+    """One optimizer step over its micro-batches; returns (mean loss, grad norm, samples)."""
+    model.train()
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    samples = sum(len(indices) for indices in micro_batches)
+    step_loss = torch.zeros((), device=plan.device)
+    for indices in micro_batches:
+        batch = {name: tensor.to(plan.device) for name, tensor in data.collate(train_set, indices).items()}
+        with plan.autocast():
+            loss = model(**batch).loss
+        # Weighting by the micro-batch's share of samples makes the step's gradient the mean over
+        # all its samples, exactly what one large batch would give (the last step may be short).
+        share = loss * (len(indices) / samples)
+        scaler.scale(share).backward()
+        step_loss += share.detach().float()
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return step_loss.item(), float(grad_norm), samples
+
+
+def evaluate(model: torch.nn.Module, eval_set: data.Encoded, plan: DevicePlan, batch_size: int,
+             num_labels: int) -> dict[str, float]:
+    """Loss, accuracy and F1 over the whole eval set (see classification_metrics for which F1)."""
+    model.eval()
+    predictions = np.empty(len(eval_set), dtype=np.int64)
+    loss_sum = 0.0
+    with torch.inference_mode(), plan.autocast():
+        for indices in data.sorted_batches(eval_set, batch_size):
+            batch = {name: tensor.to(plan.device) for name, tensor in data.collate(eval_set, indices).items()}
+            labels = batch.pop("labels")
+            logits = model(**batch).logits.float()
+            loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
+            predictions[indices] = logits.argmax(dim=-1).cpu().numpy()
+    metrics = {"eval_loss": loss_sum / max(len(eval_set), 1)}
+    metrics.update(classification_metrics(predictions, eval_set.label_ids, num_labels))
+    return metrics
+
+
+def classification_metrics(predictions: np.ndarray, targets: np.ndarray, num_labels: int) -> dict[str, float]:
+    """Accuracy and F1: binary F1 of label id 1 for two labels, macro F1 over all labels otherwise."""
+    accuracy = float(np.mean(predictions == targets)) if len(targets) else 0.0
+    classes = [1] if num_labels == 2 else range(num_labels)
+    scores = []
+    for label in classes:
+        true_pos = int(np.sum((predictions == label) & (targets == label)))
+        predicted = int(np.sum(predictions == label))
+        actual = int(np.sum(targets == label))
+        scores.append(2 * true_pos / (predicted + actual) if predicted + actual else 0.0)
+    return {"eval_accuracy": accuracy, "eval_f1": float(np.mean(scores))}
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices) for a reproducible run."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _check_config(config: TrainConfig) -> None:
+    positive = {"batch_size": config.batch_size, "max_length": config.max_length,
+                "gradient_accumulation_steps": config.gradient_accumulation_steps}
+    for name, value in positive.items():
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if config.max_steps is None and not config.epochs > 0:
+        raise ValueError(f"epochs must be positive, got {config.epochs}")
+    if config.max_steps is not None and config.max_steps < 1:
+        raise ValueError(f"max_steps must be at least 1, got {config.max_steps}")
+    if not 0.0 <= config.warmup_ratio < 1.0:
+        raise ValueError(f"warmup_ratio must be in [0, 1), got {config.warmup_ratio}")
+
+
+def _prepare_data(config: TrainConfig, tokenizer) -> tuple[list[int | str], data.Encoded, data.Encoded | None]:
+    examples = data.read_examples(config.train_file, config.text_column, config.label_column)
+    labels = data.build_label_map(examples.labels)
+    train_ids = data.label_ids_for(examples.labels, labels, "train")
+    train_set = data.encode(tokenizer, examples.texts, train_ids, config.max_length)
+    eval_set = None
+    if config.eval_file is not None:
+        held_out = data.read_examples(config.eval_file, config.text_column, config.label_column)
+        eval_ids = data.label_ids_for(held_out.labels, labels, "eval")
+        eval_set = data.encode(tokenizer, held_out.texts, eval_ids, config.max_length)
+    return labels, train_set, eval_set
+
+
+def _load_model(base_model: str, labels: list[int | str]) -> torch.nn.Module:
+    folder = Path(base_model)
+    options: dict[str, Any] = {}
+    if folder.is_dir() and any(folder.glob("*.safetensors")):
+        options["use_safetensors"] = True  # never fall back to unpickling a .bin from a folder
+    # ignore_mismatched_sizes: a base that is itself a classifier with another label count gets a
+    # fresh head instead of a shape error. The attention default is SDPA where the model has it.
+    return AutoModelForSequenceClassification.from_pretrained(
+        base_model, num_labels=len(labels), id2label={i: str(label) for i, label in enumerate(labels)},
+        label2id={str(label): i for i, label in enumerate(labels)}, ignore_mismatched_sizes=True,
+        trust_remote_code=False, **options,
+    )
+
+
+def _build_optimizer(model: torch.nn.Module, config: TrainConfig, plan: DevicePlan) -> torch.optim.Optimizer:
+    # Biases and LayerNorm weights (the 1-D parameters) are not decayed, as in BERT and HF Trainer.
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    # The fused kernel updates all parameters in one pass; it exists for CPU and CUDA.
+    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(0.9, 0.999), eps=1e-8,
+                             fused=plan.device_type in ("cpu", "cuda"))
+
+
+def _resume(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            scaler: torch.amp.GradScaler, plan: DevicePlan, identity: dict[str, Any]) -> _Progress:
+    state = artifacts.load_checkpoint(checkpoint, model, optimizer, scaler, plan)
+    for key, expected in identity.items():
+        if state.get(key) != expected:
+            raise ValueError(f"{checkpoint} was written with {key}={state.get(key)!r}, this run has "
+                             f"{expected!r}; use an empty checkpoint_dir to start over")
+    return _Progress(step=state["step"], loss_sum=state["loss_sum"], samples=state["samples"],
+                     runtime=state["runtime"])
+
+
+def _hyperparameters(config: TrainConfig, plan: DevicePlan, total_steps: int, per_epoch: int,
+                     warmup_steps: int) -> dict[str, Any]:
+    return {
+        "epochs": total_steps / per_epoch, "max_steps": config.max_steps, "total_steps": total_steps,
+        "steps_per_epoch": per_epoch, "batch_size": config.batch_size,
+        "gradient_accumulation_steps": config.gradient_accumulation_steps,
+        "learning_rate": config.learning_rate, "lr_schedule": "linear", "warmup_ratio": config.warmup_ratio,
+        "warmup_steps": warmup_steps, "weight_decay": config.weight_decay, "optimizer": "adamw",
+        "max_grad_norm": MAX_GRAD_NORM, "max_length": config.max_length, "precision": plan.precision,
+        "seed": config.seed, "eval_steps": config.eval_steps, "checkpoint_steps": config.checkpoint_steps,
+        "length_grouped": True,
+    }
