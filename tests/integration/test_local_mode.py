@@ -1,0 +1,77 @@
+"""`trainserve up`: embedded Redis + SQLite + API + workers from one command, side by side, stopped by Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.factories import sentiment_rows, tsv_bytes
+from tests.integration.conftest import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _up(home, log_path):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINSERVE_")}
+    env.update(HF_HUB_OFFLINE="1", TRAINSERVE_CHECKPOINT_STEPS="50")
+    log = open(log_path, "wb")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "trainserve.cli", "up", "--port", str(port), "--home", str(home),
+                             "--devices", "cpu"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            return httpx.get(f"{base}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(healthy, 60, "trainserve up to answer /health")
+    return proc, base
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    return [int(p) for p, pp in (line.split() for line in out.splitlines()) if int(pp) == pid]
+
+
+def test_two_instances_side_by_side_train_serve_and_stop_cleanly(tmp_path, tiny_bert_dir):
+    first, base = _up(tmp_path / "a", tmp_path / "a.log")
+    second, other = _up(tmp_path / "b", tmp_path / "b.log")
+    try:
+        files = {"file": ("train.tsv", tsv_bytes(sentiment_rows(4)))}
+        ds = httpx.post(f"{base}/datasets", files=files).json()["id"]
+        assert httpx.get(f"{other}/datasets/{ds}").status_code == 404  # separate homes, separate stores
+        body = {"base_model": str(tiny_bert_dir), "train_dataset": ds, "eval_dataset": ds,
+                "text_column": "sentence", "label_column": "label",
+                "hyperparameters": {"epochs": 6, "batch_size": 8, "learning_rate": 1e-2, "max_length": 32}}
+        job = httpx.post(f"{base}/jobs", json=body).json()
+        done = wait_for(lambda: (j := httpx.get(f"{base}/jobs/{job['id']}").json())["status"]
+                        in ("succeeded", "failed") and j, 240, "the job to finish")
+        assert done["status"] == "succeeded", done["error"]
+        result = httpx.post(f"{base}/classify", json={"model": job["id"], "texts": ["superb and touching"]},
+                            timeout=60)
+        assert result.status_code == 200 and result.json()["predictions"][0]["label"] == 1
+        assert (tmp_path / "a" / "trainserve.db").is_file()
+    finally:
+        for proc in (first, second):
+            kids = _children(proc.pid)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(90) == 0
+            time.sleep(0.5)
+            alive = [k for k in kids if subprocess.run(["kill", "-0", str(k)], capture_output=True).returncode == 0]
+            assert alive == [], f"children still running after Ctrl-C: {alive}"
