@@ -19,8 +19,8 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         None, description="Broker and result backend; default: the embedded server's socket under <home>."
     )
-    devices: str = Field("auto", description="Devices `trainserve up` starts training workers on: auto, cpu, cuda:0,cuda:1.")
-    worker_device: str = Field("auto", description="Device of this worker process (set by `trainserve worker --device`).")
+    devices: str = Field("auto", description="Training devices of `trainserve up`: auto, cpu, cuda:0,cuda:1.")
+    worker_device: str = Field("auto", description="This worker's device (set by `trainserve worker --device`).")
     max_upload_bytes: int = Field(100 * 1024 * 1024, description="Largest accepted dataset file.")
     max_dataset_rows: int = Field(2_000_000, description="Most rows accepted in one dataset.")
     max_text_length: int = Field(512, description="Upper bound for the max_length hyperparameter.")

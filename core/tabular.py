@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import csv
-from collections import Counter
 import io
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,8 +59,10 @@ def read_table(path: Path) -> Table:
 def _parse_delimited(text: str, fmt: str, max_rows: int | None) -> Table:
     delimiter = "\t" if fmt == "tsv" else ","
     # TSV files such as GLUE's are not quoted: a stray '"' inside a sentence must stay literal.
-    quoting = csv.QUOTE_NONE if fmt == "tsv" else csv.QUOTE_MINIMAL
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, quoting=quoting)
+    if fmt == "tsv":
+        reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, quoting=csv.QUOTE_NONE)
+    else:
+        reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
     try:
         header = next(reader)
     except (StopIteration, csv.Error) as exc:

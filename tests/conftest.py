@@ -97,3 +97,17 @@ def client(settings: Settings, queue: RecordingQueue) -> Iterator[Any]:
 
     with TestClient(create_app(settings=settings, task_queue=queue)) as test_client:
         yield test_client
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked gpu need CUDA; on a machine without it they are reported as skipped, by marker."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (marker gpu)")
+    for item in gpu_items:
+        item.add_marker(skip)

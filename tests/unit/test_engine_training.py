@@ -34,6 +34,7 @@ def write_tsv(path: Path, copies: int = 4, labels: tuple = ("pos", "neg")) -> Pa
     lines = ["sentence\tlabel"]
     for _ in range(copies):
         lines += [f"{text}\t{labels[0]}" for text in POSITIVE] + [f"{text}\t{labels[1]}" for text in NEGATIVE]
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path
 
