@@ -21,7 +21,7 @@ setup: $(VENV)/.installed
 run: setup
 	$(VENV)/bin/trainserve up
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q
 
 lint: setup

@@ -83,8 +83,14 @@ def run_engine(train_file: Path, dev_file: Path, work: Path, args: argparse.Name
 def run_trainer(train_file: Path, work: Path, args: argparse.Namespace) -> dict:
     """The named baseline: HF Trainer with default settings and the same rows and hyperparameters."""
     import datasets
-    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
-                              Trainer, TrainingArguments, set_seed)
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainingArguments,
+        set_seed,
+    )
 
     table = read_table(train_file)
     started = time.perf_counter()

@@ -14,7 +14,7 @@ from core.errors import PayloadTooLarge, ValidationFailed
 from core.models import Dataset, new_id, utcnow
 from core.settings import Settings
 from core.store import datasets as store
-from core.store.paging import decode_cursor, encode_cursor
+from core.store.paging import decode_cursor, split_page
 from core.tabular import column_stats, format_for, parse_table
 
 NAME_RE = re.compile(r"^[\w .,()+-]{1,200}$")
@@ -75,10 +75,7 @@ def get_dataset(session: Session, *, dataset_id: str) -> Dataset:
 def list_datasets(session: Session, *, limit: int, cursor: str | None) -> tuple[list[Dataset], str | None]:
     """A page of datasets and the cursor of the next one."""
     after = decode_cursor(cursor) if cursor else None
-    rows = store.list_datasets(session, limit=limit + 1, after=after)
-    more = len(rows) > limit
-    rows = rows[:limit]
-    return rows, encode_cursor(rows[-1].created_at, rows[-1].id) if more else None
+    return split_page(store.list_datasets(session, limit=limit + 1, after=after), limit)
 
 
 def delete_dataset(session: Session, settings: Settings, *, dataset_id: str) -> None:

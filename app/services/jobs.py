@@ -14,7 +14,7 @@ from core.queue import TaskQueue
 from core.settings import Settings
 from core.store import datasets as dataset_store
 from core.store import jobs as store
-from core.store.paging import decode_cursor, encode_cursor
+from core.store.paging import decode_cursor, split_page
 from core.tabular import label_space
 from core.tasks import QUEUE_TRAIN, TASK_TRAIN
 
@@ -113,10 +113,7 @@ def list_jobs(session: Session, *, limit: int, status: str | None, cursor: str |
               ) -> tuple[list[Job], str | None]:
     """A page of jobs and the cursor of the next one."""
     after = decode_cursor(cursor) if cursor else None
-    rows = store.list_jobs(session, limit=limit + 1, status=status, after=after)
-    more = len(rows) > limit
-    rows = rows[:limit]
-    return rows, encode_cursor(rows[-1].created_at, rows[-1].id) if more else None
+    return split_page(store.list_jobs(session, limit=limit + 1, status=status, after=after), limit)
 
 
 def cancel_job(session: Session, queue: TaskQueue, *, job_id: str) -> Job:

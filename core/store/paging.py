@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import and_, or_
 
@@ -32,3 +33,15 @@ def before_cursor(model: Any, after: tuple[str, str]) -> Any:
     """Rows strictly after the cursor in (created_at desc, id desc) order."""
     created = datetime.fromisoformat(after[0])
     return or_(model.created_at < created, and_(model.created_at == created, model.id < after[1]))
+
+
+Row = TypeVar("Row")
+
+
+def split_page(rows: Sequence[Row], limit: int) -> tuple[list[Row], str | None]:
+    """Rows fetched with limit+1: the page itself and the cursor of the next page, if there is one."""
+    page = list(rows[:limit])
+    if len(rows) <= limit:
+        return page, None
+    last: Any = page[-1]
+    return page, encode_cursor(last.created_at, last.id)

@@ -133,7 +133,7 @@ def test_run_to_completion_writes_model_manifest_and_predicts_labels(tmp_path, t
 
 def test_learning_happens_and_int_labels_round_trip(tmp_path, tiny_model):
     train_file = write_tsv(tmp_path / "train.tsv", labels=(1, 0))
-    config = make_config(tmp_path, tiny_model, train_file=train_file, epochs=6)
+    config = make_config(tmp_path, tiny_model, train_file=train_file, epochs=10, learning_rate=1e-2)
     recorder = Recorder()
     result = train(config, recorder)
 
