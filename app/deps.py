@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Header, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from core.auth import Principal, authenticate
 from core.queue import TaskQueue
 from core.settings import Settings
 
@@ -33,6 +35,26 @@ def get_task_queue(request: Request) -> TaskQueue:
     return queue
 
 
+# auto_error=False: a missing key is reported through the error envelope (401), not FastAPI's 403.
+bearer = HTTPBearer(auto_error=False, description="An API key from `trainserve keys create`.")
+
+
+def get_principal(request: Request, session: Annotated[Session, Depends(get_session)],
+                  _: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
+    """The caller, from `Authorization: Bearer <key>`; 401 otherwise."""
+    return authenticate(session, authorization=request.headers.get("authorization"))
+
+
+def get_idempotency_key(idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None
+                        ) -> str | None:
+    """The optional Idempotency-Key header, validated."""
+    from app.services.idempotency import check_key
+
+    return check_key(idempotency_key)
+
+
 SessionDep = Annotated[Session, Depends(get_session)]
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+IdempotencyKeyDep = Annotated[str | None, Depends(get_idempotency_key)]
 SettingsDep = Annotated[Settings, Depends(get_app_settings)]
 QueueDep = Annotated[TaskQueue, Depends(get_task_queue)]

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.schemas.common import ErrorEnvelope
+from core.auth import Unauthorized
 from core.errors import (
     BrokerUnavailable,
     Conflict,
     DomainError,
     NotFound,
     PayloadTooLarge,
+    TooManyRequests,
     UpstreamFailed,
     ValidationFailed,
     WorkerTimeout,
@@ -25,6 +29,8 @@ from core.errors import (
 log = logging.getLogger(__name__)
 
 STATUS_FOR: dict[type[DomainError], int] = {
+    Unauthorized: 401,
+    TooManyRequests: 429,
     ValidationFailed: 422,
     NotFound: 404,
     Conflict: 409,
@@ -61,9 +67,18 @@ def _loc_to_field(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
+def domain_headers(exc: DomainError) -> dict[str, str]:
+    """Headers that go with an error: Retry-After on 429, WWW-Authenticate on 401."""
+    if isinstance(exc, TooManyRequests):
+        return {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
+    if isinstance(exc, Unauthorized):
+        return {"WWW-Authenticate": "Bearer"}
+    return {}
+
+
 async def _domain(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, DomainError)
-    return JSONResponse(status_code=status_for(exc), content={"error": exc.to_dict()})
+    return JSONResponse(status_code=status_for(exc), content={"error": exc.to_dict()}, headers=domain_headers(exc))
 
 
 async def _validation(_: Request, exc: Exception) -> JSONResponse:
@@ -84,6 +99,12 @@ async def _http(_: Request, exc: Exception) -> JSONResponse:
                         headers=getattr(exc, "headers", None))
 
 
+async def _database_down(_: Request, exc: Exception) -> JSONResponse:
+    log.warning("database unavailable: %s", type(exc).__name__)
+    return JSONResponse(status_code=503, headers={"Retry-After": "5"},
+                        content=envelope("database_unavailable", "the database is unavailable; retry shortly"))
+
+
 async def _unhandled(_: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error", exc_info=exc)
     return JSONResponse(status_code=500, content=envelope("internal_error", "internal server error"))
@@ -94,4 +115,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(DomainError, _domain)
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(StarletteHTTPException, _http)
+    app.add_exception_handler(OperationalError, _database_down)
+    app.add_exception_handler(InterfaceError, _database_down)
     app.add_exception_handler(Exception, _unhandled)

@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from app.errors import install_error_handlers
+from app.limits import BodyLimitMiddleware
 from app.routes import classify, datasets, health, jobs
 from core.celery_app import make_celery
 from core.db import make_engine, make_sessionmaker
@@ -38,6 +39,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     app = FastAPI(title="trainserve", version="0.1.0", lifespan=lifespan,
                   description="Fine-tune BERT classifiers and serve the results.")
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, settings=settings or get_settings())
     origins = [o.strip() for o in (settings or get_settings()).cors_origins.split(",") if o.strip()]
     if origins:
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from core.errors import ValidationFailed
@@ -23,14 +24,23 @@ def builtin_aliases() -> dict[str, Path]:
     return aliases
 
 
-def resolve_base_model(spec: str, *, field: str = "base_model") -> str:
-    """Return a loadable reference (folder path or hub id) or raise ValidationFailed naming `field`."""
+def resolve_base_model(spec: str, *, local_roots: Sequence[Path] = (), field: str = "base_model") -> str:
+    """Return a loadable reference (folder path or hub id) or raise ValidationFailed naming `field`.
+
+    Local folders must resolve (symlinks followed) inside one of `local_roots`, so a request cannot make
+    the worker read arbitrary paths.
+    """
     spec = spec.strip()
     aliases = builtin_aliases()
     if spec in aliases:
         return str(aliases[spec])
     if spec.startswith(("/", "./", "../", "~")):
-        return str(_check_folder(Path(spec).expanduser(), field))
+        path = Path(spec).expanduser().resolve()
+        if not any(path.is_relative_to(root.resolve()) for root in local_roots):
+            allowed = ", ".join(str(r) for r in local_roots) or "none configured"
+            raise ValidationFailed(field, f"local models must be inside an allowed folder ({allowed}); "
+                                   "set TRAINSERVE_MODEL_ROOTS to add one")
+        return str(_check_folder(path, field))
     if not HUB_ID.match(spec):
         raise ValidationFailed(field, f"{spec!r} is not a built-in alias ({', '.join(aliases)}), "
                                "an absolute folder path, or a hub id like 'org/name'")

@@ -71,3 +71,14 @@ class UpstreamFailed(DomainError):
     """A worker answered with an error for a synchronous request."""
 
     code = "worker_error"
+
+
+class TooManyRequests(DomainError):
+    """A quota, rate limit or queue bound was hit; retry after `retry_after` seconds."""
+
+    code = "rate_limited"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, field: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message, field=field, code=code)
+        self.retry_after = retry_after

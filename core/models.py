@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -69,6 +70,8 @@ class JobStatus(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
+DEFAULT_TENANT = "default"
+
 TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
 
 
@@ -80,6 +83,8 @@ class Dataset(Base):
     __tablename__ = "datasets"
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True, default=DEFAULT_TENANT,
+                                           server_default=DEFAULT_TENANT)
     name: Mapped[str] = mapped_column(String(200))
     filename: Mapped[str] = mapped_column(String(255))
     format: Mapped[str] = mapped_column(String(10))
@@ -96,6 +101,8 @@ class Job(Base):
     __tablename__ = "jobs"
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True, default=DEFAULT_TENANT,
+                                           server_default=DEFAULT_TENANT)
     status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED, index=True)
     task: Mapped[str] = mapped_column(String(40))
     base_model: Mapped[str] = mapped_column(String(500))
@@ -175,3 +182,33 @@ class Artifact(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
     job: Mapped[Job] = relationship(back_populates="artifacts")
+
+
+class ApiKey(Base):
+    """A bearer key; only its SHA-256 is stored. The tenant owns what the key creates."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class IdempotencyRecord(Base):
+    """The first result of a POST made with an Idempotency-Key, per tenant and route."""
+
+    __tablename__ = "idempotency_records"
+    __table_args__ = (UniqueConstraint("tenant_id", "route", "key", name="uq_idempotency_records_tenant_route_key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(String(64))
+    route: Mapped[str] = mapped_column(String(100))
+    key: Mapped[str] = mapped_column(String(255))
+    request_hash: Mapped[str] = mapped_column(String(64))
+    resource_id: Mapped[str] = mapped_column(String(40))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

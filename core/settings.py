@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -29,6 +30,12 @@ class Settings(BaseSettings):
     checkpoint_steps: int = Field(200, description="Optimizer steps between training checkpoints.")
     visibility_timeout_s: int = Field(7 * 24 * 3600, description="Broker redelivery timeout; longer than any job.")
     metrics_flush_s: float = Field(1.0, description="How often a running job writes buffered metric points.")
+    max_active_jobs_per_tenant: int = Field(20, description="Queued plus running jobs a tenant may have (429 beyond).")
+    max_request_bytes: int = Field(1024 * 1024, description="Largest JSON request body (413 beyond).")
+    model_roots: str = Field("", description="Extra folders (os.pathsep-separated) local base_model paths may be in.")
+    heartbeat_timeout_s: float = Field(60.0, description="A running job whose worker is silent this long is requeued.")
+    max_attempts: int = Field(3, description="Runs of a job before a lost worker fails it with worker_lost.")
+    cancel_grace_s: float = Field(60.0, description="Seconds a cancelled job may take to stop before its worker exits.")
     cors_origins: str = Field("", description="Comma-separated origins allowed by CORS (empty: none).")
 
     @property
@@ -49,6 +56,12 @@ class Settings(BaseSettings):
         if self.redis_url:
             return self.redis_url
         return f"redis+socket://{self.redis_socket}"
+
+    @property
+    def local_model_roots(self) -> list[Path]:
+        """Folders a local base_model may live in: <home>/models plus TRAINSERVE_MODEL_ROOTS."""
+        extra = [Path(p).expanduser().resolve() for p in self.model_roots.split(os.pathsep) if p.strip()]
+        return [(self.home / "models").resolve(), *extra]
 
     @property
     def datasets_dir(self) -> Path:

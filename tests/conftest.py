@@ -53,9 +53,22 @@ def clean_db(pg_url: str) -> Iterator[str]:
 
 
 @pytest.fixture()
-def settings(tmp_path: Path, clean_db: str) -> Settings:
-    """Settings on the test database with a temporary home."""
-    return Settings(home=tmp_path / "home", database_url=clean_db, redis_url=REDIS_URL, checkpoint_steps=2)
+def settings(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, clean_db: str) -> Settings:
+    """Settings on the test database with a temporary home; tiny models under pytest's tmp root are allowed."""
+    return Settings(home=tmp_path / "home", database_url=clean_db, redis_url=REDIS_URL, checkpoint_steps=2,
+                    model_roots=str(tmp_path_factory.getbasetemp()))
+
+
+def make_key(url: str, *, name: str = "test", tenant: str | None = None, admin: bool = False) -> str:
+    """Create an API key directly in the database and return the raw key."""
+    from core.auth import create_key
+    from core.db import make_engine, make_sessionmaker, session_scope
+
+    engine = make_engine(url)
+    with session_scope(make_sessionmaker(engine)) as session:
+        _, raw = create_key(session, name=name, tenant_id=tenant, is_admin=admin)
+    engine.dispose()
+    return raw
 
 
 class RecordingQueue:
@@ -96,6 +109,7 @@ def client(settings: Settings, queue: RecordingQueue) -> Iterator[Any]:
     from app.main import create_app
 
     with TestClient(create_app(settings=settings, task_queue=queue)) as test_client:
+        test_client.headers["Authorization"] = f"Bearer {make_key(settings.resolved_database_url, tenant='tenant-a')}"
         yield test_client
 
 

@@ -1,4 +1,4 @@
-"""The `trainserve` command: up, api, worker, migrate."""
+"""The `trainserve` command: up, api, worker, migrate, keys."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def _worker(args: argparse.Namespace) -> int:
     else:
         print(f"--device must be cpu, auto or cuda:N, not {device!r}", file=sys.stderr)
         return 2
+    os.environ["TRAINSERVE_WORKER_QUEUES"] = args.queues
     from worker.app import celery
 
     name = f"{args.queues.replace(',', '+')}-{device.replace(':', '')}-{os.getpid()}@{socket.gethostname()}"
@@ -47,6 +48,30 @@ def _migrate(_: argparse.Namespace) -> int:
 
     upgrade(get_settings().resolved_database_url)
     print("database is at the latest revision")
+    return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from core.auth import create_key, list_keys, revoke_key
+    from core.db import make_engine, make_sessionmaker, session_scope
+    from core.settings import get_settings
+
+    engine = make_engine(get_settings().resolved_database_url)
+    with session_scope(make_sessionmaker(engine)) as session:
+        if args.keys_command == "create":
+            row, raw = create_key(session, name=args.name, tenant_id=args.tenant, is_admin=args.admin)
+            print(f"created key {row.id} (tenant {row.tenant_id}{', admin' if row.is_admin else ''}); "
+                  "it is shown only once:", file=sys.stderr)
+            print(raw)
+        elif args.keys_command == "revoke":
+            revoke_key(session, key_id=args.key_id)
+            print(f"revoked {args.key_id}")
+        else:
+            for row in list_keys(session):
+                state = "revoked" if row.revoked_at else "active"
+                print(f"{row.id}\t{row.prefix}...\t{row.name}\t{row.tenant_id}\t"
+                      f"{'admin' if row.is_admin else 'user'}\t{state}")
+    engine.dispose()
     return 0
 
 
@@ -77,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--queues", default="training", help="training, inference or both (comma-separated)")
     worker.add_argument("--loglevel", default="INFO")
     worker.set_defaults(func=_worker)
+    keys = sub.add_parser("keys", help="manage API keys")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    create = keys_sub.add_parser("create", help="create a key and print it once")
+    create.add_argument("--name", required=True)
+    create.add_argument("--tenant", default=None, help="tenant to join (default: a new tenant)")
+    create.add_argument("--admin", action="store_true", help="admin keys see every tenant")
+    revoke = keys_sub.add_parser("revoke", help="revoke a key by id")
+    revoke.add_argument("key_id")
+    keys_sub.add_parser("list", help="list keys (never the keys themselves)")
+    keys.set_defaults(func=_keys)
     migrate = sub.add_parser("migrate", help="apply database migrations")
     migrate.set_defaults(func=_migrate)
     return parser

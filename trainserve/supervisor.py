@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.models import DEFAULT_TENANT
+from core.settings import Settings
 from trainserve.redis_server import start_redis
 
 
@@ -48,6 +50,33 @@ def worker_devices(devices: str) -> list[str]:
     return gpus or ["cpu"]
 
 
+def ensure_admin_key(settings: Settings) -> Path:
+    """On first start, create an admin key and write it to <home>/admin.key, readable by the owner only."""
+    from core.auth import Unauthorized, authenticate, create_key
+    from core.db import make_engine, make_sessionmaker, session_scope
+
+    path = settings.home / "admin.key"
+    engine = make_engine(settings.resolved_database_url)
+    factory = make_sessionmaker(engine)
+    try:
+        if path.is_file():
+            with factory() as session:
+                try:
+                    authenticate(session, authorization=f"Bearer {path.read_text().strip()}")
+                    return path
+                except Unauthorized:
+                    pass  # the database was reset or the key revoked: issue a new one
+        with session_scope(factory) as session:
+            _, raw = create_key(session, name="local admin", tenant_id=DEFAULT_TENANT, is_admin=True)
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(raw + "\n")
+    finally:
+        engine.dispose()
+    return path
+
+
 def run_up(*, host: str, port: int, home: Path, devices: str) -> int:
     """Start everything and supervise it until SIGINT/SIGTERM."""
     home = home.resolve()
@@ -58,11 +87,12 @@ def run_up(*, host: str, port: int, home: Path, devices: str) -> int:
         redis_proc = start_redis(home)
         _say(f"embedded Redis on {home / 'redis.sock'}")
     from core.migrate import upgrade
-    from core.settings import Settings
 
     settings = Settings(home=home, database_url=env.get("TRAINSERVE_DATABASE_URL") or None)
     upgrade(settings.resolved_database_url)
     _say(f"database ready: {settings.resolved_database_url.split('@')[-1]}")
+    key_file = ensure_admin_key(settings)
+    _say(f"admin API key in {key_file} (send it as 'Authorization: Bearer <key>')")
 
     cli = [sys.executable, "-m", "trainserve.cli"]
     children = [Child("api", [*cli, "api", "--host", host, "--port", str(port)], env)]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
-from celery.signals import worker_shutting_down
+from celery.signals import worker_ready, worker_shutting_down
 
 from core.celery_app import make_celery
 
@@ -19,3 +20,15 @@ SHUTDOWN = threading.Event()
 @worker_shutting_down.connect
 def _on_shutdown(**_: Any) -> None:
     SHUTDOWN.set()
+
+
+@worker_ready.connect
+def _start_reaper(**_: Any) -> None:
+    """Training workers also watch for lost workers and a broker that lost its data."""
+    if "training" not in os.environ.get("TRAINSERVE_WORKER_QUEUES", "training").split(","):
+        return
+    from core.settings import get_settings
+    from worker.recovery import Reaper
+    from worker.runner import send_train, sessions
+
+    Reaper(sessions(), get_settings(), send_train).start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from core.store import jobs as store
 from core.tasks import QUEUE_TRAIN, TASK_TRAIN
 from worker.app import SHUTDOWN, celery
 from worker.engines.training import TrainCallbacks, TrainConfig, TrainResult, train
+from worker.recovery import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +151,11 @@ def run_training_job(job_id: str) -> str:
     settings = get_settings()
     factory = sessions()
     with session_scope(factory) as session:
+        now = utcnow()
+        stale_before = now - timedelta(seconds=settings.heartbeat_timeout_s)
         try:
-            job = store.claim_job(session, job_id=job_id, device=settings.worker_device, now=utcnow())
+            job = store.claim_job(session, job_id=job_id, device=settings.worker_device, now=now,
+                                  stale_before=stale_before)
         except NotFound:
             log.warning("job %s does not exist; dropping its task", job_id)
             return "skipped"
@@ -168,7 +173,8 @@ def run_training_job(job_id: str) -> str:
 
     reporter = JobReporter(factory, job_id, settings.metrics_flush_s)
     try:
-        result = train(config, reporter)
+        with Heartbeat(factory, settings, job_id):
+            result = train(config, reporter)
     except Exception as exc:  # noqa: BLE001 - any failure ends the job with a recorded reason
         log.exception("job %s failed", job_id)
         with session_scope(factory) as session:
@@ -210,8 +216,13 @@ def _record_result(factory: sessionmaker[Session], job_id: str, result: TrainRes
             _finish(session, job, JobStatus.CANCELLED, f"cancelled at step {result.global_step}")
         status = job.status
     if status == JobStatus.QUEUED:
-        celery.send_task(TASK_TRAIN, args=[job_id], queue=QUEUE_TRAIN)
+        send_train(job_id)
     return status
+
+
+def send_train(job_id: str) -> None:
+    """Put a job's task (back) on the training queue."""
+    celery.send_task(TASK_TRAIN, args=[job_id], queue=QUEUE_TRAIN)
 
 
 def _finish(session: Session, job: Job, status: JobStatus, message: str, level: str = "info") -> None:

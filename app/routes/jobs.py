@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
-from app.deps import QueueDep, SessionDep, SettingsDep
+from app.deps import IdempotencyKeyDep, PrincipalDep, QueueDep, SessionDep, SettingsDep
 from app.errors import ERROR_RESPONSES
 from app.schemas.common import Page
 from app.schemas.jobs import EventList, EventRead, JobCreate, JobRead, MetricHistory, MetricPointRead
@@ -22,33 +22,36 @@ StatusFilter = Annotated[str | None, Query(pattern="^(queued|running|succeeded|f
 
 
 @router.post("", status_code=201, response_model=JobRead)
-def create_job(spec: JobCreate, session: SessionDep, settings: SettingsDep, queue: QueueDep) -> JobRead:
-    """Start a fine-tune; answers at once with the queued job."""
-    return service.job_read(service.create_job(session, settings, queue, spec=spec))
+def create_job(spec: JobCreate, session: SessionDep, settings: SettingsDep, queue: QueueDep,
+               principal: PrincipalDep, idempotency_key: IdempotencyKeyDep) -> JobRead:
+    """Start a fine-tune; answers at once with the queued job. A retry with the same Idempotency-Key and
+    body returns the first job."""
+    job = service.create_job(session, settings, queue, principal, spec=spec, idempotency_key=idempotency_key)
+    return service.job_read(job)
 
 
 @router.get("", response_model=Page[JobRead])
-def list_jobs(session: SessionDep, status: StatusFilter = None,
+def list_jobs(session: SessionDep, principal: PrincipalDep, status: StatusFilter = None,
               limit: Annotated[int, Query(ge=1, le=100)] = 20,
               cursor: Annotated[str | None, Query(max_length=200)] = None) -> Page[JobRead]:
     """Jobs, newest first, optionally filtered by status."""
-    rows, next_cursor = service.list_jobs(session, limit=limit, status=status, cursor=cursor)
+    rows, next_cursor = service.list_jobs(session, principal, limit=limit, status=status, cursor=cursor)
     return Page[JobRead](data=[service.job_read(r) for r in rows], has_more=next_cursor is not None,
                          next_cursor=next_cursor)
 
 
 @router.get("/{job_id}", response_model=JobRead)
-def get_job(job_id: str, session: SessionDep) -> JobRead:
+def get_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> JobRead:
     """Status, progress, ETA and the latest metrics of a job."""
-    return service.job_read(service.get_job(session, job_id=job_id))
+    return service.job_read(service.get_job(session, principal, job_id=job_id))
 
 
 @router.get("/{job_id}/metrics", response_model=MetricHistory)
-def get_metrics(job_id: str, session: SessionDep, since_step: Annotated[int, Query(ge=0)] = 0,
+def get_metrics(job_id: str, session: SessionDep, principal: PrincipalDep, since_step: Annotated[int, Query(ge=0)] = 0,
                 name: Annotated[list[str] | None, Query(max_length=20)] = None,
                 limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000) -> MetricHistory:
     """Per-step metric history (train_loss, learning_rate, eval_*...) for charts."""
-    service.get_job(session, job_id=job_id)
+    service.get_job(session, principal, job_id=job_id)
     points = store.list_metric_points(session, job_id=job_id, since_step=since_step, names=name, limit=limit)
     next_step = points[-1].step if len(points) == limit else None
     return MetricHistory(job_id=job_id, data=[MetricPointRead.model_validate(p) for p in points],
@@ -56,24 +59,26 @@ def get_metrics(job_id: str, session: SessionDep, since_step: Annotated[int, Que
 
 
 @router.get("/{job_id}/events", response_model=EventList)
-def get_events(job_id: str, session: SessionDep, after: Annotated[int, Query(ge=0)] = 0,
+def get_events(job_id: str, session: SessionDep, principal: PrincipalDep, after: Annotated[int, Query(ge=0)] = 0,
                limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> EventList:
     """The job's event log, oldest first; pass the last id as ?after= to poll for new ones."""
-    service.get_job(session, job_id=job_id)
+    service.get_job(session, principal, job_id=job_id)
     events = store.list_events(session, job_id=job_id, after_id=after, limit=limit)
     return EventList(job_id=job_id, data=[EventRead.model_validate(e) for e in events])
 
 
 @router.post("/{job_id}/cancel", response_model=JobRead)
-def cancel_job(job_id: str, session: SessionDep, queue: QueueDep) -> JobRead:
+def cancel_job(job_id: str, session: SessionDep, queue: QueueDep, principal: PrincipalDep) -> JobRead:
     """Cancel: queued jobs end at once; running ones stop after the current optimizer step."""
-    return service.job_read(service.cancel_job(session, queue, job_id=job_id))
+    return service.job_read(service.cancel_job(session, queue, principal, job_id=job_id))
 
 
 @router.get("/{job_id}/artifacts/{artifact_id}/download", response_class=FileResponse,
             responses={200: {"content": {"application/x-tar": {}}}})
-def download_artifact(job_id: str, artifact_id: str, session: SessionDep, settings: SettingsDep) -> FileResponse:
+def download_artifact(job_id: str, artifact_id: str, session: SessionDep, settings: SettingsDep,
+                      principal: PrincipalDep) -> FileResponse:
     """A model or checkpoint folder as a tar archive."""
-    path, filename = artifact_service.pack_artifact(session, settings, job_id=job_id, artifact_id=artifact_id)
+    path, filename = artifact_service.pack_artifact(session, settings, principal, job_id=job_id,
+                                                    artifact_id=artifact_id)
     return FileResponse(path, media_type="application/x-tar", filename=filename,
                         background=BackgroundTask(path.unlink, missing_ok=True))

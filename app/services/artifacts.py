@@ -8,14 +8,16 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
+from core.auth import Principal
 from core.errors import NotFound
 from core.settings import Settings
 from core.store import jobs as store
 
 
-def pack_artifact(session: Session, settings: Settings, *, job_id: str, artifact_id: str) -> tuple[Path, str]:
+def pack_artifact(session: Session, settings: Settings, principal: Principal, *, job_id: str,
+                  artifact_id: str) -> tuple[Path, str]:
     """Write the artifact folder into a temporary tar file; return its path and a download name."""
-    store.get_job(session, job_id=job_id)
+    store.get_job(session, job_id=job_id, tenant=principal.scope)
     artifact = store.get_artifact(session, job_id=job_id, artifact_id=artifact_id)
     home = settings.home.resolve()
     folder = (home / artifact.path).resolve()

@@ -6,6 +6,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from core.auth import Principal
 from core.errors import NotFound, ValidationFailed
 from core.models import JobStatus
 from core.queue import TaskQueue
@@ -14,7 +15,7 @@ from core.store import jobs as store
 from core.tasks import QUEUE_INFERENCE, TASK_CLASSIFY
 
 
-def classify(session: Session, settings: Settings, queue: TaskQueue, *, model: str,
+def classify(session: Session, settings: Settings, queue: TaskQueue, principal: Principal, *, model: str,
              texts: list[str]) -> list[dict[str, Any]]:
     """Check the model is a finished classifier, then ask a worker for predictions."""
     if len(texts) > settings.max_classify_texts:
@@ -23,7 +24,7 @@ def classify(session: Session, settings: Settings, queue: TaskQueue, *, model: s
         if not text.strip():
             raise ValidationFailed(f"texts.{index}", "text is empty")
     try:
-        job = store.get_job(session, job_id=model)
+        job = store.get_job(session, job_id=model, tenant=principal.scope)
     except NotFound as exc:
         raise NotFound(f"model {model!r} not found", field="model") from exc
     if job.task != "text-classification":

@@ -8,8 +8,11 @@ import re
 from pathlib import Path
 from typing import BinaryIO
 
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from app.services import idempotency
+from core.auth import Principal
 from core.errors import PayloadTooLarge, ValidationFailed
 from core.models import Dataset, new_id, utcnow
 from core.settings import Settings
@@ -33,8 +36,11 @@ def read_limited(stream: BinaryIO, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def create_dataset(session: Session, settings: Settings, *, filename: str, stream: BinaryIO,
-                   name: str | None) -> Dataset:
+ROUTE = "POST /datasets"
+
+
+def create_dataset(session: Session, settings: Settings, principal: Principal, *, filename: str,
+                   stream: BinaryIO, name: str | None, idempotency_key: str | None = None) -> Dataset:
     """Parse and validate an upload, then store the bytes under a server-chosen path and commit the row."""
     filename = Path(filename or "").name  # never trust a client path
     if not filename:
@@ -43,6 +49,11 @@ def create_dataset(session: Session, settings: Settings, *, filename: str, strea
     if name is not None and not NAME_RE.match(name):
         raise ValidationFailed("name", "use 1-200 letters, digits, spaces and . , ( ) + - _")
     data = read_limited(stream, settings.max_upload_bytes)
+    request_hash = idempotency.fingerprint(hashlib.sha256(data).hexdigest() + "\0" + filename + "\0" + (name or ""))
+    replayed = idempotency.replayed_id(session, principal, route=ROUTE, key=idempotency_key,
+                                       request_hash=request_hash)
+    if replayed is not None:
+        return store.get_dataset(session, dataset_id=replayed)
     table = parse_table(data, fmt, max_rows=settings.max_dataset_rows)
 
     dataset_id = new_id("ds")
@@ -53,13 +64,25 @@ def create_dataset(session: Session, settings: Settings, *, filename: str, strea
     tmp.write_bytes(data)
     os.replace(tmp, target)  # readers never see a half-written file
     dataset = Dataset(
-        id=dataset_id, name=name or filename, filename=filename, format=fmt, rows=len(table.rows),
+        id=dataset_id, tenant_id=principal.tenant_id, name=name or filename, filename=filename, format=fmt,
+        rows=len(table.rows),
         columns=table.columns, column_stats=column_stats(table), sha256=hashlib.sha256(data).hexdigest(),
         size_bytes=len(data), path=str(relative), created_at=utcnow(),
     )
     try:
         store.add_dataset(session, dataset=dataset)
+        idempotency.remember(session, principal, route=ROUTE, key=idempotency_key, request_hash=request_hash,
+                             resource_id=dataset_id)
         session.commit()
+    except IntegrityError:
+        # A concurrent request with the same Idempotency-Key won the race: answer with its dataset.
+        session.rollback()
+        target.unlink(missing_ok=True)
+        replayed = idempotency.replayed_id(session, principal, route=ROUTE, key=idempotency_key,
+                                           request_hash=request_hash)
+        if replayed is None:
+            raise
+        return store.get_dataset(session, dataset_id=replayed)
     except BaseException:
         session.rollback()
         target.unlink(missing_ok=True)
@@ -67,19 +90,20 @@ def create_dataset(session: Session, settings: Settings, *, filename: str, strea
     return dataset
 
 
-def get_dataset(session: Session, *, dataset_id: str) -> Dataset:
+def get_dataset(session: Session, principal: Principal, *, dataset_id: str) -> Dataset:
     """One dataset by id."""
-    return store.get_dataset(session, dataset_id=dataset_id)
+    return store.get_dataset(session, dataset_id=dataset_id, tenant=principal.scope)
 
 
-def list_datasets(session: Session, *, limit: int, cursor: str | None) -> tuple[list[Dataset], str | None]:
+def list_datasets(session: Session, principal: Principal, *, limit: int, cursor: str | None
+                  ) -> tuple[list[Dataset], str | None]:
     """A page of datasets and the cursor of the next one."""
     after = decode_cursor(cursor) if cursor else None
-    return split_page(store.list_datasets(session, limit=limit + 1, after=after), limit)
+    return split_page(store.list_datasets(session, limit=limit + 1, tenant=principal.scope, after=after), limit)
 
 
-def delete_dataset(session: Session, settings: Settings, *, dataset_id: str) -> None:
+def delete_dataset(session: Session, settings: Settings, principal: Principal, *, dataset_id: str) -> None:
     """Delete the row, commit, then remove the file."""
-    dataset = store.delete_dataset(session, dataset_id=dataset_id)
+    dataset = store.delete_dataset(session, dataset_id=dataset_id, tenant=principal.scope)
     session.commit()
     (settings.home / dataset.path).unlink(missing_ok=True)

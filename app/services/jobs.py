@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import difflib
 
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from app.schemas.jobs import ArtifactRead, JobCreate, JobRead, Progress
+from app.services import idempotency
+from core.auth import Principal
 from core.base_models import resolve_base_model
-from core.errors import BrokerUnavailable, Conflict, NotFound, ValidationFailed
+from core.errors import BrokerUnavailable, Conflict, NotFound, TooManyRequests, ValidationFailed
 from core.models import Dataset, Job, JobStatus, new_id, utcnow
 from core.queue import TaskQueue
 from core.settings import Settings
@@ -18,15 +21,27 @@ from core.store.paging import decode_cursor, split_page
 from core.tabular import label_space
 from core.tasks import QUEUE_TRAIN, TASK_TRAIN
 
+ROUTE = "POST /jobs"
 
-def create_job(session: Session, settings: Settings, queue: TaskQueue, *, spec: JobCreate) -> Job:
+
+def create_job(session: Session, settings: Settings, queue: TaskQueue, principal: Principal, *, spec: JobCreate,
+               idempotency_key: str | None = None) -> Job:
     """Validate a fine-tune request against its datasets, store the job, then enqueue it."""
+    request_hash = idempotency.fingerprint(spec.model_dump(mode="json"))
+    replayed = idempotency.replayed_id(session, principal, route=ROUTE, key=idempotency_key,
+                                       request_hash=request_hash)
+    if replayed is not None:
+        return store.get_job(session, job_id=replayed)
+    active = store.count_jobs(session, tenant=principal.tenant_id, statuses=["queued", "running"])
+    if active >= settings.max_active_jobs_per_tenant:
+        raise TooManyRequests(f"{active} jobs are queued or running; the limit per tenant is "
+                              f"{settings.max_active_jobs_per_tenant}", retry_after=30, code="quota_exceeded")
     hp = spec.hyperparameters
     if hp.max_length > settings.max_text_length:
         raise ValidationFailed("hyperparameters.max_length",
                                f"must be at most {settings.max_text_length} on this server")
-    base_path = resolve_base_model(spec.base_model)
-    train = _dataset(session, spec.train_dataset, "train_dataset")
+    base_path = resolve_base_model(spec.base_model, local_roots=settings.local_model_roots)
+    train = _dataset(session, principal, spec.train_dataset, "train_dataset")
     _require_column(train, spec.text_column, "text_column")
     _require_column(train, spec.label_column, "label_column")
     labels = _labels(train, spec.label_column, "train_dataset")
@@ -35,7 +50,7 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, *, spec: 
         raise ValidationFailed("train_dataset", f"label column {spec.label_column!r} has only one class "
                                f"({labels[0]!r}); classification needs at least two")
     if spec.eval_dataset is not None:
-        evaluation = _dataset(session, spec.eval_dataset, "eval_dataset")
+        evaluation = _dataset(session, principal, spec.eval_dataset, "eval_dataset")
         _require_column(evaluation, spec.text_column, "eval_dataset")
         _require_column(evaluation, spec.label_column, "eval_dataset")
         _require_text(evaluation, spec.text_column, "eval_dataset")
@@ -44,7 +59,8 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, *, spec: 
             raise ValidationFailed("eval_dataset", f"labels not present in the training data: {unseen[:10]}")
 
     job = Job(
-        id=new_id("job"), status=JobStatus.QUEUED, task=spec.task, base_model=spec.base_model,
+        id=new_id("job"), tenant_id=principal.tenant_id, status=JobStatus.QUEUED, task=spec.task,
+        base_model=spec.base_model,
         base_model_path=base_path, train_dataset_id=train.id, eval_dataset_id=spec.eval_dataset,
         text_column=spec.text_column, label_column=spec.label_column,
         hyperparameters=hp.model_dump(), metadata_=spec.metadata, labels=labels, metrics={},
@@ -52,7 +68,18 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, *, spec: 
     )
     store.add_job(session, job=job)
     store.add_event(session, job_id=job.id, kind="created", message="job created and queued")
-    session.commit()
+    idempotency.remember(session, principal, route=ROUTE, key=idempotency_key, request_hash=request_hash,
+                         resource_id=job.id)
+    try:
+        session.commit()
+    except IntegrityError:
+        # A concurrent request with the same Idempotency-Key committed first: answer with its job.
+        session.rollback()
+        replayed = idempotency.replayed_id(session, principal, route=ROUTE, key=idempotency_key,
+                                           request_hash=request_hash)
+        if replayed is None:
+            raise
+        return store.get_job(session, job_id=replayed)
     return enqueue_job(session, queue, job=job)
 
 
@@ -71,9 +98,9 @@ def enqueue_job(session: Session, queue: TaskQueue, *, job: Job) -> Job:
     return job
 
 
-def _dataset(session: Session, dataset_id: str, field: str) -> Dataset:
+def _dataset(session: Session, principal: Principal, dataset_id: str, field: str) -> Dataset:
     try:
-        return dataset_store.get_dataset(session, dataset_id=dataset_id)
+        return dataset_store.get_dataset(session, dataset_id=dataset_id, tenant=principal.scope)
     except NotFound as exc:
         raise ValidationFailed(field, f"dataset {dataset_id!r} does not exist") from exc
 
@@ -104,21 +131,22 @@ def _require_text(dataset: Dataset, column: str, field: str) -> None:
         raise ValidationFailed(field, f"{empty} rows have an empty {column!r} text")
 
 
-def get_job(session: Session, *, job_id: str) -> Job:
+def get_job(session: Session, principal: Principal, *, job_id: str) -> Job:
     """One job by id."""
-    return store.get_job(session, job_id=job_id)
+    return store.get_job(session, job_id=job_id, tenant=principal.scope)
 
 
-def list_jobs(session: Session, *, limit: int, status: str | None, cursor: str | None
+def list_jobs(session: Session, principal: Principal, *, limit: int, status: str | None, cursor: str | None
               ) -> tuple[list[Job], str | None]:
     """A page of jobs and the cursor of the next one."""
     after = decode_cursor(cursor) if cursor else None
-    return split_page(store.list_jobs(session, limit=limit + 1, status=status, after=after), limit)
+    rows = store.list_jobs(session, limit=limit + 1, tenant=principal.scope, status=status, after=after)
+    return split_page(rows, limit)
 
 
-def cancel_job(session: Session, queue: TaskQueue, *, job_id: str) -> Job:
+def cancel_job(session: Session, queue: TaskQueue, principal: Principal, *, job_id: str) -> Job:
     """Cancel a queued job at once; ask a running one to stop after its current step."""
-    job = store.get_job(session, job_id=job_id, for_update=True)
+    job = store.get_job(session, job_id=job_id, tenant=principal.scope, for_update=True)
     if job.is_terminal:
         raise Conflict(f"job {job_id!r} has already {job.status}; only queued or running jobs can be cancelled",
                        field="status")

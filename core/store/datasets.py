@@ -17,25 +17,29 @@ def add_dataset(session: Session, *, dataset: Dataset) -> Dataset:
     return dataset
 
 
-def get_dataset(session: Session, *, dataset_id: str, field: str | None = None) -> Dataset:
-    """Fetch a dataset or raise NotFound (naming `field` when it came from a request body)."""
+def get_dataset(session: Session, *, dataset_id: str, tenant: str | None = None,
+                field: str | None = None) -> Dataset:
+    """Fetch a dataset visible to `tenant` (None: any) or raise NotFound, as if other tenants' did not exist."""
     dataset = session.get(Dataset, dataset_id)
-    if dataset is None:
+    if dataset is None or (tenant is not None and dataset.tenant_id != tenant):
         raise NotFound(f"dataset {dataset_id!r} not found", field=field)
     return dataset
 
 
-def list_datasets(session: Session, *, limit: int, after: tuple[str, str] | None = None) -> list[Dataset]:
+def list_datasets(session: Session, *, limit: int, tenant: str | None = None,
+                  after: tuple[str, str] | None = None) -> list[Dataset]:
     """Newest first; `after` is the (created_at iso, id) of the last row of the previous page."""
     query = select(Dataset).order_by(Dataset.created_at.desc(), Dataset.id.desc()).limit(limit)
+    if tenant is not None:
+        query = query.where(Dataset.tenant_id == tenant)
     if after is not None:
         query = query.where(before_cursor(Dataset, after))
     return list(session.scalars(query))
 
 
-def delete_dataset(session: Session, *, dataset_id: str) -> Dataset:
+def delete_dataset(session: Session, *, dataset_id: str, tenant: str | None = None) -> Dataset:
     """Delete a dataset row unless an unfinished job still needs it."""
-    dataset = get_dataset(session, dataset_id=dataset_id)
+    dataset = get_dataset(session, dataset_id=dataset_id, tenant=tenant)
     busy = session.scalar(
         select(Job.id).where(
             (Job.train_dataset_id == dataset_id) | (Job.eval_dataset_id == dataset_id),

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -23,9 +23,11 @@ def add_job(session: Session, *, job: Job) -> Job:
     return job
 
 
-def get_job(session: Session, *, job_id: str, for_update: bool = False) -> Job:
-    """Fetch a job or raise NotFound."""
+def get_job(session: Session, *, job_id: str, tenant: str | None = None, for_update: bool = False) -> Job:
+    """Fetch a job visible to `tenant` (None: any) or raise NotFound."""
     query = select(Job).where(Job.id == job_id)
+    if tenant is not None:
+        query = query.where(Job.tenant_id == tenant)
     if for_update:
         query = query.with_for_update()
     job = session.scalars(query).first()
@@ -34,10 +36,12 @@ def get_job(session: Session, *, job_id: str, for_update: bool = False) -> Job:
     return job
 
 
-def list_jobs(session: Session, *, limit: int, status: str | None = None,
+def list_jobs(session: Session, *, limit: int, tenant: str | None = None, status: str | None = None,
               after: tuple[str, str] | None = None) -> list[Job]:
     """Newest first, optionally filtered by status."""
     query = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
+    if tenant is not None:
+        query = query.where(Job.tenant_id == tenant)
     if status is not None:
         query = query.where(Job.status == status)
     if after is not None:
@@ -99,23 +103,58 @@ def get_artifact(session: Session, *, job_id: str, artifact_id: str) -> Artifact
     return artifact
 
 
-def count_jobs(session: Session, *, statuses: Sequence[str]) -> int:
-    """How many jobs are in the given statuses."""
-    return session.scalar(select(func.count()).select_from(Job).where(Job.status.in_(list(statuses)))) or 0
+def count_jobs(session: Session, *, tenant: str, statuses: Sequence[str]) -> int:
+    """How many of a tenant's jobs are in the given statuses."""
+    query = select(func.count()).select_from(Job).where(Job.tenant_id == tenant, Job.status.in_(list(statuses)))
+    return session.scalar(query) or 0
 
 
-def claim_job(session: Session, *, job_id: str, device: str, now: datetime) -> Job | None:
-    """Move a queued (or redelivered running) job to running; None if it is already terminal."""
-    job = get_job(session, job_id=job_id, for_update=True)
-    if job.is_terminal:
+def claim_job(session: Session, *, job_id: str, device: str, now: datetime, stale_before: datetime) -> Job | None:
+    """Atomically move a queued job (or a running one whose worker went silent) to running.
+
+    Returns None when the job is finished or another live worker holds it: a duplicate or redelivered
+    task message is then harmless. One conditional UPDATE makes this safe on SQLite and PostgreSQL alike.
+    """
+    claimable = or_(Job.status == JobStatus.QUEUED,
+                    and_(Job.status == JobStatus.RUNNING,
+                         or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < stale_before)))
+    result = session.execute(
+        update(Job).where(Job.id == job_id, claimable)
+        .values(status=JobStatus.RUNNING, device=device, attempts=Job.attempts + 1,
+                started_at=func.coalesce(Job.started_at, now), heartbeat_at=now)
+        .execution_options(synchronize_session=False))
+    if result.rowcount == 0:  # type: ignore[attr-defined]
+        get_job(session, job_id=job_id)  # NotFound for an unknown id
         return None
-    job.status = JobStatus.RUNNING
-    job.device = device
-    job.attempts += 1
-    job.started_at = job.started_at or now
-    job.heartbeat_at = now
-    session.flush()
+    job = get_job(session, job_id=job_id)
+    session.refresh(job)
     return job
+
+
+def beat(session: Session, *, job_id: str, now: datetime) -> None:
+    """Record that the job's worker is alive."""
+    session.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.RUNNING).values(heartbeat_at=now))
+
+
+def stale_jobs(session: Session, *, stale_before: datetime) -> list[Job]:
+    """Running jobs whose worker has not beaten since `stale_before`."""
+    query = select(Job).where(Job.status == JobStatus.RUNNING,
+                              or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < stale_before))
+    return list(session.scalars(query))
+
+
+def requeue_if_stale(session: Session, *, job_id: str, stale_before: datetime) -> bool:
+    """Put a silent running job back to queued; True only for the one caller that did it."""
+    result = session.execute(
+        update(Job).where(Job.id == job_id, Job.status == JobStatus.RUNNING,
+                          or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < stale_before))
+        .values(status=JobStatus.QUEUED, eta_seconds=None).execution_options(synchronize_session=False))
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def jobs_in(session: Session, *, statuses: Sequence[str]) -> list[Job]:
+    """All jobs in the given statuses, oldest first (used to re-enqueue after a broker loss)."""
+    return list(session.scalars(select(Job).where(Job.status.in_(list(statuses))).order_by(Job.created_at)))
 
 
 def cancel_requested(session: Session, *, job_id: str) -> bool:

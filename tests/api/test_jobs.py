@@ -113,7 +113,7 @@ def test_cancel_running_sets_a_request_the_worker_sees(client, settings, train_i
     with session_scope(factory) as session:
         from core.models import utcnow
 
-        store.claim_job(session, job_id=job["id"], device="cpu", now=utcnow())
+        store.claim_job(session, job_id=job["id"], device="cpu", now=utcnow(), stale_before=utcnow())
     body = client.post(f"/jobs/{job['id']}/cancel").json()
     assert body["status"] == "running" and body["cancel_requested"] is True
     with factory() as session:

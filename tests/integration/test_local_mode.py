@@ -27,7 +27,7 @@ def _free_port() -> int:
 def _up(home, log_path):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINSERVE_")}
-    env.update(HF_HUB_OFFLINE="1", TRAINSERVE_CHECKPOINT_STEPS="50")
+    env.update(HF_HUB_OFFLINE="1", TRAINSERVE_CHECKPOINT_STEPS="50", TRAINSERVE_MODEL_ROOTS=str(home.parent.parent))
     log = open(log_path, "wb")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "trainserve.cli", "up", "--port", str(port), "--home", str(home),
                              "--devices", "cpu"], env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -41,7 +41,12 @@ def _up(home, log_path):
             return False
 
     wait_for(healthy, 60, "trainserve up to answer /health")
-    return proc, base
+    key_file = home / "admin.key"
+    assert oct(key_file.stat().st_mode & 0o777) == "0o600"
+    client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key_file.read_text().strip()}"},
+                          timeout=30)
+    assert httpx.get(f"{base}/jobs").status_code == 401
+    return proc, client
 
 
 def _children(pid: int) -> list[int]:
@@ -50,21 +55,20 @@ def _children(pid: int) -> list[int]:
 
 
 def test_two_instances_side_by_side_train_serve_and_stop_cleanly(tmp_path, tiny_bert_dir):
-    first, base = _up(tmp_path / "a", tmp_path / "a.log")
+    first, api = _up(tmp_path / "a", tmp_path / "a.log")
     second, other = _up(tmp_path / "b", tmp_path / "b.log")
     try:
         files = {"file": ("train.tsv", tsv_bytes(sentiment_rows(4)))}
-        ds = httpx.post(f"{base}/datasets", files=files).json()["id"]
-        assert httpx.get(f"{other}/datasets/{ds}").status_code == 404  # separate homes, separate stores
+        ds = api.post("/datasets", files=files).json()["id"]
+        assert other.get(f"/datasets/{ds}").status_code == 404  # separate homes, separate stores
         body = {"base_model": str(tiny_bert_dir), "train_dataset": ds, "eval_dataset": ds,
                 "text_column": "sentence", "label_column": "label",
                 "hyperparameters": {"epochs": 6, "batch_size": 8, "learning_rate": 1e-2, "max_length": 32}}
-        job = httpx.post(f"{base}/jobs", json=body).json()
-        done = wait_for(lambda: (j := httpx.get(f"{base}/jobs/{job['id']}").json())["status"]
+        job = api.post("/jobs", json=body).json()
+        done = wait_for(lambda: (j := api.get(f"/jobs/{job['id']}").json())["status"]
                         in ("succeeded", "failed") and j, 240, "the job to finish")
         assert done["status"] == "succeeded", done["error"]
-        result = httpx.post(f"{base}/classify", json={"model": job["id"], "texts": ["superb and touching"]},
-                            timeout=60)
+        result = api.post("/classify", json={"model": job["id"], "texts": ["superb and touching"]}, timeout=60)
         assert result.status_code == 200 and result.json()["predictions"][0]["label"] == 1
         assert (tmp_path / "a" / "trainserve.db").is_file()
     finally:

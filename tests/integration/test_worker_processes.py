@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.main import create_app
+from tests.conftest import make_key
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 from tests.integration.conftest import wait_for
 
@@ -19,6 +20,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def live_client(settings, redis_url):
     settings.redis_url = redis_url
     with TestClient(create_app(settings=settings)) as client:  # the real Celery task queue
+        client.headers["Authorization"] = f"Bearer {make_key(settings.resolved_database_url)}"
         yield client
 
 

@@ -111,15 +111,19 @@ def _set_rng_state(state: dict[str, Any], plan: DevicePlan) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def build_manifest(*, base_model: str, base_model_name: str, labels: list[int | str],
+def build_manifest(*, base_model: str | None, base_model_name: str, labels: list[int | str] | None = None,
                    hyperparameters: dict[str, Any], dataset_hashes: dict[str, str],
-                   metrics: dict[str, float], plan: DevicePlan) -> dict[str, Any]:
-    """The self-description stored next to a trained model."""
-    return {
-        "task": "text-classification",
+                   metrics: dict[str, float], plan: DevicePlan,
+                   task: str = "text-classification") -> dict[str, Any]:
+    """The self-description stored next to a trained model (labels only for tasks that have them)."""
+    manifest: dict[str, Any] = {
+        "task": task,
         "base_model": base_model,
         "base_model_name": base_model_name or base_model,
-        "labels": list(labels),
+    }
+    if labels is not None:
+        manifest["labels"] = list(labels)
+    return manifest | {
         "hyperparameters": hyperparameters,
         "dataset_hashes": dict(dataset_hashes),
         "metrics": metrics,

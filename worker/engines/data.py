@@ -74,10 +74,10 @@ def label_ids_for(labels: Sequence[Value], label_map: Sequence[int | str], what:
     """Map labels to ids, refusing labels that the training data does not contain."""
     # label_space() turns every label into str when any is not an int, so look up by the same rule.
     as_text = any(isinstance(label, str) for label in label_map)
-    index = {label: i for i, label in enumerate(label_map)}
+    index: dict[Value, int] = {label: i for i, label in enumerate(label_map)}
     ids: list[int] = []
     for row, label in enumerate(labels, start=1):
-        key = str(label) if as_text else label
+        key: Value = str(label) if as_text else label
         if key not in index:
             raise ValueError(f"{what} row {row}: label {label!r} does not occur in the training data")
         ids.append(index[key])

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from worker.engines import artifacts, data
 from worker.engines.device import DevicePlan, resolve_device
@@ -117,7 +117,8 @@ def train(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> Train
 
     tokenizer = AutoTokenizer.from_pretrained(config.base_model)
     labels, train_set, eval_set = _prepare_data(config, tokenizer)
-    model = _load_model(config.base_model, labels).to(plan.device)
+    model = _load_model(config.base_model, labels)
+    model.to(plan.device)  # in place for modules
     optimizer = _build_optimizer(model, config, plan)
     scaler = plan.grad_scaler()
 
@@ -174,10 +175,10 @@ def train(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> Train
             "samples_per_second": progress.samples / progress.runtime,
         })
 
-        if eval_set is not None and config.eval_steps and progress.step % config.eval_steps == 0 \
-                and progress.step < total_steps:
+        if eval_set is not None and config.eval_steps is not None and progress.step < total_steps \
+                and progress.step % config.eval_steps == 0:
             callbacks.on_eval(progress.step, evaluate(model, eval_set, plan, config.batch_size, len(labels)))
-        saved = bool(config.checkpoint_steps) and progress.step % config.checkpoint_steps == 0
+        saved = config.checkpoint_steps is not None and progress.step % config.checkpoint_steps == 0
         if saved:
             save(progress.step)
         if callbacks.should_stop():
@@ -267,15 +268,15 @@ def seed_everything(seed: int) -> None:
 
 
 def _check_config(config: TrainConfig) -> None:
-    positive = {"batch_size": config.batch_size, "max_length": config.max_length,
-                "gradient_accumulation_steps": config.gradient_accumulation_steps}
-    for name, value in positive.items():
-        if value < 1:
+    at_least_one = {"batch_size": config.batch_size, "max_length": config.max_length,
+                    "gradient_accumulation_steps": config.gradient_accumulation_steps,
+                    "max_steps": config.max_steps, "eval_steps": config.eval_steps,
+                    "checkpoint_steps": config.checkpoint_steps}
+    for name, value in at_least_one.items():
+        if value is not None and value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
     if config.max_steps is None and not config.epochs > 0:
         raise ValueError(f"epochs must be positive, got {config.epochs}")
-    if config.max_steps is not None and config.max_steps < 1:
-        raise ValueError(f"max_steps must be at least 1, got {config.max_steps}")
     if not 0.0 <= config.warmup_ratio < 1.0:
         raise ValueError(f"warmup_ratio must be in [0, 1), got {config.warmup_ratio}")
 
@@ -293,7 +294,7 @@ def _prepare_data(config: TrainConfig, tokenizer) -> tuple[list[int | str], data
     return labels, train_set, eval_set
 
 
-def _load_model(base_model: str, labels: list[int | str]) -> torch.nn.Module:
+def _load_model(base_model: str, labels: list[int | str]) -> PreTrainedModel:
     folder = Path(base_model)
     options: dict[str, Any] = {}
     if folder.is_dir() and any(folder.glob("*.safetensors")):

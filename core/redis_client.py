@@ -1,0 +1,15 @@
+"""A plain Redis client for the broker URL (Celery's redis+socket:// form included)."""
+
+from __future__ import annotations
+
+from urllib.parse import urlparse
+
+import redis
+
+
+def redis_from_url(url: str, **kwargs: object) -> redis.Redis:
+    """redis://, rediss://, unix:// and Celery's redis+socket:///path all work."""
+    if url.startswith("redis+socket://"):
+        parsed = urlparse(url)
+        return redis.Redis(unix_socket_path=parsed.path, **kwargs)  # type: ignore[arg-type]
+    return redis.Redis.from_url(url, **kwargs)  # type: ignore[arg-type]

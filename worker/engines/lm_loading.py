@@ -1,0 +1,180 @@
+"""Load a GPT-2 checkpoint for serving and run it over a slot-addressed KV cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+from worker.engines.device import DevicePlan
+
+ASSETS_TOKENIZER = Path(__file__).resolve().parents[2] / "assets" / "gpt2-tokenizer"
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
+
+
+def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
+    """The checkpoint's own tokenizer, or the bundled GPT-2 BPE when its folder has no tokenizer files."""
+    folder = Path(model)
+    if folder.is_dir() and not any((folder / name).exists() for name in _TOKENIZER_FILES):
+        return AutoTokenizer.from_pretrained(ASSETS_TOKENIZER)
+    return AutoTokenizer.from_pretrained(model)
+
+
+def load_causal_lm(model: str | Path, plan: DevicePlan) -> PreTrainedModel:
+    """A GPT-2 causal LM from safetensors, on the plan's device, in the plan's dtype, in eval mode."""
+    # For inference the weights themselves are cast (no autocast): half the memory and no per-op casts.
+    dtype = plan.autocast_dtype or torch.float32
+    lm = AutoModelForCausalLM.from_pretrained(model, use_safetensors=True, trust_remote_code=False, dtype=dtype)
+    config = lm.config
+    if config.model_type != "gpt2":
+        raise ValueError(f"{model}: model_type {config.model_type!r} is not supported; the engine serves GPT-2 only")
+    if getattr(config, "add_cross_attention", False):
+        raise ValueError(f"{model}: GPT-2 with cross-attention is not supported")
+    return lm.to(plan.device).eval()
+
+
+def token_bytes(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[bytes]:
+    """The exact bytes each token id stands for (byte-level BPE), so text can be decoded incrementally."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder_kind = type(backend.decoder).__name__ if backend is not None and backend.decoder is not None else None
+    if decoder_kind != "ByteLevel":
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} is not a byte-level BPE (decoder {decoder_kind})")
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+    added = set(tokenizer.get_added_vocab())
+    table = [b""] * vocab_size  # ids past the tokenizer (a padded embedding matrix) decode to nothing
+    for token, index in tokenizer.get_vocab().items():
+        if index >= vocab_size:
+            continue
+        if token in added or any(char not in byte_of for char in token):
+            table[index] = token.encode("utf-8")  # added tokens are stored as plain text
+        else:
+            table[index] = bytes(byte_of[char] for char in token)
+    return table
+
+
+def _next_pow2(value: int) -> int:
+    return 1 << max(0, value - 1).bit_length()
+
+
+class Gpt2Runner:
+    """GPT-2 forward passes over a KV cache with one row per running sequence.
+
+    Row r holds positions 0..len-1 of one sequence, so sequences of any length share a batch without
+    padding or shifting: a decode step writes each row's new key/value at its own position and masks
+    the positions past it. The HF modules (layer norms, Conv1D projections, MLP) are reused as they are;
+    only attention and the cache are ours.
+    """
+
+    def __init__(self, lm: PreTrainedModel, plan: DevicePlan, *, max_rows: int) -> None:
+        config = lm.config
+        self.device = torch.device(plan.device)
+        self.dtype = lm.transformer.wte.weight.dtype
+        self.wte = lm.transformer.wte
+        self.wpe = lm.transformer.wpe
+        self.blocks = list(lm.transformer.h)
+        self.ln_f = lm.transformer.ln_f
+        self.lm_head = lm.lm_head
+        self.n_head = config.n_head
+        self.head_dim = config.n_embd // config.n_head
+        self.max_rows = max_rows
+        self.max_length = config.n_positions
+        # Eager GPT-2 semantics: 1/sqrt(d) unless scale_attn_weights is off, further divided by the layer
+        # number when scale_attn_by_inverse_layer_idx is on. None lets SDPA use its own (identical) 1/sqrt(d).
+        self.scales: list[float | None] = []
+        for index in range(config.n_layer):
+            scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
+            if config.scale_attn_by_inverse_layer_idx:
+                scale /= index + 1
+            default = config.scale_attn_weights and not config.scale_attn_by_inverse_layer_idx
+            self.scales.append(None if default else scale)
+        self.keys: torch.Tensor | None = None  # [layer, row, head, position, head_dim]
+        self.values: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """(rows, positions) the cache holds now; (0, 0) when released."""
+        return (0, 0) if self.keys is None else (self.keys.shape[1], self.keys.shape[3])
+
+    def reserve(self, rows: int, length: int) -> None:
+        """Grow the cache (by doubling, keeping its contents) to hold `rows` sequences of `length` positions."""
+        have_rows, have_length = self.capacity
+        if rows <= have_rows and length <= have_length:
+            return
+        new_rows = min(self.max_rows, max(have_rows, _next_pow2(rows)))
+        new_length = min(self.max_length, max(have_length, _next_pow2(length)))
+        shape = (len(self.blocks), new_rows, self.n_head, new_length, self.head_dim)
+        # Zeros, not empty: masked positions still meet V in the P@V product and 0 * NaN would be NaN.
+        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.keys is not None and self.values is not None:
+            keys[:, :have_rows, :, :have_length] = self.keys
+            values[:, :have_rows, :, :have_length] = self.values
+        self.keys, self.values = keys, values
+
+    def release(self) -> None:
+        """Drop the cache (it is rebuilt on the next reserve)."""
+        self.keys = self.values = None
+
+    def move_row(self, source: int, target: int, length: int) -> None:
+        """Copy the first `length` positions of row `source` into row `target` (compaction after a finish)."""
+        assert self.keys is not None and self.values is not None
+        self.keys[:, target, :, :length] = self.keys[:, source, :, :length]
+        self.values[:, target, :, :length] = self.values[:, source, :, :length]
+
+    def prefill(self, prompts: list[list[int]], rows: list[list[int]]) -> torch.Tensor:
+        """Run whole prompts (right-padded), store their keys/values in the given rows, return last logits [R, V].
+
+        rows[i] lists the cache rows that start from prompt i (n choices share one prefill).
+        """
+        assert self.keys is not None and self.values is not None
+        lengths = [len(prompt) for prompt in prompts]
+        width = max(lengths)
+        # Right padding needs no mask: with causal attention a real position never sees a later pad.
+        ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
+        target = torch.tensor([row for group in rows for row in group], dtype=torch.long, device=self.device)
+        source = torch.tensor([i for i, group in enumerate(rows) for _ in group], dtype=torch.long, device=self.device)
+        positions = torch.arange(width, device=self.device)
+        hidden = self.wte(ids) + self.wpe(positions)[None]
+        batch = len(prompts)
+        for index, block in enumerate(self.blocks):
+            query, key, value = block.attn.c_attn(block.ln_1(hidden)).split(hidden.shape[-1], dim=2)
+            query = query.view(batch, width, self.n_head, self.head_dim).transpose(1, 2)
+            key = key.view(batch, width, self.n_head, self.head_dim).transpose(1, 2)
+            value = value.view(batch, width, self.n_head, self.head_dim).transpose(1, 2)
+            layer_keys, layer_values = self.keys[index], self.values[index]
+            layer_keys[target, :, :width] = key.index_select(0, source)
+            layer_values[target, :, :width] = value.index_select(0, source)
+            attended = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=self.scales[index])
+            attended = attended.transpose(1, 2).reshape(batch, width, -1)
+            hidden = block.attn.c_proj(attended) + hidden
+            hidden = hidden + block.mlp(block.ln_2(hidden))
+        last = torch.tensor([length - 1 for length in lengths], device=self.device)
+        # Only the last position's logits are needed: the LM head is the largest matmul of the model.
+        final = self.ln_f(hidden[torch.arange(batch, device=self.device), last])
+        return self.lm_head(final).float()
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+        """One step for rows 0..B-1: token b sits at positions[b]; attention covers positions < span. Logits [B, V]."""
+        assert self.keys is not None and self.values is not None
+        batch = tokens.shape[0]
+        rows = torch.arange(batch, device=self.device)
+        hidden = (self.wte(tokens) + self.wpe(positions))[:, None]  # [B, 1, E]
+        # Row b may see its own positions 0..positions[b]; later slots hold stale or padding keys.
+        mask = (torch.arange(span, device=self.device)[None] <= positions[:, None])[:, None, None]
+        for index, block in enumerate(self.blocks):
+            query, key, value = block.attn.c_attn(block.ln_1(hidden)).split(hidden.shape[-1], dim=2)
+            query = query.view(batch, 1, self.n_head, self.head_dim).transpose(1, 2)
+            layer_keys, layer_values = self.keys[index], self.values[index]
+            # Advanced indices on dims 0 and 2 around a slice: the target is [B, head, head_dim].
+            layer_keys[rows, :, positions] = key.view(batch, self.n_head, self.head_dim)
+            layer_values[rows, :, positions] = value.view(batch, self.n_head, self.head_dim)
+            attended = F.scaled_dot_product_attention(
+                query, layer_keys[:batch, :, :span], layer_values[:batch, :, :span],
+                attn_mask=mask, scale=self.scales[index],
+            )
+            hidden = block.attn.c_proj(attended.transpose(1, 2).reshape(batch, 1, -1)) + hidden
+            hidden = hidden + block.mlp(block.ln_2(hidden))
+        return self.lm_head(self.ln_f(hidden[:, 0])).float()

@@ -1,0 +1,143 @@
+"""Keeping jobs alive across failures: heartbeats, the reaper, broker-loss recovery, the cancel watchdog."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.db import session_scope
+from core.models import JobStatus, utcnow
+from core.redis_client import redis_from_url
+from core.settings import Settings
+from core.store import jobs as store
+
+log = logging.getLogger(__name__)
+
+# Present in Redis while it still holds what it was sent; gone after a restart without persistence.
+BROKER_SENTINEL = "trainserve:broker-sentinel"
+EXIT_CANCEL_TIMEOUT = 75
+
+Send = Callable[[str], None]
+
+
+class Heartbeat:
+    """While a job runs: beat every few seconds, and end the process if a cancel is not honoured in time."""
+
+    def __init__(self, factory: sessionmaker[Session], settings: Settings, job_id: str,
+                 exit_process: Callable[[int], None] = os._exit) -> None:
+        self.factory = factory
+        self.settings = settings
+        self.job_id = job_id
+        self.exit_process = exit_process
+        self.interval = max(0.5, min(settings.heartbeat_timeout_s / 4, 15.0))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job_id}", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - a database blip must not kill the job; the next tick retries
+                log.warning("heartbeat for %s failed", self.job_id, exc_info=True)
+
+    def tick(self) -> None:
+        """One beat, plus the watchdog: a cancel older than the grace period ends this worker process."""
+        now = utcnow()
+        with session_scope(self.factory) as session:
+            store.beat(session, job_id=self.job_id, now=now)
+            job = store.get_job(session, job_id=self.job_id)
+            overdue = (job.cancel_requested_at is not None
+                       and now - job.cancel_requested_at > timedelta(seconds=self.settings.cancel_grace_s))
+            if overdue and job.status == JobStatus.RUNNING:
+                job.status = JobStatus.CANCELLED
+                job.finished_at = now
+                store.add_event(session, job_id=self.job_id, kind="cancelled", level="warning",
+                                message="the worker did not stop in time; its process was ended to free the device")
+        if overdue:
+            log.error("job %s ignored its cancel for %.0f s; exiting", self.job_id, self.settings.cancel_grace_s)
+            self.exit_process(EXIT_CANCEL_TIMEOUT)
+
+
+def reap(factory: sessionmaker[Session], settings: Settings, send: Send) -> list[str]:
+    """Requeue running jobs whose worker went silent; fail those past the attempt limit. Returns requeued ids."""
+    stale_before = utcnow() - timedelta(seconds=settings.heartbeat_timeout_s)
+    requeued: list[str] = []
+    with session_scope(factory) as session:
+        candidates = [(job.id, job.attempts) for job in store.stale_jobs(session, stale_before=stale_before)]
+    for job_id, attempts in candidates:
+        with session_scope(factory) as session:
+            if not store.requeue_if_stale(session, job_id=job_id, stale_before=stale_before):
+                continue  # another reaper, or the worker itself, got there first
+            job = store.get_job(session, job_id=job_id)
+            if attempts >= settings.max_attempts:
+                job.status = JobStatus.FAILED
+                job.finished_at = utcnow()
+                job.error = {"code": "worker_lost", "field": None,
+                             "message": f"the worker running this job was lost {attempts} times"}
+                store.add_event(session, job_id=job_id, kind="failed", level="error", message=job.error["message"])
+                continue
+            store.add_event(session, job_id=job_id, kind="requeued", level="warning",
+                            message=f"worker silent for over {settings.heartbeat_timeout_s:g} s; "
+                                    "requeued to resume from its last checkpoint")
+        send(job_id)
+        requeued.append(job_id)
+    return requeued
+
+
+def recover_broker(factory: sessionmaker[Session], settings: Settings, send: Send) -> list[str]:
+    """If Redis lost its data (or is new), re-enqueue every queued job from SQL. Returns the ids sent."""
+    client = redis_from_url(settings.resolved_redis_url, socket_timeout=5)
+    try:
+        if not client.set(BROKER_SENTINEL, str(time.time()), nx=True):
+            return []
+    finally:
+        client.close()
+    with session_scope(factory) as session:
+        queued = [job.id for job in store.jobs_in(session, statuses=[JobStatus.QUEUED])]
+    for job_id in queued:  # duplicates of surviving messages are harmless: claiming is conditional
+        send(job_id)
+    if queued:
+        log.warning("broker had no sentinel: re-enqueued %d queued jobs from SQL", len(queued))
+    return queued
+
+
+class Reaper:
+    """A daemon thread in each training worker running reap() and recover_broker() periodically."""
+
+    def __init__(self, factory: sessionmaker[Session], settings: Settings, send: Send) -> None:
+        self.factory = factory
+        self.settings = settings
+        self.send = send
+        self.interval = max(1.0, min(settings.heartbeat_timeout_s / 2, 30.0))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reaper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                recover_broker(self.factory, self.settings, self.send)
+                reap(self.factory, self.settings, self.send)
+            except Exception:  # noqa: BLE001 - broker or database down: try again next round
+                log.warning("reaper round failed", exc_info=True)
+            if self._stop.wait(self.interval):
+                return
