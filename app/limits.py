@@ -7,7 +7,6 @@ import json
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import envelope
-from core.errors import PayloadTooLarge
 from core.settings import Settings
 
 
@@ -31,16 +30,25 @@ class BodyLimitMiddleware:
             await _too_large(send, limit)
             return
         received = 0
+        too_large = False
 
         async def limited_receive() -> Message:
-            nonlocal received
+            nonlocal received, too_large
             message = await receive()
             received += len(message.get("body", b""))
-            if received > limit:  # chunked bodies without a Content-Length; mapped to 413 by the handlers
-                raise PayloadTooLarge(f"request body is larger than {limit} bytes")
+            if received > limit:  # a chunked body without Content-Length: stop reading it here
+                too_large = True
+                return {"type": "http.request", "body": b"", "more_body": False}
             return message
 
-        await self.app(scope, limited_receive, send)
+        async def guarded_send(message: Message) -> None:
+            # The app saw a truncated body and answers something; the client gets the 413 instead.
+            if not too_large:
+                await send(message)
+            elif message["type"] == "http.response.start":
+                await _too_large(send, limit)
+
+        await self.app(scope, limited_receive, guarded_send)
 
 
 async def _too_large(send: Send, limit: int) -> None:

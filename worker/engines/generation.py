@@ -1,0 +1,501 @@
+"""Serve a GPT-2: continuous batching over a shared KV cache, one scheduler thread, per-request sampling.
+
+Threads call `submit`; the scheduler thread owns the model. Each loop it admits waiting requests while
+the batch has room (max_batch_size sequences, max_tokens_in_flight prompt+max_new_tokens), prefills their
+prompts into free cache rows, and runs one decode step for every running sequence. A finished or
+cancelled sequence leaves at once and its row is reused.
+
+Cancellation (is_cancelled() true, polled before every step) resolves the future with a result whose
+unfinished choices have finish_reason "cancelled" and the text produced so far. A request whose
+deadline passes while it waits raises DeadlineExceeded; running requests ignore their deadline.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from worker.engines.device import DevicePlan, release_memory, resolve_device
+from worker.engines.lm_loading import Gpt2Runner, load_causal_lm, load_tokenizer, token_bytes
+from worker.engines.sampling import RowParams, SamplingParams, TextStream, make_generator, next_tokens
+
+__all__ = [
+    "Choice", "DeadlineExceeded", "EngineClosed", "GenerationEngine", "GenerationResult", "QueueFull",
+    "SamplingParams",
+]
+
+# Padded prompt tokens per prefill forward: bounds the activations of a burst of long prompts.
+PREFILL_TOKENS = 4096
+
+OnToken = Callable[[int, str], None]
+
+
+class QueueFull(RuntimeError):
+    """max_queue requests are already waiting for a batch slot."""
+
+
+class DeadlineExceeded(TimeoutError):
+    """The request was still waiting for a batch slot when its deadline passed."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine was closed before the request finished."""
+
+
+@dataclass
+class Choice:
+    """One generated continuation; token_ids include the eos id when finish_reason is "eos"."""
+
+    index: int
+    text: str
+    finish_reason: str  # "length" | "stop" | "eos" | "cancelled"
+    token_ids: list[int]
+
+
+@dataclass
+class GenerationResult:
+    """The choices of one request and its token usage."""
+
+    request_id: str
+    choices: list[Choice]
+    prompt_tokens: int
+    completion_tokens: int  # sum over choices
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    on_token: OnToken | None
+    is_cancelled: Callable[[], bool] | None
+    deadline: float | None
+    future: Future = field(default_factory=Future)
+    sequences: list[_Sequence] = field(default_factory=list)
+    done: bool = False
+
+    @property
+    def cost(self) -> int:
+        """Cache positions the request may occupy: its share of max_tokens_in_flight."""
+        return self.params.n * (len(self.prompt) + self.params.max_new_tokens)
+
+
+@dataclass(eq=False)
+class _Sequence:
+    request: _Request
+    index: int
+    stream: TextStream
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def position(self) -> int:
+        """Where the last sampled token goes when it is fed back to the model."""
+        return len(self.request.prompt) + len(self.tokens) - 1
+
+
+class GenerationEngine:
+    """A GPT-2 loaded once, decoding many requests together; submit() is thread-safe."""
+
+    def __init__(
+        self, model: str | Path, *, device: str = "auto", precision: str = "auto", max_batch_size: int = 32,
+        max_tokens_in_flight: int = 16384, max_queue: int = 256,
+    ) -> None:
+        for name, value in (("max_batch_size", max_batch_size), ("max_tokens_in_flight", max_tokens_in_flight),
+                            ("max_queue", max_queue)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.plan: DevicePlan = resolve_device(device, precision)
+        self.tokenizer = load_tokenizer(model)
+        self.model = load_causal_lm(model, self.plan)
+        config = self.model.config
+        self.context_length: int = config.n_positions
+        self.vocab_size: int = config.vocab_size
+        self.eos_token_ids = _eos_ids(self.model)
+        self.max_batch_size = max_batch_size
+        self.max_tokens_in_flight = max_tokens_in_flight
+        self.max_queue = max_queue
+        self._table = token_bytes(self.tokenizer, self.vocab_size)
+        self._runner = Gpt2Runner(self.model, self.plan, max_rows=max_batch_size)
+        self._device = torch.device(self.plan.device)
+        self._encode_lock = threading.Lock()  # HF fast tokenizers are not safe to call from many threads
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self._waiting: deque[_Request] = deque()
+        self._tokens_in_flight = 0
+        self._closed = False
+        self._counters = {"steps": 0, "prefills": 0, "prompt_tokens": 0, "generated_tokens": 0,
+                          "completed": 0, "cancelled": 0, "expired": 0, "failed": 0, "peak_running_sequences": 0}
+        # Scheduler-thread state: rows of the batch, in cache-row order.
+        self._rows: list[_Sequence] = []
+        self._row_params: RowParams | None = None
+        self._generators: list[torch.Generator] = []
+        self._seen: torch.Tensor | None = None  # [max_batch_size, vocab] tokens seen, for repetition penalty
+        self._thread = threading.Thread(target=self._run, name="generation-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- public interface -------------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a prompt (no special tokens added, as GPT-2 expects)."""
+        with self._encode_lock:
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+
+    def submit(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, request_id: str | None = None,
+        on_token: OnToken | None = None, is_cancelled: Callable[[], bool] | None = None,
+        deadline: float | None = None,
+    ) -> Future[GenerationResult]:
+        """Queue a request; the future resolves to its GenerationResult. Raises ValueError, QueueFull."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        ids = self._prompt_ids(prompt)
+        self._check_fits(len(ids), params)
+        request = _Request(request_id or uuid.uuid4().hex, ids, params, on_token, is_cancelled, deadline)
+        with self._lock:
+            if self._closed:
+                raise EngineClosed("the generation engine is closed")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting (max_queue={self.max_queue})")
+            if deadline is not None and deadline <= time.monotonic():
+                self._counters["expired"] += 1
+                request.future.set_exception(DeadlineExceeded(f"request {request.request_id}: deadline already passed"))
+                return request.future
+            self._waiting.append(request)
+            self._wake.notify()
+        return request.future
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
+        """Submit and wait for the result."""
+        return self.submit(prompt, params).result()
+
+    def stats(self) -> dict:
+        """Queue and batch occupancy plus running totals."""
+        with self._lock:
+            rows = list(self._rows)
+            rows_cap, positions_cap = self._runner.capacity
+            return {
+                "running": len({id(s.request) for s in rows}), "running_sequences": len(rows),
+                "waiting": len(self._waiting), "tokens_in_flight": self._tokens_in_flight,
+                "max_batch_size": self.max_batch_size, "max_tokens_in_flight": self.max_tokens_in_flight,
+                "cache_rows": rows_cap, "cache_positions": positions_cap, "closed": self._closed, **self._counters,
+            }
+
+    def close(self) -> None:
+        """Stop the scheduler; requests still waiting or running fail with EngineClosed."""
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def __enter__(self) -> GenerationEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- validation ---------------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.encode(prompt) if prompt else []
+        elif isinstance(prompt, list | tuple):
+            ids = list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]!r}")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        return ids
+
+    def _check_fits(self, prompt_tokens: int, params: SamplingParams) -> None:
+        total = prompt_tokens + params.max_new_tokens
+        if total > self.context_length:
+            raise ValueError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
+                             f"exceeds the model's context length of {self.context_length}")
+        if params.n > self.max_batch_size:
+            raise ValueError(f"n={params.n} exceeds max_batch_size={self.max_batch_size}")
+        if params.n * total > self.max_tokens_in_flight:
+            raise ValueError(f"n * (prompt + max_new_tokens) = {params.n * total} exceeds "
+                             f"max_tokens_in_flight={self.max_tokens_in_flight}")
+
+    # -- scheduler thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            self._seen = torch.zeros(self.max_batch_size, self.vocab_size, dtype=torch.bool, device=self._device)
+            while self._wait_for_work():
+                try:
+                    self._drop_cancelled_waiting()
+                    admitted = self._admit()
+                    if admitted:
+                        self._start(admitted)
+                    self._poll_cancelled()
+                    if self._rows:
+                        self._step()
+                except Exception as error:  # noqa: BLE001 - a failed forward fails its batch, not the engine
+                    self._fail_rows(error)
+        self._shutdown()
+
+    def _wait_for_work(self) -> bool:
+        with self._lock:
+            while not self._closed and not self._waiting and not self._rows:
+                if self._runner.keys is not None:
+                    self._runner.release()  # idle: give the cache back (it may have grown for one long request)
+                    release_memory(self.plan)
+                self._wake.wait()
+            return not self._closed
+
+    def _admit(self) -> list[_Request]:
+        """Pop waiting requests in order while the batch has room; expire those past their deadline."""
+        now = time.monotonic()
+        expired: list[_Request] = []
+        admitted: list[_Request] = []
+        with self._lock:
+            if any(r.deadline is not None and r.deadline < now for r in self._waiting):
+                expired = [r for r in self._waiting if r.deadline is not None and r.deadline < now]
+                self._waiting = deque(r for r in self._waiting if r.deadline is None or r.deadline >= now)
+                self._counters["expired"] += len(expired)
+            rows = len(self._rows)
+            while self._waiting:
+                head = self._waiting[0]
+                # FIFO: a large request at the head waits for room rather than being overtaken forever.
+                if rows + head.params.n > self.max_batch_size or \
+                        self._tokens_in_flight + head.cost > self.max_tokens_in_flight:
+                    break
+                self._waiting.popleft()
+                rows += head.params.n
+                self._tokens_in_flight += head.cost
+                admitted.append(head)
+        for request in expired:
+            request.future.set_exception(DeadlineExceeded(f"request {request.request_id} waited past its deadline"))
+        return admitted
+
+    def _drop_cancelled_waiting(self) -> None:
+        """Waiting requests whose caller gave up leave the queue (is_cancelled is caller code: no lock held)."""
+        with self._lock:
+            waiting = [r for r in self._waiting if r.is_cancelled is not None or r.future.cancelled()]
+        gone = [r for r in waiting if r.future.cancelled() or self._cancelled(r)]
+        if not gone:
+            return
+        with self._lock:
+            self._waiting = deque(r for r in self._waiting if r not in gone)
+            self._counters["cancelled"] += len(gone)
+        for request in gone:
+            if not request.future.cancelled() and not request.done:
+                request.done = True
+                request.future.set_result(GenerationResult(request.request_id, [
+                    Choice(i, "", "cancelled", []) for i in range(request.params.n)], len(request.prompt), 0))
+
+    def _start(self, admitted: list[_Request]) -> None:
+        """Prefill admitted requests (in chunks) into new rows and sample their first tokens."""
+        ready = []
+        for request in admitted:
+            if request.future.set_running_or_notify_cancel():
+                ready.append(request)
+            else:
+                self._release_tokens(request.cost)
+        chunk: list[_Request] = []
+        for request in ready:
+            if chunk and (len(chunk) + 1) * max(len(request.prompt), *(len(r.prompt) for r in chunk)) > PREFILL_TOKENS:
+                self._prefill(chunk)
+                chunk = []
+            chunk.append(request)
+        if chunk:
+            self._prefill(chunk)
+
+    def _prefill(self, requests: list[_Request]) -> None:
+        first = len(self._rows)
+        groups: list[list[int]] = []
+        for request in requests:
+            params = request.params
+            group = []
+            for index in range(params.n):
+                seed = None if params.greedy else (secrets.randbits(63) if params.seed is None else params.seed + index)
+                sequence = _Sequence(request, index, TextStream(self._table, params.stop),
+                                     None if seed is None else make_generator(seed))
+                request.sequences.append(sequence)
+                group.append(len(self._rows))
+                self._rows.append(sequence)
+            groups.append(group)
+        new_rows = self._rows[first:]
+        self._runner.reserve(len(self._rows), max(len(s.request.prompt) + s.request.params.max_new_tokens
+                                                  for s in self._rows))
+        logits = self._runner.prefill([r.prompt for r in requests], groups)
+        source = torch.tensor([i for i, g in enumerate(groups) for _ in g], dtype=torch.long, device=self._device)
+        assert self._seen is not None
+        for row, sequence in enumerate(new_rows, start=first):
+            if sequence.request.params.repetition_penalty != 1.0:
+                self._seen[row].zero_()
+                self._seen[row, torch.tensor(sequence.request.prompt, device=self._device)] = True
+        params = RowParams([s.request.params for s in new_rows], self._device)
+        generators = [new_rows[i].generator for i in params.sample_rows]
+        seen = self._seen[first:len(self._rows)]
+        tokens = next_tokens(logits.index_select(0, source), params, seen, generators)  # type: ignore[arg-type]
+        with self._lock:
+            self._counters["prefills"] += 1
+            self._counters["prompt_tokens"] += sum(len(r.prompt) for r in requests)
+            self._counters["peak_running_sequences"] = max(self._counters["peak_running_sequences"], len(self._rows))
+        self._row_params = None
+        self._accept(first, tokens)
+
+    def _step(self) -> None:
+        """One decode step for every running row."""
+        if self._row_params is None:
+            self._row_params = RowParams([s.request.params for s in self._rows], self._device)
+            self._generators = [self._rows[i].generator for i in self._row_params.sample_rows]  # type: ignore[misc]
+        positions = [s.position for s in self._rows]
+        tokens = torch.tensor([s.tokens[-1] for s in self._rows], dtype=torch.long, device=self._device)
+        logits = self._runner.decode(tokens, torch.tensor(positions, device=self._device), max(positions) + 1)
+        assert self._seen is not None
+        seen = self._seen[: len(self._rows)] if self._row_params.penalty is not None else None
+        new = next_tokens(logits, self._row_params, seen, self._generators)
+        with self._lock:
+            self._counters["steps"] += 1
+        self._accept(0, new)
+
+    def _accept(self, first: int, tokens: torch.Tensor) -> None:
+        """Append sampled tokens to rows first.., stream their text, finish and remove what is done."""
+        assert self._seen is not None
+        rows = torch.arange(first, first + tokens.shape[0], device=self._device)
+        self._seen[rows, tokens] = True
+        ids = tokens.tolist()  # the one device->host sync of a step
+        for sequence, token in zip(self._rows[first:], ids, strict=True):
+            request, params = sequence.request, sequence.request.params
+            sequence.tokens.append(token)
+            if token in self.eos_token_ids:
+                sequence.finish_reason = "eos"
+                delta = sequence.stream.finish()
+            else:
+                delta = sequence.stream.push(token)
+                if sequence.stream.stopped:
+                    sequence.finish_reason = "stop"
+                elif len(sequence.tokens) >= params.max_new_tokens:
+                    sequence.finish_reason = "length"
+                    delta += sequence.stream.finish()
+            if delta and request.on_token is not None and not request.done:
+                self._emit(request, sequence.index, delta)
+        with self._lock:
+            self._counters["generated_tokens"] += len(ids)
+        self._sweep()
+
+    def _emit(self, request: _Request, index: int, delta: str) -> None:
+        try:
+            request.on_token(index, delta)  # type: ignore[misc]
+        except Exception as error:  # noqa: BLE001 - a broken callback fails its own request only
+            self._fail(request, error)
+
+    def _cancelled(self, request: _Request) -> bool:
+        if request.is_cancelled is None:
+            return False
+        try:
+            return bool(request.is_cancelled())
+        except Exception as error:  # noqa: BLE001
+            self._fail(request, error)
+            return True
+
+    def _poll_cancelled(self) -> None:
+        requests = {id(s.request): s.request for s in self._rows if s.request.is_cancelled is not None}
+        hit = False
+        for request in requests.values():
+            if request.done or not self._cancelled(request) or request.done:
+                hit = hit or request.done
+                continue
+            hit = True
+            for sequence in request.sequences:
+                if sequence.finish_reason is None:
+                    sequence.finish_reason = "cancelled"
+                    delta = sequence.stream.finish()
+                    if delta and request.on_token is not None:
+                        self._emit(request, sequence.index, delta)
+            with self._lock:
+                self._counters["cancelled"] += 1
+        if hit:
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Remove finished rows (moving the last row into each hole) and resolve completed requests."""
+        doomed = [row for row, s in enumerate(self._rows) if s.finish_reason is not None or s.request.done]
+        if not doomed:
+            return
+        finished: dict[int, _Request] = {}
+        with self._lock:
+            for row in reversed(doomed):
+                sequence = self._rows[row]
+                last = len(self._rows) - 1
+                if row != last:
+                    moved = self._rows[last]
+                    self._runner.move_row(last, row, moved.position)
+                    assert self._seen is not None
+                    self._seen[row] = self._seen[last]
+                    self._rows[row] = moved
+                self._rows.pop()
+                self._tokens_in_flight -= len(sequence.request.prompt) + sequence.request.params.max_new_tokens
+                finished[id(sequence.request)] = sequence.request
+        self._row_params = None
+        for request in finished.values():
+            if not request.done and all(s.finish_reason is not None for s in request.sequences):
+                self._complete(request)
+
+    def _complete(self, request: _Request) -> None:
+        request.done = True
+        choices = [Choice(s.index, s.stream.text, s.finish_reason or "cancelled", list(s.tokens))
+                   for s in request.sequences]
+        with self._lock:
+            self._counters["completed"] += 1
+        request.future.set_result(GenerationResult(
+            request.request_id, choices, len(request.prompt), sum(len(c.token_ids) for c in choices)))
+
+    def _fail(self, request: _Request, error: BaseException) -> None:
+        if request.done:
+            return
+        request.done = True
+        with self._lock:
+            self._counters["failed"] += 1
+        request.future.set_exception(error)
+
+    def _fail_rows(self, error: BaseException) -> None:
+        """After a failed forward the cache is suspect: fail every running request and start clean."""
+        for sequence in self._rows:
+            self._fail(sequence.request, error)
+        self._sweep()
+        self._runner.release()
+
+    def _release_tokens(self, cost: int) -> None:
+        with self._lock:
+            self._tokens_in_flight -= cost
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), deque()
+        error = EngineClosed("the generation engine was closed")
+        for request in [*waiting, *(s.request for s in self._rows)]:
+            if not request.done and not request.future.done():
+                request.done = True
+                request.future.set_exception(error)
+        self._rows.clear()
+        self._runner.release()
+
+
+def _eos_ids(model: torch.nn.Module) -> frozenset[int]:
+    """The ids that end a choice: generation_config's eos, else the model config's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)

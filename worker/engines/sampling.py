@@ -1,0 +1,190 @@
+"""Choosing each row's next token (HF-compatible processors, per-sequence RNG) and turning tokens into text."""
+
+from __future__ import annotations
+
+import codecs
+import math
+from dataclasses import dataclass
+
+import torch
+
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded; invalid values raise ValueError when the object is built."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # (0, 1]
+    repetition_penalty: float = 1.0  # CTRL/HF: positive logits divided, negative multiplied
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str) or not isinstance(self.stop, tuple | list):
+            raise ValueError(f"stop must be a tuple of strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))  # a list from JSON is fine; keep it hashable
+        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        _check_int("top_k", self.top_k, 0)
+        _check_int("n", self.n, 1)
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop sequences must be non-empty strings, got {self.stop!r}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0)
+            if self.seed + self.n - 1 > MAX_SEED:
+                raise ValueError(f"seed + n - 1 must be at most {MAX_SEED}, got {self.seed + self.n - 1}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the argmax is taken (temperature 0): no randomness is consumed."""
+        return self.temperature == 0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def make_generator(seed: int) -> torch.Generator:
+    """A CPU generator for one sequence: CPU so the same seed draws the same numbers on any device."""
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(seed)
+    return generator
+
+
+class RowParams:
+    """The sampling settings of a batch's rows as tensors; rebuilt only when the batch changes."""
+
+    def __init__(self, params: list[SamplingParams], device: torch.device) -> None:
+        penalties = [p.repetition_penalty for p in params]
+        self.penalty = (
+            torch.tensor(penalties, device=device)[:, None] if any(v != 1.0 for v in penalties) else None
+        )
+        self.sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+        sampled = [params[i] for i in self.sample_rows]
+        self.sample_index = torch.tensor(self.sample_rows, dtype=torch.long, device=device)
+        self.temperature = torch.tensor([p.temperature for p in sampled], device=device)[:, None]
+        top_k = [p.top_k for p in sampled]
+        self.top_k_max = max(top_k, default=0)
+        self.top_k = torch.tensor(top_k, dtype=torch.long, device=device)
+        top_p = [p.top_p for p in sampled]
+        self.top_p = torch.tensor(top_p, device=device)[:, None] if any(v < 1.0 for v in top_p) else None
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """HF RepetitionPenaltyLogitsProcessor over a [B, V] mask of tokens seen (prompt + generated)."""
+    # A row with penalty 1 is unchanged: x * 1 and x / 1 are exact.
+    return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+
+
+def warp(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p on the sampled rows, exactly as HF's warpers do (-inf = removed)."""
+    logits = logits / rows.temperature
+    if rows.top_k_max > 0:
+        vocab = logits.shape[-1]
+        kth = logits.topk(min(rows.top_k_max, vocab), dim=-1).values
+        # Per-row k: the k-th largest value is the threshold (ties with it stay, as in HF); k=0 keeps all.
+        index = (rows.top_k.clamp(1, vocab) - 1).clamp_max(kth.shape[-1] - 1)[:, None]
+        threshold = kth.gather(1, index).masked_fill((rows.top_k == 0)[:, None], -math.inf)
+        logits = logits.masked_fill(logits < threshold, -math.inf)
+    if rows.top_p is not None:
+        sorted_logits, sorted_index = torch.sort(logits, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - rows.top_p)
+        remove[:, -1] = False  # keep at least one token
+        logits = logits.masked_fill(remove.scatter(1, sorted_index, remove), -math.inf)
+    return logits
+
+
+def next_tokens(
+    logits: torch.Tensor, rows: RowParams, seen: torch.Tensor | None, generators: list[torch.Generator],
+) -> torch.Tensor:
+    """Each row's next token id [B]: argmax for greedy rows, a draw from its own generator for the others.
+
+    generators[i] belongs to rows.sample_rows[i]; each draws exactly one uniform per token, so a
+    sequence's randomness does not depend on what else shares the batch.
+    """
+    if rows.penalty is not None and seen is not None:
+        logits = penalize(logits, seen, rows.penalty)
+    tokens = logits.argmax(dim=-1)
+    if not rows.sample_rows:
+        return tokens
+    probs = warp(logits.index_select(0, rows.sample_index), rows).softmax(dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    uniforms = torch.cat([torch.rand(1, generator=g) for g in generators]).to(cdf.device)
+    # Inverse CDF: the first token whose cumulative mass exceeds u * total; removed tokens have zero width.
+    drawn = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
+    tokens[rows.sample_index] = drawn.clamp_max(cdf.shape[-1] - 1)
+    return tokens
+
+
+class TextStream:
+    """Bytes of generated tokens -> text deltas: whole characters only, held back while a stop may be forming."""
+
+    def __init__(self, table: list[bytes], stop: tuple[str, ...] = ()) -> None:
+        self._table = table
+        self._stop = stop
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._parts: list[str] = []
+        self._pending = ""  # decoded but not yet handed out: a possible start of a stop sequence
+        self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """The text so far, including what is held back."""
+        return "".join(self._parts) + self._pending
+
+    def push(self, token_id: int) -> str:
+        """Add a token; returns the text that is now safe to emit ("" while held back). Sets `stopped`."""
+        return self._feed(self._decoder.decode(self._table[token_id]))
+
+    def finish(self) -> str:
+        """End of generation: flush incomplete bytes (as U+FFFD, like tokenizer.decode) and held-back text."""
+        delta = self._feed(self._decoder.decode(b"", final=True))
+        if self.stopped:
+            return delta
+        rest, self._pending = self._pending, ""
+        self._parts.append(rest)
+        return delta + rest
+
+    def _feed(self, piece: str) -> str:
+        if self.stopped or not piece:
+            return ""
+        if not self._stop:
+            self._parts.append(piece)
+            return piece
+        # A stop cannot start inside text already emitted (the longest possible start was held back),
+        # so searching the pending tail is enough and the cost per token stays bounded.
+        pending = self._pending + piece
+        hits = [at for at in (pending.find(s) for s in self._stop) if at >= 0]
+        if hits:
+            self.stopped = True
+            out, self._pending = pending[: min(hits)], ""
+        else:
+            hold = _longest_stop_prefix(pending, self._stop)
+            out, self._pending = pending[: len(pending) - hold], pending[len(pending) - hold :]
+        self._parts.append(out)
+        return out
+
+
+def _longest_stop_prefix(text: str, stops: tuple[str, ...]) -> int:
+    longest = min(len(text), max(len(s) for s in stops) - 1)
+    for size in range(longest, 0, -1):
+        tail = text[-size:]
+        if any(s.startswith(tail) for s in stops):
+            return size
+    return 0
