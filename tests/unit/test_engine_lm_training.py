@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPT2TokenizerFast,
+    PreTrainedTokenizerFast,
+)
 
 from core.lm_config import DEFAULT_MODEL_CONFIG, resolve_block_size, validate_model_config
 from worker.engines import lm_data, lm_training
@@ -24,6 +32,7 @@ SAMPLE = ROOT / "examples" / "data" / "tinyshakespeare_sample.txt"
 SHARED = Path("/work/shared/data")
 TINY = {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64}
 VOCAB = 50257
+SMALL_BPE_CHARS = 960  # 18 training blocks of 32 tokens (and 2 validation blocks) with the small BPE below
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +46,20 @@ def tokenizer_dir(tmp_path_factory) -> Path:
         tokenizer = GPT2TokenizerFast(vocab_file=str(source / "vocab.json"), merges_file=str(source / "merges.txt"))
     path = tmp_path_factory.mktemp("tok") / "gpt2-tokenizer"
     tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer_dir(tmp_path_factory, shakespeare) -> Path:
+    """A 320-token byte-level BPE: the LM head is 150x smaller than GPT-2's, for tests about the loop only."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([shakespeare], trainer)
+    path = tmp_path_factory.mktemp("tok") / "small-bpe"
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(path)
     return path
 
 
@@ -109,7 +132,8 @@ def test_model_config_validation_names_the_bad_key():
     assert (resolve_block_size(None, 1024), resolve_block_size(None, 64), resolve_block_size(64, 64)) == (256, 64, 64)
     with pytest.raises(ValueError, match="larger than the model's context length"):
         resolve_block_size(65, 64)
-    code = "import sys, core.lm_config; bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad"
+    # The API process calls validate_model_config, so its module must stay import-light.
+    code = "import sys, core.lm_config; assert not {'torch', 'transformers'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -206,14 +230,14 @@ def test_continues_a_base_model_with_its_own_tokenizer(tmp_path, tokenizer_dir, 
     assert all(torch.allclose(after[name], tensor, atol=1e-6) for name, tensor in before.items())
 
 
-def test_cancel_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, tokenizer_dir, shakespeare):
+def test_cancel_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path, small_tokenizer_dir, shakespeare):
     # 18 train blocks, 4 per step: 5 steps per epoch, the last one short, so the run crosses an epoch
-    # boundary and the resume lands on the short step.
-    train_file = corpus(tmp_path, shakespeare, 2_400)
+    # boundary and the resume lands on the short step. Dropout stays on: the RNG state must resume too.
+    train_file = corpus(tmp_path, shakespeare, SMALL_BPE_CHARS)
     common = dict(batch_size=2, gradient_accumulation_steps=2, max_steps=6, warmup_ratio=0.2)
-    whole = train_lm(make_config(tmp_path / "whole", train_file, tokenizer_dir, **common))
+    whole = train_lm(make_config(tmp_path / "whole", train_file, small_tokenizer_dir, **common))
 
-    parted = make_config(tmp_path / "parted", train_file, tokenizer_dir, checkpoint_steps=2, **common)
+    parted = make_config(tmp_path / "parted", train_file, small_tokenizer_dir, checkpoint_steps=2, **common)
     first = Recorder(stop_at=4)
     stopped = train_lm(parted, first)
     assert (stopped.status, stopped.global_step, stopped.model_dir) == ("cancelled", 4, None)

@@ -140,7 +140,8 @@ class GenerationEngine:
         self._rows: list[_Sequence] = []
         self._row_params: RowParams | None = None
         self._generators: list[torch.Generator] = []
-        self._seen: torch.Tensor | None = None  # [max_batch_size, vocab] tokens seen, for repetition penalty
+        # Tokens seen per row (prompt + generated), for the repetition penalty: [max_batch_size, vocab].
+        self._seen = torch.zeros(max_batch_size, self.vocab_size, dtype=torch.bool, device=self._device)
         self._thread = threading.Thread(target=self._run, name="generation-scheduler", daemon=True)
         self._thread.start()
 
@@ -237,7 +238,6 @@ class GenerationEngine:
 
     def _run(self) -> None:
         with torch.inference_mode():
-            self._seen = torch.zeros(self.max_batch_size, self.vocab_size, dtype=torch.bool, device=self._device)
             while self._wait_for_work():
                 try:
                     self._drop_cancelled_waiting()
@@ -248,7 +248,7 @@ class GenerationEngine:
                     if self._rows:
                         self._step()
                 except Exception as error:  # noqa: BLE001 - a failed forward fails its batch, not the engine
-                    self._fail_rows(error)
+                    self._reset(error)
         self._shutdown()
 
     def _wait_for_work(self) -> bool:
@@ -310,13 +310,28 @@ class GenerationEngine:
             else:
                 self._release_tokens(request.cost)
         chunk: list[_Request] = []
+        width = 0
         for request in ready:
-            if chunk and (len(chunk) + 1) * max(len(request.prompt), *(len(r.prompt) for r in chunk)) > PREFILL_TOKENS:
-                self._prefill(chunk)
-                chunk = []
+            width = max(width, len(request.prompt))
+            if chunk and (len(chunk) + 1) * width > PREFILL_TOKENS:
+                self._prefill_or_abort(chunk)
+                chunk, width = [], len(request.prompt)
             chunk.append(request)
         if chunk:
-            self._prefill(chunk)
+            self._prefill_or_abort(chunk)
+
+    def _prefill_or_abort(self, requests: list[_Request]) -> None:
+        try:
+            self._prefill(requests)
+        except Exception as error:  # noqa: BLE001 - fail these requests; rows already running are intact
+            for request in requests:
+                self._fail(request, error)
+                if not request.sequences:
+                    self._release_tokens(request.cost)
+            try:
+                self._sweep()
+            except Exception:  # noqa: BLE001
+                self._reset(error)
 
     def _prefill(self, requests: list[_Request]) -> None:
         first = len(self._rows)
@@ -337,7 +352,6 @@ class GenerationEngine:
                                                   for s in self._rows))
         logits = self._runner.prefill([r.prompt for r in requests], groups)
         source = torch.tensor([i for i, g in enumerate(groups) for _ in g], dtype=torch.long, device=self._device)
-        assert self._seen is not None
         for row, sequence in enumerate(new_rows, start=first):
             if sequence.request.params.repetition_penalty != 1.0:
                 self._seen[row].zero_()
@@ -361,7 +375,6 @@ class GenerationEngine:
         positions = [s.position for s in self._rows]
         tokens = torch.tensor([s.tokens[-1] for s in self._rows], dtype=torch.long, device=self._device)
         logits = self._runner.decode(tokens, torch.tensor(positions, device=self._device), max(positions) + 1)
-        assert self._seen is not None
         seen = self._seen[: len(self._rows)] if self._row_params.penalty is not None else None
         new = next_tokens(logits, self._row_params, seen, self._generators)
         with self._lock:
@@ -370,7 +383,6 @@ class GenerationEngine:
 
     def _accept(self, first: int, tokens: torch.Tensor) -> None:
         """Append sampled tokens to rows first.., stream their text, finish and remove what is done."""
-        assert self._seen is not None
         rows = torch.arange(first, first + tokens.shape[0], device=self._device)
         self._seen[rows, tokens] = True
         ids = tokens.tolist()  # the one device->host sync of a step
@@ -412,10 +424,11 @@ class GenerationEngine:
         requests = {id(s.request): s.request for s in self._rows if s.request.is_cancelled is not None}
         hit = False
         for request in requests.values():
-            if request.done or not self._cancelled(request) or request.done:
-                hit = hit or request.done
+            if request.done or not self._cancelled(request):
                 continue
             hit = True
+            if request.done:  # is_cancelled raised: the request has already failed
+                continue
             for sequence in request.sequences:
                 if sequence.finish_reason is None:
                     sequence.finish_reason = "cancelled"
@@ -440,7 +453,6 @@ class GenerationEngine:
                 if row != last:
                     moved = self._rows[last]
                     self._runner.move_row(last, row, moved.position)
-                    assert self._seen is not None
                     self._seen[row] = self._seen[last]
                     self._rows[row] = moved
                 self._rows.pop()
@@ -468,11 +480,15 @@ class GenerationEngine:
             self._counters["failed"] += 1
         request.future.set_exception(error)
 
-    def _fail_rows(self, error: BaseException) -> None:
+    def _reset(self, error: BaseException) -> None:
         """After a failed forward the cache is suspect: fail every running request and start clean."""
         for sequence in self._rows:
             self._fail(sequence.request, error)
-        self._sweep()
+        with self._lock:
+            for sequence in self._rows:
+                self._tokens_in_flight -= len(sequence.request.prompt) + sequence.request.params.max_new_tokens
+            self._rows.clear()
+        self._row_params = None
         self._runner.release()
 
     def _release_tokens(self, cost: int) -> None:

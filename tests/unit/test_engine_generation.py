@@ -1,0 +1,278 @@
+"""GenerationEngine on tiny random GPT-2s: HF-exact greedy, continuous batching, sampling, stops, limits."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2LMHeadModel
+
+from tests.tiny_lm import build_tiny_gpt2
+from worker.engines.generation import (
+    DeadlineExceeded,
+    EngineClosed,
+    GenerationEngine,
+    GenerationResult,
+    QueueFull,
+    SamplingParams,
+)
+
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog and",
+    "To be, or not to be: that is the question. Whether 'tis nobler in the mind to suffer",
+    "A",
+    [464, 3290, 318],  # token ids are accepted as a prompt too
+]
+WAIT = 30  # seconds: generous, the machine running the tests may be busy
+
+
+def greedy(max_new_tokens: int = 16, **kwargs) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_gpt2(tmp_path_factory.mktemp("tiny-gpt2"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path) -> GPT2LMHeadModel:
+    return GPT2LMHeadModel.from_pretrained(model_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path):
+    with GenerationEngine(model_dir, device="cpu", max_batch_size=8) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def narrow(model_dir: Path):
+    """One sequence at a time and a queue of two: makes waiting deterministic."""
+    with GenerationEngine(model_dir, device="cpu", max_batch_size=1, max_queue=2) as eng:
+        yield eng
+
+
+def hf_greedy(hf: GPT2LMHeadModel, ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=50256, **kwargs)
+    return out[0, len(ids):].tolist()
+
+
+def ids_of(engine: GenerationEngine, prompt: str | list[int]) -> list[int]:
+    return engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+class Gate:
+    """An on_token callback that blocks the scheduler on the first token until opened."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+
+    def __call__(self, index: int, delta: str) -> None:
+        self.entered.set()
+        assert self.opened.wait(WAIT)
+
+
+def test_greedy_matches_hf_generate_for_mixed_lengths_in_one_batch(engine, hf) -> None:
+    before = engine.stats()["prefills"]
+    with engine._lock:  # the scheduler admits everything queued meanwhile in one go: one batched prefill
+        futures = [engine.submit(p, greedy(24)) for p in PROMPTS]
+    results = [f.result(WAIT) for f in futures]
+    assert engine.stats()["prefills"] == before + 1
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        ids = ids_of(engine, prompt)
+        assert result.prompt_tokens == len(ids)
+        assert result.choices[0].token_ids == hf_greedy(hf, ids, 24)
+        assert result.choices[0].text == engine.tokenizer.decode(result.choices[0].token_ids)
+
+
+def test_requests_join_a_running_batch_and_reuse_its_rows(engine, hf) -> None:
+    started, order = threading.Event(), []
+
+    def slow(index: int, delta: str) -> None:  # keeps the first request running while others join
+        started.set()
+        time.sleep(0.01)
+
+    first = engine.submit(PROMPTS[2], greedy(40), on_token=slow)
+    first.add_done_callback(lambda f: order.append("first"))
+    assert started.wait(WAIT)
+    later = [engine.submit(p, greedy(n)) for p, n in ((PROMPTS[0], 8), (PROMPTS[1], 12), (PROMPTS[3], 5))]
+    for future in later:
+        future.add_done_callback(lambda f: order.append("later"))
+    for prompt, future, n in zip([PROMPTS[2], PROMPTS[0], PROMPTS[1], PROMPTS[3]], [first, *later], (40, 8, 12, 5),
+                                 strict=True):
+        assert future.result(WAIT).choices[0].token_ids == hf_greedy(hf, ids_of(engine, prompt), n)
+    assert order[-1] == "first"  # the later ones joined mid-decode and finished first
+
+
+def test_rows_are_reused_when_the_batch_is_full(model_dir, hf) -> None:
+    with GenerationEngine(model_dir, device="cpu", max_batch_size=2) as eng:
+        futures = [eng.submit(p, greedy(6 + 3 * i)) for i, p in enumerate(PROMPTS)]
+        for i, (prompt, future) in enumerate(zip(PROMPTS, futures, strict=True)):
+            assert future.result(WAIT).choices[0].token_ids == hf_greedy(hf, ids_of(eng, prompt), 6 + 3 * i)
+        assert eng.stats()["peak_running_sequences"] == 2
+
+
+def test_repetition_penalty_matches_hf(engine, hf) -> None:
+    result = engine.generate(PROMPTS[1], greedy(20, repetition_penalty=1.5))
+    assert result.choices[0].token_ids == hf_greedy(hf, ids_of(engine, PROMPTS[1]), 20, repetition_penalty=1.5)
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_crowd(engine) -> None:
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, top_k=40, top_p=0.9, seed=1234)
+    alone = engine.generate("Once upon a time", params)
+    with engine._lock:
+        crowd = [engine.submit(p, SamplingParams(max_new_tokens=10, temperature=1.2, repetition_penalty=1.3))
+                 for p in PROMPTS[:3]]
+        again = engine.submit("Once upon a time", params)
+        crowd += [engine.submit(PROMPTS[3], greedy(20)), engine.submit(PROMPTS[1], SamplingParams(seed=5, top_p=0.5))]
+    assert again.result(WAIT).choices == alone.choices
+    assert all(isinstance(f.result(WAIT), GenerationResult) for f in crowd)
+
+
+def test_n_choices_with_a_seed_are_distinct_and_reproducible(engine) -> None:
+    params = SamplingParams(max_new_tokens=12, n=3, seed=7)
+    first = engine.generate("It was a dark and stormy night", params)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in first.choices}) == 3
+    assert engine.generate("It was a dark and stormy night", params).choices == first.choices
+    single = engine.generate("It was a dark and stormy night", SamplingParams(max_new_tokens=12, seed=8))
+    assert single.choices[0].token_ids == first.choices[1].token_ids  # choice i uses seed + i
+    assert first.completion_tokens == 36
+
+
+def test_stop_sequence_across_a_token_boundary_truncates_and_streams(engine) -> None:
+    plain = engine.generate(PROMPTS[1], greedy(20)).choices[0]
+    pieces = [engine.tokenizer.decode([t]) for t in plain.token_ids]
+    boundary = len("".join(pieces[:3]))
+    stop = plain.text[boundary - 1: boundary + 2]  # two characters of one token, one of the next
+    expected = plain.text[: plain.text.find(stop)]
+    deltas: list[tuple[int, str]] = []
+    result = engine.generate(PROMPTS[1], greedy(20, stop=("never appears \u2603", stop)))
+    streamed = engine.submit(PROMPTS[1], greedy(20, stop=(stop,)), on_token=lambda i, d: deltas.append((i, d)))
+    for choice in (result.choices[0], streamed.result(WAIT).choices[0]):
+        assert (choice.finish_reason, choice.text) == ("stop", expected)
+    assert "".join(d for _, d in deltas) == expected and {i for i, _ in deltas} <= {0}
+    assert all(stop not in d for _, d in deltas)
+
+
+def test_max_new_tokens_ends_with_length_and_deltas_concatenate(engine) -> None:
+    deltas: dict[int, list[str]] = {0: [], 1: []}
+    result = engine.submit("Deltas", SamplingParams(max_new_tokens=9, n=2, seed=3),
+                           on_token=lambda i, d: deltas[i].append(d)).result(WAIT)
+    for choice in result.choices:
+        assert choice.finish_reason == "length" and len(choice.token_ids) == 9
+        assert "".join(deltas[choice.index]) == choice.text
+        assert choice.text == engine.tokenizer.decode(choice.token_ids)
+    assert result.completion_tokens == 18
+
+
+def test_eos_ends_a_choice_and_a_folder_without_tokenizer_uses_the_bundled_one(engine, tmp_path) -> None:
+    tokens = engine.generate(PROMPTS[1], greedy(12)).choices[0].token_ids
+    stop_at = next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])
+    folder = build_tiny_gpt2(tmp_path / "eos", seed=0, eos_token_id=tokens[stop_at], tokenizer=False)
+    with GenerationEngine(folder, device="cpu") as eng:
+        choice = eng.generate(PROMPTS[1], greedy(12)).choices[0]
+    assert choice.finish_reason == "eos"
+    assert choice.token_ids == tokens[: stop_at + 1]  # ends with the eos id ...
+    assert choice.text == engine.tokenizer.decode(tokens[:stop_at])  # ... whose text is left out
+
+
+def test_cancellation_frees_the_slot(narrow) -> None:
+    cancel, deltas = threading.Event(), []
+
+    def on_token(index: int, delta: str) -> None:
+        deltas.append(delta)
+        if len(deltas) == 3:
+            cancel.set()
+
+    running = narrow.submit("Cancel me", greedy(100), on_token=on_token, is_cancelled=cancel.is_set)
+    waiting = narrow.submit("Next", greedy(5))
+    choice = running.result(WAIT).choices[0]
+    assert choice.finish_reason == "cancelled" and 3 <= len(choice.token_ids) < 100
+    assert "".join(deltas) == choice.text
+    assert waiting.result(WAIT).choices[0].finish_reason == "length"
+    assert narrow.stats()["running"] == 0
+
+
+def test_deadline_drops_a_waiting_request_before_the_model(narrow) -> None:
+    gate = Gate()
+    blocker = narrow.submit("Blocker", greedy(3), on_token=gate)
+    assert gate.entered.wait(WAIT)
+    before = narrow.stats()
+    late = narrow.submit("Too late", greedy(3), deadline=time.monotonic() + 0.05)
+    time.sleep(0.1)
+    gate.opened.set()
+    with pytest.raises(DeadlineExceeded):
+        late.result(WAIT)
+    blocker.result(WAIT)
+    after = narrow.stats()
+    assert (after["expired"], after["prefills"]) == (before["expired"] + 1, before["prefills"])
+    with pytest.raises(DeadlineExceeded):
+        narrow.submit("Already late", greedy(3), deadline=time.monotonic() - 1).result(WAIT)
+
+
+def test_queue_full_is_raised_synchronously(narrow) -> None:
+    gate = Gate()
+    futures: list[Future] = [narrow.submit("Blocker", greedy(3), on_token=gate)]
+    assert gate.entered.wait(WAIT)
+    futures += [narrow.submit("one", greedy(3)), narrow.submit("two", greedy(3))]
+    with pytest.raises(QueueFull, match="max_queue=2"):
+        narrow.submit("three", greedy(3))
+    gate.opened.set()
+    assert all(f.result(WAIT).choices[0].finish_reason == "length" for f in futures)
+
+
+def test_a_failing_callback_fails_only_its_request(engine) -> None:
+    def broken(index: int, delta: str) -> None:
+        raise RuntimeError("client went away")
+
+    bad = engine.submit("Broken", greedy(8), on_token=broken)
+    good = engine.submit("Fine", greedy(8))
+    with pytest.raises(RuntimeError, match="client went away"):
+        bad.result(WAIT)
+    assert good.result(WAIT).choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "match"),
+    [
+        ([1] * 120, dict(max_new_tokens=16), r"\(120 tokens\) \+ max_new_tokens \(16\) = 136 exceeds .* 128"),
+        ("", {}, "prompt is empty"),
+        ([], {}, "prompt is empty"),
+        ([50257], {}, r"integers in \[0, 50257\)"),
+        ("x", dict(top_p=0), r"top_p must be in \(0, 1\]"),
+        ("x", dict(temperature=-1), "temperature must be"),
+        ("x", dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+        ("x", dict(n=0), "n must be an integer >= 1"),
+        ("x", dict(n=9), "n=9 exceeds max_batch_size=8"),
+        ("x", dict(stop=("",)), "stop sequences must be non-empty"),
+        ("x", dict(repetition_penalty=0), "repetition_penalty must be"),
+    ],
+)
+def test_validation_errors(engine, prompt, params, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        engine.submit(prompt, SamplingParams(**params))
+
+
+def test_close_fails_pending_requests(model_dir) -> None:
+    eng = GenerationEngine(model_dir, device="cpu", max_batch_size=1)
+    gate = Gate()
+    running = eng.submit("Running", greedy(50), on_token=gate)
+    assert gate.entered.wait(WAIT)
+    waiting = eng.submit("Waiting", greedy(5))
+    threading.Timer(0.2, gate.opened.set).start()
+    eng.close()
+    for future in (running, waiting):
+        with pytest.raises(EngineClosed):
+            future.result(WAIT)
+    with pytest.raises(EngineClosed):
+        eng.submit("After", greedy(5))
