@@ -36,6 +36,7 @@ def pg_url() -> Iterator[str]:
     url = make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
     upgrade(url)
     yield url
+    admin.dispose()  # pooled connections may predate a PostgreSQL restart made by a fault test
     with admin.connect() as conn:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()

@@ -29,12 +29,16 @@ Send = Callable[[str], None]
 class Heartbeat:
     """While a job runs: beat every few seconds, and end the process if a cancel is not honoured in time."""
 
-    def __init__(self, factory: sessionmaker[Session], settings: Settings, job_id: str,
+    def __init__(self, factory: sessionmaker[Session], settings: Settings, job_id: str, attempt: int,
                  exit_process: Callable[[int], None] = os._exit) -> None:
         self.factory = factory
         self.settings = settings
         self.job_id = job_id
+        self.attempt = attempt
         self.exit_process = exit_process
+        # Set when the row no longer belongs to this run (the reaper requeued it during a long outage and
+        # another attempt claimed it): the attempt number works as a fencing token.
+        self.lost = threading.Event()
         self.interval = max(0.5, min(settings.heartbeat_timeout_s / 4, 15.0))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job_id}", daemon=True)
@@ -58,11 +62,14 @@ class Heartbeat:
         """One beat, plus the watchdog: a cancel older than the grace period ends this worker process."""
         now = utcnow()
         with session_scope(self.factory) as session:
-            store.beat(session, job_id=self.job_id, now=now)
             job = store.get_job(session, job_id=self.job_id)
+            if job.attempts != self.attempt or job.status != JobStatus.RUNNING:
+                self.lost.set()
+                return
+            store.beat(session, job_id=self.job_id, now=now)
             overdue = (job.cancel_requested_at is not None
                        and now - job.cancel_requested_at > timedelta(seconds=self.settings.cancel_grace_s))
-            if overdue and job.status == JobStatus.RUNNING:
+            if overdue:
                 job.status = JobStatus.CANCELLED
                 job.finished_at = now
                 store.add_event(session, job_id=self.job_id, kind="cancelled", level="warning",

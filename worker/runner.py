@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import make_engine, make_sessionmaker, session_scope
@@ -39,8 +41,10 @@ def job_dir(job_id: str) -> Path:
 class JobReporter(TrainCallbacks):
     """Engine callbacks that write progress, metric points and events to the job row."""
 
-    def __init__(self, factory: sessionmaker[Session], job_id: str, flush_s: float) -> None:
+    def __init__(self, factory: sessionmaker[Session], job_id: str, flush_s: float,
+                 lost: threading.Event | None = None) -> None:
         self.factory = factory
+        self.lost = lost or threading.Event()
         self.job_id = job_id
         self.flush_s = flush_s
         self.points: list[tuple[int, float, str, float]] = []
@@ -71,12 +75,12 @@ class JobReporter(TrainCallbacks):
         self.latest.update(metrics)
         self.progress = {"step": step, "epoch": epoch, "eta_seconds": self._eta(step)}
         if time.monotonic() - self.last_flush >= self.flush_s:
-            self.flush()
+            self.try_flush()
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
         self.points.extend((step, self.progress.get("epoch", 0.0), name, float(v)) for name, v in metrics.items())
         self.latest.update(metrics)
-        self.flush()
+        self.try_flush()
         summary = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
         self._event("eval", f"step {step}: {summary}", data=dict(metrics))
 
@@ -94,10 +98,22 @@ class JobReporter(TrainCallbacks):
         self._event(kind, message)
 
     def should_stop(self) -> bool:
-        if SHUTDOWN.is_set():
+        if SHUTDOWN.is_set() or self.lost.is_set():
             return True
-        with self.factory() as session:
-            return store.cancel_requested(session, job_id=self.job_id)
+        try:
+            with self.factory() as session:
+                return store.cancel_requested(session, job_id=self.job_id)
+        except OperationalError:
+            return False  # database briefly away: keep training; the next step asks again
+
+    def try_flush(self) -> None:
+        """Flush, but ride out a database outage: the points stay buffered for the next attempt."""
+        try:
+            self.flush()
+        except OperationalError:
+            log.warning("job %s: database unavailable, keeping %d metric points buffered", self.job_id,
+                        len(self.points))
+            self.last_flush = time.monotonic()
 
     def flush(self) -> None:
         """Write buffered points and the latest progress in one transaction."""
@@ -116,8 +132,11 @@ class JobReporter(TrainCallbacks):
         return round(per_step * max(self.total_steps - step, 0), 1)
 
     def _event(self, kind: str, message: str, level: str = "info", data: dict[str, Any] | None = None) -> None:
-        with session_scope(self.factory) as session:
-            store.add_event(session, job_id=self.job_id, kind=kind, level=level, message=message, data=data)
+        try:
+            with session_scope(self.factory) as session:
+                store.add_event(session, job_id=self.job_id, kind=kind, level=level, message=message, data=data)
+        except OperationalError:
+            log.warning("job %s: database unavailable, event %r not recorded", self.job_id, kind)
 
 
 def _artifact(job_id: str, kind: str, path: Path, step: int | None) -> Artifact:
@@ -170,16 +189,21 @@ def run_training_job(job_id: str) -> str:
             _fail(session, job, "dataset_missing", str(exc))
             return JobStatus.FAILED
         store.add_event(session, job_id=job_id, kind="claimed", message=f"attempt {job.attempts} claimed by a worker")
+        attempt = job.attempts
 
-    reporter = JobReporter(factory, job_id, settings.metrics_flush_s)
+    heartbeat = Heartbeat(factory, settings, job_id, attempt)
+    reporter = JobReporter(factory, job_id, settings.metrics_flush_s, heartbeat.lost)
     try:
-        with Heartbeat(factory, settings, job_id):
+        with heartbeat:
             result = train(config, reporter)
     except Exception as exc:  # noqa: BLE001 - any failure ends the job with a recorded reason
         log.exception("job %s failed", job_id)
         with session_scope(factory) as session:
             _fail(session, store.get_job(session, job_id=job_id), "training_error", f"{type(exc).__name__}: {exc}")
         return JobStatus.FAILED
+    if heartbeat.lost.is_set():
+        log.warning("job %s attempt %d lost its claim; leaving the row to the newer attempt", job_id, attempt)
+        return "lost"
     reporter.flush()
     return _record_result(factory, job_id, result)
 

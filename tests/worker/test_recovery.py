@@ -83,7 +83,7 @@ def test_broker_that_lost_its_data_gets_queued_jobs_again(factory, job_id, setti
 def test_watchdog_ends_the_process_when_a_cancel_is_ignored(client, factory, job_id, settings):
     exits: list[int] = []
     assert _claim(factory, job_id, settings) is not None
-    beat = Heartbeat(factory, settings, job_id, exit_process=exits.append)
+    beat = Heartbeat(factory, settings, job_id, attempt=1, exit_process=exits.append)
     beat.tick()
     assert exits == []
     _set(factory, job_id, cancel_requested_at=utcnow() - timedelta(seconds=settings.cancel_grace_s + 1))
@@ -91,3 +91,13 @@ def test_watchdog_ends_the_process_when_a_cancel_is_ignored(client, factory, job
     assert exits == [EXIT_CANCEL_TIMEOUT]
     job = client.get(f"/jobs/{job_id}").json()
     assert job["status"] == "cancelled"
+
+
+def test_heartbeat_notices_a_newer_attempt_took_the_job(factory, job_id, settings):
+    assert _claim(factory, job_id, settings) is not None
+    beat = Heartbeat(factory, settings, job_id, attempt=1, exit_process=lambda code: None)
+    beat.tick()
+    assert not beat.lost.is_set()
+    _set(factory, job_id, attempts=2)  # the reaper requeued it and another worker claimed it
+    beat.tick()
+    assert beat.lost.is_set()

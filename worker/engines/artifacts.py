@@ -126,6 +126,7 @@ def build_manifest(*, base_model: str | None, base_model_name: str, labels: list
     return manifest | {
         "hyperparameters": hyperparameters,
         "dataset_hashes": dict(dataset_hashes),
+        "data": data,
         "metrics": metrics,
         "versions": {
             "torch": torch.__version__,

@@ -66,6 +66,11 @@ def make_generator(seed: int) -> torch.Generator:
     return generator
 
 
+# Top-k/top-p rows are processed on their best candidates instead of a full-vocabulary sort (the sort of a
+# [16, 50257] batch costs ~100 ms on a small CPU); the set grows only when it does not cover the nucleus.
+CANDIDATES = 256
+
+
 class RowParams:
     """The sampling settings of a batch's rows as tensors; rebuilt only when the batch changes."""
 
@@ -78,11 +83,13 @@ class RowParams:
         sampled = [params[i] for i in self.sample_rows]
         self.sample_index = torch.tensor(self.sample_rows, dtype=torch.long, device=device)
         self.temperature = torch.tensor([p.temperature for p in sampled], device=device)[:, None]
-        top_k = [p.top_k for p in sampled]
-        self.top_k_max = max(top_k, default=0)
-        self.top_k = torch.tensor(top_k, dtype=torch.long, device=device)
-        top_p = [p.top_p for p in sampled]
-        self.top_p = torch.tensor(top_p, device=device)[:, None] if any(v < 1.0 for v in top_p) else None
+        # Positions within the sampled rows: plain (whole distribution) or truncated (top-k and/or top-p).
+        plain = [i for i, p in enumerate(sampled) if p.top_k == 0 and p.top_p == 1.0]
+        truncated = [i for i, p in enumerate(sampled) if p.top_k > 0 or p.top_p < 1.0]
+        self.plain = torch.tensor(plain, dtype=torch.long, device=device) if plain else None
+        self.truncated = torch.tensor(truncated, dtype=torch.long, device=device) if truncated else None
+        self.top_k = torch.tensor([sampled[i].top_k for i in truncated], dtype=torch.long, device=device)
+        self.top_p = torch.tensor([sampled[i].top_p for i in truncated], device=device)
 
 
 def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
@@ -91,31 +98,50 @@ def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) ->
     return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
 
 
-def warp(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p on the sampled rows, exactly as HF's warpers do (-inf = removed)."""
-    logits = logits / rows.temperature
-    if rows.top_k_max > 0:
-        vocab = logits.shape[-1]
-        kth = logits.topk(min(rows.top_k_max, vocab), dim=-1).values
-        # Per-row k: the k-th largest value is the threshold (ties with it stay, as in HF); k=0 keeps all.
-        index = (rows.top_k.clamp(1, vocab) - 1).clamp_max(kth.shape[-1] - 1)[:, None]
-        threshold = kth.gather(1, index).masked_fill((rows.top_k == 0)[:, None], -math.inf)
-        logits = logits.masked_fill(logits < threshold, -math.inf)
-    if rows.top_p is not None:
-        sorted_logits, sorted_index = torch.sort(logits, descending=False)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        remove = cumulative <= (1 - rows.top_p)
-        remove[:, -1] = False  # keep at least one token
-        logits = logits.masked_fill(remove.scatter(1, sorted_index, remove), -math.inf)
-    return logits
+def truncated_distribution(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's top-k then top-p warpers on temperature-scaled logits [S, V], over candidate tokens.
+
+    Returns (probs [S, C], token ids [S, C]): the kept tokens' probabilities (zeros elsewhere), renormalised
+    as the softmax of HF's warped logits would be. top_k 0 = off, top_p 1 = off, per row.
+    """
+    vocab = scaled.shape[-1]
+    limit = min(vocab, max(CANDIDATES, int(top_k.max()) + 1))  # +1: a token tied with the k-th stays, as in HF
+    full_mass = None
+    while True:
+        values, ids = scaled.topk(limit, dim=-1)  # sorted, largest first
+        # HF TopK keeps logits >= the k-th largest; rows with k=0 keep every candidate.
+        kth = values.gather(1, (top_k.clamp(1, limit) - 1)[:, None])
+        values = values.masked_fill((values < kth) & (top_k > 0)[:, None], -math.inf)
+        if full_mass is None:  # a row without top-k normalises over the whole vocabulary
+            full_mass = scaled.logsumexp(dim=-1, keepdim=True)
+        log_norm = torch.where((top_k > 0)[:, None], values.logsumexp(dim=-1, keepdim=True), full_mass)
+        probs = (values - log_norm).exp()
+        # HF TopP drops a token when the ascending cumulative mass up to it is <= 1 - p, i.e. when the mass
+        # ranked strictly above it is >= p. The most likely token always stays.
+        above = probs.cumsum(dim=-1) - probs
+        covered = (top_k > 0) | (top_p >= 1.0) | (probs.sum(dim=-1) >= top_p)
+        if limit == vocab or bool(covered.all()):
+            break
+        limit = min(vocab, limit * 8)  # some nucleus reaches past the candidates: look further
+    probs = probs.masked_fill(above >= top_p[:, None], 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True), ids
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    # The first index whose cumulative mass exceeds u * total; zero-probability entries have zero width.
+    cdf = probs.cumsum(dim=-1)
+    drawn = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
+    return drawn.clamp_max(cdf.shape[-1] - 1)
 
 
 def next_tokens(
     logits: torch.Tensor, rows: RowParams, seen: torch.Tensor | None, generators: list[torch.Generator],
 ) -> torch.Tensor:
-    """Each row's next token id [B]: argmax for greedy rows, a draw from its own generator for the others.
+    """Each row's next token id [B]: repetition penalty, then argmax or temperature -> top-k -> top-p -> draw.
 
-    generators[i] belongs to rows.sample_rows[i]; each draws exactly one uniform per token, so a
+    generators[i] belongs to rows.sample_rows[i] and draws exactly one uniform per token, so a
     sequence's randomness does not depend on what else shares the batch.
     """
     if rows.penalty is not None and seen is not None:
@@ -123,12 +149,16 @@ def next_tokens(
     tokens = logits.argmax(dim=-1)
     if not rows.sample_rows:
         return tokens
-    probs = warp(logits.index_select(0, rows.sample_index), rows).softmax(dim=-1)
-    cdf = probs.cumsum(dim=-1)
-    uniforms = torch.cat([torch.rand(1, generator=g) for g in generators]).to(cdf.device)
-    # Inverse CDF: the first token whose cumulative mass exceeds u * total; removed tokens have zero width.
-    drawn = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
-    tokens[rows.sample_index] = drawn.clamp_max(cdf.shape[-1] - 1)
+    scaled = logits.index_select(0, rows.sample_index) / rows.temperature
+    uniforms = torch.cat([torch.rand(1, generator=g) for g in generators]).to(scaled.device)
+    drawn = torch.empty(len(rows.sample_rows), dtype=torch.long, device=scaled.device)
+    if rows.plain is not None:
+        drawn[rows.plain] = _inverse_cdf(scaled.index_select(0, rows.plain).softmax(dim=-1), uniforms[rows.plain])
+    if rows.truncated is not None:
+        probs, ids = truncated_distribution(scaled.index_select(0, rows.truncated), rows.top_k, rows.top_p)
+        picked = _inverse_cdf(probs, uniforms[rows.truncated])
+        drawn[rows.truncated] = ids.gather(1, picked[:, None])[:, 0]
+    tokens[rows.sample_index] = drawn
     return tokens
 
 

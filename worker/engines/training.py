@@ -178,11 +178,11 @@ def train(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> Train
         if eval_set is not None and config.eval_steps is not None and progress.step < total_steps \
                 and progress.step % config.eval_steps == 0:
             callbacks.on_eval(progress.step, evaluate(model, eval_set, plan, config.batch_size, len(labels)))
-        saved = config.checkpoint_steps is not None and progress.step % config.checkpoint_steps == 0
-        if saved:
+        checkpointed = config.checkpoint_steps is not None and progress.step % config.checkpoint_steps == 0
+        if checkpointed:
             save(progress.step)
         if callbacks.should_stop():
-            if not saved:
+            if not checkpointed:
                 save(progress.step)
             return cancelled()
 
@@ -195,9 +195,9 @@ def train(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> Train
         base_model=str(config.base_model), base_model_name=config.base_model_name, labels=labels,
         hyperparameters=_hyperparameters(config, plan, total_steps, per_epoch, warmup_steps),
         dataset_hashes=dict(config.dataset_hashes), metrics=metrics, plan=plan,
+        data={"text_column": config.text_column, "label_column": config.label_column,
+              "num_train": len(train_set), "num_eval": len(eval_set) if eval_set is not None else 0},
     )
-    manifest["data"] = {"text_column": config.text_column, "label_column": config.label_column,
-                        "num_train": len(train_set), "num_eval": len(eval_set) if eval_set is not None else 0}
     artifacts.save_final(config.output_dir, model, tokenizer, manifest)
     callbacks.on_event("saved", f"model saved to {config.output_dir}")
     return TrainResult("completed", progress.step, total_steps, metrics, Path(config.output_dir), manifest)

@@ -1,0 +1,160 @@
+"""GPT-2 generation: the continuous-batching engine vs one-at-a-time `model.generate`; print tokens/s.
+
+Usage: HF_HUB_OFFLINE=1 .venv/bin/python bench/generate_engine.py [--requests 32] [--concurrency 16]
+       [--max-new-tokens 64] [--layers 12] [--sampling greedy|seeded]
+Smoke run: ... --requests 4 --concurrency 2 --max-new-tokens 8 --layers 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere: `worker` lives in ROOT
+
+import torch  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast  # noqa: E402
+
+from worker.engines.generation import GenerationEngine, SamplingParams  # noqa: E402
+from worker.engines.lm_loading import ASSETS_TOKENIZER  # noqa: E402
+
+BASELINE = "sequential-hf-generate"
+SAMPLING = {"temperature": 0.8, "top_k": 50}  # the seeded mode, same settings on both sides
+
+
+def default_text() -> Path:
+    """examples/data/tinyshakespeare_sample.txt when present, else ../shared/data/tinyshakespeare/input.txt."""
+    local = ROOT / "examples" / "data" / "tinyshakespeare_sample.txt"
+    return local if local.is_file() else ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+
+
+def load_prompts(source: Path, count: int) -> list[str]:
+    """The first `count` lines of at least 30 characters (speaker names and short replies skipped)."""
+    lines = [line.strip() for line in source.read_text(encoding="utf-8").splitlines()]
+    prompts = [line for line in lines if len(line) >= 30][:count]
+    if len(prompts) < count:
+        raise SystemExit(f"{source} has only {len(prompts)} usable lines, {count} requested")
+    return prompts
+
+
+def build_model(folder: Path, layers: int) -> None:
+    """GPT-2 small's shape (GPT2Config defaults) with `layers` blocks, random weights from seed 0."""
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=layers)).save_pretrained(folder, safe_serialization=True)
+    GPT2TokenizerFast.from_pretrained(ASSETS_TOKENIZER).save_pretrained(folder)
+
+
+def run_baseline(folder: Path, prompts: list[str], args: argparse.Namespace) -> dict:
+    """One `model.generate` call per prompt, one after the other (HF's KV cache, batch of one)."""
+    tokenizer = GPT2TokenizerFast.from_pretrained(folder)
+    model = GPT2LMHeadModel.from_pretrained(folder).eval()
+    outputs: list[list[int]] = []
+
+    def generate(index: int, prompt: str) -> list[int]:
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        kwargs = {"do_sample": False}
+        if args.sampling == "seeded":
+            torch.manual_seed(index)
+            kwargs = {"do_sample": True, **SAMPLING}
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                             pad_token_id=tokenizer.eos_token_id, **kwargs)
+        return out[0, ids.shape[1]:].tolist()
+
+    with torch.inference_mode():
+        generate(0, prompts[0])  # warm-up, not timed
+        start = time.perf_counter()
+        outputs = [generate(i, p) for i, p in enumerate(prompts)]
+        seconds = time.perf_counter() - start
+    tokens = sum(len(o) for o in outputs)
+    return {"tokens": tokens, "seconds": seconds, "outputs": outputs}
+
+
+def run_engine(folder: Path, prompts: list[str], args: argparse.Namespace) -> dict:
+    """All prompts through GenerationEngine from `--concurrency` submitting threads."""
+    engine = GenerationEngine(folder, device="cpu", max_batch_size=args.max_batch_size)
+    first_token: dict[int, float] = {}
+    submitted: dict[int, float] = {}
+    lock = threading.Lock()
+
+    def params(index: int) -> SamplingParams:
+        if args.sampling == "seeded":
+            return SamplingParams(max_new_tokens=args.max_new_tokens, seed=index, **SAMPLING)
+        return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0)
+
+    def one(index: int) -> list[int]:
+        def on_token(choice: int, delta: str) -> None:
+            with lock:
+                first_token.setdefault(index, time.perf_counter())
+
+        submitted[index] = time.perf_counter()
+        result = engine.submit(prompts[index], params(index), on_token=on_token).result()
+        return result.choices[0].token_ids
+
+    try:
+        engine.generate(prompts[0], params(0))  # warm-up, not timed
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
+            outputs = list(pool.map(one, range(len(prompts))))
+        seconds = time.perf_counter() - start
+        stats = engine.stats()
+    finally:
+        engine.close()
+    ttft = sorted(first_token[i] - submitted[i] for i in first_token)
+    return {"tokens": sum(len(o) for o in outputs), "seconds": seconds, "outputs": outputs, "ttft": ttft,
+            "stats": stats}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile of sorted values."""
+    return values[min(len(values) - 1, max(0, round(q / 100 * len(values) + 0.5) - 1))]
+
+
+def main() -> None:
+    """Parse options, run both sides on the same model and prompts, print the table and the ratio."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--sampling", choices=("greedy", "seeded"), default="greedy")
+    parser.add_argument("--text", type=Path, default=default_text())
+    args = parser.parse_args()
+
+    prompts = load_prompts(args.text, args.requests)
+    print(f"model: GPT-2 small shape, {args.layers} layers, random init (seed 0), fp32 CPU, "
+          f"{torch.get_num_threads()} torch threads")
+    print(f"workload: {args.requests} prompts from {args.text.name} (mean {statistics.mean(len(p) for p in prompts):.0f}"
+          f" chars), max_new_tokens {args.max_new_tokens}, {args.sampling}")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "gpt2"
+        build_model(folder, args.layers)
+        baseline = run_baseline(folder, prompts, args)
+        engine = run_engine(folder, prompts, args)
+
+    rows = [(BASELINE, baseline, "1"), (f"engine ({args.concurrency} submitters)", engine, str(args.concurrency))]
+    print(f"\n{'run':<32} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
+    for name, result, _ in rows:
+        print(f"{name:<32} {result['tokens']:>7} {result['seconds']:>8.2f} {result['tokens'] / result['seconds']:>9.1f}")
+    ratio = (engine["tokens"] / engine["seconds"]) / (baseline["tokens"] / baseline["seconds"])
+    print(f"\nratio engine / {BASELINE}: {ratio:.2f}x")
+    ttft = engine["ttft"]
+    print(f"engine time to first token: p50 {percentile(ttft, 50) * 1000:.0f} ms, "
+          f"p99 {percentile(ttft, 99) * 1000:.0f} ms ({len(ttft)} requests)")
+    stats = engine["stats"]
+    print(f"engine: {stats['steps']} decode steps, {stats['prefills']} prefills, "
+          f"peak batch {stats['peak_running_sequences']} sequences")
+    if args.sampling == "greedy":
+        same = sum(a == b for a, b in zip(baseline["outputs"], engine["outputs"], strict=True))
+        print(f"greedy outputs identical to {BASELINE}: {same}/{len(prompts)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Fault injection with real processes: Redis losing its data mid-job, PostgreSQL restarting."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.main import create_app
+from tests.conftest import make_key
+from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
+from tests.integration.conftest import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """A private redis-server without persistence, so a restart loses everything, as in production."""
+
+    def __init__(self, tmp_path) -> None:
+        self.port = _free_port()
+        self.dir = tmp_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(self.port),
+                                      "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                      "--dir", str(self.dir)], stdout=subprocess.DEVNULL)
+        wait_for(lambda: subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True,
+                                        text=True).stdout.strip() == "PONG", 10, "redis to start")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+
+@pytest.fixture()
+def private_redis(tmp_path):
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.kill()
+
+
+def test_redis_losing_its_data_loses_no_job(settings, worker_env, start_worker, tiny_bert_dir, private_redis):
+    settings.redis_url = private_redis.url
+    worker_env.update(TRAINSERVE_REDIS_URL=private_redis.url, TRAINSERVE_HEARTBEAT_TIMEOUT_S="6")
+    with TestClient(create_app(settings=settings)) as client:
+        client.headers["Authorization"] = f"Bearer {make_key(settings.resolved_database_url)}"
+        start_worker("training")
+        ds = upload(client, tsv_bytes(sentiment_rows(4))).json()["id"]
+        hp = {"max_steps": 120, "batch_size": 8, "learning_rate": 1e-2, "max_length": 32}
+        body = job_body(ds, base_model=str(tiny_bert_dir), hyperparameters=hp)
+        running = client.post("/jobs", json=body).json()["id"]
+        queued = client.post("/jobs", json=body).json()["id"]  # waits behind the first: one worker
+        wait_for(lambda: client.get(f"/jobs/{running}").json()["progress"]["step"] >= 10, 120, "step 10")
+        private_redis.kill()
+        private_redis.start()  # empty: the second job's message is gone
+        for job_id in (running, queued):
+            job = wait_for(lambda j=job_id: (r := client.get(f"/jobs/{j}").json())["status"]
+                           in ("succeeded", "failed") and r, 300, f"{job_id} to finish")
+            assert job["status"] == "succeeded", job["error"]
+
+
+def _pg(action: str) -> None:
+    version = sorted(os.listdir("/etc/postgresql"))[-1]
+    result = subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", action, *(
+        ["-m", "fast"] if action == "stop" else [])], capture_output=True, text=True)
+    # exit code 2 from `start` means the cluster is already running
+    assert result.returncode == 0 or (action == "start" and result.returncode == 2), result.stderr
+
+
+@pytest.fixture()
+def restartable_postgres():
+    if not os.path.isdir("/etc/postgresql") or shutil.which("pg_ctlcluster") is None or os.geteuid() != 0:
+        pytest.fail("this test restarts the local PostgreSQL cluster and needs pg_ctlcluster as root")
+    yield
+    _pg("start")  # whatever happened, leave the server running
+
+
+def test_postgres_restart_gives_503_then_recovers(settings, restartable_postgres):
+    with TestClient(create_app(settings=settings)) as client:
+        client.headers["Authorization"] = f"Bearer {make_key(settings.resolved_database_url)}"
+        assert client.get("/jobs").status_code == 200
+        _pg("stop")
+        try:
+            for path in ("/jobs", "/datasets", "/health"):
+                response = client.get(path)
+                assert response.status_code == 503, (path, response.text)
+                assert "retry-after" in response.headers or path == "/health"
+            response = client.post("/datasets", files={"file": ("t.tsv", tsv_bytes(sentiment_rows()))})
+            assert response.status_code == 503
+            assert response.json()["error"]["code"] == "database_unavailable"
+        finally:
+            _pg("start")
+        wait_for(lambda: client.get("/health").status_code == 200, 60, "the API to see the database again")
+        assert client.get("/jobs").status_code == 200
+        assert client.post("/datasets", files={"file": ("t.tsv", tsv_bytes(sentiment_rows()))}).status_code == 201
+        assert len(client.get("/datasets").json()["data"]) == 1  # the refused upload left nothing behind

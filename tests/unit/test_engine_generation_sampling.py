@@ -1,0 +1,137 @@
+"""Sampling pieces of the generation engine against HF's logits processors, and streamed text with stops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2TokenizerFast
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from tests.tiny_lm import ASSETS_TOKENIZER
+from worker.engines.lm_loading import token_bytes
+from worker.engines.sampling import (
+    RowParams,
+    SamplingParams,
+    TextStream,
+    make_generator,
+    next_tokens,
+    penalize,
+    truncated_distribution,
+)
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> GPT2TokenizerFast:
+    return GPT2TokenizerFast.from_pretrained(ASSETS_TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def table(tokenizer) -> list[bytes]:
+    return token_bytes(tokenizer, 50257)
+
+
+def test_top_k_then_top_p_match_hf_warpers() -> None:
+    torch.manual_seed(0)
+    peaked, flat = torch.randn(4, 50257) * 4, torch.randn(2, 50257) * 0.05  # flat rows overflow the candidates
+    logits = torch.cat([peaked, flat])
+    settings = [(0, 0.9), (50, 1.0), (50, 0.8), (3, 0.99), (0, 0.5), (400, 0.7)]
+    top_k = torch.tensor([k for k, _ in settings])
+    top_p = torch.tensor([p for _, p in settings])
+    probs, ids = truncated_distribution(logits, top_k, top_p)
+    dense = torch.zeros_like(logits).scatter(1, ids, probs)
+    for row, (k, p) in enumerate(settings):
+        scores = logits[row: row + 1].clone()
+        if k:
+            scores = TopKLogitsWarper(k)(None, scores)
+        if p < 1:
+            scores = TopPLogitsWarper(p)(None, scores)
+        expected = scores.softmax(dim=-1)[0]
+        assert torch.equal(dense[row] > 0, expected > 0), f"row {row}: kept sets differ"
+        torch.testing.assert_close(dense[row], expected, atol=1e-6, rtol=1e-4)
+
+
+def test_repetition_penalty_matches_hf() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(2, 100)
+    history = torch.tensor([[3, 7, 7, 50], [0, 99, 42, 3]])
+    seen = torch.zeros(2, 100, dtype=torch.bool).scatter(1, history, True)
+    ours = penalize(logits, seen, torch.tensor([[1.3], [1.3]]))
+    assert torch.equal(ours, RepetitionPenaltyLogitsProcessor(1.3)(history, logits.clone()))
+
+
+def test_a_seeded_row_draws_the_same_tokens_whatever_shares_the_batch() -> None:
+    torch.manual_seed(2)
+    mine = torch.randn(1, 1000) * 2
+    params = SamplingParams(temperature=0.7, top_k=100, top_p=0.95, seed=11)
+    alone = RowParams([params], CPU)
+    crowd = RowParams([SamplingParams(temperature=0), SamplingParams(temperature=1.5), params], CPU)
+    solo_gen, crowd_gens = make_generator(11), [make_generator(99), make_generator(11)]
+    for _ in range(20):
+        others = torch.randn(2, 1000)
+        solo = next_tokens(mine, alone, None, [solo_gen])
+        batch = next_tokens(torch.cat([others, mine]), crowd, None, crowd_gens)
+        assert batch[0] == others[0].argmax() and batch[2] == solo[0]
+
+
+def test_draws_follow_the_distribution() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125, 0.0]]))
+    rows = RowParams([SamplingParams()], CPU)
+    generator = make_generator(0)
+    counts = torch.bincount(torch.cat([next_tokens(logits, rows, None, [generator]) for _ in range(4000)]),
+                            minlength=5)
+    assert counts[4] == 0
+    torch.testing.assert_close(counts[:4] / 4000, torch.tensor([0.5, 0.25, 0.125, 0.125]), atol=0.03, rtol=0)
+
+
+def test_multibyte_characters_are_never_split(tokenizer, table) -> None:
+    text = "naïve café ✓ 日本語 🤖!"
+    ids = tokenizer.encode(text)
+    assert len(ids) > len(text.split())  # some characters span several byte tokens
+    stream = TextStream(table)
+    deltas = [stream.push(t) for t in ids] + [stream.finish()]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == stream.text == text
+
+
+def test_incomplete_bytes_at_the_end_decode_like_the_tokenizer(tokenizer, table) -> None:
+    ids = tokenizer.encode("🤖")[:-1]  # cut inside the character
+    stream = TextStream(table)
+    text = "".join(stream.push(t) for t in ids) + stream.finish()
+    assert text == stream.text == tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize(
+    ("pieces", "stops", "text", "stopped"),
+    [
+        (["Hello", " wor", "ld", "!"], ("world",), "Hello ", True),
+        (["ab", "c", "d"], ("cd", "bc"), "a", True),  # the earliest match wins
+        (["STOP", "x"], ("STOP",), "", True),
+        (["Hel", "lo"], ("lo!",), "Hello", False),  # a held-back partial match is released at the end
+        (["a\n", "\nb"], ("\n\n",), "a", True),
+    ],
+)
+def test_stop_sequences_hold_back_and_truncate(pieces, stops, text, stopped) -> None:
+    table = [p.encode() for p in pieces]
+    stream = TextStream(table, stops)
+    deltas = []
+    for index in range(len(pieces)):
+        deltas.append(stream.push(index))
+        if stream.stopped:
+            break
+    deltas.append(stream.finish())
+    assert (stream.text, stream.stopped, "".join(deltas)) == (text, stopped, text)
+    assert not any(s in d for d in deltas for s in stops)
+
+
+def test_sampling_params_coerce_and_reject() -> None:
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")  # a JSON list is fine
+    for bad in (dict(stop="abc"), dict(top_k=True), dict(seed=-1), dict(temperature=float("nan")),
+                dict(top_p=1.5), dict(max_new_tokens=2.0)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
