@@ -131,18 +131,20 @@ def main() -> None:
     prompts = load_prompts(args.text, args.requests)
     print(f"model: GPT-2 small shape, {args.layers} layers, random init (seed 0), fp32 CPU, "
           f"{torch.get_num_threads()} torch threads")
-    print(f"workload: {args.requests} prompts from {args.text.name} (mean {statistics.mean(len(p) for p in prompts):.0f}"
-          f" chars), max_new_tokens {args.max_new_tokens}, {args.sampling}")
+    mean_chars = statistics.mean(len(p) for p in prompts)
+    print(f"workload: {args.requests} prompts from {args.text.name} (mean {mean_chars:.0f} chars), "
+          f"max_new_tokens {args.max_new_tokens}, {args.sampling}")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "gpt2"
         build_model(folder, args.layers)
         baseline = run_baseline(folder, prompts, args)
         engine = run_engine(folder, prompts, args)
 
-    rows = [(BASELINE, baseline, "1"), (f"engine ({args.concurrency} submitters)", engine, str(args.concurrency))]
+    rows = [(BASELINE, baseline), (f"engine ({args.concurrency} submitters)", engine)]
     print(f"\n{'run':<32} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
-    for name, result, _ in rows:
-        print(f"{name:<32} {result['tokens']:>7} {result['seconds']:>8.2f} {result['tokens'] / result['seconds']:>9.1f}")
+    for name, result in rows:
+        rate = result["tokens"] / result["seconds"]
+        print(f"{name:<32} {result['tokens']:>7} {result['seconds']:>8.2f} {rate:>9.1f}")
     ratio = (engine["tokens"] / engine["seconds"]) / (baseline["tokens"] / baseline["seconds"])
     print(f"\nratio engine / {BASELINE}: {ratio:.2f}x")
     ttft = engine["ttft"]

@@ -1,13 +1,10 @@
 """Serve a GPT-2: continuous batching over a shared KV cache, one scheduler thread, per-request sampling.
 
-Threads call `submit`; the scheduler thread owns the model. Each loop it admits waiting requests while
-the batch has room (max_batch_size sequences, max_tokens_in_flight prompt+max_new_tokens), prefills their
-prompts into free cache rows, and runs one decode step for every running sequence. A finished or
-cancelled sequence leaves at once and its row is reused.
-
-Cancellation (is_cancelled() true, polled before every step) resolves the future with a result whose
-unfinished choices have finish_reason "cancelled" and the text produced so far. A request whose
-deadline passes while it waits raises DeadlineExceeded; running requests ignore their deadline.
+Threads call `submit`; the scheduler thread owns the model. Each loop it admits waiting requests (FIFO)
+while the batch has room, prefills their prompts into free cache rows, then runs one decode step for all
+running sequences; a finished sequence leaves at once and its row is reused. A cancelled request
+(is_cancelled() polled before every step) resolves with finish_reason "cancelled" and the text so far;
+a deadline only applies while a request waits (DeadlineExceeded).
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from worker.engines.device import DevicePlan, release_memory, resolve_device
+from worker.engines.device import DevicePlan, resolve_device
 from worker.engines.lm_loading import Gpt2Runner, load_causal_lm, load_tokenizer, token_bytes
 from worker.engines.sampling import RowParams, SamplingParams, TextStream, make_generator, next_tokens
 
@@ -102,6 +99,20 @@ class _Sequence:
     def position(self) -> int:
         """Where the last sampled token goes when it is fed back to the model."""
         return len(self.request.prompt) + len(self.tokens) - 1
+
+    def accept(self, token: int, eos_ids: frozenset[int]) -> str:
+        """Append a sampled token, decide whether the sequence is finished; returns the text to emit."""
+        self.tokens.append(token)
+        if token in eos_ids:
+            self.finish_reason = "eos"
+            return self.stream.finish()  # the eos token has no text
+        delta = self.stream.push(token)
+        if self.stream.stopped:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.request.params.max_new_tokens:
+            self.finish_reason = "length"
+            delta += self.stream.finish()
+        return delta
 
 
 class GenerationEngine:
@@ -240,7 +251,6 @@ class GenerationEngine:
         with torch.inference_mode():
             while self._wait_for_work():
                 try:
-                    self._drop_cancelled_waiting()
                     admitted = self._admit()
                     if admitted:
                         self._start(admitted)
@@ -254,22 +264,26 @@ class GenerationEngine:
     def _wait_for_work(self) -> bool:
         with self._lock:
             while not self._closed and not self._waiting and not self._rows:
-                if self._runner.keys is not None:
-                    self._runner.release()  # idle: give the cache back (it may have grown for one long request)
-                    release_memory(self.plan)
+                self._runner.release()  # idle: give the cache back (it may have grown for one long request)
                 self._wake.wait()
             return not self._closed
 
     def _admit(self) -> list[_Request]:
-        """Pop waiting requests in order while the batch has room; expire those past their deadline."""
+        """Pop waiting requests in order while the batch has room; drop expired and cancelled ones first."""
+        with self._lock:
+            watched = [r for r in self._waiting if r.is_cancelled is not None or r.future.cancelled()]
+        # is_cancelled is caller code: polled without holding the lock.
+        gone = {id(r) for r in watched if r.future.cancelled() or self._cancelled(r)}
         now = time.monotonic()
-        expired: list[_Request] = []
         admitted: list[_Request] = []
         with self._lock:
-            if any(r.deadline is not None and r.deadline < now for r in self._waiting):
-                expired = [r for r in self._waiting if r.deadline is not None and r.deadline < now]
-                self._waiting = deque(r for r in self._waiting if r.deadline is None or r.deadline >= now)
+            cancelled = [r for r in self._waiting if id(r) in gone]
+            expired = [r for r in self._waiting if r.deadline is not None and r.deadline < now and id(r) not in gone]
+            if cancelled or expired:
+                dropped = gone | {id(r) for r in expired}
+                self._waiting = deque(r for r in self._waiting if id(r) not in dropped)
                 self._counters["expired"] += len(expired)
+                self._counters["cancelled"] += len(cancelled)
             rows = len(self._rows)
             while self._waiting:
                 head = self._waiting[0]
@@ -283,23 +297,12 @@ class GenerationEngine:
                 admitted.append(head)
         for request in expired:
             request.future.set_exception(DeadlineExceeded(f"request {request.request_id} waited past its deadline"))
-        return admitted
-
-    def _drop_cancelled_waiting(self) -> None:
-        """Waiting requests whose caller gave up leave the queue (is_cancelled is caller code: no lock held)."""
-        with self._lock:
-            waiting = [r for r in self._waiting if r.is_cancelled is not None or r.future.cancelled()]
-        gone = [r for r in waiting if r.future.cancelled() or self._cancelled(r)]
-        if not gone:
-            return
-        with self._lock:
-            self._waiting = deque(r for r in self._waiting if r not in gone)
-            self._counters["cancelled"] += len(gone)
-        for request in gone:
+        for request in cancelled:
             if not request.future.cancelled() and not request.done:
                 request.done = True
-                request.future.set_result(GenerationResult(request.request_id, [
-                    Choice(i, "", "cancelled", []) for i in range(request.params.n)], len(request.prompt), 0))
+                choices = [Choice(i, "", "cancelled", []) for i in range(request.params.n)]
+                request.future.set_result(GenerationResult(request.request_id, choices, len(request.prompt), 0))
+        return admitted
 
     def _start(self, admitted: list[_Request]) -> None:
         """Prefill admitted requests (in chunks) into new rows and sample their first tokens."""
@@ -308,7 +311,8 @@ class GenerationEngine:
             if request.future.set_running_or_notify_cancel():
                 ready.append(request)
             else:
-                self._release_tokens(request.cost)
+                with self._lock:
+                    self._tokens_in_flight -= request.cost
         chunk: list[_Request] = []
         width = 0
         for request in ready:
@@ -327,7 +331,8 @@ class GenerationEngine:
             for request in requests:
                 self._fail(request, error)
                 if not request.sequences:
-                    self._release_tokens(request.cost)
+                    with self._lock:
+                        self._tokens_in_flight -= request.cost
             try:
                 self._sweep()
             except Exception:  # noqa: BLE001
@@ -359,7 +364,7 @@ class GenerationEngine:
         params = RowParams([s.request.params for s in new_rows], self._device)
         generators = [new_rows[i].generator for i in params.sample_rows]
         seen = self._seen[first:len(self._rows)]
-        tokens = next_tokens(logits.index_select(0, source), params, seen, generators)  # type: ignore[arg-type]
+        tokens = next_tokens(logits.index_select(0, source), params, seen, generators)
         with self._lock:
             self._counters["prefills"] += 1
             self._counters["prompt_tokens"] += sum(len(r.prompt) for r in requests)
@@ -371,7 +376,7 @@ class GenerationEngine:
         """One decode step for every running row."""
         if self._row_params is None:
             self._row_params = RowParams([s.request.params for s in self._rows], self._device)
-            self._generators = [self._rows[i].generator for i in self._row_params.sample_rows]  # type: ignore[misc]
+            self._generators = [self._rows[i].generator for i in self._row_params.sample_rows]
         positions = [s.position for s in self._rows]
         tokens = torch.tensor([s.tokens[-1] for s in self._rows], dtype=torch.long, device=self._device)
         logits = self._runner.decode(tokens, torch.tensor(positions, device=self._device), max(positions) + 1)
@@ -387,27 +392,16 @@ class GenerationEngine:
         self._seen[rows, tokens] = True
         ids = tokens.tolist()  # the one device->host sync of a step
         for sequence, token in zip(self._rows[first:], ids, strict=True):
-            request, params = sequence.request, sequence.request.params
-            sequence.tokens.append(token)
-            if token in self.eos_token_ids:
-                sequence.finish_reason = "eos"
-                delta = sequence.stream.finish()
-            else:
-                delta = sequence.stream.push(token)
-                if sequence.stream.stopped:
-                    sequence.finish_reason = "stop"
-                elif len(sequence.tokens) >= params.max_new_tokens:
-                    sequence.finish_reason = "length"
-                    delta += sequence.stream.finish()
-            if delta and request.on_token is not None and not request.done:
-                self._emit(request, sequence.index, delta)
+            delta = sequence.accept(token, self.eos_token_ids)
+            if delta and sequence.request.on_token is not None and not sequence.request.done:
+                self._emit(sequence.request, sequence.index, delta)
         with self._lock:
             self._counters["generated_tokens"] += len(ids)
         self._sweep()
 
     def _emit(self, request: _Request, index: int, delta: str) -> None:
         try:
-            request.on_token(index, delta)  # type: ignore[misc]
+            request.on_token(index, delta)
         except Exception as error:  # noqa: BLE001 - a broken callback fails its own request only
             self._fail(request, error)
 
@@ -490,10 +484,6 @@ class GenerationEngine:
             self._rows.clear()
         self._row_params = None
         self._runner.release()
-
-    def _release_tokens(self, cost: int) -> None:
-        with self._lock:
-            self._tokens_in_flight -= cost
 
     def _shutdown(self) -> None:
         with self._lock:
