@@ -20,6 +20,7 @@ from core.errors import (
     DomainError,
     NotFound,
     PayloadTooLarge,
+    QueueTimeout,
     TooManyRequests,
     UpstreamFailed,
     ValidationFailed,
@@ -36,6 +37,7 @@ STATUS_FOR: dict[type[DomainError], int] = {
     Conflict: 409,
     PayloadTooLarge: 413,
     BrokerUnavailable: 503,
+    QueueTimeout: 503,
     UpstreamFailed: 502,
     WorkerTimeout: 504,
 }
@@ -73,6 +75,8 @@ def domain_headers(exc: DomainError) -> dict[str, str]:
         return {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
     if isinstance(exc, Unauthorized):
         return {"WWW-Authenticate": "Bearer"}
+    if isinstance(exc, (QueueTimeout, BrokerUnavailable)):
+        return {"Retry-After": "5"}
     return {}
 
 

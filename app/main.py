@@ -10,10 +10,12 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from app.errors import install_error_handlers
 from app.limits import BodyLimitMiddleware
-from app.routes import classify, datasets, health, jobs
+from app.routes import classify, datasets, generation, health, jobs
+from app.services.generation import GenerationGateway
 from core.celery_app import make_celery
 from core.db import make_engine, make_sessionmaker
 from core.queue import CeleryTaskQueue, TaskQueue
+from core.redis_client import async_redis_from_url
 from core.settings import Settings, get_settings
 
 
@@ -29,9 +31,12 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
         app.state.engine = engine
         app.state.sessionmaker = make_sessionmaker(engine)
         app.state.task_queue = task_queue or CeleryTaskQueue(celery)  # type: ignore[arg-type]
+        redis = async_redis_from_url(resolved.resolved_redis_url, socket_timeout=10)
+        app.state.generation = GenerationGateway(redis, app.state.task_queue, resolved)
         try:
             yield
         finally:
+            await redis.aclose()
             engine.dispose()
             if celery is not None:
                 celery.close()
@@ -43,6 +48,6 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     origins = [o.strip() for o in (settings or get_settings()).cors_origins.split(",") if o.strip()]
     if origins:
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
-    for router in (health.router, datasets.router, jobs.router, classify.router):
+    for router in (health.router, datasets.router, jobs.router, classify.router, generation.router):
         app.include_router(router)
     return app

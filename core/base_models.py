@@ -92,3 +92,14 @@ def _check_hub(repo_id: str, field: str) -> str:
     except Exception:  # noqa: BLE001 - hub unreachable: let the worker try and report a clear failure
         pass
     return repo_id
+
+
+def hub_model_available(repo_id: str) -> bool:
+    """True when a hub model can be loaded here: cached when offline, existing on the hub when online."""
+    if _offline():
+        return _in_hub_cache(repo_id)
+    try:
+        _check_hub(repo_id, "model")
+    except ValidationFailed:
+        return False
+    return True

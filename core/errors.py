@@ -82,3 +82,9 @@ class TooManyRequests(DomainError):
                  code: str | None = None) -> None:
         super().__init__(message, field=field, code=code)
         self.retry_after = retry_after
+
+
+class QueueTimeout(DomainError):
+    """A request waited longer than allowed for a worker and was dropped before reaching the model."""
+
+    code = "queue_timeout"

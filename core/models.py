@@ -105,8 +105,8 @@ class Job(Base):
                                            server_default=DEFAULT_TENANT)
     status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED, index=True)
     task: Mapped[str] = mapped_column(String(40))
-    base_model: Mapped[str] = mapped_column(String(500))
-    base_model_path: Mapped[str] = mapped_column(String(1000))
+    base_model: Mapped[str | None] = mapped_column(String(500), nullable=True)
+    base_model_path: Mapped[str | None] = mapped_column(String(1000), nullable=True)
     train_dataset_id: Mapped[str | None] = mapped_column(
         ForeignKey("datasets.id", ondelete="SET NULL"), nullable=True
     )
@@ -114,8 +114,9 @@ class Job(Base):
         ForeignKey("datasets.id", ondelete="SET NULL"), nullable=True
     )
     text_column: Mapped[str] = mapped_column(String(200))
-    label_column: Mapped[str] = mapped_column(String(200))
+    label_column: Mapped[str | None] = mapped_column(String(200), nullable=True)
     hyperparameters: Mapped[dict[str, Any]] = mapped_column(JSON)
+    model_config_: Mapped[dict[str, int] | None] = mapped_column("model_config", JSON, nullable=True)
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
     labels: Mapped[list[Any]] = mapped_column(JSON, default=list)
     step: Mapped[int] = mapped_column(Integer, default=0)

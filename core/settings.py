@@ -36,6 +36,13 @@ class Settings(BaseSettings):
     heartbeat_timeout_s: float = Field(60.0, description="A running job whose worker is silent this long is requeued.")
     max_attempts: int = Field(3, description="Runs of a job before a lost worker fails it with worker_lost.")
     cancel_grace_s: float = Field(60.0, description="Seconds a cancelled job may take to stop before its worker exits.")
+    max_new_tokens: int = Field(1024, description="Upper bound of max_new_tokens / max_tokens.")
+    generation_queue_per_model: int = Field(64, description="Generation requests in flight per model (429 beyond).")
+    generation_wait_s: float = Field(30.0, description="A generation request not started within this is dropped.")
+    generation_timeout_s: float = Field(300.0, description="Longest a generation request may take in all.")
+    generation_rate_per_minute: int = Field(600, description="Generation requests per API key per minute (429 beyond).")
+    generation_threads: int = Field(64, description="Requests one generation worker keeps in flight.")
+    max_batch_size: int = Field(32, description="Sequences decoded together by one generation engine.")
     cors_origins: str = Field("", description="Comma-separated origins allowed by CORS (empty: none).")
 
     @property

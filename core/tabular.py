@@ -12,7 +12,7 @@ from typing import Any
 
 from core.errors import PayloadTooLarge, ValidationFailed
 
-FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
+FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".txt": "text"}
 
 Value = str | int | float | bool | None
 
@@ -32,7 +32,7 @@ def format_for(filename: str) -> str:
     if suffix not in FORMATS:
         raise ValidationFailed(
             "file",
-            f"unsupported file extension {suffix or '(none)'!r}; use one of .csv, .tsv, .jsonl",
+            f"unsupported file extension {suffix or '(none)'!r}; use one of .csv, .tsv, .jsonl, .txt",
         )
     return FORMATS[suffix]
 
@@ -45,7 +45,12 @@ def parse_table(data: bytes, fmt: str, *, max_rows: int | None = None) -> Table:
         raise ValidationFailed("file", f"file is not valid UTF-8 (byte {exc.start})") from exc
     if not text.strip():
         raise ValidationFailed("file", "file is empty")
-    table = _parse_jsonl(text, max_rows) if fmt == "jsonl" else _parse_delimited(text, fmt, max_rows)
+    if fmt == "text":
+        table = _parse_text(text, max_rows)
+    elif fmt == "jsonl":
+        table = _parse_jsonl(text, max_rows)
+    else:
+        table = _parse_delimited(text, fmt, max_rows)
     if not table.rows:
         raise ValidationFailed("file", "file has a header but no data rows")
     return table
@@ -85,6 +90,14 @@ def _parse_delimited(text: str, fmt: str, max_rows: int | None) -> Table:
     except csv.Error as exc:
         raise ValidationFailed("file", f"malformed {fmt.upper()}: {exc}") from exc
     return Table(format=fmt, columns=columns, rows=rows)
+
+
+def _parse_text(text: str, max_rows: int | None) -> Table:
+    """A plain-text corpus (for causal-LM training): one row per non-empty line, column `text`."""
+    rows: list[dict[str, Value]] = [{"text": line} for line in text.splitlines() if line.strip()]
+    if max_rows is not None and len(rows) > max_rows:
+        raise PayloadTooLarge(f"more than {max_rows} lines", field="file")
+    return Table(format="text", columns=["text"], rows=rows)
 
 
 def _parse_jsonl(text: str, max_rows: int | None) -> Table:

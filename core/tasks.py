@@ -5,3 +5,15 @@ TASK_CLASSIFY = "worker.tasks.classify"
 
 QUEUE_TRAIN = "training"
 QUEUE_INFERENCE = "inference"
+TASK_GENERATE = "worker.tasks.generate"
+QUEUE_GENERATE = "generation"
+
+
+def stream_key(request_id: str) -> str:
+    """Redis stream a generation worker writes a request's events to."""
+    return f"trainserve:gen:{request_id}"
+
+
+def cancel_key(request_id: str) -> str:
+    """Redis key the API sets when a client goes away, so the worker frees the request's batch slot."""
+    return f"trainserve:gen:{request_id}:cancel"

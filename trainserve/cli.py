@@ -37,8 +37,15 @@ def _worker(args: argparse.Namespace) -> int:
     name = f"{args.queues.replace(',', '+')}-{device.replace(':', '')}-{os.getpid()}@{socket.gethostname()}"
     # Solo pool: the task runs in the worker's main process, so a shutdown signal reaches the training loop,
     # which checkpoints and requeues its job instead of losing it.
-    celery.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", args.queues, "-n", name,
-                        "--loglevel", args.loglevel, "--without-gossip", "--without-mingle"])
+    if args.queues == "generation":
+        # Generation tasks mostly wait on the engine's batch: many threads keep many requests in flight.
+        from core.settings import get_settings
+
+        pool = ["--pool=threads", f"--concurrency={get_settings().generation_threads}"]
+    else:
+        pool = ["--pool=solo", "--concurrency=1"]
+    celery.worker_main(["worker", *pool, "-Q", args.queues, "-n", name, "--loglevel", args.loglevel,
+                        "--without-gossip", "--without-mingle"])
     return 0
 
 
@@ -99,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     api.set_defaults(func=_api)
     worker = sub.add_parser("worker", help="run a Celery worker pinned to one device")
     worker.add_argument("--device", default="auto", help="cpu, cuda:N or auto")
-    worker.add_argument("--queues", default="training", help="training, inference or both (comma-separated)")
+    worker.add_argument("--queues", default="training",
+                        help="training, inference or generation (training and inference may be combined)")
     worker.add_argument("--loglevel", default="INFO")
     worker.set_defaults(func=_worker)
     keys = sub.add_parser("keys", help="manage API keys")

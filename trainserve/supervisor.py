@@ -99,6 +99,7 @@ def run_up(*, host: str, port: int, home: Path, devices: str) -> int:
     for device in worker_devices(devices):
         children.append(Child(f"worker[{device}]", [*cli, "worker", "--device", device], env))
     children.append(Child("worker[inference]", [*cli, "worker", "--device", "auto", "--queues", "inference"], env))
+    children.append(Child("worker[generation]", [*cli, "worker", "--device", "auto", "--queues", "generation"], env))
 
     stop = False
 

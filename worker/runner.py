@@ -21,6 +21,7 @@ from core.store import datasets as dataset_store
 from core.store import jobs as store
 from core.tasks import QUEUE_TRAIN, TASK_TRAIN
 from worker.app import SHUTDOWN, celery
+from worker.engines.lm_training import LMTrainConfig, train_lm
 from worker.engines.training import TrainCallbacks, TrainConfig, TrainResult, train
 from worker.recovery import Heartbeat
 
@@ -148,13 +149,24 @@ def _artifact(job_id: str, kind: str, path: Path, step: int | None) -> Artifact:
 
 
 def build_config(job: Job, train_path: Path, eval_path: Path | None, hashes: dict[str, str],
-                 device: str) -> TrainConfig:
+                 device: str) -> TrainConfig | LMTrainConfig:
     """The engine's frozen config from a job row."""
     settings = get_settings()
     hp = job.hyperparameters
     out = job_dir(job.id)
+    if job.task == "causal-lm":
+        return LMTrainConfig(
+            train_file=train_path, eval_file=eval_path, output_dir=out / "model", checkpoint_dir=out / "checkpoints",
+            base_model=job.base_model_path, model_config=job.model_config_, text_column=job.text_column,
+            val_fraction=hp["val_fraction"], block_size=hp["block_size"], epochs=hp["epochs"],
+            max_steps=hp["max_steps"], batch_size=hp["batch_size"], learning_rate=hp["learning_rate"],
+            warmup_ratio=hp["warmup_ratio"], weight_decay=hp["weight_decay"],
+            gradient_accumulation_steps=hp["gradient_accumulation_steps"], precision=hp["precision"],
+            seed=hp["seed"], eval_steps=hp["eval_steps"], checkpoint_steps=settings.checkpoint_steps,
+            device=device, base_model_name=job.base_model or "", dataset_hashes=hashes)
+    assert job.base_model_path is not None and job.label_column is not None
     return TrainConfig(
-        base_model=job.base_model_path, base_model_name=job.base_model, train_file=train_path,
+        base_model=job.base_model_path, base_model_name=job.base_model or "", train_file=train_path,
         eval_file=eval_path, text_column=job.text_column, label_column=job.label_column,
         output_dir=out / "model", checkpoint_dir=out / "checkpoints", epochs=hp["epochs"],
         max_steps=hp["max_steps"], batch_size=hp["batch_size"], learning_rate=hp["learning_rate"],
@@ -195,7 +207,7 @@ def run_training_job(job_id: str) -> str:
     reporter = JobReporter(factory, job_id, settings.metrics_flush_s, heartbeat.lost)
     try:
         with heartbeat:
-            result = train(config, reporter)
+            result = train_lm(config, reporter) if isinstance(config, LMTrainConfig) else train(config, reporter)
     except Exception as exc:  # noqa: BLE001 - any failure ends the job with a recorded reason
         log.exception("job %s failed", job_id)
         with session_scope(factory) as session:
@@ -208,7 +220,7 @@ def run_training_job(job_id: str) -> str:
     return _record_result(factory, job_id, result)
 
 
-def _config_for(session: Session, job: Job, device: str) -> TrainConfig:
+def _config_for(session: Session, job: Job, device: str) -> TrainConfig | LMTrainConfig:
     home = get_settings().home
     if job.train_dataset_id is None:
         raise ValueError("the training dataset was deleted")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.tasks import TASK_CLASSIFY, TASK_TRAIN
+from core.tasks import TASK_CLASSIFY, TASK_GENERATE, TASK_TRAIN
 from worker.app import celery
 
 
@@ -22,3 +22,11 @@ def classify(job_id: str, texts: list[str]) -> list[dict[str, Any]]:
     from worker.runner import classify_texts
 
     return classify_texts(job_id, texts)
+
+
+@celery.task(name=TASK_GENERATE, ignore_result=True, acks_late=False)
+def generate(payload: dict[str, Any]) -> None:
+    """Serve one generation request; many run at once in a thread pool so the batcher has work."""
+    from worker.serving import serve
+
+    serve(payload)

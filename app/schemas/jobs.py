@@ -7,22 +7,28 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from core.hyperparams import Hyperparameters
-
 
 class JobCreate(BaseModel):
-    """A fine-tune request. Unknown fields are rejected so typos do not pass silently."""
+    """A training request. Unknown fields are rejected so typos do not pass silently."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    task: Literal["text-classification"] = "text-classification"
-    base_model: str = Field(min_length=1, max_length=500,
-                            description="Built-in alias (minilm-l6), absolute local folder, or hub id.")
+    task: Literal["text-classification", "causal-lm"] = "text-classification"
+    base_model: str | None = Field(
+        None, min_length=1, max_length=500,
+        description="text-classification: alias (minilm-l6), local folder or hub id (required). "
+                    "causal-lm: an existing causal LM to continue from, or omit and give model_config.")
+    architecture: dict[str, int] | None = Field(
+        None, alias="model_config",
+        description="causal-lm from scratch: GPT-2 shape {n_layer, n_embd, n_head, n_positions}.")
     train_dataset: str = Field(min_length=1, max_length=40)
     eval_dataset: str | None = Field(None, min_length=1, max_length=40)
     text_column: str = Field("text", min_length=1, max_length=200)
-    label_column: str = Field("label", min_length=1, max_length=200)
-    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+    label_column: str | None = Field(None, min_length=1, max_length=200,
+                                     description="text-classification only (default 'label').")
+    hyperparameters: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Validated per task: see Hyperparameters (text-classification) and LMHyperparameters.")
     metadata: dict[str, str] = Field(default_factory=dict, description="Up to 16 string pairs for your own use.")
 
     @field_validator("metadata")
@@ -60,11 +66,12 @@ class JobRead(BaseModel):
     object: Literal["job"] = "job"
     status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
     task: str
-    base_model: str
+    base_model: str | None
+    architecture: dict[str, int] | None = Field(None, serialization_alias="model_config")
     train_dataset: str | None
     eval_dataset: str | None
     text_column: str
-    label_column: str
+    label_column: str | None
     labels: list[Any]
     hyperparameters: dict[str, Any]
     progress: Progress

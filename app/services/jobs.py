@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import difflib
+from typing import Any
 
+from pydantic import BaseModel
+from pydantic import ValidationError as PydanticValidationError
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -12,6 +15,8 @@ from app.services import idempotency
 from core.auth import Principal
 from core.base_models import resolve_base_model
 from core.errors import BrokerUnavailable, Conflict, NotFound, TooManyRequests, ValidationFailed
+from core.hyperparams import Hyperparameters, LMHyperparameters
+from core.lm_config import validate_model_config
 from core.models import Dataset, Job, JobStatus, new_id, utcnow
 from core.queue import TaskQueue
 from core.settings import Settings
@@ -36,36 +41,20 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, principal
     if active >= settings.max_active_jobs_per_tenant:
         raise TooManyRequests(f"{active} jobs are queued or running; the limit per tenant is "
                               f"{settings.max_active_jobs_per_tenant}", retry_after=30, code="quota_exceeded")
-    hp = spec.hyperparameters
-    if hp.max_length > settings.max_text_length:
-        raise ValidationFailed("hyperparameters.max_length",
-                               f"must be at most {settings.max_text_length} on this server")
-    base_path = resolve_base_model(spec.base_model, local_roots=settings.local_model_roots)
     train = _dataset(session, principal, spec.train_dataset, "train_dataset")
+    evaluation = _dataset(session, principal, spec.eval_dataset, "eval_dataset") if spec.eval_dataset else None
     _require_column(train, spec.text_column, "text_column")
-    _require_column(train, spec.label_column, "label_column")
-    labels = _labels(train, spec.label_column, "train_dataset")
     _require_text(train, spec.text_column, "train_dataset")
-    if len(labels) < 2:
-        raise ValidationFailed("train_dataset", f"label column {spec.label_column!r} has only one class "
-                               f"({labels[0]!r}); classification needs at least two")
-    if spec.eval_dataset is not None:
-        evaluation = _dataset(session, principal, spec.eval_dataset, "eval_dataset")
+    if evaluation is not None:
         _require_column(evaluation, spec.text_column, "eval_dataset")
-        _require_column(evaluation, spec.label_column, "eval_dataset")
         _require_text(evaluation, spec.text_column, "eval_dataset")
-        unseen = sorted(map(str, set(_labels(evaluation, spec.label_column, "eval_dataset")) - set(labels)))
-        if unseen:
-            raise ValidationFailed("eval_dataset", f"labels not present in the training data: {unseen[:10]}")
-
-    job = Job(
-        id=new_id("job"), tenant_id=principal.tenant_id, status=JobStatus.QUEUED, task=spec.task,
-        base_model=spec.base_model,
-        base_model_path=base_path, train_dataset_id=train.id, eval_dataset_id=spec.eval_dataset,
-        text_column=spec.text_column, label_column=spec.label_column,
-        hyperparameters=hp.model_dump(), metadata_=spec.metadata, labels=labels, metrics={},
-        created_at=utcnow(),
-    )
+    if spec.task == "causal-lm":
+        fields = _causal_lm_fields(settings, spec)
+    else:
+        fields = _classification_fields(settings, spec, train, evaluation)
+    job = Job(id=new_id("job"), tenant_id=principal.tenant_id, status=JobStatus.QUEUED, task=spec.task,
+              base_model=spec.base_model, train_dataset_id=train.id, eval_dataset_id=spec.eval_dataset,
+              text_column=spec.text_column, metadata_=spec.metadata, metrics={}, created_at=utcnow(), **fields)
     store.add_job(session, job=job)
     store.add_event(session, job_id=job.id, kind="created", message="job created and queued")
     idempotency.remember(session, principal, route=ROUTE, key=idempotency_key, request_hash=request_hash,
@@ -96,6 +85,62 @@ def enqueue_job(session: Session, queue: TaskQueue, *, job: Job) -> Job:
         raise
     session.commit()
     return job
+
+
+def _hyperparameters(model: type[BaseModel], raw: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return model.model_validate(raw).model_dump()
+    except PydanticValidationError as exc:
+        error = exc.errors()[0]
+        field = ".".join(["hyperparameters", *(str(p) for p in error["loc"])])
+        raise ValidationFailed(field, f"{field}: {error['msg']}") from exc
+
+
+def _classification_fields(settings: Settings, spec: JobCreate, train: Dataset, evaluation: Dataset | None
+                           ) -> dict[str, Any]:
+    """Checks and resolved columns of a text-classification job."""
+    if spec.architecture is not None:
+        raise ValidationFailed("model_config", "model_config applies to causal-lm jobs only")
+    if spec.base_model is None:
+        raise ValidationFailed("base_model", "text-classification needs a base_model (e.g. minilm-l6)")
+    hp = _hyperparameters(Hyperparameters, spec.hyperparameters)
+    if hp["max_length"] > settings.max_text_length:
+        raise ValidationFailed("hyperparameters.max_length",
+                               f"must be at most {settings.max_text_length} on this server")
+    label_column = spec.label_column or "label"
+    base_path = resolve_base_model(spec.base_model, local_roots=settings.local_model_roots)
+    _require_column(train, label_column, "label_column")
+    labels = _labels(train, label_column, "train_dataset")
+    if len(labels) < 2:
+        raise ValidationFailed("train_dataset", f"label column {label_column!r} has only one class "
+                               f"({labels[0]!r}); classification needs at least two")
+    if evaluation is not None:
+        _require_column(evaluation, label_column, "eval_dataset")
+        unseen = sorted(map(str, set(_labels(evaluation, label_column, "eval_dataset")) - set(labels)))
+        if unseen:
+            raise ValidationFailed("eval_dataset", f"labels not present in the training data: {unseen[:10]}")
+    return {"base_model_path": base_path, "label_column": label_column, "labels": labels, "hyperparameters": hp}
+
+
+def _causal_lm_fields(settings: Settings, spec: JobCreate) -> dict[str, Any]:
+    """Checks of a causal-lm job: continue from a causal LM, or train a fresh GPT-2 of a given shape."""
+    if spec.label_column is not None:
+        raise ValidationFailed("label_column", "causal-lm jobs have no labels")
+    hp = _hyperparameters(LMHyperparameters, spec.hyperparameters)
+    if spec.base_model is not None:
+        if spec.architecture is not None:
+            raise ValidationFailed("model_config", "give either base_model or model_config, not both")
+        base_path = resolve_base_model(spec.base_model, local_roots=settings.local_model_roots)
+        return {"base_model_path": base_path, "hyperparameters": hp, "labels": []}
+    try:
+        architecture = validate_model_config(spec.architecture or {})
+    except ValueError as exc:
+        field = str(exc).split(":", 1)[0].split(" ", 1)[0]
+        raise ValidationFailed(field if field.startswith("model_config") else "model_config", str(exc)) from exc
+    if hp["block_size"] is not None and hp["block_size"] > architecture["n_positions"]:
+        raise ValidationFailed("hyperparameters.block_size",
+                               f"must not exceed model_config.n_positions ({architecture['n_positions']})")
+    return {"base_model_path": None, "model_config_": architecture, "hyperparameters": hp, "labels": []}
 
 
 def _dataset(session: Session, principal: Principal, dataset_id: str, field: str) -> Dataset:
@@ -171,6 +216,7 @@ def job_read(job: Job) -> JobRead:
     fraction = 1.0 if job.status == JobStatus.SUCCEEDED else (min(job.step / total, 1.0) if total else 0.0)
     return JobRead(
         id=job.id, status=job.status, task=job.task, base_model=job.base_model,  # type: ignore[arg-type]
+        architecture=job.model_config_,
         train_dataset=job.train_dataset_id, eval_dataset=job.eval_dataset_id,
         text_column=job.text_column, label_column=job.label_column, labels=job.labels,
         hyperparameters=job.hyperparameters,

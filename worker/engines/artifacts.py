@@ -114,7 +114,7 @@ def _set_rng_state(state: dict[str, Any], plan: DevicePlan) -> None:
 def build_manifest(*, base_model: str | None, base_model_name: str, labels: list[int | str] | None = None,
                    hyperparameters: dict[str, Any], dataset_hashes: dict[str, str],
                    metrics: dict[str, float], plan: DevicePlan,
-                   task: str = "text-classification") -> dict[str, Any]:
+                   task: str = "text-classification", data: dict[str, Any] | None = None) -> dict[str, Any]:
     """The self-description stored next to a trained model (labels only for tasks that have them)."""
     manifest: dict[str, Any] = {
         "task": task,
@@ -123,10 +123,11 @@ def build_manifest(*, base_model: str | None, base_model_name: str, labels: list
     }
     if labels is not None:
         manifest["labels"] = list(labels)
+    if data is not None:
+        manifest["data"] = data
     return manifest | {
         "hyperparameters": hyperparameters,
         "dataset_hashes": dict(dataset_hashes),
-        "data": data,
         "metrics": metrics,
         "versions": {
             "torch": torch.__version__,

@@ -116,7 +116,11 @@ class _Sequence:
 
 
 class GenerationEngine:
-    """A GPT-2 loaded once, decoding many requests together; submit() is thread-safe."""
+    """A GPT-2 loaded once, decoding many requests together; submit() is thread-safe.
+
+    on_token(choice_index, text_delta) runs on the scheduler thread (keep it short); the deltas of a
+    choice concatenate to its final text. A callback that raises fails its own request only.
+    """
 
     def __init__(
         self, model: str | Path, *, device: str = "auto", precision: str = "auto", max_batch_size: int = 32,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
 
 from worker.engines.device import DevicePlan
@@ -25,15 +25,14 @@ def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
 
 def load_causal_lm(model: str | Path, plan: DevicePlan) -> PreTrainedModel:
     """A GPT-2 causal LM from safetensors, on the plan's device, in the plan's dtype, in eval mode."""
-    # For inference the weights themselves are cast (no autocast): half the memory and no per-op casts.
-    dtype = plan.autocast_dtype or torch.float32
-    lm = AutoModelForCausalLM.from_pretrained(model, use_safetensors=True, trust_remote_code=False, dtype=dtype)
-    config = lm.config
+    config = AutoConfig.from_pretrained(model, trust_remote_code=False)  # checked before any weight is read
     if config.model_type != "gpt2":
         raise ValueError(f"{model}: model_type {config.model_type!r} is not supported; the engine serves GPT-2 only")
     if getattr(config, "add_cross_attention", False):
         raise ValueError(f"{model}: GPT-2 with cross-attention is not supported")
-    return lm.to(plan.device).eval()
+    lm = AutoModelForCausalLM.from_pretrained(model, config=config, use_safetensors=True, trust_remote_code=False)
+    # For inference the weights themselves are cast (no autocast): half the memory and no per-op casts.
+    return lm.to(device=plan.device, dtype=plan.autocast_dtype or torch.float32).eval()
 
 
 def token_bytes(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[bytes]:

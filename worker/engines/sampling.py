@@ -9,6 +9,9 @@ from dataclasses import dataclass
 import torch
 
 MAX_SEED = 2**63 - 1
+# Top-k/top-p rows are processed on their best candidates instead of a full-vocabulary sort (the sort of a
+# [16, 50257] batch costs ~100 ms on a small CPU); the set grows only when it does not cover the nucleus.
+CANDIDATES = 256
 
 
 @dataclass(frozen=True)
@@ -64,11 +67,6 @@ def make_generator(seed: int) -> torch.Generator:
     generator = torch.Generator(device="cpu")
     generator.manual_seed(seed)
     return generator
-
-
-# Top-k/top-p rows are processed on their best candidates instead of a full-vocabulary sort (the sort of a
-# [16, 50257] batch costs ~100 ms on a small CPU); the set grows only when it does not cover the nucleus.
-CANDIDATES = 256
 
 
 class RowParams:

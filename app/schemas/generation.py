@@ -1,0 +1,116 @@
+"""Schemas of /generate and the OpenAI-compatible routes."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+def _stops(value: str | list[str] | None) -> list[str]:
+    items = [] if value is None else [value] if isinstance(value, str) else list(value)
+    if len(items) > 4:
+        raise ValueError("at most 4 stop sequences")
+    if any(not 1 <= len(item) <= 100 for item in items):
+        raise ValueError("stop sequences must be 1-100 characters")
+    return items
+
+
+class GenerateRequest(BaseModel):
+    """A completion request; parameters apply per request even inside a shared batch."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=200)
+    prompt: str = Field(min_length=1, max_length=100_000)
+    max_new_tokens: int = Field(16, ge=1, le=8192)
+    temperature: float = Field(1.0, ge=0, le=5, description="0 means greedy.")
+    top_k: int = Field(0, ge=0, le=10_000, description="0 disables top-k.")
+    top_p: float = Field(1.0, gt=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    stop: list[str] = Field(default_factory=list, description="Up to 4 stop sequences.")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same text, whatever shares the batch.")
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value: Any) -> list[str]:
+        return _stops(value)
+
+
+class GeneratedChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["length", "stop", "eos"]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class GenerateResponse(BaseModel):
+    id: str
+    model: str
+    choices: list[GeneratedChoice]
+    usage: Usage
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI's /v1/completions body. Parameters trainserve cannot honour are refused, not ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1, max_length=200)
+    prompt: str | list[str] = Field(description="One prompt (a list with one string is accepted too).")
+    max_tokens: int | None = Field(16, ge=1, le=8192)
+    temperature: float | None = Field(1.0, ge=0, le=2)
+    top_p: float | None = Field(1.0, gt=0, le=1)
+    n: int | None = Field(1, ge=1, le=16)
+    stream: bool | None = False
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    echo: bool | None = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    presence_penalty: float | None = 0
+    frequency_penalty: float | None = 0
+    logit_bias: dict[str, float] | None = None
+    suffix: str | None = None
+    user: str | None = None
+    stream_options: dict[str, Any] | None = None
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,84 @@
+"""Causal LMs that /generate can serve: <home>/models/<name>, finished causal-lm jobs, hub ids when online."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from core.base_models import HUB_ID, hub_model_available
+from core.errors import NotFound
+from core.models import Job, JobStatus
+from core.settings import Settings
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A model name clients use and where the worker loads it from."""
+
+    id: str
+    path: str
+    owned_by: str
+    created: int
+
+
+def _is_causal_lm(folder: Path) -> bool:
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    architectures = config.get("architectures") or []
+    has_weights = any(folder.glob("*.safetensors"))
+    return has_weights and (any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in architectures)
+                            or config.get("model_type") == "gpt2")
+
+
+def local_models(settings: Settings) -> list[ServedModel]:
+    """Folders under <home>/models holding a causal LM in Hugging Face format with safetensors weights."""
+    root = settings.home / "models"
+    if not root.is_dir():
+        return []
+    return [ServedModel(id=p.name, path=str(p.resolve()), owned_by="local", created=int(p.stat().st_mtime))
+            for p in sorted(root.iterdir()) if p.is_dir() and NAME_RE.match(p.name) and _is_causal_lm(p)]
+
+
+def job_models(session: Session, *, tenant: str | None) -> list[Job]:
+    """Succeeded causal-lm jobs visible to the tenant."""
+    query = select(Job).where(Job.task == "causal-lm", Job.status == JobStatus.SUCCEEDED)
+    if tenant is not None:
+        query = query.where(Job.tenant_id == tenant)
+    return list(session.scalars(query.order_by(Job.created_at)))
+
+
+def list_served_models(session: Session, settings: Settings, *, tenant: str | None) -> list[ServedModel]:
+    """Everything the caller can generate with (hub models are not enumerated)."""
+    jobs = [ServedModel(id=job.id, path=str((settings.jobs_dir / job.id / "model").resolve()),
+                        owned_by=job.tenant_id, created=int(job.created_at.timestamp()))
+            for job in job_models(session, tenant=tenant)]
+    return local_models(settings) + jobs
+
+
+def resolve_served_model(session: Session, settings: Settings, *, name: str, tenant: str | None) -> ServedModel:
+    """Find the model called `name` or raise NotFound naming the `model` field."""
+    if name.startswith("job_"):
+        job = session.get(Job, name)
+        if job is None or (tenant is not None and job.tenant_id != tenant):
+            raise NotFound(f"model {name!r} not found", field="model")
+        if job.task != "causal-lm" or job.status != JobStatus.SUCCEEDED:
+            raise NotFound(f"job {name!r} is not a finished causal-lm job", field="model")
+        return ServedModel(id=job.id, path=str((settings.jobs_dir / job.id / "model").resolve()),
+                           owned_by=job.tenant_id, created=int(job.created_at.timestamp()))
+    if NAME_RE.match(name):
+        folder = settings.home / "models" / name  # NAME_RE admits no separators, so this stays under models/
+        if folder.is_dir() and _is_causal_lm(folder):
+            return ServedModel(id=name, path=str(folder.resolve()), owned_by="local",
+                               created=int(folder.stat().st_mtime))
+    if "/" in name and HUB_ID.match(name) and hub_model_available(name):
+        return ServedModel(id=name, path=name, owned_by="hub", created=0)
+    raise NotFound(f"model {name!r} not found; GET /v1/models lists what can be served", field="model")

@@ -1,0 +1,159 @@
+"""/generate, /v1/completions and /v1/models through the real gateway, Redis streams and a tiny GPT-2.
+
+The Celery hop is replaced by a queue that runs the worker's real `serve` function in a thread.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import redis as redis_lib
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from core.settings import override_settings
+from core.tasks import TASK_GENERATE
+from tests.tiny_lm import build_tiny_gpt2
+
+
+@pytest.fixture()
+def served(settings, queue, client):
+    """A tiny GPT-2 installed as <home>/models/tiny, served by the worker code in-process."""
+    path = build_tiny_gpt2(settings.home / "models" / "tiny", n_positions=64)
+    override_settings(settings)
+    from worker import serving
+
+    serving._redis = None
+    original = queue.send
+
+    def send(name, args, *, queue):
+        task_id = original(name, args, queue=queue)
+        if name == TASK_GENERATE:
+            threading.Thread(target=serving.serve, args=(args[0],), daemon=True).start()
+        return task_id
+
+    queue.send = send
+    yield path
+    for engine in serving._engines.values():
+        engine.close()
+    serving._engines.clear()
+    serving._redis = None
+    override_settings(None)
+
+
+def _reference_greedy(path, prompt, max_new_tokens):
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=50256)
+    return tokenizer.decode(out[0, ids.shape[1]:])
+
+
+def test_models_lists_local_models(client, served):
+    data = client.get("/v1/models").json()
+    assert data["object"] == "list" and [m["id"] for m in data["data"]] == ["tiny"]
+
+
+def test_greedy_generate_equals_model_generate(client, served):
+    response = client.post("/generate", json={"model": "tiny", "prompt": "ROMEO:", "max_new_tokens": 12,
+                                              "temperature": 0})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["model"] == "tiny" and body["id"].startswith("gen-")
+    choice = body["choices"][0]
+    assert choice["finish_reason"] in ("length", "eos")
+    assert choice["text"] == _reference_greedy(served, "ROMEO:", 12)
+    assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["completion_tokens"] <= 12
+
+
+def test_seeded_sampling_is_reproducible_and_n_gives_distinct_choices(client, served):
+    body = {"model": "tiny", "prompt": "To be", "max_new_tokens": 8, "temperature": 1.0, "seed": 7, "n": 3}
+    first = client.post("/generate", json=body).json()
+    second = client.post("/generate", json=body).json()
+    assert [c["text"] for c in first["choices"]] == [c["text"] for c in second["choices"]]
+    assert [c["index"] for c in first["choices"]] == [0, 1, 2]
+    assert len({c["text"] for c in first["choices"]}) > 1
+
+
+def _sse(response):
+    events = []
+    for block in response.text.split("\n\n"):
+        if not block.strip():
+            continue
+        lines = dict(line.split(": ", 1) for line in block.splitlines())
+        events.append((lines.get("event"), lines["data"]))
+    return events
+
+
+def test_streaming_sends_tokens_then_the_full_text_then_done(client, served):
+    response = client.post("/generate", json={"model": "tiny", "prompt": "ROMEO:", "max_new_tokens": 10,
+                                              "temperature": 0, "stream": True})
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = _sse(response)
+    assert events[-1] == (None, "[DONE]")
+    final = json.loads(events[-2][1])
+    tokens = [json.loads(data) for _, data in events[:-2]]
+    assert tokens and all(set(t) == {"id", "index", "text"} for t in tokens)
+    assert "".join(t["text"] for t in tokens) == final["choices"][0]["text"]
+    assert final["choices"][0]["text"] == _reference_greedy(served, "ROMEO:", 10)
+
+
+def test_validation_errors_name_the_field(client, served, settings):
+    cases = [({"top_p": 0}, 422, "top_p"), ({"model": "nope"}, 404, "model"), ({"n": 0}, 422, "n"),
+             ({"stop": ["a"] * 5}, 422, "stop"), ({"max_new_tokens": 60, "prompt": "word " * 10}, 422,
+                                                   "max_new_tokens"),
+             ({"model": "../models/tiny"}, 404, "model")]
+    for override, status, field in cases:
+        body = {"model": "tiny", "prompt": "hi", "max_new_tokens": 4, **override}
+        response = client.post("/generate", json=body)
+        assert response.status_code == status, (override, response.text)
+        assert response.json()["error"]["field"] == field, (override, response.json())
+    settings.max_new_tokens = 8
+    response = client.post("/generate", json={"model": "tiny", "prompt": "hi", "max_new_tokens": 9})
+    assert response.status_code == 422 and response.json()["error"]["field"] == "max_new_tokens"
+
+
+def test_full_queue_gives_429_with_retry_after(client, served, settings):
+    settings.generation_queue_per_model = 2
+    slots = redis_lib.Redis.from_url(settings.resolved_redis_url)
+    slots.zadd("trainserve:slots:tiny", {"held-1": time.time(), "held-2": time.time()})
+    try:
+        response = client.post("/generate", json={"model": "tiny", "prompt": "hi"})
+        assert response.status_code == 429 and response.json()["error"]["code"] == "overloaded"
+        assert int(response.headers["retry-after"]) >= 1
+    finally:
+        slots.delete("trainserve:slots:tiny")
+        slots.close()
+    assert client.post("/generate", json={"model": "tiny", "prompt": "hi"}).status_code == 200
+
+
+def test_rate_limit_per_key(client, served, settings):
+    settings.generation_rate_per_minute = 2
+    codes = [client.post("/generate", json={"model": "tiny", "prompt": "hi", "max_new_tokens": 2}).status_code
+             for _ in range(3)]
+    assert codes[:2] == [200, 200] and codes[2] == 429
+
+
+def test_official_openai_client_completes_and_streams(client, served):
+    openai = pytest.importorskip("openai")
+    api = openai.OpenAI(base_url="http://testserver/v1", api_key=client.headers["Authorization"].split()[1],
+                        http_client=client, max_retries=0)
+    completion = api.completions.create(model="tiny", prompt="ROMEO:", max_tokens=10, temperature=0)
+    assert completion.object == "text_completion"
+    assert completion.choices[0].text == _reference_greedy(served, "ROMEO:", 10)
+    assert completion.usage.prompt_tokens == 3
+    assert completion.choices[0].finish_reason in ("length", "stop")
+    chunks = list(api.completions.create(model="tiny", prompt="ROMEO:", max_tokens=10, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == completion.choices[0].text
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    seeded = [api.completions.create(model="tiny", prompt="Hi", max_tokens=6, seed=3, n=2, stop=["\n"])
+              for _ in range(2)]
+    assert [c.text for c in seeded[0].choices] == [c.text for c in seeded[1].choices]
+    with pytest.raises(openai.UnprocessableEntityError):
+        api.completions.create(model="tiny", prompt="Hi", logprobs=2)
+    models = api.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
