@@ -57,7 +57,8 @@ def create_dataset(session: Session, settings: Settings, principal: Principal, *
     table = parse_table(data, fmt, max_rows=settings.max_dataset_rows)
 
     dataset_id = new_id("ds")
-    relative = Path("datasets") / f"{dataset_id}.{fmt}"
+    # Server-chosen name; the (validated) extension is kept because readers pick the format by it.
+    relative = Path("datasets") / f"{dataset_id}{Path(filename).suffix.lower()}"
     target = settings.home / relative
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".part")
