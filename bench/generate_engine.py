@@ -1,7 +1,7 @@
 """GPT-2 generation: the continuous-batching engine vs one-at-a-time `model.generate`; print tokens/s.
 
 Usage: HF_HUB_OFFLINE=1 .venv/bin/python bench/generate_engine.py [--requests 32] [--concurrency 16]
-       [--max-new-tokens 64] [--layers 12] [--sampling greedy|seeded]
+       [--max-new-tokens 64] [--layers 12] [--sampling greedy|seeded] [--threads N]
 Smoke run: ... --requests 4 --concurrency 2 --max-new-tokens 8 --layers 1
 """
 
@@ -126,7 +126,10 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--sampling", choices=("greedy", "seeded"), default="greedy")
     parser.add_argument("--text", type=Path, default=default_text())
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads for both runs (0: default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     prompts = load_prompts(args.text, args.requests)
     print(f"model: GPT-2 small shape, {args.layers} layers, random init (seed 0), fp32 CPU, "
