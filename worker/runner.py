@@ -21,8 +21,9 @@ from core.store import datasets as dataset_store
 from core.store import jobs as store
 from core.tasks import QUEUE_TRAIN, TASK_TRAIN
 from worker.app import SHUTDOWN, celery
+from worker.engines.device import release_memory, resolve_device
 from worker.engines.lm_training import LMTrainConfig, train_lm
-from worker.engines.training import TrainCallbacks, TrainConfig, TrainResult, train
+from worker.engines.training import OutOfMemory, TrainCallbacks, TrainConfig, TrainResult, train
 from worker.recovery import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -210,14 +211,22 @@ def run_training_job(job_id: str) -> str:
             result = train_lm(config, reporter) if isinstance(config, LMTrainConfig) else train(config, reporter)
     except Exception as exc:  # noqa: BLE001 - any failure ends the job with a recorded reason
         log.exception("job %s failed", job_id)
+        code = "oom" if isinstance(exc, OutOfMemory) else "training_error"
         with session_scope(factory) as session:
-            _fail(session, store.get_job(session, job_id=job_id), "training_error", f"{type(exc).__name__}: {exc}")
+            _fail(session, store.get_job(session, job_id=job_id), code, f"{type(exc).__name__}: {exc}")
         return JobStatus.FAILED
+    finally:
+        release_memory_of(config)
     if heartbeat.lost.is_set():
         log.warning("job %s attempt %d lost its claim; leaving the row to the newer attempt", job_id, attempt)
         return "lost"
     reporter.flush()
     return _record_result(factory, job_id, result)
+
+
+def release_memory_of(config: TrainConfig | LMTrainConfig) -> None:
+    """Give the device's cached memory back once a job ends, however it ended."""
+    release_memory(resolve_device(config.device, config.precision))
 
 
 def _config_for(session: Session, job: Job, device: str) -> TrainConfig | LMTrainConfig:

@@ -35,6 +35,15 @@ VOCAB = 50257
 SMALL_BPE_CHARS = 960  # 18 training blocks of 32 tokens (and 2 validation blocks) with the small BPE below
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core CPU: two OpenMP threads contending made steps up to 40x slower."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """The GPT-2 BPE saved with its tokenizer.json, so each run loads it in a fraction of a second."""
@@ -173,7 +182,6 @@ def test_default_tokenizer_is_the_shipped_gpt2_folder():
     assert lm_training.DEFAULT_TOKENIZER == ROOT / "assets" / "gpt2-tokenizer"
 
 
-@pytest.mark.slow
 def test_fresh_gpt2_learns_and_saves_a_model_that_generates(tmp_path, tokenizer_dir, shakespeare, monkeypatch):
     monkeypatch.setattr(lm_training, "DEFAULT_TOKENIZER", tokenizer_dir)  # tokenizer=None takes the default
     config = make_config(tmp_path, corpus(tmp_path, shakespeare, 8_000), None, max_steps=16, eval_steps=8)

@@ -96,3 +96,9 @@ def _cuda_bf16_supported(device: str) -> bool:
     # Ampere (compute capability 8.0) and newer have native bf16 tensor cores; older cards
     # emulate it slowly, so "auto" picks fp16 there.
     return torch.cuda.get_device_capability(torch.device(device))[0] >= 8
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for a device allocation failure (CUDA's OutOfMemoryError, or the allocator's RuntimeError text)."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())

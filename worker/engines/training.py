@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from worker.engines import artifacts, data
-from worker.engines.device import DevicePlan, resolve_device
+from worker.engines.device import DevicePlan, is_out_of_memory, release_memory, resolve_device
 
 MAX_GRAD_NORM = 1.0
 
@@ -155,6 +155,7 @@ def train(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> Train
         return cancelled()
 
     epoch_plan: tuple[int, list[list[list[int]]]] | None = None
+    split = 1  # each planned micro-batch runs as this many smaller ones after an out-of-memory error
     while progress.step < total_steps:
         epoch, index = divmod(progress.step, per_epoch)
         if epoch_plan is None or epoch_plan[0] != epoch:
@@ -164,8 +165,15 @@ def train(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> Train
         lr = lr_at(progress.step, total_steps, warmup_steps, config.learning_rate)
 
         started = time.perf_counter()
-        loss, grad_norm, samples = _train_step(model, optimizer, scaler, plan, train_set,
-                                               epoch_plan[1][index], lr)
+        while True:
+            try:
+                loss, grad_norm, samples = _train_step(model, optimizer, scaler, plan, train_set,
+                                                       split_micro_batches(epoch_plan[1][index], split), lr)
+                break
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                split = _back_off(exc, epoch_plan[1][index], split, optimizer, plan, callbacks)
         progress.runtime += time.perf_counter() - started
         progress.step += 1
         progress.loss_sum += loss
@@ -201,6 +209,35 @@ def train(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> Train
     artifacts.save_final(config.output_dir, model, tokenizer, manifest)
     callbacks.on_event("saved", f"model saved to {config.output_dir}")
     return TrainResult("completed", progress.step, total_steps, metrics, Path(config.output_dir), manifest)
+
+
+class OutOfMemory(RuntimeError):
+    """The device ran out of memory even with one example per micro-batch."""
+
+
+def split_micro_batches(micro_batches: list[list[int]], split: int) -> list[list[int]]:
+    """Cut every micro-batch into `split` parts: same examples and optimizer step, less memory at a time."""
+    if split == 1:
+        return micro_batches
+    parts: list[list[int]] = []
+    for indices in micro_batches:
+        size = math.ceil(len(indices) / split)
+        parts.extend(indices[i:i + size] for i in range(0, len(indices), size))
+    return parts
+
+
+def _back_off(exc: BaseException, micro_batches: list[list[int]], split: int, optimizer: torch.optim.Optimizer,
+              plan: DevicePlan, callbacks: TrainCallbacks) -> int:
+    """After an OOM: drop the partial gradients, free the cache, halve the micro-batch (doubling accumulation)."""
+    optimizer.zero_grad(set_to_none=True)
+    release_memory(plan)
+    current = max(len(m) for m in split_micro_batches(micro_batches, split))
+    if current <= 1:
+        raise OutOfMemory(f"out of memory on {plan.device} with a micro-batch of one example "
+                          f"(max_length too long for this device?): {exc}") from exc
+    callbacks.on_event("oom", f"out of memory with micro-batches of {current}; continuing with "
+                              f"{math.ceil(current / 2)} and twice the gradient accumulation (same effective batch)")
+    return split * 2
 
 
 def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
