@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import DataError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.schemas.common import ErrorEnvelope
@@ -109,6 +109,13 @@ async def _database_down(_: Request, exc: Exception) -> JSONResponse:
                         content=envelope("database_unavailable", "the database is unavailable; retry shortly"))
 
 
+async def _bad_data(_: Request, exc: Exception) -> JSONResponse:
+    # Last line of defence: input the database refuses (e.g. NUL in text) is the client's error, not ours.
+    log.warning("database refused a value: %s", type(exc).__name__)
+    return JSONResponse(status_code=422, content=envelope("validation_error", "a value contains characters "
+                                                          "or a size the database cannot store"))
+
+
 async def _unhandled(_: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error", exc_info=exc)
     return JSONResponse(status_code=500, content=envelope("internal_error", "internal server error"))
@@ -119,6 +126,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(DomainError, _domain)
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(StarletteHTTPException, _http)
+    app.add_exception_handler(DataError, _bad_data)
     app.add_exception_handler(OperationalError, _database_down)
     app.add_exception_handler(InterfaceError, _database_down)
     app.add_exception_handler(Exception, _unhandled)

@@ -31,6 +31,8 @@ def resolve_base_model(spec: str, *, local_roots: Sequence[Path] = (), field: st
     the worker read arbitrary paths.
     """
     spec = spec.strip()
+    if "\x00" in spec:
+        raise ValidationFailed(field, "contains a NUL character")
     aliases = builtin_aliases()
     if spec in aliases:
         return str(aliases[spec])

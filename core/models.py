@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -36,6 +37,14 @@ NAMING = {
 def utcnow() -> datetime:
     """Timezone-aware now, the only clock rows use."""
     return datetime.now(UTC)
+
+
+ID_RE = re.compile(r"^[a-z]{2,8}_[0-9a-f]{24}$")
+
+
+def is_valid_id(value: str) -> bool:
+    """Whether a client-supplied id can name a row at all (checked before it reaches the database)."""
+    return bool(ID_RE.match(value))
 
 
 def new_id(prefix: str) -> str:

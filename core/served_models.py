@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from core.base_models import HUB_ID, hub_model_available
 from core.errors import NotFound
-from core.models import Job, JobStatus
+from core.models import Job, JobStatus, is_valid_id
 from core.settings import Settings
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -67,7 +67,7 @@ def list_served_models(session: Session, settings: Settings, *, tenant: str | No
 def resolve_served_model(session: Session, settings: Settings, *, name: str, tenant: str | None) -> ServedModel:
     """Find the model called `name` or raise NotFound naming the `model` field."""
     if name.startswith("job_"):
-        job = session.get(Job, name)
+        job = session.get(Job, name) if is_valid_id(name) else None
         if job is None or (tenant is not None and job.tenant_id != tenant):
             raise NotFound(f"model {name!r} not found", field="model")
         if job.task != "causal-lm" or job.status != JobStatus.SUCCEEDED:

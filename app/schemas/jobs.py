@@ -39,6 +39,8 @@ class JobCreate(BaseModel):
         for key, item in value.items():
             if len(key) > 64 or len(item) > 512:
                 raise ValueError("keys are at most 64 characters and values at most 512")
+            if "\x00" in key or "\x00" in item:
+                raise ValueError("NUL characters are not allowed")
         return value
 
 

@@ -65,14 +65,16 @@ class GenerationGateway:
         """Apply the per-key rate limit and the per-model queue bound; returns a request id holding a slot."""
         now = time.time()
         try:
-            window = int(now // 60)
-            rate_key = f"trainserve:rate:{principal.key_id}:{window}"
-            count = await self.redis.incr(rate_key)
-            if count == 1:
-                await self.redis.expire(rate_key, 120)
-            if count > self.settings.generation_rate_per_minute:
+            # Sliding one-minute window per key: a log of request times, so there is no burst at minute edges.
+            rate_key = f"trainserve:rate:{principal.key_id}"
+            await self.redis.zremrangebyscore(rate_key, "-inf", now - 60)
+            if await self.redis.zcard(rate_key) >= self.settings.generation_rate_per_minute:
+                oldest = await self.redis.zrange(rate_key, 0, 0, withscores=True)
+                wait = (oldest[0][1] + 60 - now) if oldest else 1.0
                 raise TooManyRequests(f"more than {self.settings.generation_rate_per_minute} generation requests "
-                                      "per minute for this key", retry_after=60 - now % 60, code="rate_limited")
+                                      "per minute for this key", retry_after=wait, code="rate_limited")
+            await self.redis.zadd(rate_key, {uuid.uuid4().hex: now})
+            await self.redis.expire(rate_key, 61)
             request_id = f"gen-{uuid.uuid4().hex}"
             slots = _slots_key(model.id)
             # Slots older than the longest possible request are leftovers of a crashed API process.

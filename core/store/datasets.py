@@ -6,7 +6,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.errors import Conflict, NotFound
-from core.models import Dataset, Job
+from core.models import Dataset, Job, is_valid_id
 from core.store.paging import before_cursor
 
 
@@ -20,7 +20,7 @@ def add_dataset(session: Session, *, dataset: Dataset) -> Dataset:
 def get_dataset(session: Session, *, dataset_id: str, tenant: str | None = None,
                 field: str | None = None) -> Dataset:
     """Fetch a dataset visible to `tenant` (None: any) or raise NotFound, as if other tenants' did not exist."""
-    dataset = session.get(Dataset, dataset_id)
+    dataset = session.get(Dataset, dataset_id) if is_valid_id(dataset_id) else None
     if dataset is None or (tenant is not None and dataset.tenant_id != tenant):
         raise NotFound(f"dataset {dataset_id!r} not found", field=field)
     return dataset

@@ -12,7 +12,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from core.errors import NotFound
-from core.models import Artifact, Job, JobEvent, JobStatus, MetricPoint, utcnow
+from core.models import Artifact, Job, JobEvent, JobStatus, MetricPoint, is_valid_id, utcnow
 from core.store.paging import before_cursor
 
 
@@ -25,6 +25,8 @@ def add_job(session: Session, *, job: Job) -> Job:
 
 def get_job(session: Session, *, job_id: str, tenant: str | None = None, for_update: bool = False) -> Job:
     """Fetch a job visible to `tenant` (None: any) or raise NotFound."""
+    if not is_valid_id(job_id):
+        raise NotFound(f"job {job_id!r} not found")
     query = select(Job).where(Job.id == job_id)
     if tenant is not None:
         query = query.where(Job.tenant_id == tenant)
@@ -97,7 +99,7 @@ def add_artifact(session: Session, *, artifact: Artifact) -> Artifact:
 
 def get_artifact(session: Session, *, job_id: str, artifact_id: str) -> Artifact:
     """Fetch one of a job's artifacts or raise NotFound."""
-    artifact = session.get(Artifact, artifact_id)
+    artifact = session.get(Artifact, artifact_id) if is_valid_id(artifact_id) else None
     if artifact is None or artifact.job_id != job_id:
         raise NotFound(f"artifact {artifact_id!r} not found on job {job_id!r}")
     return artifact
