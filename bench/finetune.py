@@ -149,18 +149,23 @@ def main() -> None:
               f"device {args.device}, {torch.get_num_threads()} threads", flush=True)
         # Each side's samples/s comes from its own timer around training only, so the process's
         # one-off warm-up and the model loading count for neither.
-        if args.only in (None, BASELINE):
-            results[BASELINE] = run_trainer(train_file, work, args)
-        if args.only in (None, "engine"):
-            results["engine"] = run_engine(train_file, args.dev, work, args)
+        runners = {BASELINE: lambda: run_trainer(train_file, work, args),
+                   "engine": lambda: run_engine(train_file, args.dev, work, args)}
+        for name, run in runners.items():
+            if args.only in (None, name):
+                results[name] = run()
+                # The 1-min load average as the run ends: the run itself accounts for about one per
+                # torch thread; more means another process shared the CPU and the timing is suspect.
+                results[name]["load"] = os.getloadavg()[0]
         for result in results.values():
             result["dev_accuracy"] = dev_accuracy(result.pop("model"), result.pop("tokenizer"), dev_texts,
                                                   dev_labels, HYPER["max_length"])
 
-    print(f"\n{'run':<12}{'steps':>7}{'samples/s':>11}{'train s':>9}{'wall s':>8}{'loss':>8}{'dev acc':>9}")
+    print(f"\n{'run':<12}{'steps':>7}{'samples/s':>11}{'train s':>9}{'wall s':>8}{'loss':>8}{'dev acc':>9}"
+          f"{'load':>6}")
     for name, r in results.items():
         print(f"{name:<12}{r['steps']:>7}{r['samples_per_second']:>11.1f}{r['train_runtime']:>9.1f}"
-              f"{r['wall']:>8.1f}{r['train_loss']:>8.4f}{r['dev_accuracy']:>9.4f}")
+              f"{r['wall']:>8.1f}{r['train_loss']:>8.4f}{r['dev_accuracy']:>9.4f}{r['load']:>6.1f}")
     if len(results) == 2:
         engine, base = results["engine"], results[BASELINE]
         ratio = engine["samples_per_second"] / base["samples_per_second"]
@@ -168,6 +173,7 @@ def main() -> None:
         print(f"\nengine/{BASELINE} samples/s ratio: {ratio:.2f}x (target >= 1.3x); "
               f"dev accuracy delta: {delta:+.1f} points (target within 1)")
         print(f"engine's own eval_accuracy: {engine['own_eval_accuracy']:.4f}")
+    print(f"load: 1-min load average at the end of each run ({torch.get_num_threads()} of it is the run itself)")
 
 
 if __name__ == "__main__":

@@ -99,11 +99,14 @@ def run_engine(folder: Path, prompts: list[str], args: argparse.Namespace) -> di
 
     try:
         engine.generate(prompts[0], params(0))  # warm-up, not timed
+        before = engine.stats()
         start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
             outputs = list(pool.map(one, range(len(prompts))))
         seconds = time.perf_counter() - start
-        stats = engine.stats()
+        after = engine.stats()
+        stats = {key: after[key] - before[key] for key in ("steps", "prefills")}
+        stats["peak_running_sequences"] = after["peak_running_sequences"]
     finally:
         engine.close()
     ttft = sorted(first_token[i] - submitted[i] for i in first_token)

@@ -20,6 +20,7 @@ from worker.engines.generation import (
     QueueFull,
     SamplingParams,
 )
+from worker.engines.lm_loading import Gpt2Runner
 
 PROMPTS = [
     "Hello",
@@ -276,3 +277,21 @@ def test_close_fails_pending_requests(model_dir) -> None:
             future.result(WAIT)
     with pytest.raises(EngineClosed):
         eng.submit("After", greedy(5))
+
+
+def test_packed_and_plain_decode_steps_agree(engine) -> None:
+    runner = Gpt2Runner(engine.model, engine.plan, max_rows=8)  # its own cache: the engine's is left alone
+    if runner.packed is None:
+        pytest.skip("oneDNN packed weights are not available in this torch build")
+    positions = torch.tensor([3, 9, 1, 4, 7, 2])  # six rows: at least PACKED_MIN_ROWS, so the packed path
+    tokens = torch.tensor([464, 3290, 318, 11, 13, 262])
+    with torch.inference_mode():
+        runner.reserve(6, 16)
+        torch.manual_seed(0)
+        runner.keys.normal_()
+        runner.values.normal_()
+        packed = runner.decode(tokens, positions, 10)
+        runner.packed = None
+        plain = runner.decode(tokens, positions, 10)
+    torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-5)
+    assert torch.equal(packed.argmax(-1), plain.argmax(-1))

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from worker.engines.device import DevicePlan, resolve_device
-from worker.engines.lm_loading import Gpt2Runner, load_causal_lm, load_tokenizer, token_bytes
+from worker.engines.lm_loading import Gpt2Runner, eos_ids, load_causal_lm, load_tokenizer, token_bytes
 from worker.engines.sampling import RowParams, SamplingParams, TextStream, make_generator, next_tokens
 
 __all__ = [
@@ -136,7 +136,7 @@ class GenerationEngine:
         config = self.model.config
         self.context_length: int = config.n_positions
         self.vocab_size: int = config.vocab_size
-        self.eos_token_ids = _eos_ids(self.model)
+        self.eos_token_ids = eos_ids(self.model)
         self.max_batch_size = max_batch_size
         self.max_tokens_in_flight = max_tokens_in_flight
         self.max_queue = max_queue
@@ -159,8 +159,6 @@ class GenerationEngine:
         self._seen = torch.zeros(max_batch_size, self.vocab_size, dtype=torch.bool, device=self._device)
         self._thread = threading.Thread(target=self._run, name="generation-scheduler", daemon=True)
         self._thread.start()
-
-    # -- public interface -------------------------------------------------------------------------
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of a prompt (no special tokens added, as GPT-2 expects)."""
@@ -222,8 +220,6 @@ class GenerationEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- validation ---------------------------------------------------------------------------------
-
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             ids = self.encode(prompt) if prompt else []
@@ -248,8 +244,6 @@ class GenerationEngine:
         if params.n * total > self.max_tokens_in_flight:
             raise ValueError(f"n * (prompt + max_new_tokens) = {params.n * total} exceeds "
                              f"max_tokens_in_flight={self.max_tokens_in_flight}")
-
-    # -- scheduler thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
         with torch.inference_mode():
@@ -500,12 +494,3 @@ class GenerationEngine:
         self._rows.clear()
         self._runner.release()
 
-
-def _eos_ids(model: torch.nn.Module) -> frozenset[int]:
-    """The ids that end a choice: generation_config's eos, else the model config's."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = model.config.eos_token_id
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
