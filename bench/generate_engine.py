@@ -54,11 +54,12 @@ def build_model(folder: Path, layers: int) -> None:
 def run_baseline(folder: Path, prompts: list[str], args: argparse.Namespace) -> dict:
     """One `model.generate` call per prompt, one after the other (HF's KV cache, batch of one)."""
     tokenizer = GPT2TokenizerFast.from_pretrained(folder)
-    model = GPT2LMHeadModel.from_pretrained(folder).eval()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+    model = GPT2LMHeadModel.from_pretrained(folder).eval().to(args.device, dtype)
     outputs: list[list[int]] = []
 
     def generate(index: int, prompt: str) -> list[int]:
-        ids = torch.tensor([tokenizer.encode(prompt)])
+        ids = torch.tensor([tokenizer.encode(prompt)], device=args.device)
         kwargs = {"do_sample": False}
         if args.sampling == "seeded":
             torch.manual_seed(index)
@@ -78,7 +79,8 @@ def run_baseline(folder: Path, prompts: list[str], args: argparse.Namespace) -> 
 
 def run_engine(folder: Path, prompts: list[str], args: argparse.Namespace) -> dict:
     """All prompts through GenerationEngine from `--concurrency` submitting threads."""
-    engine = GenerationEngine(folder, device="cpu", max_batch_size=args.max_batch_size)
+    engine = GenerationEngine(folder, device=args.device, precision=args.precision,
+                              max_batch_size=args.max_batch_size)
     first_token: dict[int, float] = {}
     submitted: dict[int, float] = {}
     lock = threading.Lock()
@@ -129,6 +131,9 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--sampling", choices=("greedy", "seeded"), default="greedy")
     parser.add_argument("--text", type=Path, default=default_text())
+    parser.add_argument("--device", default="cpu", help="cpu (the measured setting) or cuda")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                        help="weights dtype of both sides (the engine through its device plan)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads for both runs (0: default)")
     args = parser.parse_args()
     if args.threads:
