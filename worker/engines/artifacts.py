@@ -165,3 +165,14 @@ def read_manifest(model_dir: Path) -> dict[str, Any] | None:
     """The manifest of a model folder, or None when it has none."""
     path = Path(model_dir) / MANIFEST
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def resume_state(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler, plan: DevicePlan, identity: dict[str, Any]) -> dict[str, Any]:
+    """Load a checkpoint into the run and return its saved state, refusing one written by a different run."""
+    state = load_checkpoint(checkpoint, model, optimizer, scaler, plan)
+    for key, expected in identity.items():
+        if state.get(key) != expected:
+            raise ValueError(f"{checkpoint} was written with {key}={state.get(key)!r}, this run has "
+                             f"{expected!r}; use an empty checkpoint_dir to start over")
+    return state

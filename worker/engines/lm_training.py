@@ -25,7 +25,14 @@ from transformers import (
 from core.lm_config import DEFAULT_BLOCK_SIZE, resolve_block_size, validate_model_config
 from worker.engines import artifacts, data, lm_data
 from worker.engines.device import DevicePlan, resolve_device
-from worker.engines.training import MAX_GRAD_NORM, TrainCallbacks, TrainResult, lr_at, seed_everything
+from worker.engines.training import (
+    MAX_GRAD_NORM,
+    TrainCallbacks,
+    TrainResult,
+    build_adamw,
+    lr_at,
+    seed_everything,
+)
 
 DEFAULT_TOKENIZER = Path(__file__).resolve().parents[2] / "assets" / "gpt2-tokenizer"
 MAX_EVAL_BLOCKS = 1024  # evenly spaced validation blocks; keeps each evaluation bounded on big corpora
@@ -317,23 +324,13 @@ def _build_model(config: LMTrainConfig, model_config: PretrainedConfig) -> PreTr
 def _build_optimizer(model: torch.nn.Module, config: LMTrainConfig, plan: DevicePlan) -> torch.optim.Optimizer:
     # As nanoGPT: every matrix decays, embeddings included (GPT-2 ties wte to the LM head, so they are one
     # matrix); biases and LayerNorm weights (the 1-D parameters) do not.
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    # The fused kernel updates all parameters in one pass; it exists for CPU and CUDA.
-    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=ADAM_BETAS, eps=1e-8,
-                             fused=plan.device_type in ("cpu", "cuda"))
+    return build_adamw(model, learning_rate=config.learning_rate, weight_decay=config.weight_decay,
+                       betas=ADAM_BETAS, plan=plan)
 
 
 def _resume(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             scaler: torch.amp.GradScaler, plan: DevicePlan, identity: dict[str, Any]) -> _Progress:
-    state = artifacts.load_checkpoint(checkpoint, model, optimizer, scaler, plan)
-    for key, expected in identity.items():
-        if state.get(key) != expected:
-            raise ValueError(f"{checkpoint} was written with {key}={state.get(key)!r}, this run has "
-                             f"{expected!r}; use an empty checkpoint_dir to start over")
+    state = artifacts.resume_state(checkpoint, model, optimizer, scaler, plan, identity)
     return _Progress(step=state["step"], loss_sum=state["loss_sum"], tokens=state["tokens"],
                      runtime=state["runtime"])
 

@@ -345,25 +345,28 @@ def _load_model(base_model: str, labels: list[int | str]) -> PreTrainedModel:
     )
 
 
-def _build_optimizer(model: torch.nn.Module, config: TrainConfig, plan: DevicePlan) -> torch.optim.Optimizer:
-    # Biases and LayerNorm weights (the 1-D parameters) are not decayed, as in BERT and HF Trainer.
+def build_adamw(model: torch.nn.Module, *, learning_rate: float, weight_decay: float,
+                betas: tuple[float, float], plan: DevicePlan) -> torch.optim.Optimizer:
+    """AdamW decaying the matrices only: biases and LayerNorm weights (the 1-D parameters) are not decayed."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     # The fused kernel updates all parameters in one pass; it exists for CPU and CUDA.
-    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(0.9, 0.999), eps=1e-8,
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=1e-8,
                              fused=plan.device_type in ("cpu", "cuda"))
+
+
+def _build_optimizer(model: torch.nn.Module, config: TrainConfig, plan: DevicePlan) -> torch.optim.Optimizer:
+    # As BERT and HF Trainer: weights load in fp32, the optimizer keeps fp32 masters, autocast does the rest.
+    return build_adamw(model, learning_rate=config.learning_rate, weight_decay=config.weight_decay,
+                       betas=(0.9, 0.999), plan=plan)
 
 
 def _resume(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             scaler: torch.amp.GradScaler, plan: DevicePlan, identity: dict[str, Any]) -> _Progress:
-    state = artifacts.load_checkpoint(checkpoint, model, optimizer, scaler, plan)
-    for key, expected in identity.items():
-        if state.get(key) != expected:
-            raise ValueError(f"{checkpoint} was written with {key}={state.get(key)!r}, this run has "
-                             f"{expected!r}; use an empty checkpoint_dir to start over")
+    state = artifacts.resume_state(checkpoint, model, optimizer, scaler, plan, identity)
     return _Progress(step=state["step"], loss_sum=state["loss_sum"], samples=state["samples"],
                      runtime=state["runtime"])
 
