@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -50,9 +51,24 @@ def _up(home, log_path, **extra_env):
     return proc, client
 
 
+def _processes() -> list[tuple[int, int, str]]:
+    """(pid, ppid, command line) of every process, read from /proc (ps truncates long command lines)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the command name in (...) may contain spaces
+        found.append((int(entry.name), ppid, cmdline))
+    return found
+
+
 def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
-    return [int(p) for p, pp in (line.split() for line in out.splitlines()) if int(pp) == pid]
+    return [child for child, parent, _ in _processes() if parent == pid]
 
 
 def test_two_instances_side_by_side_train_serve_and_stop_cleanly(tmp_path, tiny_bert_dir):
@@ -83,11 +99,9 @@ def test_two_instances_side_by_side_train_serve_and_stop_cleanly(tmp_path, tiny_
 
 
 def _training_worker(pid: int) -> int:
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid=,args="], capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        child, parent, args = line.split(None, 2)
-        if int(parent) == pid and "worker --device cpu" in args and "inference" not in args:
-            return int(child)
+    for child, parent, args in _processes():
+        if parent == pid and "worker --device cpu" in args and "--queues" not in args:
+            return child
     raise AssertionError("no training worker found")
 
 
