@@ -44,8 +44,9 @@ class JobReporter(TrainCallbacks):
     """Engine callbacks that write progress, metric points and events to the job row."""
 
     def __init__(self, factory: sessionmaker[Session], job_id: str, flush_s: float,
-                 lost: threading.Event | None = None) -> None:
+                 lost: threading.Event | None = None, checkpoint_steps: int | None = None) -> None:
         self.factory = factory
+        self.checkpoint_steps = checkpoint_steps
         self.lost = lost or threading.Event()
         self.job_id = job_id
         self.flush_s = flush_s
@@ -76,7 +77,10 @@ class JobReporter(TrainCallbacks):
         self.points.extend((step, epoch, name, float(value)) for name, value in metrics.items())
         self.latest.update(metrics)
         self.progress = {"step": step, "epoch": epoch, "eta_seconds": self._eta(step)}
-        if time.monotonic() - self.last_flush >= self.flush_s:
+        # The engine logs step N before it checkpoints step N: flushing here means a checkpoint never
+        # gets ahead of the stored history, so a resume after a crash leaves no gap in it.
+        checkpoint_next = self.checkpoint_steps is not None and step % self.checkpoint_steps == 0
+        if checkpoint_next or time.monotonic() - self.last_flush >= self.flush_s:
             self.try_flush()
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
@@ -205,7 +209,7 @@ def run_training_job(job_id: str) -> str:
         attempt = job.attempts
 
     heartbeat = Heartbeat(factory, settings, job_id, attempt)
-    reporter = JobReporter(factory, job_id, settings.metrics_flush_s, heartbeat.lost)
+    reporter = JobReporter(factory, job_id, settings.metrics_flush_s, heartbeat.lost, config.checkpoint_steps)
     try:
         with heartbeat:
             result = train_lm(config, reporter) if isinstance(config, LMTrainConfig) else train(config, reporter)
