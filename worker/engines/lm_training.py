@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +26,12 @@ from worker.engines import artifacts, data, lm_data
 from worker.engines.device import DevicePlan, resolve_device
 from worker.engines.training import (
     MAX_GRAD_NORM,
+    Progress,
     TrainCallbacks,
     TrainResult,
     build_adamw,
     lr_at,
+    run_steps,
     seed_everything,
 )
 
@@ -71,23 +72,6 @@ class LMTrainConfig:
     dataset_hashes: Mapping[str, str] = field(default_factory=dict)
 
 
-@dataclass
-class _Progress:
-    """Loop state that a checkpoint carries across a resume."""
-
-    step: int = 0
-    loss_sum: float = 0.0  # sum of per-step train losses, for the run's mean train_loss
-    tokens: int = 0
-    runtime: float = 0.0  # seconds spent in training steps only (no eval, loading or saving)
-
-    def metrics(self) -> dict[str, float]:
-        return {
-            "train_loss": self.loss_sum / max(self.step, 1),
-            "train_tokens_per_second": self.tokens / self.runtime if self.runtime else 0.0,
-            "train_runtime": self.runtime,
-        }
-
-
 def train_lm(config: LMTrainConfig, callbacks: TrainCallbacks | None = None) -> TrainResult:
     """Run (or resume) a causal-LM job to completion or cancellation."""
     callbacks = callbacks or TrainCallbacks()
@@ -116,7 +100,7 @@ def train_lm(config: LMTrainConfig, callbacks: TrainCallbacks | None = None) -> 
     identity = {"num_train_blocks": len(train_set), "block_size": block_size, "batch_size": config.batch_size,
                 "gradient_accumulation_steps": accumulation, "seed": config.seed}
 
-    progress, resumed_from = _Progress(), None
+    progress, resumed_from = Progress("tokens"), None
     checkpoint = artifacts.latest_checkpoint(config.checkpoint_dir)
     if checkpoint is not None:
         progress = _resume(checkpoint, model, optimizer, scaler, plan, identity)
@@ -133,7 +117,7 @@ def train_lm(config: LMTrainConfig, callbacks: TrainCallbacks | None = None) -> 
         return evaluate(model, eval_set, eval_order, plan, config.batch_size)
 
     def save(step: int) -> None:
-        state = dict(identity, loss_sum=progress.loss_sum, tokens=progress.tokens, runtime=progress.runtime)
+        state = dict(identity, loss_sum=progress.loss_sum, tokens=progress.units, runtime=progress.runtime)
         path = artifacts.save_checkpoint(config.checkpoint_dir, step, model, optimizer, scaler, plan, state)
         callbacks.on_checkpoint(step, path)
 
@@ -144,34 +128,16 @@ def train_lm(config: LMTrainConfig, callbacks: TrainCallbacks | None = None) -> 
     if callbacks.should_stop():  # cancelled while loading: nothing new to checkpoint
         return cancelled()
 
-    epoch_plan: tuple[int, list[list[np.ndarray]]] | None = None
-    while progress.step < total_steps:
-        epoch, index = divmod(progress.step, per_epoch)
-        if epoch_plan is None or epoch_plan[0] != epoch:
-            epoch_plan = (epoch, lm_data.epoch_steps(len(train_set), config.batch_size, accumulation,
-                                                     config.seed, epoch))
-        lr = lr_at(progress.step, total_steps, warmup_steps, config.learning_rate)
-
-        started = time.perf_counter()
-        loss, grad_norm, tokens = _train_step(model, optimizer, scaler, plan, train_set, epoch_plan[1][index], lr)
-        progress.runtime += time.perf_counter() - started
-        progress.step += 1
-        progress.loss_sum += loss
-        progress.tokens += tokens
-        callbacks.on_log(progress.step, progress.step / per_epoch, {
-            "train_loss": loss, "learning_rate": lr, "grad_norm": grad_norm,
-            "tokens_per_second": progress.tokens / progress.runtime,
-        })
-
-        if config.eval_steps is not None and progress.step < total_steps and progress.step % config.eval_steps == 0:
-            callbacks.on_eval(progress.step, run_eval())
-        saved = config.checkpoint_steps is not None and progress.step % config.checkpoint_steps == 0
-        if saved:
-            save(progress.step)
-        if callbacks.should_stop():
-            if not saved:
-                save(progress.step)
-            return cancelled()
+    completed = run_steps(
+        progress=progress, total_steps=total_steps, per_epoch=per_epoch,
+        epoch_steps=lambda epoch: lm_data.epoch_steps(len(train_set), config.batch_size, accumulation,
+                                                      config.seed, epoch),
+        step=lambda micro_batches, lr: _train_step(model, optimizer, scaler, plan, train_set, micro_batches, lr),
+        learning_rate=lambda step: lr_at(step, total_steps, warmup_steps, config.learning_rate),
+        evaluate_now=run_eval, eval_steps=config.eval_steps, checkpoint_steps=config.checkpoint_steps, save=save,
+        optimizer=optimizer, plan=plan, callbacks=callbacks)
+    if not completed:
+        return cancelled()
 
     metrics = progress.metrics()
     eval_metrics = run_eval()
@@ -329,10 +295,10 @@ def _build_optimizer(model: torch.nn.Module, config: LMTrainConfig, plan: Device
 
 
 def _resume(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            scaler: torch.amp.GradScaler, plan: DevicePlan, identity: dict[str, Any]) -> _Progress:
+            scaler: torch.amp.GradScaler, plan: DevicePlan, identity: dict[str, Any]) -> Progress:
     state = artifacts.resume_state(checkpoint, model, optimizer, scaler, plan, identity)
-    return _Progress(step=state["step"], loss_sum=state["loss_sum"], tokens=state["tokens"],
-                     runtime=state["runtime"])
+    return Progress("tokens", step=state["step"], loss_sum=state["loss_sum"], units=state["tokens"],
+                    runtime=state["runtime"])
 
 
 def _hyperparameters(config: LMTrainConfig, plan: DevicePlan, total_steps: int, per_epoch: int,

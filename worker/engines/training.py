@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,20 +85,73 @@ class TrainResult:
 
 
 @dataclass
-class _Progress:
+class Progress:
     """Loop state that a checkpoint carries across a resume."""
 
+    unit: str  # what throughput counts: "samples" (classification) or "tokens" (causal LM)
     step: int = 0
     loss_sum: float = 0.0  # sum of per-step train losses, for the run's mean train_loss
-    samples: int = 0
+    units: int = 0
     runtime: float = 0.0  # seconds spent in training steps only (no eval, loading or saving)
 
+    @property
+    def rate(self) -> float:
+        """Units per second of training-step time."""
+        return self.units / self.runtime if self.runtime else 0.0
+
     def metrics(self) -> dict[str, float]:
-        return {
-            "train_loss": self.loss_sum / max(self.step, 1),
-            "train_samples_per_second": self.samples / self.runtime if self.runtime else 0.0,
-            "train_runtime": self.runtime,
-        }
+        return {"train_loss": self.loss_sum / max(self.step, 1), f"train_{self.unit}_per_second": self.rate,
+                "train_runtime": self.runtime}
+
+
+def run_steps(*, progress: Progress, total_steps: int, per_epoch: int,
+              epoch_steps: Callable[[int], Sequence[Sequence[Any]]],
+              step: Callable[[list[Any], float], tuple[float, float, int]], learning_rate: Callable[[int], float],
+              evaluate_now: Callable[[], dict[str, float]] | None, eval_steps: int | None,
+              checkpoint_steps: int | None, save: Callable[[int], None], optimizer: torch.optim.Optimizer,
+              plan: DevicePlan, callbacks: TrainCallbacks) -> bool:
+    """The optimizer-step loop both engines share; False when stopped (after a checkpoint), True when done.
+
+    `epoch_steps(epoch)` lists each step's micro-batches, a pure function of the epoch so a resumed run
+    skips what it already did; `step(micro_batches, lr)` returns (loss, grad norm, units processed).
+    """
+    epoch_plan: tuple[int, Sequence[Sequence[Any]]] | None = None
+    split = 1  # each planned micro-batch runs as this many smaller ones after an out-of-memory error
+    while progress.step < total_steps:
+        epoch, index = divmod(progress.step, per_epoch)
+        if epoch_plan is None or epoch_plan[0] != epoch:
+            epoch_plan = (epoch, epoch_steps(epoch))
+        lr = learning_rate(progress.step)
+
+        started = time.perf_counter()
+        while True:
+            try:
+                loss, grad_norm, units = step(split_micro_batches(list(epoch_plan[1][index]), split), lr)
+                break
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                split = _back_off(exc, list(epoch_plan[1][index]), split, optimizer, plan, callbacks)
+        progress.runtime += time.perf_counter() - started
+        progress.step += 1
+        progress.loss_sum += loss
+        progress.units += units
+        callbacks.on_log(progress.step, progress.step / per_epoch, {
+            "train_loss": loss, "learning_rate": lr, "grad_norm": grad_norm,
+            f"{progress.unit}_per_second": progress.rate,
+        })
+
+        if evaluate_now is not None and eval_steps is not None and progress.step < total_steps \
+                and progress.step % eval_steps == 0:
+            callbacks.on_eval(progress.step, evaluate_now())
+        checkpointed = checkpoint_steps is not None and progress.step % checkpoint_steps == 0
+        if checkpointed:
+            save(progress.step)
+        if callbacks.should_stop():
+            if not checkpointed:
+                save(progress.step)
+            return False
+    return True
 
 
 def lr_at(step: int, total_steps: int, warmup_steps: int, base_lr: float) -> float:
@@ -129,7 +182,7 @@ def train(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> Train
     identity = {"num_train": len(train_set), "batch_size": config.batch_size,
                 "gradient_accumulation_steps": accumulation, "seed": config.seed, "labels": labels}
 
-    progress, resumed_from = _Progress(), None
+    progress, resumed_from = Progress("samples"), None
     checkpoint = artifacts.latest_checkpoint(config.checkpoint_dir)
     if checkpoint is not None:
         progress = _resume(checkpoint, model, optimizer, scaler, plan, identity)
@@ -143,7 +196,7 @@ def train(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> Train
     })
 
     def save(step: int) -> None:
-        state = dict(identity, loss_sum=progress.loss_sum, samples=progress.samples, runtime=progress.runtime)
+        state = dict(identity, loss_sum=progress.loss_sum, samples=progress.units, runtime=progress.runtime)
         path = artifacts.save_checkpoint(config.checkpoint_dir, step, model, optimizer, scaler, plan, state)
         callbacks.on_checkpoint(step, path)
 
@@ -154,49 +207,24 @@ def train(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> Train
     if callbacks.should_stop():  # cancelled while loading: nothing new to checkpoint
         return cancelled()
 
-    epoch_plan: tuple[int, list[list[list[int]]]] | None = None
-    split = 1  # each planned micro-batch runs as this many smaller ones after an out-of-memory error
-    while progress.step < total_steps:
-        epoch, index = divmod(progress.step, per_epoch)
-        if epoch_plan is None or epoch_plan[0] != epoch:
-            # The order is a pure function of (seed, epoch): a resumed run skips `index` steps of it.
-            epoch_plan = (epoch, data.epoch_steps(train_set.lengths, config.batch_size, accumulation,
-                                                  config.seed, epoch))
-        lr = lr_at(progress.step, total_steps, warmup_steps, config.learning_rate)
+    def run_eval() -> dict[str, float]:
+        assert eval_set is not None
+        return evaluate(model, eval_set, plan, config.batch_size, len(labels))
 
-        started = time.perf_counter()
-        while True:
-            try:
-                loss, grad_norm, samples = _train_step(model, optimizer, scaler, plan, train_set,
-                                                       split_micro_batches(epoch_plan[1][index], split), lr)
-                break
-            except Exception as exc:
-                if not is_out_of_memory(exc):
-                    raise
-                split = _back_off(exc, epoch_plan[1][index], split, optimizer, plan, callbacks)
-        progress.runtime += time.perf_counter() - started
-        progress.step += 1
-        progress.loss_sum += loss
-        progress.samples += samples
-        callbacks.on_log(progress.step, progress.step / per_epoch, {
-            "train_loss": loss, "learning_rate": lr, "grad_norm": grad_norm,
-            "samples_per_second": progress.samples / progress.runtime,
-        })
-
-        if eval_set is not None and config.eval_steps is not None and progress.step < total_steps \
-                and progress.step % config.eval_steps == 0:
-            callbacks.on_eval(progress.step, evaluate(model, eval_set, plan, config.batch_size, len(labels)))
-        checkpointed = config.checkpoint_steps is not None and progress.step % config.checkpoint_steps == 0
-        if checkpointed:
-            save(progress.step)
-        if callbacks.should_stop():
-            if not checkpointed:
-                save(progress.step)
-            return cancelled()
+    completed = run_steps(
+        progress=progress, total_steps=total_steps, per_epoch=per_epoch,
+        epoch_steps=lambda epoch: data.epoch_steps(train_set.lengths, config.batch_size, accumulation,
+                                                   config.seed, epoch),
+        step=lambda micro_batches, lr: _train_step(model, optimizer, scaler, plan, train_set, micro_batches, lr),
+        learning_rate=lambda step: lr_at(step, total_steps, warmup_steps, config.learning_rate),
+        evaluate_now=run_eval if eval_set is not None else None, eval_steps=config.eval_steps,
+        checkpoint_steps=config.checkpoint_steps, save=save, optimizer=optimizer, plan=plan, callbacks=callbacks)
+    if not completed:
+        return cancelled()
 
     metrics = progress.metrics()
     if eval_set is not None:
-        eval_metrics = evaluate(model, eval_set, plan, config.batch_size, len(labels))
+        eval_metrics = run_eval()
         callbacks.on_eval(progress.step, eval_metrics)
         metrics.update(eval_metrics)
     manifest = artifacts.build_manifest(
@@ -215,18 +243,18 @@ class OutOfMemory(RuntimeError):
     """The device ran out of memory even with one example per micro-batch."""
 
 
-def split_micro_batches(micro_batches: list[list[int]], split: int) -> list[list[int]]:
+def split_micro_batches(micro_batches: list[Any], split: int) -> list[Any]:
     """Cut every micro-batch into `split` parts: same examples and optimizer step, less memory at a time."""
     if split == 1:
         return micro_batches
-    parts: list[list[int]] = []
+    parts: list[Any] = []
     for indices in micro_batches:
         size = math.ceil(len(indices) / split)
         parts.extend(indices[i:i + size] for i in range(0, len(indices), size))
     return parts
 
 
-def _back_off(exc: BaseException, micro_batches: list[list[int]], split: int, optimizer: torch.optim.Optimizer,
+def _back_off(exc: BaseException, micro_batches: list[Any], split: int, optimizer: torch.optim.Optimizer,
               plan: DevicePlan, callbacks: TrainCallbacks) -> int:
     """After an OOM: drop the partial gradients, free the cache, halve the micro-batch (doubling accumulation)."""
     optimizer.zero_grad(set_to_none=True)
@@ -365,10 +393,10 @@ def _build_optimizer(model: torch.nn.Module, config: TrainConfig, plan: DevicePl
 
 
 def _resume(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            scaler: torch.amp.GradScaler, plan: DevicePlan, identity: dict[str, Any]) -> _Progress:
+            scaler: torch.amp.GradScaler, plan: DevicePlan, identity: dict[str, Any]) -> Progress:
     state = artifacts.resume_state(checkpoint, model, optimizer, scaler, plan, identity)
-    return _Progress(step=state["step"], loss_sum=state["loss_sum"], samples=state["samples"],
-                     runtime=state["runtime"])
+    return Progress("samples", step=state["step"], loss_sum=state["loss_sum"], units=state["samples"],
+                    runtime=state["runtime"])
 
 
 def _hyperparameters(config: TrainConfig, plan: DevicePlan, total_steps: int, per_epoch: int,
