@@ -79,6 +79,15 @@ class JobStatus(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
+class TaskKind(enum.StrEnum):
+    """What a job trains; schemas and queries derive from this enum."""
+
+    TEXT_CLASSIFICATION = "text-classification"
+    CAUSAL_LM = "causal-lm"
+
+
+ACTIVE = frozenset({JobStatus.QUEUED, JobStatus.RUNNING})
+
 DEFAULT_TENANT = "default"
 
 TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})

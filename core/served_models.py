@@ -12,7 +12,8 @@ from sqlalchemy.orm import Session
 
 from core.base_models import HUB_ID, hub_model_available
 from core.errors import NotFound
-from core.models import Job, JobStatus, is_valid_id
+from core.models import Job, JobStatus, TaskKind, is_valid_id
+from core.paths import job_model_dir
 from core.settings import Settings
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -50,7 +51,7 @@ def local_models(settings: Settings) -> list[ServedModel]:
 
 def job_models(session: Session, *, tenant: str | None) -> list[Job]:
     """Succeeded causal-lm jobs visible to the tenant."""
-    query = select(Job).where(Job.task == "causal-lm", Job.status == JobStatus.SUCCEEDED)
+    query = select(Job).where(Job.task == TaskKind.CAUSAL_LM, Job.status == JobStatus.SUCCEEDED)
     if tenant is not None:
         query = query.where(Job.tenant_id == tenant)
     return list(session.scalars(query.order_by(Job.created_at)))
@@ -58,7 +59,7 @@ def job_models(session: Session, *, tenant: str | None) -> list[Job]:
 
 def list_served_models(session: Session, settings: Settings, *, tenant: str | None) -> list[ServedModel]:
     """Everything the caller can generate with (hub models are not enumerated)."""
-    jobs = [ServedModel(id=job.id, path=str((settings.jobs_dir / job.id / "model").resolve()),
+    jobs = [ServedModel(id=job.id, path=str(job_model_dir(settings, job.id).resolve()),
                         owned_by=job.tenant_id, created=int(job.created_at.timestamp()))
             for job in job_models(session, tenant=tenant)]
     return local_models(settings) + jobs
@@ -70,9 +71,9 @@ def resolve_served_model(session: Session, settings: Settings, *, name: str, ten
         job = session.get(Job, name) if is_valid_id(name) else None
         if job is None or (tenant is not None and job.tenant_id != tenant):
             raise NotFound(f"model {name!r} not found", field="model")
-        if job.task != "causal-lm" or job.status != JobStatus.SUCCEEDED:
+        if job.task != TaskKind.CAUSAL_LM or job.status != JobStatus.SUCCEEDED:
             raise NotFound(f"job {name!r} is not a finished causal-lm job", field="model")
-        return ServedModel(id=job.id, path=str((settings.jobs_dir / job.id / "model").resolve()),
+        return ServedModel(id=job.id, path=str(job_model_dir(settings, job.id).resolve()),
                            owned_by=job.tenant_id, created=int(job.created_at.timestamp()))
     if NAME_RE.match(name):
         folder = settings.home / "models" / name  # NAME_RE admits no separators, so this stays under models/

@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 
-ASSETS_TOKENIZER = Path(__file__).resolve().parent.parent / "assets" / "gpt2-tokenizer"
+from core.paths import GPT2_TOKENIZER_DIR
+
+ASSETS_TOKENIZER = GPT2_TOKENIZER_DIR
 GPT2_EOS = 50256
 
 

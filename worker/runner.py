@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import make_engine, make_sessionmaker, session_scope
 from core.errors import NotFound
-from core.models import Artifact, Job, JobStatus, new_id, utcnow
+from core.models import Artifact, Job, JobStatus, TaskKind, new_id, utcnow
 from core.settings import get_settings
 from core.store import datasets as dataset_store
 from core.store import jobs as store
@@ -159,7 +159,7 @@ def build_config(job: Job, train_path: Path, eval_path: Path | None, hashes: dic
     settings = get_settings()
     hp = job.hyperparameters
     out = job_dir(job.id)
-    if job.task == "causal-lm":
+    if job.task == TaskKind.CAUSAL_LM:
         return LMTrainConfig(
             train_file=train_path, eval_file=eval_path, output_dir=out / "model", checkpoint_dir=out / "checkpoints",
             base_model=job.base_model_path, model_config=job.model_config_, text_column=job.text_column,

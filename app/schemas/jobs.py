@@ -7,13 +7,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from core.models import JobStatus, TaskKind
+
 
 class JobCreate(BaseModel):
     """A training request. Unknown fields are rejected so typos do not pass silently."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    task: Literal["text-classification", "causal-lm"] = "text-classification"
+    task: TaskKind = TaskKind.TEXT_CLASSIFICATION
     base_model: str | None = Field(
         None, min_length=1, max_length=500,
         description="text-classification: alias (minilm-l6), local folder or hub id (required). "
@@ -66,7 +68,7 @@ class ArtifactRead(BaseModel):
 class JobRead(BaseModel):
     id: str
     object: Literal["job"] = "job"
-    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
+    status: JobStatus
     task: str
     base_model: str | None
     architecture: dict[str, int] | None = Field(None, serialization_alias="model_config")

@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 
 from core.auth import Principal
 from core.errors import NotFound, ValidationFailed
-from core.models import JobStatus
+from core.models import JobStatus, TaskKind
 from core.queue import TaskQueue
 from core.settings import Settings
 from core.store import jobs as store
@@ -27,7 +27,7 @@ def classify(session: Session, settings: Settings, queue: TaskQueue, principal: 
         job = store.get_job(session, job_id=model, tenant=principal.scope)
     except NotFound as exc:
         raise NotFound(f"model {model!r} not found", field="model") from exc
-    if job.task != "text-classification":
+    if job.task != TaskKind.TEXT_CLASSIFICATION:
         raise ValidationFailed("model", f"job {model!r} is a {job.task} job, not a classifier")
     if job.status != JobStatus.SUCCEEDED:
         raise ValidationFailed("model", f"job {model!r} is {job.status}; only succeeded jobs serve predictions")

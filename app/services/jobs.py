@@ -17,7 +17,7 @@ from core.base_models import resolve_base_model
 from core.errors import BrokerUnavailable, Conflict, NotFound, TooManyRequests, ValidationFailed
 from core.hyperparams import Hyperparameters, LMHyperparameters
 from core.lm_config import validate_model_config
-from core.models import Dataset, Job, JobStatus, new_id, utcnow
+from core.models import ACTIVE, Dataset, Job, JobStatus, TaskKind, new_id, utcnow
 from core.queue import TaskQueue
 from core.settings import Settings
 from core.store import datasets as dataset_store
@@ -37,7 +37,7 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, principal
                                        request_hash=request_hash)
     if replayed is not None:
         return store.get_job(session, job_id=replayed)
-    active = store.count_jobs(session, tenant=principal.tenant_id, statuses=["queued", "running"])
+    active = store.count_jobs(session, tenant=principal.tenant_id, statuses=sorted(ACTIVE))
     if active >= settings.max_active_jobs_per_tenant:
         raise TooManyRequests(f"{active} jobs are queued or running; the limit per tenant is "
                               f"{settings.max_active_jobs_per_tenant}", retry_after=30, code="quota_exceeded")
@@ -48,7 +48,7 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, principal
     if evaluation is not None:
         _require_column(evaluation, spec.text_column, "eval_dataset")
         _require_text(evaluation, spec.text_column, "eval_dataset")
-    if spec.task == "causal-lm":
+    if spec.task == TaskKind.CAUSAL_LM:
         fields = _causal_lm_fields(settings, spec)
     else:
         fields = _classification_fields(settings, spec, train, evaluation)

@@ -6,7 +6,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.errors import Conflict, NotFound
-from core.models import Dataset, Job, is_valid_id
+from core.models import ACTIVE, Dataset, Job, is_valid_id
 from core.store.paging import before_cursor
 
 
@@ -43,7 +43,7 @@ def delete_dataset(session: Session, *, dataset_id: str, tenant: str | None = No
     busy = session.scalar(
         select(Job.id).where(
             (Job.train_dataset_id == dataset_id) | (Job.eval_dataset_id == dataset_id),
-            Job.status.in_(["queued", "running"]),
+            Job.status.in_(sorted(ACTIVE)),
         ).limit(1)
     )
     if busy is not None:

@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from core.lm_config import DEFAULT_MODEL_CONFIG, resolve_block_size, validate_model_config
+from core.paths import GPT2_TOKENIZER_DIR
 from worker.engines import lm_data, lm_training
 from worker.engines.lm_training import LMTrainConfig, train_lm
 from worker.engines.training import TrainCallbacks
@@ -47,7 +48,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """The GPT-2 BPE saved with its tokenizer.json, so each run loads it in a fraction of a second."""
-    assets = ROOT / "assets" / "gpt2-tokenizer"
+    assets = GPT2_TOKENIZER_DIR
     if (assets / "vocab.json").is_file():
         tokenizer = GPT2TokenizerFast.from_pretrained(assets)
     else:  # the assets folder is made by a colleague; the shared copy holds the same two files
@@ -179,7 +180,7 @@ def test_rows_become_documents_separated_by_eos(tmp_path, tokenizer_dir):
 
 
 def test_default_tokenizer_is_the_shipped_gpt2_folder():
-    assert lm_training.DEFAULT_TOKENIZER == ROOT / "assets" / "gpt2-tokenizer"
+    assert lm_training.DEFAULT_TOKENIZER == GPT2_TOKENIZER_DIR
 
 
 def test_fresh_gpt2_learns_and_saves_a_model_that_generates(tmp_path, tokenizer_dir, shakespeare, monkeypatch):

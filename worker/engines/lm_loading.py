@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
 
+from core.paths import GPT2_TOKENIZER_DIR
 from worker.engines.device import DevicePlan
 
-ASSETS_TOKENIZER = Path(__file__).resolve().parents[2] / "assets" / "gpt2-tokenizer"
+ASSETS_TOKENIZER = GPT2_TOKENIZER_DIR
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
 # From this many rows a matmul uses oneDNN weights packed once at load (CPU, fp32): MKL's sgemm repacks the
 # weight on every call, which dominates at 4-64 rows (a decode step of 16 rows is about 1.5x faster on a

@@ -22,6 +22,7 @@ from transformers import (
 )
 
 from core.lm_config import DEFAULT_BLOCK_SIZE, resolve_block_size, validate_model_config
+from core.paths import GPT2_TOKENIZER_DIR
 from worker.engines import artifacts, data, lm_data
 from worker.engines.device import DevicePlan, resolve_device
 from worker.engines.training import (
@@ -35,7 +36,7 @@ from worker.engines.training import (
     seed_everything,
 )
 
-DEFAULT_TOKENIZER = Path(__file__).resolve().parents[2] / "assets" / "gpt2-tokenizer"
+DEFAULT_TOKENIZER = GPT2_TOKENIZER_DIR
 MAX_EVAL_BLOCKS = 1024  # evenly spaced validation blocks; keeps each evaluation bounded on big corpora
 # exp(100) ~ 2.7e43 is still a finite float (and valid JSON); exp(710) would raise OverflowError.
 MAX_PERPLEXITY_LOSS = 100.0
