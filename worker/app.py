@@ -9,12 +9,28 @@ from typing import Any
 from celery.signals import worker_ready, worker_shutting_down
 
 from core.celery_app import make_celery
+from worker.context import WorkerContext
 
 celery = make_celery()
 celery.conf.update(include=["worker.tasks"])
 
 # Set when the worker is asked to stop; a running fine-tune checkpoints and goes back to the queue.
 SHUTDOWN = threading.Event()
+
+_context: WorkerContext | None = None
+_context_lock = threading.Lock()
+
+
+def context() -> WorkerContext:
+    """This worker process's context, built on first use (after the fork, so pools are not shared)."""
+    global _context
+    with _context_lock:
+        if _context is None:
+            from core.queue import CeleryTaskQueue
+            from core.settings import get_settings
+
+            _context = WorkerContext(get_settings(), CeleryTaskQueue(celery), shutdown=SHUTDOWN)
+        return _context
 
 
 @worker_shutting_down.connect
