@@ -16,13 +16,10 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from worker.engines.device import DevicePlan, resolve_device
-from worker.engines.lm_loading import Gpt2Runner, eos_ids, load_causal_lm, load_tokenizer, token_bytes
 from core.protocol import SamplingParams
 from worker.engines.batch import (
     Choice,
@@ -36,6 +33,8 @@ from worker.engines.batch import (
     check_fits,
     prompt_ids,
 )
+from worker.engines.device import DevicePlan, resolve_device
+from worker.engines.lm_loading import Gpt2Runner, eos_ids, load_causal_lm, load_tokenizer, token_bytes
 from worker.engines.sampling import RowParams, next_tokens
 
 __all__ = ["Choice", "DeadlineExceeded", "EngineClosed", "GenerationEngine", "GenerationResult", "QueueFull",
@@ -71,7 +70,7 @@ class GenerationEngine:
         self.max_batch_size = max_batch_size
         self.max_tokens_in_flight = max_tokens_in_flight
         self.max_queue = max_queue
-        # Given the ids of all waiting and running requests, the ones to drop: one call per loop (a raise fails the batch).
+        # Given the ids of all waiting and running requests, those to drop: one call per loop (raising fails the batch).
         self._cancelled_ids = cancelled_ids
         self._table = token_bytes(self.tokenizer, self.vocab_size)
         self._runner = Gpt2Runner(self.model, self.plan, max_rows=max_batch_size)
@@ -179,7 +178,8 @@ class GenerationEngine:
     def _flagged(self) -> frozenset[str]:
         """Ids the cancelled_ids hook names among waiting and running requests (one call for all of them)."""
         with self._lock:
-            ids = list(dict.fromkeys([r.request_id for r in self._waiting] + [s.request.request_id for s in self._rows]))
+            ids = list(dict.fromkeys(
+                [r.request_id for r in self._waiting] + [q.request.request_id for q in self._rows]))
         return frozenset(self._cancelled_ids(ids)) if self._cancelled_ids is not None and ids else frozenset()
 
     def _admit(self, flagged: frozenset[str] = frozenset()) -> list[Request]:
