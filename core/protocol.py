@@ -37,6 +37,7 @@ class ErrorCode(StrEnum):
     WORKER_TIMEOUT = "worker_timeout"
     WORKER_ERROR = "worker_error"
     INTERNAL_ERROR = "internal_error"
+    CLIENT_DISCONNECTED = "client_disconnected"
     # Job failures recorded on the row by the worker.
     TRAINING_ERROR = "training_error"
     OOM = "oom"

@@ -284,19 +284,3 @@ def _finish(session: Session, job: Job, status: JobStatus, message: str, level: 
 def _fail(session: Session, job: Job, code: str, message: str) -> None:
     job.error = {"code": code, "message": message, "field": None}
     _finish(session, job, JobStatus.FAILED, message, level="error")
-
-
-@lru_cache(maxsize=1)
-def _classifiers() -> Any:
-    from worker.engines.classify import ClassifierCache
-
-    return ClassifierCache()
-
-
-def classify_texts(job_id: str, texts: list[str]) -> list[dict[str, Any]]:
-    """Predictions from a finished job's model; the model stays loaded in this process."""
-    model_dir = job_dir(job_id) / "model"
-    if not (model_dir / "manifest.json").is_file():
-        raise FileNotFoundError(f"model of job {job_id} is not on this worker's disk")
-    result: list[dict[str, Any]] = _classifiers().get(model_dir).predict(texts)
-    return result

@@ -6,7 +6,6 @@ The Celery hop is replaced by a queue that runs the worker's real `serve` functi
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
@@ -14,34 +13,27 @@ import redis as redis_lib
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from core.settings import override_settings
 from core.tasks import TASK_GENERATE
 from tests.tiny_lm import build_tiny_gpt2
 
 
 @pytest.fixture()
-def served(settings, queue, client):
-    """A tiny GPT-2 installed as <home>/models/tiny, served by the worker code in-process."""
-    path = build_tiny_gpt2(settings.home / "models" / "tiny", n_positions=64)
-    override_settings(settings)
+def worker_ctx(settings, queue):
+    """The generation worker's context; its tasks run in threads through the recording queue."""
     from worker import serving
+    from worker.context import WorkerContext
 
-    serving._redis = None
-    original = queue.send
+    ctx = WorkerContext(settings, queue)
+    queue.handlers[TASK_GENERATE] = lambda payload: serving.serve(ctx, payload)
+    yield ctx
+    ctx.service("generation", serving.GenerationService.build).registry.close()
+    ctx.close()
 
-    def send(name, args, *, queue):
-        task_id = original(name, args, queue=queue)
-        if name == TASK_GENERATE:
-            threading.Thread(target=serving.serve, args=(args[0],), daemon=True).start()
-        return task_id
 
-    queue.send = send
-    yield path
-    for engine in serving._engines.values():
-        engine.close()
-    serving._engines.clear()
-    serving._redis = None
-    override_settings(None)
+@pytest.fixture()
+def served(settings, worker_ctx):
+    """A tiny GPT-2 installed as <home>/models/tiny, served by the worker code in-process."""
+    return build_tiny_gpt2(settings.home / "models" / "tiny", n_positions=64)
 
 
 def _reference_greedy(path, prompt, max_new_tokens):

@@ -38,7 +38,7 @@ def _submit(client, tiny_bert, **hp):
     return response.json()["id"]
 
 
-def test_job_runs_to_success_and_serves_predictions(client, queue, runner, tiny_bert):
+def test_job_runs_to_success_and_serves_predictions(client, queue, runner, tiny_bert, settings):
     job_id = _submit(client, tiny_bert)
     assert runner.run_training_job(job_id) == "succeeded"
     job = client.get(f"/jobs/{job_id}").json()
@@ -65,7 +65,11 @@ def test_job_runs_to_success_and_serves_predictions(client, queue, runner, tiny_
     download = client.get(model["download_url"])
     assert download.status_code == 200 and download.headers["content-type"] == "application/x-tar"
 
-    queue.handlers[TASK_CLASSIFY] = runner.classify_texts
+    from worker.classification import serve_classify
+    from worker.context import WorkerContext
+
+    ctx = WorkerContext(settings, queue)
+    queue.handlers[TASK_CLASSIFY] = lambda payload: serve_classify(ctx, payload)
     response = client.post("/classify", json={"model": job_id, "texts": ["a wonderful , moving film",
                                                                           "a dull , lifeless mess"]})
     assert response.status_code == 200, response.text
