@@ -58,5 +58,8 @@ def serve_classify(ctx: WorkerContext, payload: dict[str, Any]) -> str:
         result = ClassifyResult(error=ErrorBody(code=ErrorCode.WORKER_ERROR, message=f"worker failed: {exc}"))
     key = classify_reply_key(task.request_id)
     ttl = max(1, int(task.deadline - time.time()) + 60)
-    ctx.redis.pipeline().rpush(key, result.model_dump_json()).expire(key, ttl).execute()
+    with ctx.redis.pipeline() as pipe:  # one round trip; the reply expires if the caller never reads it
+        pipe.rpush(key, result.model_dump_json())
+        pipe.expire(key, ttl)
+        pipe.execute()
     return "failed" if result.error else "answered"

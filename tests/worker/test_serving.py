@@ -1,4 +1,4 @@
-"""The generation worker's engine registry with tiny real GPT-2s: LRU eviction under a memory budget, per-model loads."""
+"""The generation worker's engine registry with tiny real GPT-2s: LRU eviction under a budget, per-model loads."""
 
 from __future__ import annotations
 

@@ -79,6 +79,15 @@ class Request:
                                                 None if seed is None else make_generator(seed)))
         return self.sequences
 
+    def cancel(self) -> list[tuple[int, str]]:
+        """Finish every unfinished sequence as "cancelled"; returns (choice index, text still to emit) pairs."""
+        pending = []
+        for sequence in self.sequences:
+            if sequence.finish_reason is None:
+                sequence.finish_reason = "cancelled"
+                pending.append((sequence.index, sequence.stream.finish()))
+        return [(index, delta) for index, delta in pending if delta]
+
     @property
     def cost(self) -> int:
         """Cache positions the request may occupy: its share of max_tokens_in_flight."""

@@ -22,7 +22,6 @@ import torch
 
 from core.protocol import SamplingParams
 from worker.engines.batch import (
-    Choice,
     DeadlineExceeded,
     EngineClosed,
     GenerationResult,
@@ -37,8 +36,7 @@ from worker.engines.device import DevicePlan, resolve_device
 from worker.engines.lm_loading import Gpt2Runner, eos_ids, load_causal_lm, load_tokenizer, token_bytes
 from worker.engines.sampling import RowParams, next_tokens
 
-__all__ = ["Choice", "DeadlineExceeded", "EngineClosed", "GenerationEngine", "GenerationResult", "QueueFull",
-           "SamplingParams"]
+__all__ = ["DeadlineExceeded", "EngineClosed", "GenerationEngine", "GenerationResult", "QueueFull", "SamplingParams"]
 
 # Padded prompt tokens per prefill forward: bounds the activations of a burst of long prompts.
 PREFILL_TOKENS = 4096
@@ -333,12 +331,9 @@ class GenerationEngine:
             hit = True
             if request.done:  # is_cancelled raised: the request has already failed
                 continue
-            for sequence in request.sequences:
-                if sequence.finish_reason is None:
-                    sequence.finish_reason = "cancelled"
-                    delta = sequence.stream.finish()
-                    if delta and request.on_token is not None:
-                        self._emit(request, sequence.index, delta)
+            for index, delta in request.cancel():
+                if request.on_token is not None:
+                    self._emit(request, index, delta)
             with self._lock:
                 self._counters["cancelled"] += 1
         if hit:
