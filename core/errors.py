@@ -71,6 +71,12 @@ class WorkerTimeout(DomainError):
     code: str = ErrorCode.WORKER_TIMEOUT
 
 
+class ClientGone(DomainError):
+    """The client closed the connection before the answer was ready; nobody reads this error."""
+
+    code: str = ErrorCode.CLIENT_DISCONNECTED
+
+
 class UpstreamFailed(DomainError):
     """A worker answered with an error for a synchronous request."""
 

@@ -17,5 +17,5 @@ async def classify(body: ClassifyRequest, request: Request, session: SessionDep,
                    queue: QueueDep, principal: PrincipalDep) -> ClassifyResponse:
     """Classify texts with a fine-tuned model (the id of its succeeded job); waits without holding a thread."""
     predictions = await service.classify(session, settings, queue, request.app.state.redis, principal,
-                                         model=body.model, texts=body.texts)
+                                         model=body.model, texts=body.texts, disconnected=request.is_disconnected)
     return ClassifyResponse(model=body.model, predictions=[Prediction(**p.model_dump()) for p in predictions])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -17,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.errors import from_wire
 from core.auth import Principal
-from core.errors import BrokerUnavailable, NotFound, ValidationFailed, WorkerTimeout
+from core.errors import BrokerUnavailable, ClientGone, NotFound, ValidationFailed, WorkerTimeout
 from core.models import JobStatus, TaskKind
 from core.protocol import ClassifyResult, ClassifyTask, Prediction
 from core.queue import TaskQueue
@@ -25,8 +26,9 @@ from core.settings import Settings
 from core.store import jobs as store
 from core.tasks import QUEUE_INFERENCE, TASK_CLASSIFY, abandoned_key, classify_reply_key
 
-# Longest single blocking read: below the client's socket timeout, so a long wait is a few short ones.
-BLOCK_S = 5.0
+# Longest single blocking read: between reads the caller's connection is checked, and it stays well below
+# the Redis client's socket timeout.
+BLOCK_S = 1.0
 
 
 def check_classifier(session: Session, settings: Settings, principal: Principal, *, model: str,
@@ -49,7 +51,7 @@ def check_classifier(session: Session, settings: Settings, principal: Principal,
 
 
 async def classify(session: Session, settings: Settings, queue: TaskQueue, redis: Redis, principal: Principal, *,
-                   model: str, texts: list[str]) -> list[Prediction]:
+                   model: str, texts: list[str], disconnected: Callable[[], Awaitable[bool]]) -> list[Prediction]:
     """Check the model is a finished classifier, then ask a worker for predictions and wait without a thread."""
     await run_in_threadpool(check_classifier, session, settings, principal, model=model, texts=texts)
     timeout = settings.classify_timeout_s
@@ -59,11 +61,11 @@ async def classify(session: Session, settings: Settings, queue: TaskQueue, redis
                                       queue=QUEUE_INFERENCE)
     reply: bytes | None = None
     try:
-        reply = await _wait(redis, classify_reply_key(task.request_id), time.monotonic() + timeout)
+        reply = await _wait(redis, classify_reply_key(task.request_id), time.monotonic() + timeout, disconnected)
     except RedisError as exc:
         raise BrokerUnavailable(f"lost the broker: {type(exc).__name__}") from exc
     finally:
-        if reply is None:  # timed out, lost Redis, or the caller was cancelled: nobody will read a result
+        if reply is None:  # timed out, client gone, lost Redis, or cancelled: nobody will read a result
             await _give_up(redis, queue, task, task_id)
     if reply is None:
         raise WorkerTimeout(f"no worker answered within {timeout:g} s")
@@ -73,11 +75,13 @@ async def classify(session: Session, settings: Settings, queue: TaskQueue, redis
     return result.predictions or []
 
 
-async def _wait(redis: Redis, key: str, deadline: float) -> bytes | None:
+async def _wait(redis: Redis, key: str, deadline: float, disconnected: Callable[[], Awaitable[bool]]) -> bytes | None:
     while (remaining := deadline - time.monotonic()) > 0:
         popped = await redis.blpop([key], timeout=min(remaining, BLOCK_S))  # type: ignore[misc]
         if popped is not None:
             return bytes(popped[1])
+        if await disconnected():
+            raise ClientGone("the client disconnected")
     return None
 
 

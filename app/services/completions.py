@@ -29,21 +29,15 @@ from app.schemas.generation import (
 )
 from app.services.generation import GenerationGateway
 from core.auth import Principal
-from core.errors import DomainError, ValidationFailed
-from core.protocol import DoneEvent, ErrorBody, ErrorCode, ErrorEvent, GenerationEvent, SamplingParams, TokenEvent
+from core.errors import ClientGone, ValidationFailed
+from core.protocol import DoneEvent, ErrorBody, ErrorEvent, GenerationEvent, SamplingParams, TokenEvent
 from core.served_models import ServedModel
 
 # How often a non-streaming request asks whether its client is still there.
 DISCONNECT_POLL_S = 0.25
 
-Disconnected = Callable[[], Awaitable[bool]]
+Disconnected = Callable[[], Awaitable[bool]]  # Request.is_disconnected
 Render = Callable[[GenerationEvent], list[bytes]]
-
-
-class ClientGone(DomainError):
-    """The client closed the connection before the answer was ready; nobody reads this error."""
-
-    code: str = ErrorCode.CLIENT_DISCONNECTED
 
 
 @dataclass

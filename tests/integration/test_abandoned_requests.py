@@ -33,6 +33,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ASKED = 1000  # tokens asked for: far more than are generated before the worker sees the cancel flag
 SLOTS = "trainserve:slots:tiny"
 TENANT = "tenant-abandon"
+CLASSIFY_TIMEOUT_S = 6
+ABANDONED = "trainserve:classify:*:abandoned"
 
 
 @dataclass
@@ -58,7 +60,7 @@ def api(worker_env, settings, tmp_path: Path) -> Iterator[Api]:
     build_tiny_gpt2(settings.home / "models" / "tiny", n_positions=1024)
     port = _free_port()
     log = open(tmp_path / "api.log", "wb")  # noqa: SIM115
-    env = dict(worker_env, TRAINSERVE_CLASSIFY_TIMEOUT_S="3")
+    env = dict(worker_env, TRAINSERVE_CLASSIFY_TIMEOUT_S=str(CLASSIFY_TIMEOUT_S))
     proc = subprocess.Popen([sys.executable, "-m", "trainserve.cli", "api", "--port", str(port)], env=env,
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -112,12 +114,18 @@ def test_a_stream_dropped_after_the_first_token_frees_its_slot_and_stops_the_wor
     _assert_abandoned(store, request_id)  # the connection is closed here, mid-stream
 
 
+def _send(api: Api, path: str, body: dict) -> socket.socket:
+    """A raw HTTP/1.1 POST whose connection the test can drop at will."""
+    raw = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", api.port))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n".encode()
+                 + f"Authorization: Bearer {api.key}\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    return sock
+
+
 def test_a_dropped_non_streaming_request_frees_its_slot_and_stops_the_worker(api, start_worker, store):
     start_worker("generation")
-    body = json.dumps({"model": "tiny", "prompt": "Hello", "max_new_tokens": ASKED, "seed": 2}).encode()
-    sock = socket.create_connection(("127.0.0.1", api.port))
-    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                 + f"Authorization: Bearer {api.key}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    sock = _send(api, "/generate", {"model": "tiny", "prompt": "Hello", "max_new_tokens": ASKED, "seed": 2})
     request_id = wait_for(lambda: store.zrange(SLOTS, 0, -1), 60, "the request to take a slot")[0].decode()
     wait_for(lambda: store.xlen(stream_key(request_id)) >= 3, 60, "the first tokens")  # accepted + tokens
     sock.close()
@@ -138,6 +146,14 @@ def test_classify_waits_without_threads_times_out_504_and_a_later_worker_skips(a
                                                                                 tmp_path):
     job_id = _succeeded_classifier(settings.resolved_database_url)
 
+    # A caller that hangs up is noticed while waiting: its task is marked well before the timeout.
+    sock = _send(api, "/classify", {"model": job_id, "texts": ["hi"]})
+    wait_for(lambda: store.llen(QUEUE_INFERENCE) == 1, 30, "the task to be queued")
+    sock.close()
+    dropped = time.monotonic()
+    wait_for(lambda: store.keys(ABANDONED), 30, "the dropped call's task to be marked abandoned")
+    assert time.monotonic() - dropped < CLASSIFY_TIMEOUT_S - 2
+
     async def calls() -> tuple[list[httpx.Response], list[float]]:
         async with httpx.AsyncClient(base_url=api.url, headers=api.headers, timeout=60) as client:
             pending = [asyncio.ensure_future(client.post("/classify", json={"model": job_id, "texts": ["hi"]}))
@@ -155,10 +171,10 @@ def test_classify_waits_without_threads_times_out_504_and_a_later_worker_skips(a
     assert len(health) >= 3 and max(health) < 1.0, health
     for response in responses:
         assert response.status_code == 504 and response.json()["error"]["code"] == "worker_timeout", response.text
-    assert len(store.keys("trainserve:classify:*:abandoned")) == 40
-    assert store.llen(QUEUE_INFERENCE) == 40  # nobody consumed them
+    assert len(store.keys(ABANDONED)) == 41
+    assert store.llen(QUEUE_INFERENCE) == 41  # nobody consumed them
 
     start_worker("inference")
     log = tmp_path / "worker-inference-0.log"
-    wait_for(lambda: log.read_text().count("its caller has given up") == 40, 120, "the worker to skip all 40 tasks")
+    wait_for(lambda: log.read_text().count("its caller has given up") == 41, 120, "the worker to skip all 41 tasks")
     assert store.llen(QUEUE_INFERENCE) == 0 and not store.keys("trainserve:classify:*:reply")
