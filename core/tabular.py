@@ -311,12 +311,14 @@ class _StatsBuilder:
         for column in columns:
             if column not in self.empty:  # a JSONL key first seen now was missing from the rows before
                 self.empty[column], self.values[column], self.cost[column] = self.rows, Counter(), 0
-            value = to_label(row.get(column))
+            raw, counts = row.get(column), self.values[column]
+            if counts is None:  # no longer a label candidate: only emptiness is counted (cheaply: most cells)
+                if raw is None or raw == "" or isinstance(raw, str) and not raw.strip():
+                    self.empty[column] += 1
+                continue
+            value = to_label(raw)
             if value is None or value == "":
                 self.empty[column] += 1
-                continue
-            counts = self.values[column]
-            if counts is None:
                 continue
             key = str(value)
             if key in counts:
