@@ -160,7 +160,8 @@ def test_rows_stored_before_the_bounds_keep_working(client, settings):
     engine = make_engine(settings.resolved_database_url)
     columns = ["sentence", "label", *(f"extra{i}" for i in range(5000))]
     stats = {"sentence": {"empty": 0, "values": None}, "label": {"empty": 0, "values": {"0": 6, "1": 6}},
-             **{f"extra{i}": {"empty": 0, "values": {str(v): 1 for v in range(2000)}} for i in range(5000)}}
+             "extra0": {"empty": 0, "values": {str(v): 1 for v in range(20_000)}},
+             **{f"extra{i}": {"empty": 0, "values": {"x" * 500: 1}} for i in range(1, 5000)}}
     with session_scope(make_sessionmaker(engine)) as session:
         dataset = session.get(Dataset, ds)
         dataset.columns, dataset.column_stats, dataset.created_at = columns, stats, utcnow()
@@ -169,7 +170,9 @@ def test_rows_stored_before_the_bounds_keep_working(client, settings):
     read = client.get(f"/datasets/{ds}")
     assert read.status_code == 200 and len(read.content) < 200_000
     assert read.json()["column_stats"]["label"]["values"] == {"0": 6, "1": 6}
-    assert read.json()["column_stats"]["extra0"]["values"] is None
+    assert read.json()["column_stats"]["extra0"]["values"] is None  # too many values
+    assert read.json()["column_stats"]["extra1"]["values"] is None  # too long a value
+    assert len(read.json()["column_stats"]) == settings.max_dataset_columns
     response = client.post("/jobs", json=job_body(ds))
     assert response.status_code == 201, response.text
     assert response.json()["labels"] == [0, 1]
