@@ -29,6 +29,7 @@ class ErrorCode(StrEnum):
     UNAUTHORIZED = "unauthorized"
     RATE_LIMITED = "rate_limited"
     QUOTA_EXCEEDED = "quota_exceeded"
+    TOO_MANY_UPLOADS = "too_many_uploads"
     OVERLOADED = "overloaded"
     IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
     BROKER_UNAVAILABLE = "broker_unavailable"
