@@ -66,3 +66,13 @@ def test_one_error_body_and_one_mapping_from_the_wire() -> None:
     for code, status in cases.items():
         error = from_wire(ErrorBody(code=code, message="m", field="f" if code == "validation_error" else None))
         assert (status_for(error), error.code) == (status, code)
+
+
+def test_codes_spelled_in_the_source_are_error_codes() -> None:
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spelled = {m for folder in ("app", "core", "worker") for path in (root / folder).rglob("*.py")
+               for m in re.findall(r'(?:\bcode=|_send_error\(send, \d+, )"([a-z_]+)"', path.read_text())}
+    assert spelled and spelled <= set(ErrorCode), spelled - set(ErrorCode)
