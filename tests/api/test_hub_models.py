@@ -73,7 +73,8 @@ def test_hub_weights_over_the_limit_are_refused(client, dataset, online_hub, rep
 def test_hub_repo_with_safetensors_within_the_limit_is_accepted(client, dataset, online_hub):
     response = _create(client, dataset, "org/fine")
     assert response.status_code == 201, response.text
-    assert _create(client, dataset, "org/missing").json()["error"]["message"] == "hub model 'org/missing' does not exist"
+    missing = _create(client, dataset, "org/missing").json()["error"]
+    assert missing["message"] == "hub model 'org/missing' does not exist" and missing["field"] == "base_model"
 
 
 def test_served_hub_models_are_checked_the_same_way(settings, online_hub):
