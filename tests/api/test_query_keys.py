@@ -5,16 +5,16 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from app.access_log import RedactQueryCredentials
 from core.auth import KEY_PREFIX, redact_query
+from tests.integration.conftest import wait_for
+from tests.integration.test_local_mode import _free_port
 
 FAKE_KEY = KEY_PREFIX + "A" * 20 + "_-b" * 8  # the shape of a real key (43 URL-safe characters after the prefix)
 
@@ -52,12 +52,6 @@ def test_filter_rewrites_uvicorn_access_records():
     assert FAKE_KEY not in record.getMessage() and "/jobs?key=REDACTED" in record.getMessage()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_real_uvicorn_access_log_never_prints_a_key(settings, tmp_path):
     """`trainserve api` (real uvicorn, its own logging config): the key sent in a URL is not in its output."""
@@ -70,16 +64,15 @@ def test_real_uvicorn_access_log_never_prints_a_key(settings, tmp_path):
                                 stdout=log, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
+
+        def healthy() -> bool:
             assert proc.poll() is None, log_path.read_text()
             try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
+                return httpx.get(f"{base}/health", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the API did not start"
-            time.sleep(0.2)
+                return False
+
+        wait_for(healthy, 60, "the API to answer /health")
         assert httpx.get(f"{base}/jobs", params={"api_key": FAKE_KEY}).status_code == 401
         assert httpx.get(f"{base}/health", params={"token": FAKE_KEY}).status_code == 200  # public, still redacted
         assert httpx.get(f"{base}/jobs", params={"limit": 3, "cursor": FAKE_KEY}).status_code == 401
