@@ -10,7 +10,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from app.access_log import install_access_log_redaction
 from app.errors import install_error_handlers
-from app.limits import BodyLimitMiddleware
+from app.limits import BodyLimitMiddleware, UploadSlotsMiddleware
 from app.routes import classify, datasets, generation, health, jobs
 from app.services.generation import GenerationGateway
 from core.celery_app import make_celery
@@ -46,7 +46,8 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
                   description="Fine-tune BERT classifiers and serve the results.")
     install_error_handlers(app)
     install_access_log_redaction()
-    app.add_middleware(BodyLimitMiddleware, settings=settings or get_settings())
+    app.add_middleware(UploadSlotsMiddleware, settings=settings or get_settings())
+    app.add_middleware(BodyLimitMiddleware, settings=settings or get_settings())  # outer: a 413 takes no slot
     origins = [o.strip() for o in (settings or get_settings()).cors_origins.split(",") if o.strip()]
     if origins:
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
