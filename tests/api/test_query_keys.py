@@ -13,8 +13,7 @@ import pytest
 
 from app.access_log import RedactQueryCredentials
 from core.auth import KEY_PREFIX, redact_query
-from tests.integration.conftest import wait_for
-from tests.integration.test_local_mode import _free_port
+from tests.integration.test_local_mode import _free_port, wait_healthy
 
 FAKE_KEY = KEY_PREFIX + "A" * 20 + "_-b" * 8  # the shape of a real key (43 URL-safe characters after the prefix)
 
@@ -64,15 +63,7 @@ def test_real_uvicorn_access_log_never_prints_a_key(settings, tmp_path):
                                 stdout=log, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"
-
-        def healthy() -> bool:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                return httpx.get(f"{base}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(healthy, 60, "the API to answer /health")
+        wait_healthy(proc, base, log_path, "trainserve api")
         assert httpx.get(f"{base}/jobs", params={"api_key": FAKE_KEY}).status_code == 401
         assert httpx.get(f"{base}/health", params={"token": FAKE_KEY}).status_code == 200  # public, still redacted
         assert httpx.get(f"{base}/jobs", params={"limit": 3, "cursor": FAKE_KEY}).status_code == 401

@@ -25,6 +25,19 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def wait_healthy(proc, base: str, log_path: Path, what: str) -> None:
+    """Wait until the process at `base` answers /health; fail with its log if it exits first."""
+
+    def healthy():
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            return httpx.get(f"{base}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(healthy, 60, f"{what} to answer /health")
+
+
 def _up(home, log_path, **extra_env):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINSERVE_")}
@@ -34,15 +47,7 @@ def _up(home, log_path, **extra_env):
     proc = subprocess.Popen([sys.executable, "-m", "trainserve.cli", "up", "--port", str(port), "--home", str(home),
                              "--devices", "cpu"], env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        assert proc.poll() is None, log_path.read_text()
-        try:
-            return httpx.get(f"{base}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(healthy, 60, "trainserve up to answer /health")
+    wait_healthy(proc, base, log_path, "trainserve up")
     key_file = home / "admin.key"
     assert oct(key_file.stat().st_mode & 0o777) == "0o600"
     client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key_file.read_text().strip()}"},
