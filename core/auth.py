@@ -93,13 +93,14 @@ def refuse_query_credentials(params: Iterable[tuple[str, str]]) -> None:
 
 
 def redact_query(target: str) -> str:
-    """`target` (a path with an optional query string) with every credential-looking parameter value replaced."""
+    """`target` (a path and optional query string) with every key-shaped string and credential parameter replaced."""
     path, sep, query = target.partition("?")
+    path = KEY_SHAPE.sub(REDACTED, path)
     if not sep:
-        return target
+        return path
     pairs = parse_qsl(query, keep_blank_values=True)
     if query_credential(pairs) is None and not KEY_SHAPE.search(query):
-        return target
+        return f"{path}?{query}"
     cleaned = [(REDACTED if KEY_SHAPE.search(name) else name,
                 REDACTED if query_credential([(name, value)]) else value) for name, value in pairs]
     if not cleaned:  # not a parseable query, yet it holds a key: drop it whole

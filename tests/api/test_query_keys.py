@@ -42,6 +42,7 @@ def test_redact_query_keeps_ordinary_parameters():
     assert FAKE_KEY not in redacted and "limit=5" in redacted and redacted.count("REDACTED") == 2
     assert FAKE_KEY not in redact_query(f"/jobs?{FAKE_KEY}")
     assert FAKE_KEY not in redact_query(f"/jobs?token=abc&{FAKE_KEY}=1")
+    assert redact_query(f"/jobs/{FAKE_KEY}/events?after=1") == "/jobs/REDACTED/events?after=1"
 
 
 def test_filter_rewrites_uvicorn_access_records():
@@ -67,6 +68,7 @@ def test_real_uvicorn_access_log_never_prints_a_key(settings, tmp_path):
         assert httpx.get(f"{base}/jobs", params={"api_key": FAKE_KEY}).status_code == 401
         assert httpx.get(f"{base}/health", params={"token": FAKE_KEY}).status_code == 200  # public, still redacted
         assert httpx.get(f"{base}/jobs", params={"limit": 3, "cursor": FAKE_KEY}).status_code == 401
+        assert httpx.get(f"{base}/jobs/{FAKE_KEY}").status_code == 401  # a key pasted into the path
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
