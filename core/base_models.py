@@ -51,7 +51,7 @@ def resolve_base_model(spec: str, *, local_roots: Sequence[Path] = (), field: st
             raise ValidationFailed(field, f"local models must be inside an allowed folder ({allowed}); "
                                    "set TRAINSERVE_MODEL_ROOTS to add one")
         folder = _check_folder(path, field)
-        _check_weights(str(path), _weight_files({f.name: f.stat().st_size for f in folder.glob("*.safetensors")}),
+        _check_weights(f"folder {str(path)!r}", _weight_files({f.name: f.stat().st_size for f in folder.glob("*.safetensors")}),
                        field, max_bytes)
         return str(folder)
     if not HUB_ID.match(spec):
@@ -108,11 +108,11 @@ def _weight_files(files: dict[str, int | None]) -> dict[str, int]:
 def _check_weights(what: str, weights: dict[str, int], field: str, max_bytes: int | None) -> None:
     if not weights:
         raise WeightsRefused(field, f"{what} has no .safetensors weights; only safetensors are loaded "
-                               "(pickled .bin weights can run code when loaded)")
+                             "(pickled .bin weights can run code when loaded)")
     total = sum(weights.values())
     if max_bytes is not None and total > max_bytes:
         raise WeightsRefused(field, f"{what} has {total:,} bytes of weights, more than this server accepts "
-                               f"({max_bytes:,}; TRAINSERVE_MAX_MODEL_BYTES)")
+                             f"({max_bytes:,}; TRAINSERVE_MAX_MODEL_BYTES)")
 
 
 def _cached_weight_files(repo_id: str) -> dict[str, int]:
