@@ -51,8 +51,8 @@ def resolve_base_model(spec: str, *, local_roots: Sequence[Path] = (), field: st
             raise ValidationFailed(field, f"local models must be inside an allowed folder ({allowed}); "
                                    "set TRAINSERVE_MODEL_ROOTS to add one")
         folder = _check_folder(path, field)
-        _check_weights(f"folder {str(path)!r}", _weight_files({f.name: f.stat().st_size for f in folder.glob("*.safetensors")}),
-                       field, max_bytes)
+        sizes = {f.name: f.stat().st_size for f in folder.glob("*.safetensors")}
+        _check_weights(f"folder {str(path)!r}", _weight_files(sizes), field, max_bytes)
         return str(folder)
     if not HUB_ID.match(spec):
         raise ValidationFailed(field, f"{spec!r} is not a built-in alias ({', '.join(aliases)}), "
