@@ -10,7 +10,7 @@ import importlib.util
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from core.errors import ValidationFailed
@@ -97,7 +97,7 @@ class WeightsRefused(ValidationFailed):
     """The model exists but its weights are not safetensors, or larger than this server accepts."""
 
 
-def _weight_files(files: dict[str, int | None]) -> dict[str, int]:
+def _weight_files(files: Mapping[str, int | None]) -> dict[str, int]:
     """The safetensors files transformers would load from a repo's root listing: one file, else its shards."""
     top = {name: size or 0 for name, size in files.items() if "/" not in name and name.endswith(".safetensors")}
     if WEIGHTS in top:
