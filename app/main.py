@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from app.access_log import install_access_log_redaction
 from app.errors import install_error_handlers
 from app.limits import BodyLimitMiddleware, UploadSlotsMiddleware
 from app.routes import classify, datasets, generation, health, jobs
@@ -44,6 +45,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     app = FastAPI(title="trainserve", version="0.1.0", lifespan=lifespan,
                   description="Fine-tune BERT classifiers and serve the results.")
     install_error_handlers(app)
+    install_access_log_redaction()
     app.add_middleware(UploadSlotsMiddleware, settings=settings or get_settings())
     app.add_middleware(BodyLimitMiddleware, settings=settings or get_settings())  # outer: a 413 takes no slot
     origins = [o.strip() for o in (settings or get_settings()).cors_origins.split(",") if o.strip()]

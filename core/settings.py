@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     metrics_flush_s: float = Field(1.0, description="How often a running job writes buffered metric points.")
     max_active_jobs_per_tenant: int = Field(20, description="Queued plus running jobs a tenant may have (429 beyond).")
     max_request_bytes: int = Field(1024 * 1024, description="Largest JSON request body (413 beyond).")
+    max_model_bytes: int = Field(
+        8 * 1024**3, description="Largest base model accepted (bytes of safetensors weights; 422 beyond)."
+    )
     model_roots: str = Field("", description="Extra folders (os.pathsep-separated) local base_model paths may be in.")
     heartbeat_timeout_s: float = Field(60.0, description="A running job whose worker is silent this long is requeued.")
     max_attempts: int = Field(3, description="Runs of a job before a lost worker fails it with worker_lost.")

@@ -117,7 +117,8 @@ def _classification_fields(settings: Settings, spec: JobCreate, train: Dataset, 
         raise ValidationFailed("hyperparameters.max_length",
                                f"must be at most {settings.max_text_length} on this server")
     label_column = spec.label_column or "label"
-    base_path = resolve_base_model(spec.base_model, local_roots=settings.local_model_roots)
+    base_path = resolve_base_model(spec.base_model, local_roots=settings.local_model_roots,
+                                   max_bytes=settings.max_model_bytes)
     _require_column(train, label_column, "label_column")
     labels = _labels(train, label_column, "train_dataset")
     if len(labels) < 2:
@@ -139,7 +140,8 @@ def _causal_lm_fields(settings: Settings, spec: JobCreate) -> dict[str, Any]:
     if spec.base_model is not None:
         if spec.architecture is not None:
             raise ValidationFailed("model_config", "give either base_model or model_config, not both")
-        base_path = resolve_base_model(spec.base_model, local_roots=settings.local_model_roots)
+        base_path = resolve_base_model(spec.base_model, local_roots=settings.local_model_roots,
+                                   max_bytes=settings.max_model_bytes)
         return {"base_model_path": base_path, "hyperparameters": hp, "labels": []}
     try:
         architecture = validate_model_config(spec.architecture or {})
