@@ -15,8 +15,8 @@ from app.services.generation import GenerationGateway
 from core.celery_app import make_celery
 from core.db import make_engine, make_sessionmaker
 from core.queue import CeleryTaskQueue, TaskQueue
-from core.relay import relay_thread
 from core.redis_client import async_redis_from_url
+from core.relay import relay_thread
 from core.settings import Settings, get_settings
 
 

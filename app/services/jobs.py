@@ -12,9 +12,9 @@ from sqlalchemy.orm import Session
 
 from app.schemas.jobs import ArtifactRead, JobCreate, JobRead, Progress
 from app.services import idempotency
+from core import states
 from core.auth import Principal
 from core.base_models import resolve_base_model
-from core import states
 from core.errors import Conflict, NotFound, TooManyRequests, ValidationFailed
 from core.hyperparams import Hyperparameters, LMHyperparameters
 from core.lm_config import validate_model_config

@@ -21,14 +21,15 @@ def build_config(settings: Settings, job: Job, train_path: Path, eval_path: Path
                  device: str) -> EngineConfig:
     """The engine's frozen config from a job row."""
     hp = job.hyperparameters
-    common: dict[str, Any] = {"train_file": train_path, "eval_file": eval_path, "output_dir": job_model_dir(settings, job.id),
-              "checkpoint_dir": job_checkpoints_dir(settings, job.id), "text_column": job.text_column,
-              "epochs": hp["epochs"], "max_steps": hp["max_steps"], "batch_size": hp["batch_size"],
-              "learning_rate": hp["learning_rate"], "warmup_ratio": hp["warmup_ratio"],
-              "weight_decay": hp["weight_decay"], "gradient_accumulation_steps": hp["gradient_accumulation_steps"],
-              "precision": hp["precision"], "seed": hp["seed"], "eval_steps": hp["eval_steps"],
-              "checkpoint_steps": settings.checkpoint_steps, "device": device,
-              "base_model_name": job.base_model or "", "dataset_hashes": hashes}
+    common: dict[str, Any] = {
+        "train_file": train_path, "eval_file": eval_path, "output_dir": job_model_dir(settings, job.id),
+        "checkpoint_dir": job_checkpoints_dir(settings, job.id), "text_column": job.text_column,
+        "epochs": hp["epochs"], "max_steps": hp["max_steps"], "batch_size": hp["batch_size"],
+        "learning_rate": hp["learning_rate"], "warmup_ratio": hp["warmup_ratio"],
+        "weight_decay": hp["weight_decay"], "gradient_accumulation_steps": hp["gradient_accumulation_steps"],
+        "precision": hp["precision"], "seed": hp["seed"], "eval_steps": hp["eval_steps"],
+        "checkpoint_steps": settings.checkpoint_steps, "device": device,
+        "base_model_name": job.base_model or "", "dataset_hashes": hashes}
     if job.task == TaskKind.CAUSAL_LM:
         return LMTrainConfig(**common, base_model=job.base_model_path, model_config=job.model_config_,
                              val_fraction=hp["val_fraction"], block_size=hp["block_size"])
