@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -13,6 +14,8 @@ from core.queue import TaskQueue
 from core.store import outbox as store
 
 log = logging.getLogger(__name__)
+
+KEEP_SENT = timedelta(days=1)  # sent messages stay this long for inspection, then the relay deletes them
 
 
 def deliver(session: Session, queue: TaskQueue, *, job_id: str | None = None, limit: int = 100) -> int:
@@ -58,5 +61,7 @@ def relay_thread(factory: sessionmaker[Session], queue: TaskQueue, interval: flo
     def work() -> None:
         with factory() as session:
             deliver(session, queue)
+            store.prune_sent(session, before=utcnow() - KEEP_SENT)
+            session.commit()
 
     return Periodic("outbox-relay", interval, work)

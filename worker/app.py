@@ -14,6 +14,9 @@ from worker.context import WorkerContext
 celery = make_celery()
 celery.conf.update(include=["worker.tasks"])
 
+# Celery sends worker_shutting_down from inside its signal handler, which may interrupt context() while it
+# holds the lock: the handler sets this event, created up front, and never takes the lock.
+_shutdown = threading.Event()
 _context: WorkerContext | None = None
 _context_lock = threading.Lock()
 
@@ -26,14 +29,14 @@ def context() -> WorkerContext:
             from core.queue import CeleryTaskQueue
             from core.settings import get_settings
 
-            _context = WorkerContext(get_settings(), CeleryTaskQueue(celery))
+            _context = WorkerContext(get_settings(), CeleryTaskQueue(celery), shutdown=_shutdown)
         return _context
 
 
 @worker_shutting_down.connect
 def _on_shutdown(**_: Any) -> None:
     # A running fine-tune sees this between steps: it checkpoints and goes back to the queue.
-    context().shutdown.set()
+    _shutdown.set()
 
 
 @worker_ready.connect

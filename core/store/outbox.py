@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from core.models import Job, OutboxMessage, utcnow
@@ -54,3 +54,9 @@ def unsent(session: Session, *, job_id: str) -> list[OutboxMessage]:
     """A job's messages the broker has not taken yet."""
     query = select(OutboxMessage).where(OutboxMessage.job_id == job_id, OutboxMessage.sent_at.is_(None))
     return list(session.scalars(query.order_by(OutboxMessage.id)))
+
+
+def prune_sent(session: Session, *, before: datetime) -> int:
+    """Delete messages sent before `before` (kept a while only to show what was sent when)."""
+    result = session.execute(delete(OutboxMessage).where(OutboxMessage.sent_at < before))
+    return int(result.rowcount)  # type: ignore[attr-defined]
