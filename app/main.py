@@ -17,6 +17,7 @@ from core.celery_app import make_celery
 from core.db import make_engine, make_sessionmaker
 from core.queue import CeleryTaskQueue, TaskQueue
 from core.redis_client import async_redis_from_url
+from core.relay import relay_thread
 from core.settings import Settings, get_settings
 
 
@@ -34,9 +35,13 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
         app.state.task_queue = task_queue or CeleryTaskQueue(celery)  # type: ignore[arg-type]
         redis = async_redis_from_url(resolved.resolved_redis_url, socket_timeout=10)
         app.state.generation = GenerationGateway(redis, app.state.task_queue, resolved)
+        # Sends task messages whose fast path found the broker refusing (the job stays queued meanwhile).
+        relay = relay_thread(app.state.sessionmaker, app.state.task_queue, resolved.outbox_interval_s)
+        relay.start()
         try:
             yield
         finally:
+            relay.stop()
             await redis.aclose()
             engine.dispose()
             if celery is not None:

@@ -242,6 +242,8 @@ def train(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> Train
 class OutOfMemory(RuntimeError):
     """The device ran out of memory even with one example per micro-batch."""
 
+    code = "oom"  # the error code the runner records
+
 
 def split_micro_batches(micro_batches: list[Any], split: int) -> list[Any]:
     """Cut every micro-batch into `split` parts: same examples and optimizer step, less memory at a time."""
