@@ -1,4 +1,4 @@
-"""Celery tasks: thin wrappers that hand a job id to the runner. Torch loads only inside them."""
+"""Celery tasks: thin wrappers that hand a job id and the process's context on. Torch loads only inside them."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from worker.app import celery, context
 @celery.task(name=TASK_TRAIN, ignore_result=True)
 def train(job_id: str) -> None:
     """Run (or resume, or skip if already finished) the fine-tune recorded in row `job_id`."""
-    from worker.runner import run_training_job
+    from worker.training.lifecycle import run_training_job
 
-    run_training_job(job_id)
+    run_training_job(context(), job_id)
 
 
 @celery.task(name=TASK_CLASSIFY, ignore_result=True)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from core.settings import override_settings
 from core.tasks import TASK_CLASSIFY
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 from tests.tiny_models import build_tiny_bert
@@ -19,14 +19,20 @@ def tiny_bert(tmp_path_factory):
 
 
 @pytest.fixture()
-def runner(settings):
-    override_settings(settings)
-    from worker import runner as module
+def ctx(settings, queue):
+    from worker.context import WorkerContext
 
-    module.sessions.cache_clear()
-    yield module
-    module.sessions.cache_clear()
-    override_settings(None)
+    context = WorkerContext(settings, queue)
+    yield context
+    context.close()
+
+
+@pytest.fixture()
+def runner(ctx):
+    """The runner's entry points bound to a test context (its own sessions, the recording queue)."""
+    from worker.training.lifecycle import run_training_job
+
+    return SimpleNamespace(run_training_job=lambda job_id: run_training_job(ctx, job_id))
 
 
 def _submit(client, tiny_bert, **hp):
@@ -38,7 +44,7 @@ def _submit(client, tiny_bert, **hp):
     return response.json()["id"]
 
 
-def test_job_runs_to_success_and_serves_predictions(client, queue, runner, tiny_bert, settings):
+def test_job_runs_to_success_and_serves_predictions(client, queue, runner, tiny_bert, ctx):
     job_id = _submit(client, tiny_bert)
     assert runner.run_training_job(job_id) == "succeeded"
     job = client.get(f"/jobs/{job_id}").json()
@@ -66,9 +72,7 @@ def test_job_runs_to_success_and_serves_predictions(client, queue, runner, tiny_
     assert download.status_code == 200 and download.headers["content-type"] == "application/x-tar"
 
     from worker.classification import serve_classify
-    from worker.context import WorkerContext
 
-    ctx = WorkerContext(settings, queue)
     queue.handlers[TASK_CLASSIFY] = lambda payload: serve_classify(ctx, payload)
     response = client.post("/classify", json={"model": job_id, "texts": ["a wonderful , moving film",
                                                                           "a dull , lifeless mess"]})

@@ -242,6 +242,8 @@ def train(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> Train
 class OutOfMemory(RuntimeError):
     """The device ran out of memory even with one example per micro-batch."""
 
+    code = "oom"  # the error code the runner records
+
 
 def split_micro_batches(micro_batches: list[Any], split: int) -> list[Any]:
     """Cut every micro-batch into `split` parts: same examples and optimizer step, less memory at a time."""
@@ -360,16 +362,12 @@ def _prepare_data(config: TrainConfig, tokenizer) -> tuple[list[int | str], data
 
 
 def _load_model(base_model: str, labels: list[int | str]) -> PreTrainedModel:
-    folder = Path(base_model)
-    options: dict[str, Any] = {}
-    if folder.is_dir() and any(folder.glob("*.safetensors")):
-        options["use_safetensors"] = True  # never fall back to unpickling a .bin from a folder
     # ignore_mismatched_sizes: a base that is itself a classifier with another label count gets a
     # fresh head instead of a shape error. The attention default is SDPA where the model has it.
     return AutoModelForSequenceClassification.from_pretrained(
         base_model, num_labels=len(labels), id2label={i: str(label) for i, label in enumerate(labels)},
         label2id={str(label): i for i, label in enumerate(labels)}, ignore_mismatched_sizes=True,
-        trust_remote_code=False, **options,
+        trust_remote_code=False, use_safetensors=True,  # never unpickle a .bin
     )
 
 
