@@ -30,7 +30,7 @@ from app.schemas.generation import (
 from app.services.generation import GenerationGateway
 from core.auth import Principal
 from core.errors import ClientGone, ValidationFailed
-from core.protocol import DoneEvent, ErrorBody, ErrorEvent, GenerationEvent, SamplingParams, TokenEvent
+from core.protocol import AcceptedEvent, DoneEvent, ErrorBody, ErrorEvent, GenerationEvent, SamplingParams, TokenEvent
 from core.served_models import ServedModel
 
 # How often a non-streaming request asks whether its client is still there.
@@ -86,7 +86,15 @@ async def start(gateway: GenerationGateway, session: Session, principal: Princip
     except BaseException:
         await gateway.release(request_id, model, finished=finished)
         raise
+    if not isinstance(first, AcceptedEvent):  # the scheduler may stream a token before `accepted` is written
+        events = _prepend(first, events)
     return Started(request_id, model, events)
+
+
+async def _prepend(first: GenerationEvent, rest: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
+    yield first
+    async for event in rest:
+        yield event
 
 
 async def _final(events: AsyncIterator[GenerationEvent]) -> DoneEvent | ErrorEvent:

@@ -149,3 +149,24 @@ def test_official_openai_client_completes_and_streams(client, served):
         api.completions.create(model="tiny", prompt="Hi", logprobs=2)
     models = api.models.list()
     assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_a_token_written_before_accepted_is_not_lost(client, settings, queue, served):
+    """The engine's scheduler thread may stream a token before the submitting thread writes `accepted`."""
+    from core.protocol import AcceptedEvent, ChoiceOut, DoneEvent, TokenEvent, Usage
+    from core.tasks import stream_key
+
+    def worker(payload):
+        store = redis_lib.Redis.from_url(settings.resolved_redis_url)
+        done = DoneEvent(choices=[ChoiceOut(index=0, text="ab", finish_reason="length")],
+                         usage=Usage(prompt_tokens=1, completion_tokens=2))
+        for event in (TokenEvent(index=0, text="a"), AcceptedEvent(prompt_tokens=1), TokenEvent(index=0, text="b"),
+                      done):
+            store.xadd(stream_key(payload["request_id"]), {"data": event.model_dump_json()})
+        store.close()
+
+    queue.handlers[TASK_GENERATE] = worker
+    body = {"model": "tiny", "prompt": "hi", "max_new_tokens": 2}
+    assert client.post("/generate", json=body).json()["choices"][0]["text"] == "ab"
+    events = _sse(client.post("/generate", json={**body, "stream": True}))
+    assert [json.loads(data)["text"] for _, data in events[:2]] == ["a", "b"]
