@@ -26,7 +26,7 @@ from core.lm_config import DEFAULT_MODEL_CONFIG, resolve_block_size, validate_mo
 from core.paths import GPT2_TOKENIZER_DIR
 from worker.engines import lm_data, lm_training
 from worker.engines.lm_training import LMTrainConfig, train_lm
-from worker.engines.training import TrainCallbacks
+from worker.engines.loop import TrainCallbacks
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "examples" / "data" / "tinyshakespeare_sample.txt"
