@@ -20,6 +20,8 @@ GATED_MLP = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma",
 # The runtime a training process holds besides the model: CUDA context and kernels, or Python, torch and the
 # tokenized data on a CPU. Measured at 0.4-0.6 GB for both; rounded up.
 RUNTIME_BYTES = 1024**3
+# Hugging Face modules keep about twice the minimal set of activations for backward (see training_memory).
+ACTIVATION_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -109,19 +111,21 @@ def parameter_count(arch: Architecture, head: Head, num_labels: int = 2) -> int:
 
 
 def training_memory(arch: Architecture, *, head: Head, batch_size: int, seq_len: int, precision: str,
-                    num_labels: int = 2) -> MemoryEstimate:
+                    fused_attention: bool = True, num_labels: int = 2) -> MemoryEstimate:
     """Peak memory of one AdamW step over a micro-batch of batch_size sequences of seq_len tokens.
 
     Assumptions, matching the engines: weights, gradients and both AdamW moments in fp32 (16 bytes per
-    parameter); with fp16/bf16 autocast another 2 bytes per parameter for the cast weights it keeps for
-    backward. Activations saved for backward per token and layer, after Korthikanti et al. 2022 ("Reducing
-    Activation Recomputation", 34 bytes x hidden at 16 bits) with SDPA's memory-efficient attention (no
-    seq_len^2 score matrix): the layer's input, both LayerNorm outputs, q, k, v, the attention output, the
-    MLP's input, pre- and post-activation (8 x hidden + 2 x intermediate values) plus two dropout masks of
-    a byte per value. A causal LM adds its logits over the vocabulary: the model's output, their fp32
-    log-softmax and its gradient (and an fp32 copy under autocast). Gradient buffers of activations during
-    backward reuse what the forward frees, and gradient accumulation adds nothing: the peak is one
-    micro-batch. Measured against real steps in tests/unit/test_estimate.py.
+    parameter); with fp16/bf16 autocast another 2 bytes per parameter for the cast weights kept for
+    backward. Activations saved for backward, per token and layer: the minimal set of Korthikanti et al.
+    2022 ("Reducing Activation Recomputation": the layer input, both LayerNorm outputs, q, k, v, the
+    attention output, the MLP input, its pre- and post-activation: 8 x hidden + 2 x intermediate values,
+    plus two byte-per-value dropout masks), doubled because Hugging Face modules save more than that
+    (GPT-2's tanh GELU is six elementwise ops that each keep their input; dropout keeps output and mask):
+    measured at 1.6-2.2x on CPU. Without fused attention (SDPA's flash or memory-efficient kernels, which
+    CUDA has) the heads x seq_len scores per token are kept too: scores, probabilities, dropped
+    probabilities and their mask. A causal LM adds its logits over the vocabulary: the model's output,
+    their fp32 log-softmax and its gradient (and an fp32 copy under autocast). Gradient accumulation adds
+    nothing: the peak is one micro-batch. Checked against measured peaks in tests/unit/test_estimate.py.
     """
     parameters = parameter_count(arch, head, num_labels)
     half = precision in ("fp16", "bf16")
@@ -129,7 +133,10 @@ def training_memory(arch: Architecture, *, head: Head, batch_size: int, seq_len:
     states = parameters * (16 + (2 if half else 0))
     h, i = arch.hidden, arch.intermediate
     mlp_values = 3 * i if arch.gated_mlp else 2 * i  # gate and up outputs, and the activation's
-    per_token = arch.layers * (value * (8 * h + mlp_values) + 2 * h) + value * 3 * h  # and the embeddings
+    per_layer = ACTIVATION_FACTOR * (value * (8 * h + mlp_values) + 2 * h)
+    if not fused_attention:
+        per_layer += arch.heads * seq_len * (3 * value + 1)
+    per_token = int(arch.layers * per_layer) + value * 3 * h  # and the embeddings' sum, norm and dropout
     if head == "causal-lm":
         per_token += arch.vocab * (value + 4 + 4 + (4 if half else 0))
     tokens = batch_size * seq_len

@@ -9,6 +9,7 @@ from typing import Any
 from celery.signals import worker_ready, worker_shutting_down
 
 from core.celery_app import make_celery
+from worker.capacity import start_reporting
 from worker.context import WorkerContext
 
 celery = make_celery()
@@ -48,3 +49,6 @@ def _start_reaper(**_: Any) -> None:
     from worker.runner import send_train, sessions
 
     Reaper(sessions(), get_settings(), send_train).start()
+
+
+worker_ready.connect(lambda **_: start_reporting(context()), weak=False)  # device capacity, for admission

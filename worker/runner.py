@@ -23,7 +23,7 @@ from core.tasks import QUEUE_TRAIN, TASK_TRAIN
 from worker.app import SHUTDOWN, celery
 from worker.engines.device import release_memory, resolve_device
 from worker.engines.lm_training import LMTrainConfig, train_lm
-from worker.engines.training import OutOfMemory, TrainCallbacks, TrainConfig, TrainResult, train
+from worker.engines.training import TrainCallbacks, TrainConfig, TrainResult, train
 from worker.recovery import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,8 @@ def build_config(job: Job, train_path: Path, eval_path: Path | None, hashes: dic
             warmup_ratio=hp["warmup_ratio"], weight_decay=hp["weight_decay"],
             gradient_accumulation_steps=hp["gradient_accumulation_steps"], precision=hp["precision"],
             seed=hp["seed"], eval_steps=hp["eval_steps"], checkpoint_steps=settings.checkpoint_steps,
-            device=device, base_model_name=job.base_model or "", dataset_hashes=hashes)
+            device=device, memory_limit_bytes=settings.worker_memory_bytes or None,
+            base_model_name=job.base_model or "", dataset_hashes=hashes)
     assert job.base_model_path is not None and job.label_column is not None
     return TrainConfig(
         base_model=job.base_model_path, base_model_name=job.base_model or "", train_file=train_path,
@@ -178,7 +179,7 @@ def build_config(job: Job, train_path: Path, eval_path: Path | None, hashes: dic
         warmup_ratio=hp["warmup_ratio"], weight_decay=hp["weight_decay"], max_length=hp["max_length"],
         gradient_accumulation_steps=hp["gradient_accumulation_steps"], precision=hp["precision"],
         seed=hp["seed"], eval_steps=hp["eval_steps"], checkpoint_steps=settings.checkpoint_steps,
-        device=device, dataset_hashes=hashes,
+        device=device, memory_limit_bytes=settings.worker_memory_bytes or None, dataset_hashes=hashes,
     )
 
 
@@ -215,7 +216,7 @@ def run_training_job(job_id: str) -> str:
             result = train_lm(config, reporter) if isinstance(config, LMTrainConfig) else train(config, reporter)
     except Exception as exc:  # noqa: BLE001 - any failure ends the job with a recorded reason
         log.exception("job %s failed", job_id)
-        code = "oom" if isinstance(exc, OutOfMemory) else "training_error"
+        code = getattr(exc, "code", "training_error")  # OutOfMemory: oom, DoesNotFit: does_not_fit
         with session_scope(factory) as session:
             _fail(session, store.get_job(session, job_id=job_id), code, f"{type(exc).__name__}: {exc}")
         return JobStatus.FAILED

@@ -84,9 +84,10 @@ class CausalLMTask:
                                                       self.model_config.vocab_size)
         self.eval_order = lm_data.eval_indices(len(self.eval_set), MAX_EVAL_BLOCKS)
         arch = architecture(self.model_config.to_dict())
-        require_fit(arch and training_memory(arch, head="causal-lm", batch_size=config.batch_size,
-                                             seq_len=self.block_size, precision=plan.precision),
-                    plan, config.memory_limit_bytes)
+        estimate = None if arch is None else training_memory(
+            arch, head="causal-lm", batch_size=config.batch_size, seq_len=self.block_size, precision=plan.precision,
+            fused_attention=plan.is_cuda)
+        require_fit(estimate, plan, config.memory_limit_bytes)
         self.model = _build_model(config, self.model_config)
         self.model.to(plan.device)  # in place for modules
         accumulation = config.gradient_accumulation_steps

@@ -200,13 +200,13 @@ def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None) 
     if callbacks.should_stop():  # cancelled while loading: nothing new to checkpoint
         return cancelled()
 
-    planned_epoch, steps = -1, []
+    planned_epoch, steps = -1, list[Sequence[Any]]()
     split = 1  # each planned micro-batch runs as this many smaller ones after an out-of-memory error
     model.train()
     while progress.step < total_steps:
         epoch, index = divmod(progress.step, per_epoch)
         if epoch != planned_epoch:
-            planned_epoch, steps = epoch, task.epoch_steps(epoch)
+            planned_epoch, steps = epoch, list(task.epoch_steps(epoch))
         lr = lr_at(progress.step, total_steps, warmup_steps, config.learning_rate)
 
         started = time.perf_counter()

@@ -70,10 +70,10 @@ class ClassifierTask:
         model_config = AutoConfig.from_pretrained(config.base_model, trust_remote_code=False)
         arch = architecture(model_config.to_dict())
         longest = int(self.train_set.lengths.max()) if len(self.train_set) else config.max_length
-        require_fit(arch and training_memory(arch, head="classifier", batch_size=config.batch_size,
-                                             seq_len=longest, precision=plan.precision,
-                                             num_labels=len(self.labels)),
-                    plan, config.memory_limit_bytes)
+        estimate = None if arch is None else training_memory(
+            arch, head="classifier", batch_size=config.batch_size, seq_len=longest, precision=plan.precision,
+            fused_attention=plan.is_cuda, num_labels=len(self.labels))
+        require_fit(estimate, plan, config.memory_limit_bytes)
         self.model = _load_model(config.base_model, self.labels)
         self.model.to(plan.device)  # in place for modules
         num_eval = len(self.eval_set) if self.eval_set is not None else 0
@@ -94,8 +94,8 @@ class ClassifierTask:
 
     def loss(self, micro_batch: list[int]) -> torch.Tensor:
         """The model's own cross-entropy over the rows, padded to the longest of them."""
-        batch = {name: tensor.to(self.plan.device) for name, tensor in data.collate(self.train_set, micro_batch).items()}
-        return self.model(**batch).loss
+        batch = data.collate(self.train_set, micro_batch)
+        return self.model(**{name: tensor.to(self.plan.device) for name, tensor in batch.items()}).loss
 
     def evaluate(self) -> dict[str, float] | None:
         """Loss, accuracy and F1 over the whole eval set (see classification_metrics for which F1)."""
