@@ -1,17 +1,28 @@
-"""Request body limits, enforced before a route reads the body."""
+"""Request body limits and the bound on concurrent uploads, enforced before a route reads the body."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import envelope
 from core.settings import Settings
 
+# The one route that takes a file. Everything else takes JSON, whatever Content-Type a client claims:
+# a body labelled multipart/... elsewhere gets the JSON limit, not the upload limit.
+UPLOAD_ROUTES = frozenset({("POST", "/datasets")})
+
+
+def is_upload(scope: Scope) -> bool:
+    """True for a request to a route that accepts a file upload."""
+    path = scope["path"].removeprefix(scope.get("root_path", "")).rstrip("/") or "/"
+    return (scope["method"], path) in UPLOAD_ROUTES
+
 
 class BodyLimitMiddleware:
-    """413 for bodies over the limit: multipart uploads get the upload limit, everything else the JSON limit."""
+    """413 for bodies over the limit: upload routes get the upload limit, everything else the JSON limit."""
 
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
@@ -22,11 +33,10 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        multipart = headers.get(b"content-type", b"").startswith(b"multipart/")
         # Multipart framing adds a little to the file itself; allow 64 KiB for it.
-        limit = self.settings.max_upload_bytes + 65536 if multipart else self.settings.max_request_bytes
+        limit = self.settings.max_upload_bytes + 65536 if is_upload(scope) else self.settings.max_request_bytes
         length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
+        if length is not None and length.isdigit() and (len(length) > 18 or int(length) > limit):
             await _too_large(send, limit)
             return
         received = 0
@@ -51,8 +61,43 @@ class BodyLimitMiddleware:
         await self.app(scope, limited_receive, guarded_send)
 
 
+class UploadSlotsMiddleware:
+    """At most `max_concurrent_uploads` uploads received and parsed at once per process; 429 beyond.
+
+    The slot is taken before the multipart body is read (the framework spools it to disk while parsing the
+    form) and given back when the response is done or the client goes away.
+    """
+
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+        self.app = app
+        self.settings = settings
+        self.in_flight = 0  # one event loop per process: a plain counter is race-free between awaits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not is_upload(scope):
+            await self.app(scope, receive, send)
+            return
+        limit = self.settings.max_concurrent_uploads
+        if self.in_flight >= limit:
+            await _send_error(send, 429, "too_many_uploads",
+                              f"{self.in_flight} uploads are in progress; the limit is {limit}; retry shortly",
+                              [(b"retry-after", b"5")])
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
 async def _too_large(send: Send, limit: int) -> None:
-    body = json.dumps(envelope("payload_too_large", f"request body is larger than {limit} bytes")).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await _send_error(send, 413, "payload_too_large", f"request body is larger than {limit} bytes")
+
+
+async def _send_error(send: Send, status: int, code: str, message: str,
+                      extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps(envelope(code, message)).encode()
+    headers: list[Any] = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                          *(extra_headers or [])]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

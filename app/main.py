@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from app.errors import install_error_handlers
-from app.limits import BodyLimitMiddleware
+from app.limits import BodyLimitMiddleware, UploadSlotsMiddleware
 from app.routes import classify, datasets, generation, health, jobs
 from app.services.generation import GenerationGateway
 from core.celery_app import make_celery
@@ -44,7 +44,8 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     app = FastAPI(title="trainserve", version="0.1.0", lifespan=lifespan,
                   description="Fine-tune BERT classifiers and serve the results.")
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, settings=settings or get_settings())
+    app.add_middleware(UploadSlotsMiddleware, settings=settings or get_settings())
+    app.add_middleware(BodyLimitMiddleware, settings=settings or get_settings())  # outer: a 413 takes no slot
     origins = [o.strip() for o in (settings or get_settings()).cors_origins.split(",") if o.strip()]
     if origins:
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])

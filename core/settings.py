@@ -24,6 +24,9 @@ class Settings(BaseSettings):
     worker_device: str = Field("auto", description="This worker's device (set by `trainserve worker --device`).")
     max_upload_bytes: int = Field(100 * 1024 * 1024, description="Largest accepted dataset file.")
     max_dataset_rows: int = Field(2_000_000, description="Most rows accepted in one dataset.")
+    max_dataset_columns: int = Field(256, description="Most columns accepted in one dataset (413 beyond).")
+    max_concurrent_uploads: int = Field(
+        4, description="Dataset uploads one API process receives and parses at a time (429 beyond).")
     max_text_length: int = Field(512, description="Upper bound for the max_length hyperparameter.")
     max_classify_texts: int = Field(256, description="Most texts in one /classify request.")
     classify_timeout_s: float = Field(60.0, description="How long /classify waits for a worker.")

@@ -11,7 +11,7 @@ from starlette.background import BackgroundTask
 from app.deps import IdempotencyKeyDep, PrincipalDep, QueueDep, SessionDep, SettingsDep
 from app.errors import ERROR_RESPONSES
 from app.schemas.common import Page
-from app.schemas.jobs import EventList, EventRead, JobCreate, JobRead, MetricHistory, MetricPointRead
+from app.schemas.jobs import INT32_MAX, EventList, EventRead, JobCreate, JobRead, MetricHistory, MetricPointRead
 from app.services import artifacts as artifact_service
 from app.services import jobs as service
 from core.store import jobs as store
@@ -47,7 +47,8 @@ def get_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> JobRea
 
 
 @router.get("/{job_id}/metrics", response_model=MetricHistory)
-def get_metrics(job_id: str, session: SessionDep, principal: PrincipalDep, since_step: Annotated[int, Query(ge=0)] = 0,
+def get_metrics(job_id: str, session: SessionDep, principal: PrincipalDep,
+                since_step: Annotated[int, Query(ge=0, le=INT32_MAX)] = 0,
                 name: Annotated[list[str] | None, Query(max_length=20)] = None,
                 limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000) -> MetricHistory:
     """Per-step metric history (train_loss, learning_rate, eval_*...) for charts."""
@@ -59,7 +60,8 @@ def get_metrics(job_id: str, session: SessionDep, principal: PrincipalDep, since
 
 
 @router.get("/{job_id}/events", response_model=EventList)
-def get_events(job_id: str, session: SessionDep, principal: PrincipalDep, after: Annotated[int, Query(ge=0)] = 0,
+def get_events(job_id: str, session: SessionDep, principal: PrincipalDep,
+               after: Annotated[int, Query(ge=0, le=INT32_MAX)] = 0,
                limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> EventList:
     """The job's event log, oldest first; pass the last id as ?after= to poll for new ones."""
     service.get_job(session, principal, job_id=job_id)

@@ -1,13 +1,22 @@
-"""Dataset schemas."""
+"""Dataset schemas: a summary for lists, the full read (with bounded column stats) for one dataset."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
-class DatasetRead(BaseModel):
+class ColumnStats(BaseModel):
+    empty: int = Field(description="Rows whose cell is empty or missing.")
+    values: dict[str, int] | None = Field(
+        description="Count of each distinct value of a label candidate; null when the column has too many "
+                    "or too long distinct values to be a label.")
+
+
+class DatasetSummary(BaseModel):
+    """What lists show of a dataset: no per-column stats."""
+
     model_config = ConfigDict(from_attributes=True)
 
     id: str
@@ -19,3 +28,9 @@ class DatasetRead(BaseModel):
     sha256: str
     size_bytes: int
     created_at: datetime
+
+
+class DatasetRead(DatasetSummary):
+    """One dataset, with the (bounded) stats job submission checks label and text columns against."""
+
+    column_stats: dict[str, ColumnStats] = Field(default_factory=dict)

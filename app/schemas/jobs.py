@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from core.models import JobStatus, TaskKind
+
+INT32_MAX = 2**31 - 1  # steps, event ids and model_config values are 32-bit integer columns or smaller
+MAX_NESTING = 16  # deeper JSON in a free-form field cannot be a valid value; refused before it is serialized
+ModelConfigValue = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
+
+
+def nesting_depth(value: Any) -> int:
+    """Depth of nested lists/dicts in a JSON value, level by level without recursion (a scalar is 0)."""
+    depth, level = 0, [value]
+    while any(isinstance(node, (dict, list)) for node in level):
+        depth += 1
+        level = [child for node in level if isinstance(node, (dict, list))
+                 for child in (node.values() if isinstance(node, dict) else node)]
+    return depth
 
 
 class JobCreate(BaseModel):
@@ -20,7 +34,7 @@ class JobCreate(BaseModel):
         None, min_length=1, max_length=500,
         description="text-classification: alias (minilm-l6), local folder or hub id (required). "
                     "causal-lm: an existing causal LM to continue from, or omit and give model_config.")
-    architecture: dict[str, int] | None = Field(
+    architecture: dict[str, ModelConfigValue] | None = Field(
         None, alias="model_config",
         description="causal-lm from scratch: GPT-2 shape {n_layer, n_embd, n_head, n_positions}.")
     train_dataset: str = Field(min_length=1, max_length=40)
@@ -32,6 +46,13 @@ class JobCreate(BaseModel):
         default_factory=dict,
         description="Validated per task: see Hyperparameters (text-classification) and LMHyperparameters.")
     metadata: dict[str, str] = Field(default_factory=dict, description="Up to 16 string pairs for your own use.")
+
+    @field_validator("hyperparameters")
+    @classmethod
+    def _bounded_nesting(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if nesting_depth(value) > MAX_NESTING:
+            raise ValueError(f"nested more than {MAX_NESTING} levels deep")
+        return value
 
     @field_validator("metadata")
     @classmethod
@@ -71,7 +92,7 @@ class JobRead(BaseModel):
     status: JobStatus
     task: str
     base_model: str | None
-    architecture: dict[str, int] | None = Field(None, serialization_alias="model_config")
+    architecture: dict[str, ModelConfigValue] | None = Field(None, serialization_alias="model_config")
     train_dataset: str | None
     eval_dataset: str | None
     text_column: str

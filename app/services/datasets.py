@@ -1,4 +1,4 @@
-"""Dataset uploads: validate everything first, then store the file, then the row."""
+"""Dataset uploads: spool to disk, validate every row while streaming, then store the file, then the row."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from app.schemas.datasets import DatasetRead, DatasetSummary
 from app.services import idempotency
 from core.auth import Principal
 from core.errors import PayloadTooLarge, ValidationFailed
@@ -18,57 +19,63 @@ from core.models import Dataset, new_id, utcnow
 from core.settings import Settings
 from core.store import datasets as store
 from core.store.paging import decode_cursor, split_page
-from core.tabular import column_stats, format_for, parse_table
+from core.tabular import bounded_stats, format_for, summarize_file
 
 NAME_RE = re.compile(r"^[\w .,()+-]{1,200}$")
 CHUNK = 1024 * 1024
-
-
-def read_limited(stream: BinaryIO, limit: int) -> bytes:
-    """Read an upload, refusing it as soon as it passes the size limit."""
-    chunks: list[bytes] = []
-    size = 0
-    while chunk := stream.read(CHUNK):
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"file is larger than the {limit} byte limit", field="file")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 ROUTE = "POST /datasets"
+
+
+def spool_limited(stream: BinaryIO, target: Path, limit: int) -> tuple[str, int]:
+    """Copy an upload to `target` in chunks, refusing it as soon as it passes the size limit; (sha256, size)."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(target, "wb") as out:
+        while chunk := stream.read(CHUNK):
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"file is larger than the {limit} byte limit", field="file")
+            digest.update(chunk)
+            out.write(chunk)
+    return digest.hexdigest(), size
 
 
 def create_dataset(session: Session, settings: Settings, principal: Principal, *, filename: str,
                    stream: BinaryIO, name: str | None, idempotency_key: str | None = None) -> Dataset:
-    """Parse and validate an upload, then store the bytes under a server-chosen path and commit the row."""
+    """Spool an upload to disk, parse and validate it row by row, then move it under a server-chosen path
+    and commit the row."""
     filename = Path(filename or "").name  # never trust a client path
     if not filename:
         raise ValidationFailed("file", "the upload has no file name; the extension selects the format")
+    if len(filename) > 255:
+        raise ValidationFailed("file", "the file name is longer than 255 characters")
     fmt = format_for(filename)
     if name is not None and not NAME_RE.match(name):
         raise ValidationFailed("name", "use 1-200 letters, digits, spaces and . , ( ) + - _")
-    data = read_limited(stream, settings.max_upload_bytes)
-    request_hash = idempotency.fingerprint(hashlib.sha256(data).hexdigest() + "\0" + filename + "\0" + (name or ""))
-    replayed = idempotency.replayed_id(session, principal, route=ROUTE, key=idempotency_key,
-                                       request_hash=request_hash)
-    if replayed is not None:
-        return store.get_dataset(session, dataset_id=replayed)
-    table = parse_table(data, fmt, max_rows=settings.max_dataset_rows)
-
     dataset_id = new_id("ds")
     # Server-chosen name; the (validated) extension is kept because readers pick the format by it.
     relative = Path("datasets") / f"{dataset_id}{Path(filename).suffix.lower()}"
     target = settings.home / relative
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".part")
-    tmp.write_bytes(data)
-    os.replace(tmp, target)  # readers never see a half-written file
+    part = target.with_suffix(".part")
+    try:
+        sha256, size = spool_limited(stream, part, settings.max_upload_bytes)
+        request_hash = idempotency.fingerprint(sha256 + "\0" + filename + "\0" + (name or ""))
+        replayed = idempotency.replayed_id(session, principal, route=ROUTE, key=idempotency_key,
+                                           request_hash=request_hash)
+        if replayed is not None:
+            part.unlink(missing_ok=True)
+            return store.get_dataset(session, dataset_id=replayed)
+        summary = summarize_file(part, fmt, max_rows=settings.max_dataset_rows,
+                                 max_columns=settings.max_dataset_columns)
+        os.replace(part, target)  # readers never see a half-written file
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
     dataset = Dataset(
         id=dataset_id, tenant_id=principal.tenant_id, name=name or filename, filename=filename, format=fmt,
-        rows=len(table.rows),
-        columns=table.columns, column_stats=column_stats(table), sha256=hashlib.sha256(data).hexdigest(),
-        size_bytes=len(data), path=str(relative), created_at=utcnow(),
+        rows=summary.rows, columns=summary.columns, column_stats=summary.stats, sha256=sha256,
+        size_bytes=size, path=str(relative), created_at=utcnow(),
     )
     try:
         store.add_dataset(session, dataset=dataset)
@@ -96,9 +103,16 @@ def get_dataset(session: Session, principal: Principal, *, dataset_id: str) -> D
     return store.get_dataset(session, dataset_id=dataset_id, tenant=principal.scope)
 
 
+def dataset_read(settings: Settings, dataset: Dataset) -> DatasetRead:
+    """The public dataset object; its column stats are bounded whatever the row holds (older rows too)."""
+    summary = DatasetSummary.model_validate(dataset)
+    stats: dict[str, Any] = bounded_stats(dataset.column_stats or {}, dataset.columns, settings.max_dataset_columns)
+    return DatasetRead(**summary.model_dump(), column_stats=stats)
+
+
 def list_datasets(session: Session, principal: Principal, *, limit: int, cursor: str | None
                   ) -> tuple[list[Dataset], str | None]:
-    """A page of datasets and the cursor of the next one."""
+    """A page of datasets (column stats not loaded) and the cursor of the next one."""
     after = decode_cursor(cursor) if cursor else None
     return split_page(store.list_datasets(session, limit=limit + 1, tenant=principal.scope, after=after), limit)
 

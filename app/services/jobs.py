@@ -25,10 +25,11 @@ from core.settings import Settings
 from core.store import datasets as dataset_store
 from core.store import jobs as store
 from core.store.paging import decode_cursor, split_page
-from core.tabular import label_space
+from core.tabular import MAX_LABEL_CHARS, MAX_TRACKED_VALUES, label_space, name_list, short, to_label
 from core.tasks import QUEUE_TRAIN, TASK_TRAIN
 
 ROUTE = "POST /jobs"
+MAX_HINT_COLUMNS = 1000  # columns searched for a "did you mean" hint
 
 
 def create_job(session: Session, settings: Settings, queue: TaskQueue, principal: Principal, *, spec: JobCreate,
@@ -57,20 +58,28 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, principal
     job = Job(id=new_id("job"), tenant_id=principal.tenant_id, status=JobStatus.QUEUED, task=spec.task,
               base_model=spec.base_model, train_dataset_id=train.id, eval_dataset_id=spec.eval_dataset,
               text_column=spec.text_column, metadata_=spec.metadata, metrics={}, created_at=utcnow(), **fields)
-    store.add_job(session, job=job)
-    store.add_event(session, job_id=job.id, kind="created", message="job created and queued")
-    idempotency.remember(session, principal, route=ROUTE, key=idempotency_key, request_hash=request_hash,
-                         resource_id=job.id)
     try:
+        store.add_job(session, job=job)
+        store.add_event(session, job_id=job.id, kind="created", message="job created and queued")
+        idempotency.remember(session, principal, route=ROUTE, key=idempotency_key, request_hash=request_hash,
+                             resource_id=job.id)
         session.commit()
     except IntegrityError:
         # A concurrent request with the same Idempotency-Key committed first: answer with its job.
         session.rollback()
         replayed = idempotency.replayed_id(session, principal, route=ROUTE, key=idempotency_key,
                                            request_hash=request_hash)
-        if replayed is None:
-            raise
-        return store.get_job(session, job_id=replayed)
+        if replayed is not None:
+            return store.get_job(session, job_id=replayed)
+        # Or a dataset was deleted after it was checked (the foreign key refused the job): say which one.
+        for dataset_id, field in ((spec.train_dataset, "train_dataset"), (spec.eval_dataset, "eval_dataset")):
+            try:
+                if dataset_id:
+                    dataset_store.get_dataset(session, dataset_id=dataset_id)
+            except NotFound:
+                raise Conflict(f"dataset {dataset_id!r} was deleted while the job was being created",
+                               field=field) from None
+        raise
     return enqueue_job(session, queue, job=job)
 
 
@@ -197,27 +206,30 @@ def _dataset(session: Session, principal: Principal, dataset_id: str, field: str
 def _require_column(dataset: Dataset, column: str, field: str) -> None:
     if column in dataset.columns:
         return
-    close = difflib.get_close_matches(column, dataset.columns, n=1)
+    # Bounded work and a bounded message, even for rows stored before datasets had a column limit.
+    candidates = dataset.columns[:MAX_HINT_COLUMNS]
+    close = difflib.get_close_matches(column, candidates, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise ValidationFailed(field, f"column {column!r} is not in dataset {dataset.id} "
-                           f"(columns: {', '.join(dataset.columns)}){hint}")
+    raise ValidationFailed(field, f"column {short(column)} is not in dataset {dataset.id} "
+                           f"(columns: {name_list(dataset.columns)}){hint}")
 
 
 def _labels(dataset: Dataset, column: str, field: str) -> list[int | str]:
     stats = dataset.column_stats.get(column, {})
     if stats.get("empty"):
-        raise ValidationFailed(field, f"{stats['empty']} rows have an empty {column!r} label")
+        raise ValidationFailed(field, f"{stats['empty']} rows have an empty {short(column)} label")
     values = stats.get("values")
     if values is None:
-        raise ValidationFailed(field, f"column {column!r} has over 1000 distinct values; is it the label?")
-    # Stats keys are strings; numeric labels come back as ints so the label map keeps their type.
-    return label_space([int(v) if v.lstrip("-").isdigit() else v for v in values])
+        raise ValidationFailed(field, f"column {short(column)} has over {MAX_TRACKED_VALUES} distinct values or "
+                               f"values over {MAX_LABEL_CHARS} characters; is it the label?")
+    # Stats keys are strings; numeric labels come back as ints, as the worker reads them, so the maps agree.
+    return label_space([to_label(v) for v in values])
 
 
 def _require_text(dataset: Dataset, column: str, field: str) -> None:
     empty = dataset.column_stats.get(column, {}).get("empty", 0)
     if empty:
-        raise ValidationFailed(field, f"{empty} rows have an empty {column!r} text")
+        raise ValidationFailed(field, f"{empty} rows have an empty {short(column)} text")
 
 
 def get_job(session: Session, principal: Principal, *, job_id: str) -> Job:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from core.errors import Conflict, NotFound
 from core.models import ACTIVE, Dataset, Job, is_valid_id
@@ -18,9 +18,9 @@ def add_dataset(session: Session, *, dataset: Dataset) -> Dataset:
 
 
 def get_dataset(session: Session, *, dataset_id: str, tenant: str | None = None,
-                field: str | None = None) -> Dataset:
+                field: str | None = None, for_update: bool = False) -> Dataset:
     """Fetch a dataset visible to `tenant` (None: any) or raise NotFound, as if other tenants' did not exist."""
-    dataset = session.get(Dataset, dataset_id) if is_valid_id(dataset_id) else None
+    dataset = session.get(Dataset, dataset_id, with_for_update=for_update) if is_valid_id(dataset_id) else None
     if dataset is None or (tenant is not None and dataset.tenant_id != tenant):
         raise NotFound(f"dataset {dataset_id!r} not found", field=field)
     return dataset
@@ -28,8 +28,9 @@ def get_dataset(session: Session, *, dataset_id: str, tenant: str | None = None,
 
 def list_datasets(session: Session, *, limit: int, tenant: str | None = None,
                   after: tuple[str, str] | None = None) -> list[Dataset]:
-    """Newest first; `after` is the (created_at iso, id) of the last row of the previous page."""
-    query = select(Dataset).order_by(Dataset.created_at.desc(), Dataset.id.desc()).limit(limit)
+    """Newest first, without the column stats; `after` is the (created_at iso, id) of the previous page's last."""
+    query = (select(Dataset).options(defer(Dataset.column_stats, raiseload=True))
+             .order_by(Dataset.created_at.desc(), Dataset.id.desc()).limit(limit))
     if tenant is not None:
         query = query.where(Dataset.tenant_id == tenant)
     if after is not None:
@@ -39,7 +40,9 @@ def list_datasets(session: Session, *, limit: int, tenant: str | None = None,
 
 def delete_dataset(session: Session, *, dataset_id: str, tenant: str | None = None) -> Dataset:
     """Delete a dataset row unless an unfinished job still needs it."""
-    dataset = get_dataset(session, dataset_id=dataset_id, tenant=tenant)
+    # The row lock orders this against a job insert (whose foreign-key check share-locks the row): either the
+    # job commits first and is seen as busy below, or the insert waits and then fails on the foreign key.
+    dataset = get_dataset(session, dataset_id=dataset_id, tenant=tenant, for_update=True)
     busy = session.scalar(
         select(Job.id).where(
             (Job.train_dataset_id == dataset_id) | (Job.eval_dataset_id == dataset_id),

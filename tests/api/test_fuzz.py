@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     response_schema_conformance,
     status_code_conformance,
 )
+from sqlalchemy import create_engine, text
 
+from app.services import jobs as job_service
 from tests.conftest import make_key
-from tests.factories import sentiment_rows, tsv_bytes, upload
+from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 
 
 @pytest.fixture()
@@ -38,3 +43,123 @@ def test_no_server_errors_and_schema_conformance(fuzz_target):
             case.call_and_validate(headers={"Authorization": f"Bearer {key}"}, checks=checks)
 
         run()
+
+
+# The edges plain schema fuzzing does not reach: integers past 2**63 and past Python's 4,300-digit parsing
+# limit, Unicode digits ('²'.isdigit() is True, int('²') fails), deep nesting, and a dataset deleted while a
+# job that uses it is being created.
+EDGE_NUMBERS = ["9" * 5000, str(2**31), str(2**63 - 1), str(2**63), str(2**64), str(-(2**63) - 1), "1e400", "-0"]
+UNICODE_DIGITS = "²³¹¼½٣۵०১௫๑០０𝟎"
+edge_literal = st.one_of(
+    st.sampled_from(EDGE_NUMBERS),
+    st.text(alphabet=UNICODE_DIGITS + "-", min_size=1, max_size=4).map(json.dumps),
+    # Depths around the limits that matter: pydantic's serializer (a few hundred), json's parser (about 1000).
+    st.sampled_from([20, 300, 900, 990, 5000]).map(lambda depth: "[" * depth + "1" + "]" * depth),
+    st.sampled_from([20, 300, 900, 990, 5000]).map(lambda depth: '{"a": ' * depth + "1" + "}" * depth),
+)
+FREE_FORM = ("hyperparameters", "model_config", "metadata")
+PLACEHOLDER = "__edge__"
+
+
+def _integer_query_parameters(app) -> dict[tuple[str, str], list[str]]:
+    """(METHOD, path template) -> names of its integer query parameters, from the OpenAPI document."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for path, item in app.openapi()["paths"].items():
+        for method, operation in item.items():
+            names = [p["name"] for p in operation.get("parameters", [])
+                     if p["in"] == "query" and "integer" in json.dumps(p.get("schema", {}))]
+            found[(method.upper(), path)] = names
+    return found
+
+
+def _with_edge(body, key: str):
+    """The body as JSON text with the value at `key` (inside it for free-form objects) replaced by the edge."""
+    if not isinstance(body, dict):
+        return json.dumps(PLACEHOLDER)
+    body = dict(body)
+    if key in FREE_FORM:
+        target = body.get(key) if isinstance(body.get(key), dict) else {}
+        body[key] = {**target, next(iter(target), "epochs"): PLACEHOLDER}
+    else:
+        body[key] = PLACEHOLDER
+    return json.dumps(body)
+
+
+def test_fuzz_learns_the_edges(fuzz_target, client):
+    """Every operation with edge integers in its query and edge values spliced into its JSON body: no 5xx."""
+    app, key = fuzz_target
+    client._transport.raise_server_exceptions = False
+    limit = app.state.settings.max_request_bytes = 64 * 1024  # a body labelled multipart/... passes it quickly
+    headers = {"Authorization": f"Bearer {key}"}
+    dataset = client.post("/datasets", files={"file": ("t.tsv", tsv_bytes(sentiment_rows()))}, headers=headers)
+    # Generated bodies rarely pass validation as a whole; an edge spliced into a valid one reaches the service.
+    valid = {("POST", "/jobs"): job_body(dataset.json()["id"])}
+    integer_params = _integer_query_parameters(app)
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+    for operation in [result.ok() for result in schema.get_all_operations()]:
+        route = (operation.method.upper(), operation.path)
+        _edge_fuzzer(operation, integer_params.get(route, []), valid.get(route), client, key, limit)()
+
+
+def _edge_fuzzer(operation, names: list[str], valid, client, key: str, limit: int):
+    @given(case=operation.as_strategy(), edge=edge_literal, number=st.sampled_from(EDGE_NUMBERS),
+           field=st.sampled_from([*FREE_FORM, "texts", "seed", "epochs", "max_new_tokens"]),
+           claim_multipart=st.booleans(), use_valid=st.booleans())
+    @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    def run(case, edge, number, field, claim_multipart, use_valid):
+        headers = {"Authorization": f"Bearer {key}"}
+        query = {**(case.query or {}), **{name: number for name in names}}
+        content = None
+        if case.media_type == "application/json":
+            base = valid if use_valid and valid is not None else case.body
+            content = _with_edge(base, field).replace(json.dumps(PLACEHOLDER), edge)
+            headers["content-type"] = "application/json"
+            if claim_multipart:  # a JSON route must keep the JSON limit whatever the label says
+                headers["content-type"] = "multipart/form-data; boundary=x"
+                content += " " * limit
+        response = client.request(case.method, case.formatted_path, params=query, content=content, headers=headers)
+        assert response.status_code < 500, (case.method, case.formatted_path, response.text[:300])
+        if response.status_code >= 400:
+            assert set(response.json()) == {"error"} and response.json()["error"]["message"]
+
+    return run
+
+
+def test_fuzz_unicode_digit_labels_and_concurrent_delete(client, monkeypatch):
+    """Random label cells (Unicode digits among them), with the dataset deleted mid-request half the time."""
+    client._transport.raise_server_exceptions = False
+    resolve = job_service.resolve_base_model
+    doomed: list[str] = []
+
+    def resolve_while_deleting(*args, **kwargs):
+        if doomed:  # another client deletes the dataset between the checks and the insert
+            engine = create_engine(client.app.state.settings.resolved_database_url)
+            with engine.begin() as conn:
+                conn.execute(text("DELETE FROM datasets WHERE id = :id"), {"id": doomed.pop()})
+            engine.dispose()
+        return resolve(*args, **kwargs)
+
+    monkeypatch.setattr(job_service, "resolve_base_model", resolve_while_deleting)
+
+    @given(labels=st.lists(st.text(alphabet=UNICODE_DIGITS + "0123456789-+ ", min_size=1, max_size=4),
+                           min_size=2, max_size=6),
+           delete=st.booleans())
+    @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    def run(labels, delete):
+        rows = [(f"text {i}", label.replace("\t", " ")) for i, label in enumerate(labels)]
+        uploaded = upload(client, tsv_bytes(rows))
+        assert uploaded.status_code in (201, 422), uploaded.text
+        if uploaded.status_code != 201:
+            return
+        dataset = uploaded.json()["id"]
+        if delete:
+            doomed.append(dataset)
+        response = client.post("/jobs", json=job_body(dataset))
+        assert response.status_code in (201, 409, 422), response.text
+        if delete:
+            assert response.status_code in (409, 422), response.text
+            doomed.clear()
+        if response.status_code == 409:
+            assert response.json()["error"]["field"] == "train_dataset"
+
+    run()
