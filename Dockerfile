@@ -6,16 +6,21 @@ ENV PYTHONUNBUFFERED=1 \
     TRAINSERVE_HOME=/data \
     HF_HOME=/data/hf-cache
 
-WORKDIR /srv/trainserve
-COPY pyproject.toml README.md alembic.ini ./
-COPY core ./core
-COPY app ./app
-COPY worker ./worker
-COPY trainserve ./trainserve
-COPY migrations ./migrations
-COPY examples ./examples
+# The package is installed (not run from copied source trees): the wheel carries its package data
+# (core/assets: the bundled GPT-2 tokenizer) and the migrations; the sources are removed afterwards.
+COPY pyproject.toml README.md /tmp/src/
+COPY core /tmp/src/core
+COPY app /tmp/src/app
+COPY worker /tmp/src/worker
+COPY trainserve /tmp/src/trainserve
+COPY migrations /tmp/src/migrations
 # torch comes from the base image; the range in pyproject.toml admits it, so pip keeps it.
-RUN pip install -e . && useradd --create-home --uid 1000 trainserve && mkdir -p /data && chown trainserve /data
+RUN pip install /tmp/src && rm -rf /tmp/src \
+    && python -c "from core.paths import GPT2_TOKENIZER_DIR as d; assert (d / 'vocab.json').is_file(), d" \
+    && useradd --create-home --uid 1000 trainserve && mkdir -p /data && chown trainserve /data
+
+WORKDIR /srv/trainserve
+COPY examples ./examples
 USER trainserve
 VOLUME ["/data"]
 EXPOSE 8000

@@ -27,6 +27,7 @@ test: setup lint
 lint: setup
 	$(VENV)/bin/ruff check core app worker trainserve bench tests
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 bench: setup
 	$(PY) bench/finetune.py

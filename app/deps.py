@@ -9,7 +9,7 @@ from fastapi import Depends, Header, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from core.auth import Principal, authenticate
+from core.auth import Principal, authenticate, refuse_query_credentials
 from core.queue import TaskQueue
 from core.settings import Settings
 
@@ -41,7 +41,8 @@ bearer = HTTPBearer(auto_error=False, description="An API key from `trainserve k
 
 def get_principal(request: Request, session: Annotated[Session, Depends(get_session)],
                   _: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
-    """The caller, from `Authorization: Bearer <key>`; 401 otherwise."""
+    """The caller, from `Authorization: Bearer <key>`; 401 otherwise, and 401 for any key in the query string."""
+    refuse_query_credentials(request.query_params.multi_items())
     return authenticate(session, authorization=request.headers.get("authorization"))
 
 

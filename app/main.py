@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from app.access_log import install_access_log_redaction
 from app.errors import install_error_handlers
 from app.limits import BodyLimitMiddleware, UploadSlotsMiddleware
 from app.routes import classify, datasets, generation, health, jobs
@@ -16,6 +17,7 @@ from core.celery_app import make_celery
 from core.db import make_engine, make_sessionmaker
 from core.queue import CeleryTaskQueue, TaskQueue
 from core.redis_client import async_redis_from_url
+from core.relay import relay_thread
 from core.settings import Settings, get_settings
 
 
@@ -33,9 +35,13 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
         app.state.task_queue = task_queue or CeleryTaskQueue(celery)  # type: ignore[arg-type]
         redis = async_redis_from_url(resolved.resolved_redis_url, socket_timeout=10)
         app.state.generation = GenerationGateway(redis, app.state.task_queue, resolved)
+        # Sends task messages whose fast path found the broker refusing (the job stays queued meanwhile).
+        relay = relay_thread(app.state.sessionmaker, app.state.task_queue, resolved.outbox_interval_s)
+        relay.start()
         try:
             yield
         finally:
+            relay.stop()
             await redis.aclose()
             engine.dispose()
             if celery is not None:
@@ -44,6 +50,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     app = FastAPI(title="trainserve", version="0.1.0", lifespan=lifespan,
                   description="Fine-tune BERT classifiers and serve the results.")
     install_error_handlers(app)
+    install_access_log_redaction()
     app.add_middleware(UploadSlotsMiddleware, settings=settings or get_settings())
     app.add_middleware(BodyLimitMiddleware, settings=settings or get_settings())  # outer: a 413 takes no slot
     origins = [o.strip() for o in (settings or get_settings()).cors_origins.split(",") if o.strip()]

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
+from urllib.parse import parse_qsl, urlencode
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -13,6 +16,12 @@ from core.errors import DomainError, NotFound
 from core.models import ApiKey, new_id, utcnow
 
 KEY_PREFIX = "ts_"
+# The shape of a raw key: the prefix and 43 URL-safe base64 characters (32 random bytes); a little slack
+# so a truncated or hand-pasted key is still recognised.
+KEY_SHAPE = re.compile(re.escape(KEY_PREFIX) + r"[A-Za-z0-9_-]{32,}")
+# Query parameters clients (and other APIs' conventions) use for credentials.
+CREDENTIAL_PARAMS = frozenset({"api_key", "apikey", "api-key", "key", "access_token", "token", "auth", "authorization"})
+REDACTED = "REDACTED"
 
 
 class Unauthorized(DomainError):
@@ -64,6 +73,39 @@ def revoke_key(session: Session, *, key_id: str) -> ApiKey:
 def list_keys(session: Session) -> list[ApiKey]:
     """Every key, oldest first (hashes only)."""
     return list(session.scalars(select(ApiKey).order_by(ApiKey.created_at)))
+
+
+def query_credential(params: Iterable[tuple[str, str]]) -> str | None:
+    """The name of the first query parameter that carries (or is named like) a credential, else None."""
+    for name, value in params:
+        if name.lower() in CREDENTIAL_PARAMS or KEY_SHAPE.search(value) or KEY_SHAPE.search(name):
+            return name
+    return None
+
+
+def refuse_query_credentials(params: Iterable[tuple[str, str]]) -> None:
+    """Raise Unauthorized naming the parameter when a credential is sent in the query string (it would be logged)."""
+    name = query_credential(params)
+    if name is not None:
+        raise Unauthorized("API keys are accepted only in the 'Authorization: Bearer <key>' header, never in the "
+                           "query string (URLs end up in logs and browser history); revoke a key sent this way",
+                           field=name[:64], code="key_in_query")
+
+
+def redact_query(target: str) -> str:
+    """`target` (a path and optional query string) with every key-shaped string and credential parameter replaced."""
+    path, sep, query = target.partition("?")
+    path = KEY_SHAPE.sub(REDACTED, path)
+    if not sep:
+        return path
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if query_credential(pairs) is None and not KEY_SHAPE.search(query):
+        return f"{path}?{query}"
+    cleaned = [(REDACTED if KEY_SHAPE.search(name) else name,
+                REDACTED if query_credential([(name, value)]) else value) for name, value in pairs]
+    if not cleaned:  # not a parseable query, yet it holds a key: drop it whole
+        return f"{path}?{REDACTED}"
+    return f"{path}?{urlencode(cleaned)}"
 
 
 def authenticate(session: Session, *, authorization: str | None) -> Principal:

@@ -49,6 +49,18 @@ class Conflict(DomainError):
     code = "conflict"
 
 
+class IllegalTransition(Conflict):
+    """A job was asked to move between two statuses the state machine does not connect."""
+
+    code = "illegal_transition"
+
+
+class StaleAttempt(Conflict):
+    """A write from an attempt that no longer holds the job (the reaper requeued it, or it finished)."""
+
+    code = "stale_attempt"
+
+
 class PayloadTooLarge(DomainError):
     """An upload or body exceeds a configured limit."""
 

@@ -203,6 +203,22 @@ class Artifact(Base):
     job: Mapped[Job] = relationship(back_populates="artifacts")
 
 
+class OutboxMessage(Base):
+    """A task message written in the transaction of the state change that needs it; a relay sends it."""
+
+    __tablename__ = "outbox"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    task: Mapped[str] = mapped_column(String(100))
+    queue: Mapped[str] = mapped_column(String(40))
+    args: Mapped[list[Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    sent_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, index=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
 class ApiKey(Base):
     """A bearer key; only its SHA-256 is stored. The tenant owns what the key creates."""
 

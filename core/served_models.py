@@ -80,6 +80,6 @@ def resolve_served_model(session: Session, settings: Settings, *, name: str, ten
         if folder.is_dir() and _is_causal_lm(folder):
             return ServedModel(id=name, path=str(folder.resolve()), owned_by="local",
                                created=int(folder.stat().st_mtime))
-    if "/" in name and HUB_ID.match(name) and hub_model_available(name):
+    if "/" in name and HUB_ID.match(name) and hub_model_available(name, max_bytes=settings.max_model_bytes):
         return ServedModel(id=name, path=name, owned_by="hub", created=0)
     raise NotFound(f"model {name!r} not found; GET /v1/models lists what can be served", field="model")

@@ -35,9 +35,15 @@ class Settings(BaseSettings):
     metrics_flush_s: float = Field(1.0, description="How often a running job writes buffered metric points.")
     max_active_jobs_per_tenant: int = Field(20, description="Queued plus running jobs a tenant may have (429 beyond).")
     max_request_bytes: int = Field(1024 * 1024, description="Largest JSON request body (413 beyond).")
+    max_model_bytes: int = Field(
+        8 * 1024**3, description="Largest base model accepted (bytes of safetensors weights; 422 beyond)."
+    )
     model_roots: str = Field("", description="Extra folders (os.pathsep-separated) local base_model paths may be in.")
     heartbeat_timeout_s: float = Field(60.0, description="A running job whose worker is silent this long is requeued.")
     max_attempts: int = Field(3, description="Runs of a job before a lost worker fails it with worker_lost.")
+    outbox_interval_s: float = Field(
+        5.0, description="How often the outbox relay (API and training workers) retries unsent task messages; "
+                         "it backs off to 30 s while the broker refuses.")
     cancel_grace_s: float = Field(60.0, description="Seconds a cancelled job may take to stop before its worker exits.")
     max_new_tokens: int = Field(1024, description="Upper bound of max_new_tokens / max_tokens.")
     generation_queue_per_model: int = Field(64, description="Generation requests in flight per model (429 beyond).")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -77,10 +78,28 @@ def ensure_admin_key(settings: Settings) -> Path:
     return path
 
 
+def make_private(home: Path) -> None:
+    """Create (or tighten) `home` as 0700 and make everything this process and its children create owner-only.
+
+    The umask is inherited by Redis, the API and the workers, so the database, datasets, artifacts and the
+    append-only file are 0600 (folders 0700) however they are created.
+    """
+    os.umask(0o077)
+    home.mkdir(parents=True, exist_ok=True)
+    home.chmod(0o700)
+    # A home written before this release (or by another tool) keeps no group/other bits either.
+    for folder, dirs, files in os.walk(home):
+        for name in (*dirs, *files):
+            path = Path(folder, name)
+            mode = path.lstat().st_mode
+            if mode & 0o077 and not stat.S_ISLNK(mode):
+                path.chmod(stat.S_IMODE(mode) & 0o700)
+
+
 def run_up(*, host: str, port: int, home: Path, devices: str) -> int:
     """Start everything and supervise it until SIGINT/SIGTERM."""
     home = home.resolve()
-    home.mkdir(parents=True, exist_ok=True)
+    make_private(home)
     env = dict(os.environ, TRAINSERVE_HOME=str(home), PYTHONUNBUFFERED="1")
     redis_proc = None
     if not env.get("TRAINSERVE_REDIS_URL"):

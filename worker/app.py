@@ -1,4 +1,4 @@
-"""The worker's Celery app: the shared configuration plus this package's tasks."""
+"""The worker's Celery app: the shared configuration plus this package's tasks, and the process's context."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from worker.context import WorkerContext
 celery = make_celery()
 celery.conf.update(include=["worker.tasks"])
 
-# Set when the worker is asked to stop; a running fine-tune checkpoints and goes back to the queue.
-SHUTDOWN = threading.Event()
-
+# Celery sends worker_shutting_down from inside its signal handler, which may interrupt context() while it
+# holds the lock: the handler sets this event, created up front, and never takes the lock.
+_shutdown = threading.Event()
 _context: WorkerContext | None = None
 _context_lock = threading.Lock()
 
@@ -30,25 +30,27 @@ def context() -> WorkerContext:
             from core.queue import CeleryTaskQueue
             from core.settings import get_settings
 
-            _context = WorkerContext(get_settings(), CeleryTaskQueue(celery), shutdown=SHUTDOWN)
+            _context = WorkerContext(get_settings(), CeleryTaskQueue(celery), shutdown=_shutdown)
         return _context
 
 
 @worker_shutting_down.connect
 def _on_shutdown(**_: Any) -> None:
-    SHUTDOWN.set()
+    # A running fine-tune sees this between steps: it checkpoints and goes back to the queue.
+    _shutdown.set()
 
 
 @worker_ready.connect
-def _start_reaper(**_: Any) -> None:
-    """Training workers also watch for lost workers and a broker that lost its data."""
+def _start_background_threads(**_: Any) -> None:
+    """Training workers also watch for lost workers and a broker that lost its data, and relay the outbox."""
     if "training" not in os.environ.get("TRAINSERVE_WORKER_QUEUES", "training").split(","):
         return
-    from core.settings import get_settings
-    from worker.recovery import Reaper
-    from worker.runner import send_train, sessions
+    from core.relay import relay_thread
+    from worker.recovery import reaper_thread
 
-    Reaper(sessions(), get_settings(), send_train).start()
+    ctx = context()
+    reaper_thread(ctx.sessions, ctx.settings, ctx.queue).start()
+    relay_thread(ctx.sessions, ctx.queue, ctx.settings.outbox_interval_s).start()
 
 
 worker_ready.connect(lambda **_: start_reporting(context()), weak=False)  # device capacity, for admission

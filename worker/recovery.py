@@ -11,19 +11,23 @@ from datetime import timedelta
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from core import states
 from core.db import session_scope
+from core.errors import StaleAttempt
 from core.models import JobStatus, utcnow
+from core.periodic import Periodic
+from core.queue import TaskQueue
 from core.redis_client import redis_from_url
+from core.relay import deliver_now
 from core.settings import Settings
 from core.store import jobs as store
+from core.store import outbox
 
 log = logging.getLogger(__name__)
 
 # Present in Redis while it still holds what it was sent; gone after a restart without persistence.
 BROKER_SENTINEL = "trainserve:broker-sentinel"
 EXIT_CANCEL_TIMEOUT = 75
-
-Send = Callable[[str], None]
 
 
 class Heartbeat:
@@ -62,89 +66,80 @@ class Heartbeat:
         """One beat, plus the watchdog: a cancel older than the grace period ends this worker process."""
         now = utcnow()
         with session_scope(self.factory) as session:
-            job = store.get_job(session, job_id=self.job_id)
-            if job.attempts != self.attempt or job.status != JobStatus.RUNNING:
+            if not store.beat(session, job_id=self.job_id, attempt=self.attempt, now=now):
                 self.lost.set()
                 return
-            store.beat(session, job_id=self.job_id, now=now)
+            job = store.get_job(session, job_id=self.job_id)
             overdue = (job.cancel_requested_at is not None
                        and now - job.cancel_requested_at > timedelta(seconds=self.settings.cancel_grace_s))
             if overdue:
-                job.status = JobStatus.CANCELLED
-                job.finished_at = now
-                store.add_event(session, job_id=self.job_id, kind="cancelled", level="warning",
-                                message="the worker did not stop in time; its process was ended to free the device")
+                states.move(session, job, JobStatus.CANCELLED, attempt=self.attempt, level="warning", now=now,
+                            message="the worker did not stop in time; its process was ended to free the device")
         if overdue:
             log.error("job %s ignored its cancel for %.0f s; exiting", self.job_id, self.settings.cancel_grace_s)
             self.exit_process(EXIT_CANCEL_TIMEOUT)
 
 
-def reap(factory: sessionmaker[Session], settings: Settings, send: Send) -> list[str]:
+def reap(factory: sessionmaker[Session], settings: Settings, queue: TaskQueue) -> list[str]:
     """Requeue running jobs whose worker went silent; fail those past the attempt limit. Returns requeued ids."""
     stale_before = utcnow() - timedelta(seconds=settings.heartbeat_timeout_s)
     requeued: list[str] = []
     with session_scope(factory) as session:
-        candidates = [(job.id, job.attempts) for job in store.stale_jobs(session, stale_before=stale_before)]
-    for job_id, attempts in candidates:
-        with session_scope(factory) as session:
-            if not store.requeue_if_stale(session, job_id=job_id, stale_before=stale_before):
-                continue  # another reaper, or the worker itself, got there first
-            job = store.get_job(session, job_id=job_id)
-            if attempts >= settings.max_attempts:
-                job.status = JobStatus.FAILED
-                job.finished_at = utcnow()
-                job.error = {"code": "worker_lost", "field": None,
-                             "message": f"the worker running this job was lost {attempts} times"}
-                store.add_event(session, job_id=job_id, kind="failed", level="error", message=job.error["message"])
-                continue
-            store.add_event(session, job_id=job_id, kind="requeued", level="warning",
+        candidates = [job.id for job in store.stale_jobs(session, stale_before=stale_before)]
+    for job_id in candidates:
+        try:
+            with session_scope(factory) as session:
+                job = store.get_job(session, job_id=job_id)
+                if job.status != JobStatus.RUNNING:
+                    continue
+                if job.attempts >= settings.max_attempts:
+                    states.move(session, job, JobStatus.FAILED, code="worker_lost",
+                                message=f"the worker running this job was lost {job.attempts} times",
+                                attempt=job.attempts, when=store.silent(stale_before))
+                    continue
+                # The outbox message commits with the requeue: no window where the row is queued unsent.
+                states.move(session, job, JobStatus.QUEUED, kind="requeued", level="warning",
+                            attempt=job.attempts, when=store.silent(stale_before),
                             message=f"worker silent for over {settings.heartbeat_timeout_s:g} s; "
                                     "requeued to resume from its last checkpoint")
-        send(job_id)
+        except StaleAttempt:
+            continue  # another reaper, or the worker itself, got there first
         requeued.append(job_id)
+        with factory() as session:
+            deliver_now(session, queue, job_id=job_id)
     return requeued
 
 
-def recover_broker(factory: sessionmaker[Session], settings: Settings, send: Send) -> list[str]:
-    """If Redis lost its data (or is new), re-enqueue every queued job from SQL. Returns the ids sent."""
+def recover_broker(factory: sessionmaker[Session], settings: Settings, queue: TaskQueue) -> list[str]:
+    """If Redis lost its data (or is new), re-enqueue every queued job from SQL. Returns the ids re-enqueued."""
     client = redis_from_url(settings.resolved_redis_url, socket_timeout=5)
     try:
         if not client.set(BROKER_SENTINEL, str(time.time()), nx=True):
             return []
+        try:
+            # One outbox message per queued job, committed together; duplicates of surviving messages are
+            # harmless because claiming is conditional.
+            with session_scope(factory) as session:
+                queued = [job.id for job in store.jobs_in(session, statuses=[JobStatus.QUEUED])]
+                for job_id in queued:
+                    outbox.add_train(session, job_id=job_id)
+        except Exception:
+            client.delete(BROKER_SENTINEL)  # the next round (here or in another worker) tries again
+            raise
     finally:
         client.close()
-    with session_scope(factory) as session:
-        queued = [job.id for job in store.jobs_in(session, statuses=[JobStatus.QUEUED])]
-    for job_id in queued:  # duplicates of surviving messages are harmless: claiming is conditional
-        send(job_id)
+    with factory() as session:
+        deliver_now(session, queue)
     if queued:
         log.warning("broker had no sentinel: re-enqueued %d queued jobs from SQL", len(queued))
     return queued
 
 
-class Reaper:
-    """A daemon thread in each training worker running reap() and recover_broker() periodically."""
+def reaper_thread(factory: sessionmaker[Session], settings: Settings, queue: TaskQueue) -> Periodic:
+    """A daemon thread in each training worker running recover_broker() and reap() periodically."""
 
-    def __init__(self, factory: sessionmaker[Session], settings: Settings, send: Send) -> None:
-        self.factory = factory
-        self.settings = settings
-        self.send = send
-        self.interval = max(1.0, min(settings.heartbeat_timeout_s / 2, 30.0))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="reaper", daemon=True)
+    def work() -> None:
+        recover_broker(factory, settings, queue)
+        reap(factory, settings, queue)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                recover_broker(self.factory, self.settings, self.send)
-                reap(self.factory, self.settings, self.send)
-            except Exception:  # noqa: BLE001 - broker or database down: try again next round
-                log.warning("reaper round failed", exc_info=True)
-            if self._stop.wait(self.interval):
-                return
+    return Periodic("reaper", max(1.0, min(settings.heartbeat_timeout_s / 2, 30.0)), work)

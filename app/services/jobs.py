@@ -1,4 +1,4 @@
-"""Fine-tuning jobs: validate, write, commit, then enqueue; cancel; read history."""
+"""Fine-tuning jobs: validate, write the job with its outbox message, commit, then send; cancel; read history."""
 
 from __future__ import annotations
 
@@ -12,21 +12,22 @@ from sqlalchemy.orm import Session
 
 from app.schemas.jobs import ArtifactRead, JobCreate, JobRead, Progress
 from app.services import idempotency
+from core import states
 from core.auth import Principal
 from core.base_models import resolve_base_model
 from core.capacity import largest_device
-from core.errors import BrokerUnavailable, Conflict, NotFound, TooManyRequests, ValidationFailed
+from core.errors import Conflict, NotFound, TooManyRequests, ValidationFailed
 from core.estimate import Head, architecture, format_bytes, load_model_config, training_memory
 from core.hyperparams import Hyperparameters, LMHyperparameters
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
 from core.models import ACTIVE, Dataset, Job, JobStatus, TaskKind, new_id, utcnow
 from core.queue import TaskQueue
+from core.relay import deliver_now
 from core.settings import Settings
 from core.store import datasets as dataset_store
 from core.store import jobs as store
 from core.store.paging import decode_cursor, split_page
 from core.tabular import MAX_LABEL_CHARS, MAX_TRACKED_VALUES, label_space, name_list, short, to_label
-from core.tasks import QUEUE_TRAIN, TASK_TRAIN
 
 ROUTE = "POST /jobs"
 MAX_HINT_COLUMNS = 1000  # columns searched for a "did you mean" hint
@@ -34,7 +35,11 @@ MAX_HINT_COLUMNS = 1000  # columns searched for a "did you mean" hint
 
 def create_job(session: Session, settings: Settings, queue: TaskQueue, principal: Principal, *, spec: JobCreate,
                idempotency_key: str | None = None) -> Job:
-    """Validate a fine-tune request against its datasets, store the job, then enqueue it."""
+    """Validate a fine-tune request against its datasets, store the job and its task message, then send it.
+
+    The message commits with the row: if the broker refuses, the job stays queued and the outbox relay
+    sends it once the broker is back.
+    """
     request_hash = idempotency.fingerprint(spec.model_dump(mode="json"))
     replayed = idempotency.replayed_id(session, principal, route=ROUTE, key=idempotency_key,
                                        request_hash=request_hash)
@@ -59,8 +64,7 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, principal
               base_model=spec.base_model, train_dataset_id=train.id, eval_dataset_id=spec.eval_dataset,
               text_column=spec.text_column, metadata_=spec.metadata, metrics={}, created_at=utcnow(), **fields)
     try:
-        store.add_job(session, job=job)
-        store.add_event(session, job_id=job.id, kind="created", message="job created and queued")
+        states.create(session, job)  # the row, its `created` event and its outbox message
         idempotency.remember(session, principal, route=ROUTE, key=idempotency_key, request_hash=request_hash,
                              resource_id=job.id)
         session.commit()
@@ -80,21 +84,7 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, principal
                 raise Conflict(f"dataset {dataset_id!r} was deleted while the job was being created",
                                field=field) from None
         raise
-    return enqueue_job(session, queue, job=job)
-
-
-def enqueue_job(session: Session, queue: TaskQueue, *, job: Job) -> Job:
-    """Send a committed job to the training queue; if the broker refuses, the row says so (503)."""
-    try:
-        job.task_id = queue.send(TASK_TRAIN, [job.id], queue=QUEUE_TRAIN)
-    except BrokerUnavailable as exc:
-        job.status = JobStatus.FAILED
-        job.error = exc.to_dict()
-        job.finished_at = utcnow()
-        store.add_event(session, job_id=job.id, kind="failed", level="error", message=exc.message)
-        session.commit()
-        raise
-    session.commit()
+    deliver_now(session, queue, job_id=job.id)
     return job
 
 
@@ -119,7 +109,8 @@ def _classification_fields(settings: Settings, spec: JobCreate, train: Dataset, 
         raise ValidationFailed("hyperparameters.max_length",
                                f"must be at most {settings.max_text_length} on this server")
     label_column = spec.label_column or "label"
-    base_path = resolve_base_model(spec.base_model, local_roots=settings.local_model_roots)
+    base_path = resolve_base_model(spec.base_model, local_roots=settings.local_model_roots,
+                                   max_bytes=settings.max_model_bytes)
     _require_column(train, label_column, "label_column")
     labels = _labels(train, label_column, "train_dataset")
     if len(labels) < 2:
@@ -143,7 +134,8 @@ def _causal_lm_fields(settings: Settings, spec: JobCreate) -> dict[str, Any]:
     if spec.base_model is not None:
         if spec.architecture is not None:
             raise ValidationFailed("model_config", "give either base_model or model_config, not both")
-        base_path = resolve_base_model(spec.base_model, local_roots=settings.local_model_roots)
+        base_path = resolve_base_model(spec.base_model, local_roots=settings.local_model_roots,
+                                       max_bytes=settings.max_model_bytes)
         base_config = load_model_config(base_path) or {}
         context = base_config.get("max_position_embeddings") or base_config.get("n_positions")
         default_block = min(context, DEFAULT_BLOCK_SIZE) if isinstance(context, int) else DEFAULT_BLOCK_SIZE
@@ -254,9 +246,7 @@ def cancel_job(session: Session, queue: TaskQueue, principal: Principal, *, job_
     now = utcnow()
     job.cancel_requested_at = job.cancel_requested_at or now
     if job.status == JobStatus.QUEUED:
-        job.status = JobStatus.CANCELLED
-        job.finished_at = now
-        store.add_event(session, job_id=job.id, kind="cancelled", message="cancelled before it started")
+        states.move(session, job, JobStatus.CANCELLED, message="cancelled before it started", now=now)
     else:
         store.add_event(session, job_id=job.id, kind="cancel_requested",
                         message="cancel requested; the worker stops after the current step")

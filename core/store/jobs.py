@@ -6,21 +6,15 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import ColumnElement, and_, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from core.errors import NotFound
+from core.errors import NotFound, StaleAttempt
 from core.models import Artifact, Job, JobEvent, JobStatus, MetricPoint, is_valid_id, utcnow
+from core.states import sources
 from core.store.paging import before_cursor
-
-
-def add_job(session: Session, *, job: Job) -> Job:
-    """Insert a job row (the caller commits)."""
-    session.add(job)
-    session.flush()
-    return job
 
 
 def get_job(session: Session, *, job_id: str, tenant: str | None = None, for_update: bool = False) -> Job:
@@ -51,9 +45,25 @@ def list_jobs(session: Session, *, limit: int, tenant: str | None = None, status
     return list(session.scalars(query))
 
 
+def held_by(job_id: str, attempt: int) -> ColumnElement[bool]:
+    """The fencing condition: the job is running in attempt `attempt` (claims bump the number)."""
+    return and_(Job.id == job_id, Job.status == JobStatus.RUNNING, Job.attempts == attempt)
+
+
+def fence(session: Session, *, job_id: str, attempt: int) -> None:
+    """Lock the job row for this transaction if `attempt` still holds it; StaleAttempt otherwise.
+
+    The lock keeps a claim or requeue from changing the attempt number before the caller's writes commit.
+    """
+    if session.scalar(select(Job.id).where(held_by(job_id, attempt)).with_for_update()) is None:
+        raise StaleAttempt(f"attempt {attempt} no longer holds job {job_id}; write refused")
+
+
 def add_event(session: Session, *, job_id: str, kind: str, message: str, level: str = "info",
-              data: dict[str, Any] | None = None) -> JobEvent:
-    """Append an event to a job's log."""
+              data: dict[str, Any] | None = None, attempt: int | None = None) -> JobEvent:
+    """Append an event to a job's log; with `attempt`, only while that attempt holds the job."""
+    if attempt is not None:
+        fence(session, job_id=job_id, attempt=attempt)
     event = JobEvent(job_id=job_id, kind=kind, level=level, message=message, data=data, created_at=utcnow())
     session.add(event)
     session.flush()
@@ -67,9 +77,10 @@ def list_events(session: Session, *, job_id: str, after_id: int = 0, limit: int 
     return list(session.scalars(query))
 
 
-def add_metric_points(session: Session, *, job_id: str,
+def add_metric_points(session: Session, *, job_id: str, attempt: int,
                       points: Iterable[tuple[int, float, str, float]]) -> None:
-    """Insert (step, epoch, name, value) points; a point already stored for (name, step) is kept."""
+    """Insert (step, epoch, name, value) points of attempt `attempt`; a point stored for (name, step) is kept."""
+    fence(session, job_id=job_id, attempt=attempt)
     rows = [{"job_id": job_id, "step": step, "epoch": epoch, "name": name, "value": value,
              "created_at": utcnow()} for step, epoch, name, value in points]
     if not rows:
@@ -90,8 +101,9 @@ def list_metric_points(session: Session, *, job_id: str, since_step: int = 0,
     return list(session.scalars(query))
 
 
-def add_artifact(session: Session, *, artifact: Artifact) -> Artifact:
-    """Record an artifact produced by a job."""
+def add_artifact(session: Session, *, artifact: Artifact, attempt: int) -> Artifact:
+    """Record an artifact produced by attempt `attempt` of a job, only while that attempt holds it."""
+    fence(session, job_id=artifact.job_id, attempt=attempt)
     session.add(artifact)
     session.flush()
     return artifact
@@ -117,9 +129,9 @@ def claim_job(session: Session, *, job_id: str, device: str, now: datetime, stal
     Returns None when the job is finished or another live worker holds it: a duplicate or redelivered
     task message is then harmless. One conditional UPDATE makes this safe on SQLite and PostgreSQL alike.
     """
-    claimable = or_(Job.status == JobStatus.QUEUED,
-                    and_(Job.status == JobStatus.RUNNING,
-                         or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < stale_before)))
+    # A silent running job is requeued and claimed in one step (running -> queued -> running).
+    claimable = or_(Job.status.in_(sources(JobStatus.RUNNING)),
+                    and_(Job.status.in_(sources(JobStatus.QUEUED)), silent(stale_before)))
     result = session.execute(
         update(Job).where(Job.id == job_id, claimable)
         .values(status=JobStatus.RUNNING, device=device, attempts=Job.attempts + 1,
@@ -133,25 +145,21 @@ def claim_job(session: Session, *, job_id: str, device: str, now: datetime, stal
     return job
 
 
-def beat(session: Session, *, job_id: str, now: datetime) -> None:
-    """Record that the job's worker is alive."""
-    session.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.RUNNING).values(heartbeat_at=now))
+def silent(stale_before: datetime) -> ColumnElement[bool]:
+    """The job's worker has not beaten since `stale_before`."""
+    return or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < stale_before)
+
+
+def beat(session: Session, *, job_id: str, attempt: int, now: datetime) -> bool:
+    """Record that attempt `attempt` is alive; False when it no longer holds the job."""
+    result = session.execute(update(Job).where(held_by(job_id, attempt)).values(heartbeat_at=now)
+                             .execution_options(synchronize_session=False))
+    return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
 def stale_jobs(session: Session, *, stale_before: datetime) -> list[Job]:
     """Running jobs whose worker has not beaten since `stale_before`."""
-    query = select(Job).where(Job.status == JobStatus.RUNNING,
-                              or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < stale_before))
-    return list(session.scalars(query))
-
-
-def requeue_if_stale(session: Session, *, job_id: str, stale_before: datetime) -> bool:
-    """Put a silent running job back to queued; True only for the one caller that did it."""
-    result = session.execute(
-        update(Job).where(Job.id == job_id, Job.status == JobStatus.RUNNING,
-                          or_(Job.heartbeat_at.is_(None), Job.heartbeat_at < stale_before))
-        .values(status=JobStatus.QUEUED, eta_seconds=None).execution_options(synchronize_session=False))
-    return bool(result.rowcount)  # type: ignore[attr-defined]
+    return list(session.scalars(select(Job).where(Job.status == JobStatus.RUNNING, silent(stale_before))))
 
 
 def jobs_in(session: Session, *, statuses: Sequence[str]) -> list[Job]:
@@ -164,6 +172,9 @@ def cancel_requested(session: Session, *, job_id: str) -> bool:
     return session.scalar(select(Job.cancel_requested_at).where(Job.id == job_id)) is not None
 
 
-def update_progress(session: Session, *, job_id: str, values: dict[str, Any]) -> None:
-    """Write progress columns of a running job without loading the row."""
-    session.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.RUNNING).values(**values))
+def update_progress(session: Session, *, job_id: str, attempt: int, values: dict[str, Any]) -> None:
+    """Write progress columns of a running job without loading the row; StaleAttempt if `attempt` lost it."""
+    result = session.execute(update(Job).where(held_by(job_id, attempt)).values(**values)
+                             .execution_options(synchronize_session=False))
+    if not result.rowcount:  # type: ignore[attr-defined]
+        raise StaleAttempt(f"attempt {attempt} no longer holds job {job_id}; progress refused")

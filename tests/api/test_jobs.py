@@ -87,14 +87,31 @@ def test_malformed_json_is_422_envelope(client):
     assert response.json()["error"]["code"] == "validation_error"
 
 
-def test_broker_outage_gives_503_and_a_row_that_says_so(client, queue, train_id):
+def test_broker_outage_keeps_the_job_queued_until_the_relay_sends_it(client, queue, settings, train_id):
+    # Was: 503 and a failed row. The task message now commits with the row (outbox), so a refusing broker
+    # only delays the job: 201, queued, and the relay sends the message once the broker is back.
+    from core.relay import deliver
+    from core.store import outbox
+
     queue.refuse = True
-    error = client.post("/jobs", json=job_body(train_id))
-    assert error.status_code == 503
-    assert error.json()["error"]["code"] == "broker_unavailable"
-    jobs = client.get("/jobs").json()["data"]
-    assert len(jobs) == 1 and jobs[0]["status"] == "failed"
-    assert jobs[0]["error"]["code"] == "broker_unavailable"
+    response = client.post("/jobs", json=job_body(train_id))
+    assert response.status_code == 201, response.text
+    job = response.json()
+    assert job["status"] == "queued" and job["error"] is None and queue.sent == []
+    engine = make_engine(settings.resolved_database_url)
+    factory = make_sessionmaker(engine)
+    with factory() as session:
+        [waiting] = outbox.unsent(session, job_id=job["id"])
+        assert waiting.attempts >= 1 and "unavailable" in (waiting.last_error or "")
+    queue.refuse = False
+    with factory() as session:
+        deliver(session, queue)  # the API's relay thread may have got there first: either way, sent once
+    assert queue.sent == [(TASK_TRAIN, [job["id"]], QUEUE_TRAIN)]
+    with factory() as session:
+        assert outbox.unsent(session, job_id=job["id"]) == []
+        assert store.get_job(session, job_id=job["id"]).task_id == "task-1"
+    engine.dispose()
+    assert client.get(f"/jobs/{job['id']}").json()["status"] == "queued"
 
 
 def test_cancel_queued_then_cancel_again_is_409(client, queue, train_id):
@@ -137,10 +154,14 @@ def test_metrics_history_since_step(client, settings, train_id):
     job = client.post("/jobs", json=job_body(train_id)).json()
     engine = make_engine(settings.resolved_database_url)
     with session_scope(make_sessionmaker(engine)) as session:
-        store.add_metric_points(session, job_id=job["id"], points=[
+        from core.models import utcnow
+
+        # metric points are written by the attempt that holds the job: claim it first (attempt 1)
+        store.claim_job(session, job_id=job["id"], device="cpu", now=utcnow(), stale_before=utcnow())
+        store.add_metric_points(session, job_id=job["id"], attempt=1, points=[
             (s, s / 10, "train_loss", 1.0 / s) for s in range(1, 6)])
         # the same step written again (a resumed job) is ignored, not duplicated
-        store.add_metric_points(session, job_id=job["id"], points=[(5, 0.5, "train_loss", 99.0)])
+        store.add_metric_points(session, job_id=job["id"], attempt=1, points=[(5, 0.5, "train_loss", 99.0)])
     engine.dispose()
     data = client.get(f"/jobs/{job['id']}/metrics", params={"since_step": 3}).json()["data"]
     assert [(p["step"], p["name"]) for p in data] == [(3, "train_loss"), (4, "train_loss"), (5, "train_loss")]

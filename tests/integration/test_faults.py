@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 
 import pytest
@@ -16,45 +15,6 @@ from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 from tests.integration.conftest import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class RedisServer:
-    """A private redis-server without persistence, so a restart loses everything, as in production."""
-
-    def __init__(self, tmp_path) -> None:
-        self.port = _free_port()
-        self.dir = tmp_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(self.port),
-                                      "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                                      "--dir", str(self.dir)], stdout=subprocess.DEVNULL)
-        wait_for(lambda: subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True,
-                                        text=True).stdout.strip() == "PONG", 10, "redis to start")
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-
-@pytest.fixture()
-def private_redis(tmp_path):
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.kill()
 
 
 def test_redis_losing_its_data_loses_no_job(settings, worker_env, start_worker, tiny_bert_dir, private_redis):

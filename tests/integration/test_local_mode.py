@@ -25,6 +25,19 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def wait_healthy(proc, base: str, log_path: Path, what: str) -> None:
+    """Wait until the process at `base` answers /health; fail with its log if it exits first."""
+
+    def healthy():
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            return httpx.get(f"{base}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(healthy, 60, f"{what} to answer /health")
+
+
 def _up(home, log_path, **extra_env):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINSERVE_")}
@@ -34,15 +47,7 @@ def _up(home, log_path, **extra_env):
     proc = subprocess.Popen([sys.executable, "-m", "trainserve.cli", "up", "--port", str(port), "--home", str(home),
                              "--devices", "cpu"], env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        assert proc.poll() is None, log_path.read_text()
-        try:
-            return httpx.get(f"{base}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(healthy, 60, "trainserve up to answer /health")
+    wait_healthy(proc, base, log_path, "trainserve up")
     key_file = home / "admin.key"
     assert oct(key_file.stat().st_mode & 0o777) == "0o600"
     client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key_file.read_text().strip()}"},
@@ -134,3 +139,34 @@ def test_sigkilled_worker_resumes_the_job_from_its_checkpoint(tmp_path, tiny_ber
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(90) == 0
+
+
+def _open_to_others(home: Path) -> list[str]:
+    """Every path under home (home included) that its group or others may read, write or enter."""
+    found = [] if home.stat().st_mode & 0o077 == 0 else [f"{home} {oct(home.stat().st_mode & 0o777)}"]
+    for path in home.rglob("*"):
+        mode = path.lstat().st_mode
+        if not path.is_symlink() and mode & 0o077:
+            found.append(f"{path.relative_to(home)} {oct(mode & 0o777)}")
+    return found
+
+
+def test_local_mode_files_are_private(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    home.chmod(0o755)
+    old = home / "left-from-an-older-release.txt"
+    old.write_text("x")
+    old.chmod(0o644)
+    proc, api = _up(home, tmp_path / "up.log")
+    try:
+        ds = api.post("/datasets", files={"file": ("train.tsv", tsv_bytes(sentiment_rows(2)))})
+        assert ds.status_code == 201, ds.text
+        # Redis creates its append-only files in the background shortly after it starts.
+        wait_for(lambda: any(p.is_file() for p in home.rglob("*.aof*")), 30, "Redis's append-only file")
+        assert (home / "trainserve.db").is_file() and any((home / "datasets").rglob("*"))
+        assert _open_to_others(home) == []
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(90) == 0
+    assert _open_to_others(home) == []

@@ -7,7 +7,6 @@ import time
 import pytest
 
 from core import capacity
-from core.settings import override_settings
 from tests.conftest import RecordingQueue
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 from tests.tiny_models import build_tiny_bert
@@ -50,21 +49,15 @@ def test_without_the_setting_a_cpu_worker_reports_its_ram_and_other_workers_repo
     assert start_reporting(ctx) is None and capacity.reported(ctx.redis) == []
 
 
-def test_a_job_too_big_for_this_worker_fails_with_does_not_fit(client, settings, tmp_path):
-    override_settings(settings)
-    from worker import runner
+def test_a_job_too_big_for_this_worker_fails_with_does_not_fit(client, ctx, tmp_path):
+    from worker.training.lifecycle import run_training_job
 
-    runner.sessions.cache_clear()
-    try:
-        train = upload(client, tsv_bytes(sentiment_rows(2))).json()["id"]
-        body = job_body(train, base_model=str(build_tiny_bert(tmp_path / "bert")), hyperparameters={"max_steps": 1})
-        job_id = client.post("/jobs", json=body).json()["id"]  # admitted: it fits the assumed device
-        settings.worker_memory_bytes = 1024**3  # less than the runtime allowance alone
-        assert runner.run_training_job(job_id) == "failed"
-        job = client.get(f"/jobs/{job_id}").json()
-        assert job["error"]["code"] == "does_not_fit", job["error"]
-        assert "more than cpu on this worker has (1.1 GB)" in job["error"]["message"]
-        assert job["artifacts"] == []
-    finally:
-        runner.sessions.cache_clear()
-        override_settings(None)
+    train = upload(client, tsv_bytes(sentiment_rows(2))).json()["id"]
+    body = job_body(train, base_model=str(build_tiny_bert(tmp_path / "bert")), hyperparameters={"max_steps": 1})
+    job_id = client.post("/jobs", json=body).json()["id"]  # admitted: it fits the assumed device
+    ctx.settings.worker_memory_bytes = 1024**3  # less than the runtime allowance alone
+    assert run_training_job(ctx, job_id) == "failed"
+    job = client.get(f"/jobs/{job_id}").json()
+    assert job["error"]["code"] == "does_not_fit", job["error"]
+    assert "more than cpu on this worker has (1.1 GB)" in job["error"]["message"]
+    assert job["artifacts"] == []

@@ -10,7 +10,8 @@ import redis
 from core.db import make_engine, make_sessionmaker, session_scope
 from core.models import Job, JobStatus, utcnow
 from core.store import jobs as store
-from tests.conftest import REDIS_URL
+from core.tasks import QUEUE_TRAIN, TASK_TRAIN
+from tests.conftest import REDIS_URL, RecordingQueue
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 from worker.recovery import BROKER_SENTINEL, EXIT_CANCEL_TIMEOUT, Heartbeat, reap, recover_broker
 
@@ -53,17 +54,17 @@ def test_claim_is_exclusive_while_the_holder_beats(factory, job_id, settings):
 
 
 def test_reaper_requeues_silent_jobs_then_fails_them_past_the_limit(client, factory, job_id, settings):
-    sent: list[str] = []
+    queue = RecordingQueue()
     assert _claim(factory, job_id, settings) is not None
-    assert reap(factory, settings, sent.append) == []  # fresh heartbeat: left alone
+    assert reap(factory, settings, queue) == []  # fresh heartbeat: left alone
     _set(factory, job_id, heartbeat_at=utcnow() - timedelta(hours=1))
-    assert reap(factory, settings, sent.append) == [job_id] and sent == [job_id]
+    assert reap(factory, settings, queue) == [job_id] and queue.sent == [(TASK_TRAIN, [job_id], QUEUE_TRAIN)]
     job = client.get(f"/jobs/{job_id}").json()
     assert job["status"] == "queued"
     assert client.get(f"/jobs/{job_id}/events").json()["data"][-1]["kind"] == "requeued"
     _set(factory, job_id, status=JobStatus.RUNNING, attempts=settings.max_attempts,
          heartbeat_at=utcnow() - timedelta(hours=1))
-    assert reap(factory, settings, sent.append) == []
+    assert reap(factory, settings, queue) == []
     job = client.get(f"/jobs/{job_id}").json()
     assert job["status"] == "failed" and job["error"]["code"] == "worker_lost"
 
@@ -72,10 +73,11 @@ def test_broker_that_lost_its_data_gets_queued_jobs_again(factory, job_id, setti
     settings.redis_url = REDIS_URL.rsplit("/", 1)[0] + "/8"
     client = redis.Redis.from_url(settings.redis_url)
     client.flushdb()  # as after a restart without persistence
-    sent: list[str] = []
-    assert recover_broker(factory, settings, sent.append) == [job_id]
+    queue = RecordingQueue()
+    assert recover_broker(factory, settings, queue) == [job_id]
+    assert queue.sent == [(TASK_TRAIN, [job_id], QUEUE_TRAIN)]
     assert client.exists(BROKER_SENTINEL)
-    assert recover_broker(factory, settings, sent.append) == []  # sentinel present: nothing lost
+    assert recover_broker(factory, settings, queue) == []  # sentinel present: nothing lost
     client.flushdb()
     client.close()
 

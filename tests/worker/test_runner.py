@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from core.settings import override_settings
 from core.tasks import TASK_CLASSIFY
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 from tests.tiny_models import build_tiny_bert
@@ -19,14 +19,22 @@ def tiny_bert(tmp_path_factory):
 
 
 @pytest.fixture()
-def runner(settings):
-    override_settings(settings)
-    from worker import runner as module
+def ctx(settings, queue):
+    from worker.context import WorkerContext
 
-    module.sessions.cache_clear()
-    yield module
-    module.sessions.cache_clear()
-    override_settings(None)
+    context = WorkerContext(settings, queue)
+    yield context
+    context.close()
+
+
+@pytest.fixture()
+def runner(ctx):
+    """The runner's entry points bound to a test context (its own sessions, the recording queue)."""
+    from worker.runner import classify_texts
+    from worker.training.lifecycle import run_training_job
+
+    return SimpleNamespace(run_training_job=lambda job_id: run_training_job(ctx, job_id),
+                           classify_texts=lambda job_id, texts: classify_texts(ctx, job_id, texts))
 
 
 def _submit(client, tiny_bert, **hp):

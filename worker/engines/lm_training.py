@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -214,13 +213,9 @@ def _prepare_data(config: LMTrainConfig, tokenizer, block_size: int,
 def _build_model(config: LMTrainConfig, model_config: PretrainedConfig) -> PreTrainedModel:
     if config.base_model is None:
         return GPT2LMHeadModel(model_config)  # initialised from the seeded torch RNG
-    folder = Path(config.base_model)
-    options: dict[str, Any] = {}
-    if folder.is_dir() and any(folder.glob("*.safetensors")):
-        options["use_safetensors"] = True  # never fall back to unpickling a .bin from a folder
     # Weights load in fp32 (the default): the optimizer keeps fp32 masters and autocast does the rest.
     return AutoModelForCausalLM.from_pretrained(config.base_model, config=model_config,
-                                                trust_remote_code=False, **options)
+                                                trust_remote_code=False, use_safetensors=True)  # never unpickle .bin
 
 
 def _architecture(model_config: PretrainedConfig, context: int | None) -> dict[str, Any]:

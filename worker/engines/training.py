@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -155,14 +154,10 @@ def _prepare_data(config: TrainConfig, tokenizer) -> tuple[list[int | str], data
 
 
 def _load_model(base_model: str, labels: list[int | str]) -> PreTrainedModel:
-    folder = Path(base_model)
-    options: dict[str, Any] = {}
-    if folder.is_dir() and any(folder.glob("*.safetensors")):
-        options["use_safetensors"] = True  # never fall back to unpickling a .bin from a folder
     # ignore_mismatched_sizes: a base that is itself a classifier with another label count gets a
     # fresh head instead of a shape error. The attention default is SDPA where the model has it.
     return AutoModelForSequenceClassification.from_pretrained(
         base_model, num_labels=len(labels), id2label={i: str(label) for i, label in enumerate(labels)},
         label2id={str(label): i for i, label in enumerate(labels)}, ignore_mismatched_sizes=True,
-        trust_remote_code=False, **options,
+        trust_remote_code=False, use_safetensors=True,  # never unpickle a .bin
     )

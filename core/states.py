@@ -1,0 +1,101 @@
+"""The job state machine: the table of legal moves and the one function that makes them.
+
+    queued  -> running     a worker claimed it (store.claim_job, a conditional UPDATE from this table)
+    queued  -> cancelled   cancelled before it started
+    queued  -> failed      refused before it could start
+    running -> queued      preempted (worker shutdown) or requeued by the reaper: an outbox message goes with it
+    running -> succeeded | failed | cancelled
+Terminal statuses never change. `move` is one conditional UPDATE (from-status, and optionally the attempt
+number as a fencing token) plus the job event, plus an outbox message when the job goes back to the queue.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import ColumnElement, func, update
+from sqlalchemy.orm import Session
+
+from core.errors import IllegalTransition, StaleAttempt
+from core.models import TERMINAL, Job, JobEvent, JobStatus, utcnow
+from core.store import outbox
+
+TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
+    JobStatus.QUEUED: frozenset({JobStatus.RUNNING, JobStatus.CANCELLED, JobStatus.FAILED}),
+    JobStatus.RUNNING: frozenset({JobStatus.QUEUED, JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED}),
+    JobStatus.SUCCEEDED: frozenset(),
+    JobStatus.FAILED: frozenset(),
+    JobStatus.CANCELLED: frozenset(),
+}
+
+
+def allowed(source: str, target: str) -> bool:
+    """Whether the table connects `source` to `target`."""
+    return JobStatus(target) in TRANSITIONS[JobStatus(source)]
+
+
+def sources(target: JobStatus) -> frozenset[JobStatus]:
+    """The statuses a job may move to `target` from (conditional UPDATEs derive their WHERE from this)."""
+    return frozenset(s for s, targets in TRANSITIONS.items() if target in targets)
+
+
+def create(session: Session, job: Job, *, message: str = "job created and queued") -> Job:
+    """Insert a new queued job with its `created` event and the outbox message that will run it."""
+    job.status = JobStatus.QUEUED
+    session.add(job)
+    session.flush()
+    _event(session, job.id, kind="created", level="info", message=message, data=None, now=job.created_at)
+    outbox.add_train(session, job_id=job.id)
+    return job
+
+
+def move(session: Session, job: Job, target: JobStatus, *, message: str, kind: str | None = None,
+         level: str | None = None, code: str | None = None, attempt: int | None = None,
+         when: ColumnElement[bool] | None = None, data: dict[str, Any] | None = None,
+         now: datetime | None = None) -> Job:
+    """Move `job` to `target`: status, timestamps, ETA, error and event together; the caller commits.
+
+    Raises IllegalTransition when the table forbids the move, and StaleAttempt when the row is no longer
+    in the status it was read in, no longer held by `attempt`, or fails the extra condition `when`.
+    """
+    source = JobStatus(job.status)
+    if target not in TRANSITIONS[source]:
+        raise IllegalTransition(f"job {job.id} cannot move from {source} to {target}", field="status")
+    if target == JobStatus.FAILED and code is None:
+        raise ValueError("a failure needs an error code")
+    now = now or utcnow()
+    values: dict[str, Any] = {"status": target}
+    if target == JobStatus.RUNNING:
+        values.update(started_at=func.coalesce(Job.started_at, now), heartbeat_at=now)
+    if source == JobStatus.RUNNING:
+        values["eta_seconds"] = None  # an ETA means something only while the job runs
+    if target in TERMINAL:
+        values["finished_at"] = now
+    if target == JobStatus.FAILED:
+        values["error"] = {"code": code, "message": message, "field": None}
+    conditions = [Job.id == job.id, Job.status == source]
+    if attempt is not None:
+        conditions.append(Job.attempts == attempt)
+    if when is not None:
+        conditions.append(when)
+    result = session.execute(update(Job).where(*conditions).values(**values)
+                             .execution_options(synchronize_session=False))
+    if result.rowcount == 0:  # type: ignore[attr-defined]
+        raise StaleAttempt(f"job {job.id} is no longer {source}" + (f" in attempt {attempt}" if attempt else ""))
+    session.refresh(job)
+    _event(session, job.id, kind=kind or str(target), level=level or _level(target), message=message,
+           data=data, now=now)
+    if target == JobStatus.QUEUED:
+        outbox.add_train(session, job_id=job.id)
+    return job
+
+
+def _level(target: JobStatus) -> str:
+    return "error" if target == JobStatus.FAILED else "info"
+
+
+def _event(session: Session, job_id: str, *, kind: str, level: str, message: str, data: dict[str, Any] | None,
+           now: datetime) -> None:
+    session.add(JobEvent(job_id=job_id, kind=kind, level=level, message=message, data=data, created_at=now))
+    session.flush()

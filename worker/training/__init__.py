@@ -1,0 +1,1 @@
+"""Running a fine-tune recorded in SQL: lifecycle (claim, run, record), progress reporting, engine configs."""

@@ -1,0 +1,123 @@
+"""A training job's lifecycle: claim the row, run the engine, record how it ended; every move via core.states."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from sqlalchemy.orm import Session
+
+from core import states
+from core.db import session_scope
+from core.errors import NotFound, StaleAttempt
+from core.models import Job, JobStatus, utcnow
+from core.relay import deliver_now
+from core.store import jobs as store
+from worker.context import WorkerContext
+from worker.engines.device import release_memory, resolve_device
+from worker.engines.lm_training import LMTrainConfig, train_lm
+from worker.engines.training import TrainResult, train
+from worker.recovery import Heartbeat
+from worker.training.config import EngineConfig, config_for
+from worker.training.reporter import JobReporter, artifact_row
+
+log = logging.getLogger(__name__)
+
+SKIPPED = "skipped"  # the job was finished, unknown, or held by a live worker
+LOST = "lost"  # the attempt stopped holding the job while it ran: its writes were refused
+
+
+def run_training_job(ctx: WorkerContext, job_id: str) -> str:
+    """Claim and run a job; returns the status it ended in, 'skipped' or 'lost'."""
+    settings = ctx.settings
+    with session_scope(ctx.sessions) as session:
+        job = _claim(ctx, session, job_id)
+        if job is None:
+            return SKIPPED
+        attempt = job.attempts
+        if job.cancel_requested_at is not None:
+            states.move(session, job, JobStatus.CANCELLED, attempt=attempt,
+                        message="cancelled before training started")
+            return JobStatus.CANCELLED
+        try:
+            config = config_for(settings, session, job, settings.worker_device)
+        except ValueError as exc:
+            states.move(session, job, JobStatus.FAILED, code="dataset_missing", message=str(exc), attempt=attempt)
+            return JobStatus.FAILED
+        store.add_event(session, job_id=job_id, kind="claimed", message=f"attempt {attempt} claimed by a worker",
+                        attempt=attempt)
+
+    heartbeat = Heartbeat(ctx.sessions, settings, job_id, attempt)
+    reporter = JobReporter(ctx.sessions, settings, job_id, attempt, lost=heartbeat.lost, shutdown=ctx.shutdown)
+    try:
+        with heartbeat:
+            result = train_lm(config, reporter) if isinstance(config, LMTrainConfig) else train(config, reporter)
+    except Exception as exc:  # noqa: BLE001 - any failure ends the job with a recorded reason
+        log.exception("job %s failed", job_id)
+        # Engines name a specific failure (oom, ...) with a `code` attribute on the exception.
+        code = str(getattr(exc, "code", "training_error"))
+        return _end(ctx, job_id, attempt, JobStatus.FAILED, f"{type(exc).__name__}: {exc}", code=code)
+    finally:
+        release_memory_of(config)
+    if heartbeat.lost.is_set():
+        log.warning("job %s attempt %d lost its claim; leaving the row to the newer attempt", job_id, attempt)
+        return LOST
+    try:
+        reporter.flush()
+        return _record_result(ctx, job_id, attempt, result)
+    except StaleAttempt:
+        log.warning("job %s attempt %d lost its claim before recording its result", job_id, attempt)
+        return LOST
+
+
+def release_memory_of(config: EngineConfig) -> None:
+    """Give the device's cached memory back once a job ends, however it ended."""
+    release_memory(resolve_device(config.device, config.precision))
+
+
+def _claim(ctx: WorkerContext, session: Session, job_id: str) -> Job | None:
+    now = utcnow()
+    try:
+        return store.claim_job(session, job_id=job_id, device=ctx.settings.worker_device, now=now,
+                               stale_before=now - timedelta(seconds=ctx.settings.heartbeat_timeout_s))
+    except NotFound:
+        log.warning("job %s does not exist; dropping its task", job_id)
+        return None
+
+
+def _end(ctx: WorkerContext, job_id: str, attempt: int, status: JobStatus, message: str,
+         code: str | None = None) -> str:
+    """Move the job to a terminal status if this attempt still holds it."""
+    try:
+        with session_scope(ctx.sessions) as session:
+            states.move(session, store.get_job(session, job_id=job_id), status, message=message, code=code,
+                        attempt=attempt)
+    except StaleAttempt:
+        return LOST
+    return status
+
+
+def _record_result(ctx: WorkerContext, job_id: str, attempt: int, result: TrainResult) -> str:
+    """Write the final metrics, the model artifact and the final status in one fenced transaction."""
+    with session_scope(ctx.sessions) as session:
+        store.fence(session, job_id=job_id, attempt=attempt)
+        job = store.get_job(session, job_id=job_id)
+        job.metrics = {**(job.metrics or {}), **result.metrics}
+        job.step = result.global_step
+        if result.status == "completed" and result.model_dir is not None:
+            model = artifact_row(ctx.settings, job_id, "model", result.model_dir, result.global_step)
+            store.add_artifact(session, artifact=model, attempt=attempt)
+            states.move(session, job, JobStatus.SUCCEEDED, attempt=attempt,
+                        message=f"finished after {result.global_step} steps")
+        elif job.cancel_requested_at is None and ctx.shutdown.is_set():
+            # The worker is stopping, not the user: checkpointed, so back to the queue (with its outbox message).
+            states.move(session, job, JobStatus.QUEUED, kind="preempted", attempt=attempt,
+                        message=f"worker shut down at step {result.global_step}; requeued to resume")
+        else:
+            states.move(session, job, JobStatus.CANCELLED, attempt=attempt,
+                        message=f"cancelled at step {result.global_step}")
+        status = JobStatus(job.status)
+    if status == JobStatus.QUEUED:
+        with ctx.sessions() as session:
+            deliver_now(session, ctx.queue, job_id=job_id)
+    return status

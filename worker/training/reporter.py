@@ -1,0 +1,165 @@
+"""JobReporter: the engine's callbacks, writing progress, metric points, events and checkpoints to the row.
+
+Every write carries the attempt number: once the attempt no longer holds the job (the reaper requeued it
+and another worker claimed it) the store refuses the write, and the reporter tells the engine to stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.db import session_scope
+from core.errors import StaleAttempt
+from core.models import Artifact, new_id, utcnow
+from core.paths import from_home, relative_to_home
+from core.settings import Settings
+from core.store import jobs as store
+from worker.engines.training import TrainCallbacks
+
+log = logging.getLogger(__name__)
+
+
+def artifact_row(settings: Settings, job_id: str, kind: str, path: Path, step: int | None) -> Artifact:
+    """An artifact row for a folder the engine wrote under home."""
+    files = [p for p in path.rglob("*") if p.is_file()]
+    return Artifact(id=new_id("art"), job_id=job_id, kind=kind, path=relative_to_home(settings, path), step=step,
+                    size_bytes=sum(p.stat().st_size for p in files),
+                    files=sorted(str(p.relative_to(path)) for p in files), created_at=utcnow())
+
+
+class JobReporter(TrainCallbacks):
+    """Engine callbacks that write progress, metric points and events of one attempt to the job row."""
+
+    def __init__(self, factory: sessionmaker[Session], settings: Settings, job_id: str, attempt: int, *,
+                 lost: threading.Event | None = None, shutdown: threading.Event | None = None) -> None:
+        self.factory = factory
+        self.settings = settings
+        self.job_id = job_id
+        self.attempt = attempt
+        self.checkpoint_steps = settings.checkpoint_steps
+        self.flush_s = settings.metrics_flush_s
+        self.lost = lost or threading.Event()
+        self.shutdown = shutdown or threading.Event()
+        self.points: list[tuple[int, float, str, float]] = []
+        self.latest: dict[str, float] = {}
+        self.progress: dict[str, Any] = {}
+        self.total_steps: int | None = None
+        self.started = time.monotonic()
+        self.first_step: int | None = None
+        self.last_flush = 0.0
+
+    def on_start(self, info: dict[str, Any]) -> None:
+        self.total_steps = int(info["total_steps"])
+        resumed = int(info.get("resumed_from_step") or 0)
+        self.first_step = resumed
+        self.started = time.monotonic()
+        message = (f"training on {info.get('device')} ({info.get('precision')}): {info.get('num_train')} train rows, "
+                   f"{info.get('num_eval')} eval rows, {self.total_steps} steps")
+        if resumed:
+            message += f", resumed from checkpoint at step {resumed}"
+        with self._fenced() as session:
+            store.update_progress(session, job_id=self.job_id, attempt=self.attempt, values={
+                "total_steps": self.total_steps, "step": resumed, "device": info.get("device")})
+            store.add_event(session, job_id=self.job_id, kind="started", message=message, attempt=self.attempt,
+                            data={k: v for k, v in info.items() if isinstance(v, (int, float, str))})
+
+    def on_log(self, step: int, epoch: float, metrics: dict[str, float]) -> None:
+        self.points.extend((step, epoch, name, float(value)) for name, value in metrics.items())
+        self.latest.update(metrics)
+        self.progress = {"step": step, "epoch": epoch, "eta_seconds": self._eta(step)}
+        # The engine logs step N before it checkpoints step N: flushing here means a checkpoint never
+        # gets ahead of the stored history, so a resume after a crash leaves no gap in it.
+        checkpoint_next = self.checkpoint_steps is not None and step % self.checkpoint_steps == 0
+        if checkpoint_next or time.monotonic() - self.last_flush >= self.flush_s:
+            self.try_flush()
+
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self.points.extend((step, self.progress.get("epoch", 0.0), name, float(v)) for name, v in metrics.items())
+        self.latest.update(metrics)
+        self.try_flush()
+        summary = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
+        self._event("eval", f"step {step}: {summary}", data=dict(metrics))
+
+    def on_checkpoint(self, step: int, path: Path) -> None:
+        with self._fenced() as session:
+            store.fence(session, job_id=self.job_id, attempt=self.attempt)
+            job = store.get_job(session, job_id=self.job_id)
+            for old in [a for a in job.artifacts if a.kind == "checkpoint"]:
+                if not from_home(self.settings, old.path).exists():  # rotated away by the engine
+                    session.delete(old)
+            store.add_artifact(session, artifact=artifact_row(self.settings, self.job_id, "checkpoint", path, step),
+                               attempt=self.attempt)
+            store.add_event(session, job_id=self.job_id, kind="checkpoint", message=f"checkpoint at step {step}",
+                            attempt=self.attempt)
+
+    def on_event(self, kind: str, message: str) -> None:
+        self._event(kind, message)
+
+    def should_stop(self) -> bool:
+        if self.shutdown.is_set() or self.lost.is_set():
+            return True
+        try:
+            with self.factory() as session:
+                return store.cancel_requested(session, job_id=self.job_id)
+        except OperationalError:
+            return False  # database briefly away: keep training; the next step asks again
+
+    def try_flush(self) -> None:
+        """Flush, but ride out a database outage: the points stay buffered for the next attempt."""
+        try:
+            self.flush()
+        except OperationalError:
+            log.warning("job %s: database unavailable, keeping %d metric points buffered", self.job_id,
+                        len(self.points))
+            self.last_flush = time.monotonic()
+        except StaleAttempt:
+            self._lose()
+
+    def flush(self) -> None:
+        """Write buffered points and the latest progress in one transaction (StaleAttempt if the job was lost)."""
+        with session_scope(self.factory) as session:
+            store.add_metric_points(session, job_id=self.job_id, attempt=self.attempt, points=self.points)
+            store.update_progress(session, job_id=self.job_id, attempt=self.attempt, values={
+                **self.progress, "metrics": dict(self.latest), "heartbeat_at": utcnow()})
+        self.points = []
+        self.last_flush = time.monotonic()
+
+    def _eta(self, step: int) -> float | None:
+        done = step - (self.first_step or 0)
+        if not self.total_steps or done <= 0:
+            return None
+        per_step = (time.monotonic() - self.started) / done
+        return round(per_step * max(self.total_steps - step, 0), 1)
+
+    def _event(self, kind: str, message: str, level: str = "info", data: dict[str, Any] | None = None) -> None:
+        try:
+            with self._fenced() as session:
+                store.add_event(session, job_id=self.job_id, kind=kind, level=level, message=message, data=data,
+                                attempt=self.attempt)
+        except OperationalError:
+            log.warning("job %s: database unavailable, event %r not recorded", self.job_id, kind)
+
+    @contextmanager
+    def _fenced(self) -> Iterator[Session]:
+        """A committing session; a refused write (StaleAttempt) marks this attempt lost instead of raising."""
+        try:
+            with session_scope(self.factory) as session:
+                yield session
+        except StaleAttempt:
+            self._lose()
+
+    def _lose(self) -> None:
+        if not self.lost.is_set():
+            log.warning("job %s: attempt %d no longer holds the job; its writes are refused", self.job_id,
+                        self.attempt)
+        self.lost.set()
+
