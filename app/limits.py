@@ -84,10 +84,25 @@ class UploadSlotsMiddleware:
                               [(b"retry-after", b"5")])
             return
         self.in_flight += 1
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self.in_flight -= 1
+
+        async def releasing_send(message: Message) -> None:
+            # Given back as the last byte of the response goes out, not when the app returns afterwards:
+            # a client that uploads again right after reading the answer must find its slot free.
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                release()
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, releasing_send)
         finally:
-            self.in_flight -= 1
+            release()
 
 
 async def _too_large(send: Send, limit: int) -> None:

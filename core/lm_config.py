@@ -7,6 +7,7 @@ from collections.abc import Mapping
 # nanoGPT's "baby GPT" for Shakespeare: small enough to train from scratch on one GPU in minutes.
 DEFAULT_MODEL_CONFIG: dict[str, int] = {"n_layer": 6, "n_embd": 384, "n_head": 6, "n_positions": 256}
 DEFAULT_BLOCK_SIZE = 256
+GPT2_VOCAB_SIZE = 50257  # the bundled GPT-2 BPE (core/assets/gpt2-tokenizer): a fresh model's embedding rows
 
 # Inclusive bounds. The upper ones are far above anything trainable here; they catch typos
 # (n_embd=76800) before a worker tries to allocate the model.

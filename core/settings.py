@@ -56,6 +56,12 @@ class Settings(BaseSettings):
         8192.0, gt=0, description="Model weights one generation worker keeps warm; least recently used idle "
         "models are unloaded beyond it.")
     cors_origins: str = Field("", description="Comma-separated origins allowed by CORS (empty: none).")
+    capacity_ttl_s: float = Field(60.0, description="Lifetime of a training worker's device-capacity report in "
+                                  "Redis; workers refresh it every third of this.")
+    worker_memory_bytes: int = Field(0, ge=0, description="Memory this training worker reports and fits jobs "
+                                     "into; 0: its GPU's total, or on a CPU the RAM (cgroup limit included).")
+    assumed_device_bytes: int = Field(80 * 1024**3, ge=0, description="Device memory POST /jobs assumes while no "
+                                      "live worker has reported one; 0: no estimate check until one reports.")
 
     @property
     def resolved_database_url(self) -> str:

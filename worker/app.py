@@ -9,6 +9,7 @@ from typing import Any
 from celery.signals import worker_ready, worker_shutting_down
 
 from core.celery_app import make_celery
+from worker.capacity import start_reporting
 from worker.context import WorkerContext
 
 celery = make_celery()
@@ -50,3 +51,6 @@ def _start_background_threads(**_: Any) -> None:
     ctx = context()
     reaper_thread(ctx.sessions, ctx.settings, ctx.queue).start()
     relay_thread(ctx.sessions, ctx.queue, ctx.settings.outbox_interval_s).start()
+
+
+worker_ready.connect(lambda **_: start_reporting(context()), weak=False)  # device capacity, for admission

@@ -15,9 +15,11 @@ from app.services import idempotency
 from core import states
 from core.auth import Principal
 from core.base_models import resolve_base_model
+from core.capacity import largest_device
 from core.errors import Conflict, NotFound, TooManyRequests, ValidationFailed
+from core.estimate import Head, architecture, format_bytes, load_model_config, training_memory
 from core.hyperparams import Hyperparameters, LMHyperparameters
-from core.lm_config import validate_model_config
+from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
 from core.models import ACTIVE, Dataset, Job, JobStatus, TaskKind, new_id, utcnow
 from core.queue import TaskQueue
 from core.relay import deliver_now
@@ -119,6 +121,8 @@ def _classification_fields(settings: Settings, spec: JobCreate, train: Dataset, 
         unseen = sorted(map(str, set(_labels(evaluation, label_column, "eval_dataset")) - set(labels)))
         if unseen:
             raise ValidationFailed("eval_dataset", f"labels not present in the training data: {unseen[:10]}")
+    _require_fit(settings, load_model_config(base_path), "base_model", head="classifier", hp=hp,
+                 seq_len=hp["max_length"], num_labels=len(labels))
     return {"base_model_path": base_path, "label_column": label_column, "labels": labels, "hyperparameters": hp}
 
 
@@ -131,7 +135,12 @@ def _causal_lm_fields(settings: Settings, spec: JobCreate) -> dict[str, Any]:
         if spec.architecture is not None:
             raise ValidationFailed("model_config", "give either base_model or model_config, not both")
         base_path = resolve_base_model(spec.base_model, local_roots=settings.local_model_roots,
-                                   max_bytes=settings.max_model_bytes)
+                                       max_bytes=settings.max_model_bytes)
+        base_config = load_model_config(base_path) or {}
+        context = base_config.get("max_position_embeddings") or base_config.get("n_positions")
+        default_block = min(context, DEFAULT_BLOCK_SIZE) if isinstance(context, int) else DEFAULT_BLOCK_SIZE
+        _require_fit(settings, base_config, "base_model", head="causal-lm", hp=hp,
+                     seq_len=hp["block_size"] or default_block)
         return {"base_model_path": base_path, "hyperparameters": hp, "labels": []}
     try:
         architecture = validate_model_config(spec.architecture or {})
@@ -141,7 +150,42 @@ def _causal_lm_fields(settings: Settings, spec: JobCreate) -> dict[str, Any]:
     if hp["block_size"] is not None and hp["block_size"] > architecture["n_positions"]:
         raise ValidationFailed("hyperparameters.block_size",
                                f"must not exceed model_config.n_positions ({architecture['n_positions']})")
+    _require_fit(settings, {**architecture, "vocab_size": GPT2_VOCAB_SIZE, "model_type": "gpt2"}, "model_config",
+                 head="causal-lm", hp=hp, seq_len=resolve_block_size(hp["block_size"], architecture["n_positions"]))
     return {"base_model_path": None, "model_config_": architecture, "hyperparameters": hp, "labels": []}
+
+
+def _require_fit(settings: Settings, model_config: dict[str, Any] | None, model_field: str, *, head: Head,
+                 hp: dict[str, Any], seq_len: int, num_labels: int = 2) -> None:
+    """Refuse (422 does_not_fit) a job whose estimated peak memory exceeds the largest device a live worker
+    reported, or TRAINSERVE_ASSUMED_DEVICE_BYTES while none has; without a config to estimate from, admit."""
+    arch = architecture(model_config) if model_config else None
+    if arch is None:
+        return  # e.g. a hub id not in the local cache: the worker estimates once it has the config
+    device = largest_device(settings.resolved_redis_url)
+    limit = device.total_bytes if device is not None else settings.assumed_device_bytes
+    if not limit:
+        return
+    # "auto" trains in 16-bit autocast on a GPU and in fp32 on a CPU; the assumed device is a GPU.
+    precision = hp["precision"]
+    if precision == "auto":
+        precision = "fp32" if device is not None and not device.is_cuda else "bf16"
+    # GPUs run attention fused (no seq_len^2 scores); a CPU keeps the scores.
+    estimate = training_memory(arch, head=head, batch_size=hp["batch_size"], seq_len=seq_len, precision=precision,
+                               fused_attention=device is None or device.is_cuda, num_labels=num_labels)
+    if estimate.total_bytes <= limit:
+        return
+    where = (f"the largest device a live worker has reported ({device.device} on {device.worker}, "
+             f"{format_bytes(limit)})" if device is not None else
+             f"the {format_bytes(limit)} assumed while no live worker has reported its device "
+             "(TRAINSERVE_ASSUMED_DEVICE_BYTES)")
+    if estimate.fixed_bytes > limit:
+        field, hint = model_field, "use a smaller model"
+    else:
+        field, hint = "hyperparameters.batch_size", ("lower batch_size (and raise gradient_accumulation_steps for "
+                                                     "the same effective batch) or the sequence length")
+    raise ValidationFailed(field, f"this job needs about {estimate.describe()}, more than {where}; {hint}",
+                           code="does_not_fit")
 
 
 def _dataset(session: Session, principal: Principal, dataset_id: str, field: str) -> Dataset:

@@ -26,7 +26,7 @@ from core.lm_config import DEFAULT_MODEL_CONFIG, resolve_block_size, validate_mo
 from core.paths import GPT2_TOKENIZER_DIR
 from worker.engines import lm_data, lm_training
 from worker.engines.lm_training import LMTrainConfig, train_lm
-from worker.engines.training import TrainCallbacks
+from worker.engines.loop import DoesNotFit, TrainCallbacks
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "examples" / "data" / "tinyshakespeare_sample.txt"
@@ -285,3 +285,17 @@ def test_a_corpus_too_short_for_two_blocks_is_refused(tmp_path, tokenizer_dir, s
         train_lm(make_config(tmp_path, short, tokenizer_dir))
     with pytest.raises(ValueError, match="training text has 0 tokens"):
         train_lm(make_config(tmp_path, corpus(tmp_path, "\n\n\n", 2, "blank.txt"), tokenizer_dir))
+
+
+def test_a_model_too_big_for_the_device_is_refused_before_it_is_built(tmp_path, small_tokenizer_dir, shakespeare,
+                                                                     monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(lm_training, "_build_model", never)
+    config = make_config(tmp_path, corpus(tmp_path, shakespeare, SMALL_BPE_CHARS), small_tokenizer_dir,
+                         memory_limit_bytes=100 * 1024**2)
+    refusal = r"needs about 1\.1 GB .* more than cpu on this worker has \(104\.9 MB\)"
+    with pytest.raises(DoesNotFit, match=refusal) as exc:
+        train_lm(config)
+    assert exc.value.code == "does_not_fit" and not config.checkpoint_dir.exists()

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from tests.factories import sentiment_rows, tsv_bytes
 from tests.tiny_models import build_tiny_bert
-from worker.engines import training
+from worker.engines import loop
 from worker.engines.training import OutOfMemory, TrainCallbacks, TrainConfig, split_micro_batches, train
 
 
@@ -44,16 +44,16 @@ def setup(tmp_path):
 
 def _inject_oom(monkeypatch, largest_that_fits: int) -> list[int]:
     seen: list[int] = []
-    real = training._train_step
+    real = loop.train_step
 
-    def step(model, optimizer, scaler, plan, train_set, micro_batches, lr):
+    def step(model, optimizer, scaler, plan, task, micro_batches, lr):
         size = max(len(m) for m in micro_batches)
         seen.append(size)
         if size > largest_that_fits:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(model, optimizer, scaler, plan, train_set, micro_batches, lr)
+        return real(model, optimizer, scaler, plan, task, micro_batches, lr)
 
-    monkeypatch.setattr(training, "_train_step", step)
+    monkeypatch.setattr(loop, "train_step", step)
     return seen
 
 
@@ -82,6 +82,6 @@ def test_other_runtime_errors_are_not_mistaken_for_oom(setup, monkeypatch):
     def step(*args, **kwargs):
         raise RuntimeError("shape mismatch")
 
-    monkeypatch.setattr(training, "_train_step", step)
+    monkeypatch.setattr(loop, "train_step", step)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         train(setup("other"))

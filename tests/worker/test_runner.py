@@ -123,12 +123,12 @@ def test_missing_dataset_fails_with_a_clear_error(client, runner, tiny_bert, set
 def test_out_of_memory_at_one_example_fails_the_job_with_code_oom(client, runner, tiny_bert, monkeypatch):
     import torch
 
-    from worker.engines import training
+    from worker.engines import loop
 
     def step(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(training, "_train_step", step)
+    monkeypatch.setattr(loop, "train_step", step)
     job_id = _submit(client, tiny_bert, epochs=1)
     assert runner.run_training_job(job_id) == "failed"
     job = client.get(f"/jobs/{job_id}").json()

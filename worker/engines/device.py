@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -102,3 +104,23 @@ def is_out_of_memory(exc: BaseException) -> bool:
     """True for a device allocation failure (CUDA's OutOfMemoryError, or the allocator's RuntimeError text)."""
     return isinstance(exc, torch.OutOfMemoryError) or (
         isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
+
+
+def device_memory(plan: DevicePlan) -> int:
+    """Total memory of the plan's device in bytes: the GPU's own, or on a CPU the RAM this process may use."""
+    if plan.is_cuda:
+        return int(torch.cuda.get_device_properties(torch.device(plan.device)).total_memory)
+    return host_memory()
+
+
+def host_memory() -> int:
+    """Physical RAM, or the container's cgroup memory limit when that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # cgroup v2 says "max" when unlimited
+            total = min(total, int(text))
+    return int(total)

@@ -29,6 +29,7 @@ def build_config(settings: Settings, job: Job, train_path: Path, eval_path: Path
         "weight_decay": hp["weight_decay"], "gradient_accumulation_steps": hp["gradient_accumulation_steps"],
         "precision": hp["precision"], "seed": hp["seed"], "eval_steps": hp["eval_steps"],
         "checkpoint_steps": settings.checkpoint_steps, "device": device,
+        "memory_limit_bytes": settings.worker_memory_bytes or None,
         "base_model_name": job.base_model or "", "dataset_hashes": hashes}
     if job.task == TaskKind.CAUSAL_LM:
         return LMTrainConfig(**common, base_model=job.base_model_path, model_config=job.model_config_,

@@ -1,0 +1,66 @@
+"""Device capacity that training workers report to Redis (with a TTL) and the API reads for admission."""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from pydantic import BaseModel, ValidationError
+
+from core.redis_client import redis_from_url
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "trainserve:capacity:"
+
+
+class DeviceCapacity(BaseModel):
+    """One live training worker's device: what a job on it may use at most."""
+
+    worker: str  # host and process id: one key per worker process
+    device: str  # "cuda:0" or "cpu"
+    total_bytes: int
+
+    @property
+    def is_cuda(self) -> bool:
+        """True for a GPU (jobs there train in 16-bit autocast by default)."""
+        return self.device.startswith("cuda")
+
+
+def publish(client: redis.Redis, capacity: DeviceCapacity, *, ttl_s: float) -> None:
+    """Write (or refresh) a worker's report; it disappears ttl_s after the worker stops refreshing it."""
+    client.set(KEY_PREFIX + capacity.worker, capacity.model_dump_json(), px=max(1, int(ttl_s * 1000)))
+
+
+def withdraw(client: redis.Redis, worker: str) -> None:
+    """Remove a worker's report at once (a clean shutdown)."""
+    client.delete(KEY_PREFIX + worker)
+
+
+def reported(client: redis.Redis) -> list[DeviceCapacity]:
+    """Every live worker's report."""
+    keys = list(client.scan_iter(match=KEY_PREFIX + "*", count=500))
+    values: list[bytes | None] = client.mget(keys) if keys else []  # type: ignore[assignment]
+    found = []
+    for raw in values:
+        if raw is None:  # expired between SCAN and MGET
+            continue
+        try:
+            found.append(DeviceCapacity.model_validate_json(raw))
+        except ValidationError:
+            log.warning("ignoring a malformed capacity report: %r", raw[:200])
+    return found
+
+
+def largest_device(redis_url: str) -> DeviceCapacity | None:
+    """The live worker device with the most memory; None when none has reported or Redis cannot be read."""
+    client = redis_from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        devices = reported(client)
+    except redis.RedisError as exc:
+        # Admission then falls back to the configured cap; the enqueue right after reports the broker.
+        log.warning("capacity reports unreadable (%s); using the configured cap", exc)
+        return None
+    finally:
+        client.close()
+    return max(devices, key=lambda d: d.total_bytes, default=None)

@@ -1,0 +1,85 @@
+"""POST /jobs refuses, with 422 does_not_fit, a job whose estimated memory fits no live worker's device."""
+
+from __future__ import annotations
+
+import pytest
+
+from core import capacity
+from core.redis_client import redis_from_url
+from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
+
+WIDE = {"n_layer": 96, "n_embd": 12288, "n_head": 96, "n_positions": 256}
+GB = 1024**3
+
+
+@pytest.fixture()
+def board(settings):
+    """The test database's Redis, with no capacity report before or after the test."""
+    client = redis_from_url(settings.resolved_redis_url)
+
+    def clear() -> None:
+        for key in client.scan_iter(match=capacity.KEY_PREFIX + "*"):
+            client.delete(key)
+
+    clear()
+    yield client
+    clear()
+    client.close()
+
+
+@pytest.fixture()
+def corpus_id(client):
+    text = "\n".join(f"line {i} of a small corpus for a tiny language model" for i in range(40))
+    return upload(client, text.encode(), filename="corpus.txt").json()["id"]
+
+
+def lm_body(corpus_id: str, model_config: dict | None = None, **hyperparameters) -> dict:
+    return {"task": "causal-lm", "train_dataset": corpus_id, "model_config": model_config or {},
+            "hyperparameters": hyperparameters}
+
+
+def _refused(response, field: str) -> str:
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["field"]) == ("does_not_fit", field), error
+    return error["message"]
+
+
+def test_a_96_layer_12288_wide_gpt2_is_refused_naming_the_estimate(client, queue, board, corpus_id):
+    message = _refused(client.post("/jobs", json=lm_body(corpus_id, WIDE)), "model_config")
+    assert "174.6B parameters" in message and "TB" in message
+    assert "85.9 GB assumed while no live worker has reported" in message  # TRAINSERVE_ASSUMED_DEVICE_BYTES
+    assert queue.sent == [] and client.get("/jobs").json()["data"] == []
+
+
+def test_a_1024_by_32768_micro_batch_is_refused_naming_the_batch(client, queue, board, corpus_id):
+    body = lm_body(corpus_id, {"n_positions": 32768}, batch_size=1024, block_size=32768)
+    message = _refused(client.post("/jobs", json=body), "hyperparameters.batch_size")
+    assert "33554432 tokens per micro-batch" in message and "gradient_accumulation_steps" in message
+    assert queue.sent == []
+
+
+def test_normal_jobs_are_still_accepted(client, queue, board, corpus_id):
+    small = lm_body(corpus_id, {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 64}, batch_size=8)
+    assert client.post("/jobs", json=small).status_code == 201
+    train = upload(client, tsv_bytes(sentiment_rows())).json()["id"]
+    assert client.post("/jobs", json=job_body(train)).status_code == 201
+    assert len(queue.sent) == 2
+
+
+def test_the_largest_reported_device_is_the_limit(client, queue, board, corpus_id):
+    default = lm_body(corpus_id)  # nanoGPT's baby GPT, 8 x 256 tokens: a few GB
+    capacity.publish(board, capacity.DeviceCapacity(worker="small:1", device="cpu", total_bytes=2 * GB), ttl_s=60)
+    message = _refused(client.post("/jobs", json=default), "hyperparameters.batch_size")
+    assert "the largest device a live worker has reported (cpu on small:1, 2.1 GB)" in message
+    train = upload(client, tsv_bytes(sentiment_rows())).json()["id"]
+    big_batch = job_body(train, hyperparameters={"batch_size": 1024, "max_length": 512})
+    _refused(client.post("/jobs", json=big_batch), "hyperparameters.batch_size")  # MiniLM, 524288 tokens
+
+    capacity.publish(board, capacity.DeviceCapacity(worker="gpu:2", device="cuda:0", total_bytes=40 * GB), ttl_s=60)
+    assert client.post("/jobs", json=default).status_code == 201
+    assert client.post("/jobs", json=big_batch).status_code == 422  # still too much for 40 GB
+    _refused(client.post("/jobs", json=lm_body(corpus_id, WIDE)), "model_config")
+
+    capacity.withdraw(board, "gpu:2")
+    assert client.post("/jobs", json=default).status_code == 422

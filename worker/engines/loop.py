@@ -1,0 +1,372 @@
+"""The one training loop: a task supplies model, data order, loss, evaluation and saving; the loop does the rest.
+
+run(config, task) reads top to bottom: resolve the device, seed, build the task's model and an AdamW,
+resume from the latest checkpoint, then per optimizer step: learning rate from a pure schedule, forward
+and backward over the step's micro-batches (halving them after an out-of-memory error), clip, step,
+log; evaluate and checkpoint every N steps; stop (after a checkpoint) when asked. At the end evaluate
+once more and let the task save the model with its manifest.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from core.estimate import MemoryEstimate, format_bytes
+from worker.engines import artifacts
+from worker.engines.data import steps_per_epoch
+from worker.engines.device import DevicePlan, device_memory, is_out_of_memory, release_memory, resolve_device
+
+MAX_GRAD_NORM = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """What every training run shares: data files, outputs, schedule, precision, seed; hyperparameters validated."""
+
+    train_file: Path
+    eval_file: Path | None
+    output_dir: Path
+    checkpoint_dir: Path
+    epochs: float
+    max_steps: int | None = None
+    batch_size: int
+    learning_rate: float
+    warmup_ratio: float = 0.0
+    weight_decay: float
+    gradient_accumulation_steps: int = 1
+    precision: str = "auto"
+    seed: int = 42
+    eval_steps: int | None = None
+    checkpoint_steps: int | None = None
+    device: str = "auto"
+    memory_limit_bytes: int | None = None  # memory this run may use; None: the device's total (RAM on a CPU)
+    base_model_name: str = ""
+    dataset_hashes: Mapping[str, str] = field(default_factory=dict)
+
+
+class TrainCallbacks:
+    """Progress hooks and the cancel check; the defaults do nothing."""
+
+    def on_start(self, info: dict[str, Any]) -> None:
+        """Called once before the first step with sizes, labels, device and resume point."""
+
+    def on_log(self, step: int, epoch: float, metrics: dict[str, float]) -> None:
+        """Called after every optimizer step with train_loss, learning_rate and throughput."""
+
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Called after each evaluation with the task's eval metrics (eval_loss and more)."""
+
+    def on_checkpoint(self, step: int, path: Path) -> None:
+        """Called after a checkpoint folder is complete."""
+
+    def on_event(self, kind: str, message: str) -> None:
+        """Called for notable moments (resumed, oom, cancelled, saved) with a human message."""
+
+    def should_stop(self) -> bool:
+        """Return True to cancel; checked after every optimizer step."""
+        return False
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """How a run ended, its final metrics and (when completed) where the model is."""
+
+    status: str
+    global_step: int
+    total_steps: int
+    metrics: dict[str, float]
+    model_dir: Path | None
+    manifest: dict[str, Any]
+
+
+class OutOfMemory(RuntimeError):
+    """The device ran out of memory even with one example per micro-batch."""
+
+    code = "oom"
+
+
+class DoesNotFit(ValueError):
+    """The run's estimated peak memory exceeds this worker's device; refused before allocating the model."""
+
+    code = "does_not_fit"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a task has built for the loop: the model on its device and the facts the loop reports."""
+
+    model: torch.nn.Module
+    num_examples: int  # training examples (rows or blocks) in one epoch
+    units_per_example: int  # what throughput counts per example: 1 sample, or block_size tokens
+    identity: dict[str, Any]  # what a checkpoint must match to be resumed by this run
+    info: dict[str, Any]  # task facts for on_start (sizes, labels, block size)
+    hyperparameters: dict[str, Any]  # task-specific entries of the manifest's hyperparameters
+
+
+class Task(Protocol):
+    """A kind of training (classification, causal LM) as the loop sees it."""
+
+    unit: str  # what throughput counts: "samples" or "tokens"
+    adam_betas: tuple[float, float]
+
+    def build(self, plan: DevicePlan) -> Setup:
+        """Load tokenizer, data and model (on plan.device); raise DoesNotFit before allocating a model too big."""
+
+    def epoch_steps(self, epoch: int) -> Sequence[Sequence[Any]]:
+        """One epoch as optimizer steps of micro-batches; a pure function of the epoch, so a resume can skip."""
+
+    def loss(self, micro_batch: Any) -> torch.Tensor:
+        """Mean training loss of one micro-batch (called in train mode, under autocast)."""
+
+    def evaluate(self) -> dict[str, float] | None:
+        """Eval metrics over the held-out data (called in eval mode, under inference_mode); None without any."""
+
+    def save(self, metrics: dict[str, float], hyperparameters: dict[str, Any], plan: DevicePlan) -> dict[str, Any]:
+        """Write the final model folder with its manifest and return the manifest."""
+
+
+@dataclass
+class Progress:
+    """Loop state that a checkpoint carries across a resume."""
+
+    unit: str
+    step: int = 0
+    loss_sum: float = 0.0  # sum of per-step train losses, for the run's mean train_loss
+    units: int = 0
+    runtime: float = 0.0  # seconds spent in training steps only (no eval, loading or saving)
+
+    @property
+    def rate(self) -> float:
+        """Units per second of training-step time."""
+        return self.units / self.runtime if self.runtime else 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """The run's summary: mean train loss, throughput and time spent training."""
+        return {"train_loss": self.loss_sum / max(self.step, 1), f"train_{self.unit}_per_second": self.rate,
+                "train_runtime": self.runtime}
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint stores of this (the units under the unit's own name, as ever)."""
+        return {"loss_sum": self.loss_sum, self.unit: self.units, "runtime": self.runtime}
+
+
+def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None) -> TrainResult:
+    """Run (or resume) a training job to completion or cancellation."""
+    callbacks = callbacks or TrainCallbacks()
+    check_config(config)
+    plan = resolve_device(config.device, config.precision)
+    seed_everything(config.seed)
+
+    setup = task.build(plan)
+    model = setup.model
+    optimizer = build_adamw(model, learning_rate=config.learning_rate, weight_decay=config.weight_decay,
+                            betas=task.adam_betas, plan=plan)
+    scaler = plan.grad_scaler()
+
+    per_epoch = steps_per_epoch(setup.num_examples, config.batch_size, config.gradient_accumulation_steps)
+    total_steps = config.max_steps or math.ceil(config.epochs * per_epoch)
+    warmup_steps = math.ceil(config.warmup_ratio * total_steps)
+
+    progress, resumed_from = Progress(task.unit), None
+    checkpoint = artifacts.latest_checkpoint(config.checkpoint_dir)
+    if checkpoint is not None:
+        state = artifacts.resume_state(checkpoint, model, optimizer, scaler, plan, setup.identity)
+        progress = Progress(task.unit, step=state["step"], loss_sum=state["loss_sum"], units=state[task.unit],
+                            runtime=state["runtime"])
+        resumed_from = progress.step
+        callbacks.on_event("resumed", f"resumed from {checkpoint.name} at step {progress.step}")
+    callbacks.on_start({"total_steps": total_steps, "steps_per_epoch": per_epoch, "warmup_steps": warmup_steps,
+                        **setup.info, "device": plan.device, "precision": plan.precision,
+                        "resumed_from_step": resumed_from})
+
+    def save_checkpoint() -> None:
+        state = dict(setup.identity, **progress.state())
+        path = artifacts.save_checkpoint(config.checkpoint_dir, progress.step, model, optimizer, scaler, plan, state)
+        callbacks.on_checkpoint(progress.step, path)
+
+    def cancelled() -> TrainResult:
+        callbacks.on_event("cancelled", f"stopped at step {progress.step} of {total_steps}")
+        return TrainResult("cancelled", progress.step, total_steps, progress.metrics(), None, {})
+
+    if callbacks.should_stop():  # cancelled while loading: nothing new to checkpoint
+        return cancelled()
+
+    planned_epoch, steps = -1, list[Sequence[Any]]()
+    split = 1  # each planned micro-batch runs as this many smaller ones after an out-of-memory error
+    model.train()
+    while progress.step < total_steps:
+        epoch, index = divmod(progress.step, per_epoch)
+        if epoch != planned_epoch:
+            planned_epoch, steps = epoch, list(task.epoch_steps(epoch))
+        lr = lr_at(progress.step, total_steps, warmup_steps, config.learning_rate)
+
+        started = time.perf_counter()
+        while True:
+            try:
+                loss, grad_norm, examples = train_step(model, optimizer, scaler, plan, task,
+                                                       split_micro_batches(list(steps[index]), split), lr)
+                break
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                split = _back_off(exc, list(steps[index]), split, optimizer, plan, callbacks)
+        progress.runtime += time.perf_counter() - started
+        progress.step += 1
+        progress.loss_sum += loss
+        progress.units += examples * setup.units_per_example
+        callbacks.on_log(progress.step, progress.step / per_epoch, {
+            "train_loss": loss, "learning_rate": lr, "grad_norm": grad_norm,
+            f"{task.unit}_per_second": progress.rate,
+        })
+
+        if config.eval_steps is not None and progress.step < total_steps and progress.step % config.eval_steps == 0:
+            eval_metrics = evaluate(task, model, plan)
+            if eval_metrics is not None:
+                callbacks.on_eval(progress.step, eval_metrics)
+        checkpointed = config.checkpoint_steps is not None and progress.step % config.checkpoint_steps == 0
+        if checkpointed:
+            save_checkpoint()
+        if callbacks.should_stop():
+            if not checkpointed:
+                save_checkpoint()
+            return cancelled()
+
+    metrics = progress.metrics()
+    eval_metrics = evaluate(task, model, plan)
+    if eval_metrics is not None:
+        callbacks.on_eval(progress.step, eval_metrics)
+        metrics.update(eval_metrics)
+    hyperparameters = {
+        "epochs": total_steps / per_epoch, "max_steps": config.max_steps, "total_steps": total_steps,
+        "steps_per_epoch": per_epoch, "batch_size": config.batch_size,
+        "gradient_accumulation_steps": config.gradient_accumulation_steps, "learning_rate": config.learning_rate,
+        "lr_schedule": "linear", "warmup_ratio": config.warmup_ratio, "warmup_steps": warmup_steps,
+        "weight_decay": config.weight_decay, "optimizer": "adamw", "adam_betas": list(task.adam_betas),
+        "max_grad_norm": MAX_GRAD_NORM, "precision": plan.precision, "seed": config.seed,
+        "eval_steps": config.eval_steps, "checkpoint_steps": config.checkpoint_steps, **setup.hyperparameters,
+    }
+    manifest = task.save(metrics, hyperparameters, plan)
+    callbacks.on_event("saved", f"model saved to {config.output_dir}")
+    return TrainResult("completed", progress.step, total_steps, metrics, Path(config.output_dir), manifest)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+               plan: DevicePlan, task: Task, micro_batches: list[Any], lr: float) -> tuple[float, float, int]:
+    """One optimizer step over its micro-batches; returns (mean loss, grad norm, examples)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    examples = sum(len(micro_batch) for micro_batch in micro_batches)
+    step_loss = torch.zeros((), device=plan.device)
+    for micro_batch in micro_batches:
+        with plan.autocast():
+            loss = task.loss(micro_batch)
+        # Weighting by the micro-batch's share of examples makes the step's gradient the mean over all
+        # of them, exactly what one large batch would give (the last step of an epoch may be short).
+        share = loss * (len(micro_batch) / examples)
+        scaler.scale(share).backward()
+        step_loss += share.detach().float()
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return step_loss.item(), float(grad_norm), examples
+
+
+def evaluate(task: Task, model: torch.nn.Module, plan: DevicePlan) -> dict[str, float] | None:
+    """The task's eval metrics in eval mode without autograd; the model is back in train mode after."""
+    model.eval()
+    try:
+        with torch.inference_mode(), plan.autocast():
+            return task.evaluate()
+    finally:
+        model.train()
+
+
+def lr_at(step: int, total_steps: int, warmup_steps: int, base_lr: float) -> float:
+    """Linear warmup then linear decay to zero; `step` counts optimizer steps already taken."""
+    if step < warmup_steps:
+        return base_lr * step / max(1, warmup_steps)
+    return base_lr * max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices) for a reproducible run."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_adamw(model: torch.nn.Module, *, learning_rate: float, weight_decay: float,
+                betas: tuple[float, float], plan: DevicePlan) -> torch.optim.Optimizer:
+    """AdamW decaying the matrices only: biases and LayerNorm weights (the 1-D parameters) are not decayed."""
+    # Weights stay fp32 (as BERT, nanoGPT and HF Trainer): the optimizer keeps fp32 masters, autocast does
+    # the rest. Embeddings are matrices and decay too (GPT-2 ties wte to the LM head, so they are one).
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    # The fused kernel updates all parameters in one pass; it exists for CPU and CUDA.
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=1e-8,
+                             fused=plan.device_type in ("cpu", "cuda"))
+
+
+def require_fit(estimate: MemoryEstimate | None, plan: DevicePlan, limit: int | None) -> None:
+    """Refuse, before the model is allocated, a run whose estimated peak memory exceeds this device."""
+    if estimate is None:
+        return
+    capacity = limit or device_memory(plan)
+    if estimate.total_bytes > capacity:
+        raise DoesNotFit(f"this job needs about {estimate.describe()}, more than {plan.device} on this worker "
+                         f"has ({format_bytes(capacity)}); lower batch_size (and raise gradient_accumulation_steps "
+                         "for the same effective batch) or the sequence length, or use a smaller model")
+
+
+def split_micro_batches(micro_batches: list[Any], split: int) -> list[Any]:
+    """Cut every micro-batch into `split` parts: same examples and optimizer step, less memory at a time."""
+    if split == 1:
+        return micro_batches
+    parts: list[Any] = []
+    for indices in micro_batches:
+        size = math.ceil(len(indices) / split)
+        parts.extend(indices[i:i + size] for i in range(0, len(indices), size))
+    return parts
+
+
+def _back_off(exc: BaseException, micro_batches: list[Any], split: int, optimizer: torch.optim.Optimizer,
+              plan: DevicePlan, callbacks: TrainCallbacks) -> int:
+    """After an OOM: drop the partial gradients, free the cache, halve the micro-batch (doubling accumulation)."""
+    optimizer.zero_grad(set_to_none=True)
+    release_memory(plan)
+    current = max(len(m) for m in split_micro_batches(micro_batches, split))
+    if current <= 1:
+        raise OutOfMemory(f"out of memory on {plan.device} with a micro-batch of one example "
+                          f"(sequence length too long for this device?): {exc}") from exc
+    callbacks.on_event("oom", f"out of memory with micro-batches of {current}; continuing with "
+                              f"{math.ceil(current / 2)} and twice the gradient accumulation (same effective batch)")
+    return split * 2
+
+
+def check_config(config: RunConfig) -> None:
+    """Refuse a schedule that cannot run (counts below one, no epochs, warmup of the whole run)."""
+    at_least_one = {"batch_size": config.batch_size,
+                    "gradient_accumulation_steps": config.gradient_accumulation_steps,
+                    "max_steps": config.max_steps, "eval_steps": config.eval_steps,
+                    "checkpoint_steps": config.checkpoint_steps}
+    for name, value in at_least_one.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if config.max_steps is None and not config.epochs > 0:
+        raise ValueError(f"epochs must be positive, got {config.epochs}")
+    if not 0.0 <= config.warmup_ratio < 1.0:
+        raise ValueError(f"warmup_ratio must be in [0, 1), got {config.warmup_ratio}")
