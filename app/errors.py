@@ -26,6 +26,7 @@ from core.errors import (
     ValidationFailed,
     WorkerTimeout,
 )
+from core.protocol import ErrorBody, ErrorCode, error_body
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +49,23 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def envelope(code: str, message: str, field: str | None = None, details: Any = None) -> dict[str, Any]:
-    """The JSON body of an error response."""
-    body: dict[str, Any] = {"code": code, "message": message, "field": field}
-    if details is not None:
-        body["details"] = details
-    return {"error": body}
+envelope = error_body  # the one builder of the error body (REST, SSE error events, job rows)
+
+
+def from_wire(error: ErrorBody) -> DomainError:
+    """A worker's error (a protocol ErrorBody) as the domain error the API answers with: the one mapping."""
+    code, message, field = error.code, error.message or "the worker failed", error.field
+    if code == ErrorCode.VALIDATION_ERROR:
+        return ValidationFailed(field, message)
+    if code == ErrorCode.QUEUE_TIMEOUT:
+        return QueueTimeout(message)
+    if code == ErrorCode.OVERLOADED:
+        return TooManyRequests(message, retry_after=1, code=ErrorCode.OVERLOADED)
+    if code == ErrorCode.WORKER_TIMEOUT:
+        return WorkerTimeout(message)
+    if code == ErrorCode.BROKER_UNAVAILABLE:
+        return BrokerUnavailable(message)
+    return UpstreamFailed(message, code=code or ErrorCode.WORKER_ERROR)
 
 
 def status_for(exc: DomainError) -> int:
@@ -82,7 +94,7 @@ def domain_headers(exc: DomainError) -> dict[str, str]:
 
 async def _domain(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, DomainError)
-    return JSONResponse(status_code=status_for(exc), content={"error": exc.to_dict()}, headers=domain_headers(exc))
+    return JSONResponse(status_code=status_for(exc), content=exc.envelope(), headers=domain_headers(exc))
 
 
 async def _validation(_: Request, exc: Exception) -> JSONResponse:
@@ -93,12 +105,13 @@ async def _validation(_: Request, exc: Exception) -> JSONResponse:
     details = [{"field": _loc_to_field(tuple(e.get("loc", ()))), "message": e.get("msg"), "type": e.get("type")}
                for e in errors]
     message = f"{field}: {first.get('msg')}" if field else str(first.get("msg"))
-    return JSONResponse(status_code=422, content=envelope("validation_error", message, field, details))
+    return JSONResponse(status_code=422, content=envelope(ErrorCode.VALIDATION_ERROR, message, field, details))
 
 
 async def _http(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status_code, "http_error")
+    code = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED,
+            413: ErrorCode.PAYLOAD_TOO_LARGE}.get(exc.status_code, ErrorCode.HTTP_ERROR)
     return JSONResponse(status_code=exc.status_code, content=envelope(code, str(exc.detail)),
                         headers=getattr(exc, "headers", None))
 
@@ -106,19 +119,19 @@ async def _http(_: Request, exc: Exception) -> JSONResponse:
 async def _database_down(_: Request, exc: Exception) -> JSONResponse:
     log.warning("database unavailable: %s", type(exc).__name__)
     return JSONResponse(status_code=503, headers={"Retry-After": "5"},
-                        content=envelope("database_unavailable", "the database is unavailable; retry shortly"))
+                        content=envelope(ErrorCode.DATABASE_UNAVAILABLE, "the database is unavailable; retry shortly"))
 
 
 async def _bad_data(_: Request, exc: Exception) -> JSONResponse:
     # Last line of defence: input the database refuses (e.g. NUL in text) is the client's error, not ours.
     log.warning("database refused a value: %s", type(exc).__name__)
-    return JSONResponse(status_code=422, content=envelope("validation_error", "a value contains characters "
+    return JSONResponse(status_code=422, content=envelope(ErrorCode.VALIDATION_ERROR, "a value contains characters "
                                                           "or a size the database cannot store"))
 
 
 async def _unhandled(_: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error", exc_info=exc)
-    return JSONResponse(status_code=500, content=envelope("internal_error", "internal server error"))
+    return JSONResponse(status_code=500, content=envelope(ErrorCode.INTERNAL_ERROR, "internal server error"))
 
 
 def install_error_handlers(app: FastAPI) -> None:

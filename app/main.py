@@ -34,6 +34,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
         app.state.sessionmaker = make_sessionmaker(engine)
         app.state.task_queue = task_queue or CeleryTaskQueue(celery)  # type: ignore[arg-type]
         redis = async_redis_from_url(resolved.resolved_redis_url, socket_timeout=10)
+        app.state.redis = redis
         app.state.generation = GenerationGateway(redis, app.state.task_queue, resolved)
         # Sends task messages whose fast path found the broker refusing (the job stays queued meanwhile).
         relay = relay_thread(app.state.sessionmaker, app.state.task_queue, resolved.outbox_interval_s)
@@ -42,6 +43,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
             yield
         finally:
             relay.stop()
+            await app.state.generation.drain()
             await redis.aclose()
             engine.dispose()
             if celery is not None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from core.protocol import ErrorCode, error_body
+
 
 class DomainError(Exception):
     """Base class: a stable machine-readable code, a human message and the offending field."""
 
-    code = "error"
+    code: str = ErrorCode.ERROR
 
     def __init__(self, message: str, *, field: str | None = None, code: str | None = None,
                  details: Any = None) -> None:
@@ -21,16 +23,18 @@ class DomainError(Exception):
 
     def to_dict(self) -> dict[str, Any]:
         """The error envelope body shared by REST responses, SSE events and job rows."""
-        body: dict[str, Any] = {"code": self.code, "message": self.message, "field": self.field}
-        if self.details is not None:
-            body["details"] = self.details
+        body: dict[str, Any] = self.envelope()["error"]
         return body
+
+    def envelope(self) -> dict[str, Any]:
+        """`{"error": {...}}` for this error."""
+        return error_body(self.code, self.message, self.field, self.details)
 
 
 class ValidationFailed(DomainError):
     """Input is well-formed JSON/multipart but its content is unacceptable."""
 
-    code = "validation_error"
+    code: str = ErrorCode.VALIDATION_ERROR
 
     def __init__(self, field: str | None, message: str, *, code: str | None = None,
                  details: Any = None) -> None:
@@ -40,13 +44,13 @@ class ValidationFailed(DomainError):
 class NotFound(DomainError):
     """The resource does not exist (or is not visible to the caller)."""
 
-    code = "not_found"
+    code: str = ErrorCode.NOT_FOUND
 
 
 class Conflict(DomainError):
     """The request conflicts with the resource's current state."""
 
-    code = "conflict"
+    code: str = ErrorCode.CONFLICT
 
 
 class IllegalTransition(Conflict):
@@ -64,31 +68,37 @@ class StaleAttempt(Conflict):
 class PayloadTooLarge(DomainError):
     """An upload or body exceeds a configured limit."""
 
-    code = "payload_too_large"
+    code: str = ErrorCode.PAYLOAD_TOO_LARGE
 
 
 class BrokerUnavailable(DomainError):
     """The task broker refused or could not be reached; the job row records it."""
 
-    code = "broker_unavailable"
+    code: str = ErrorCode.BROKER_UNAVAILABLE
 
 
 class WorkerTimeout(DomainError):
     """A worker did not answer a synchronous request in time."""
 
-    code = "worker_timeout"
+    code: str = ErrorCode.WORKER_TIMEOUT
+
+
+class ClientGone(DomainError):
+    """The client closed the connection before the answer was ready; nobody reads this error."""
+
+    code: str = ErrorCode.CLIENT_DISCONNECTED
 
 
 class UpstreamFailed(DomainError):
     """A worker answered with an error for a synchronous request."""
 
-    code = "worker_error"
+    code: str = ErrorCode.WORKER_ERROR
 
 
 class TooManyRequests(DomainError):
     """A quota, rate limit or queue bound was hit; retry after `retry_after` seconds."""
 
-    code = "rate_limited"
+    code: str = ErrorCode.RATE_LIMITED
 
     def __init__(self, message: str, *, retry_after: float = 1.0, field: str | None = None,
                  code: str | None = None) -> None:
@@ -99,4 +109,4 @@ class TooManyRequests(DomainError):
 class QueueTimeout(DomainError):
     """A request waited longer than allowed for a worker and was dropped before reaching the model."""
 
-    code = "queue_timeout"
+    code: str = ErrorCode.QUEUE_TIMEOUT

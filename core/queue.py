@@ -1,4 +1,7 @@
-"""Enqueueing tasks by name, behind a small interface so tests can use a recording fake."""
+"""Enqueueing tasks by name, behind a small interface so tests can use a recording fake.
+
+Nothing waits on a Celery result: a caller that needs an answer reads it from Redis (see core.protocol).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ from typing import Any, Protocol
 
 from celery import Celery
 
-from core.errors import BrokerUnavailable, UpstreamFailed, WorkerTimeout
+from core.errors import BrokerUnavailable
 
 
 class TaskQueue(Protocol):
@@ -14,10 +17,6 @@ class TaskQueue(Protocol):
 
     def send(self, name: str, args: list[Any], *, queue: str) -> str:
         """Enqueue task `name`; return its task id or raise BrokerUnavailable."""
-        ...
-
-    def call(self, name: str, args: list[Any], *, queue: str, timeout: float) -> Any:
-        """Run task `name` on a worker and wait for its result."""
         ...
 
     def revoke(self, task_id: str) -> None:
@@ -37,19 +36,6 @@ class CeleryTaskQueue:
         except Exception as exc:  # noqa: BLE001 - kombu raises many types for an unreachable broker
             raise BrokerUnavailable(f"task broker unavailable: {type(exc).__name__}") from exc
         return str(result.id)
-
-    def call(self, name: str, args: list[Any], *, queue: str, timeout: float) -> Any:
-        task_id = self.send(name, args, queue=queue)
-        result = self.celery.AsyncResult(task_id)
-        try:
-            return result.get(timeout=timeout, propagate=True, disable_sync_subtasks=False)
-        except TimeoutError as exc:
-            result.revoke()
-            raise WorkerTimeout(f"no worker answered within {timeout:g} s") from exc
-        except Exception as exc:  # noqa: BLE001 - the worker's exception, re-raised by Celery
-            raise UpstreamFailed(f"worker failed: {exc}") from exc
-        finally:
-            result.forget()
 
     def revoke(self, task_id: str) -> None:
         try:

@@ -52,6 +52,9 @@ class Settings(BaseSettings):
     generation_rate_per_minute: int = Field(600, description="Generation requests per API key per minute (429 beyond).")
     generation_threads: int = Field(64, description="Requests one generation worker keeps in flight.")
     max_batch_size: int = Field(32, description="Sequences decoded together by one generation engine.")
+    generation_memory_budget_mb: float = Field(
+        8192.0, gt=0, description="Model weights one generation worker keeps warm; least recently used idle "
+        "models are unloaded beyond it.")
     cors_origins: str = Field("", description="Comma-separated origins allowed by CORS (empty: none).")
     capacity_ttl_s: float = Field(60.0, description="Lifetime of a training worker's device-capacity report in "
                                   "Redis; workers refresh it every third of this.")

@@ -1,45 +1,128 @@
-"""Generation on a worker: one engine per model per process, events to Redis streams as tokens come."""
+"""Generation on a worker: engines kept warm under a memory budget, events to Redis streams as tokens come.
+
+The process's `GenerationService` comes from `ctx.service("generation", GenerationService.build)`; it owns
+the engine registry and the Redis client, and maps engine outcomes to wire events in one place (`_error`).
+"""
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
-from core.redis_client import redis_from_url
-from core.settings import get_settings
+from pydantic import BaseModel, ValidationError
+from redis.exceptions import RedisError
+
+from core.protocol import AcceptedEvent, ChoiceOut, DoneEvent, ErrorCode, ErrorEvent, GenerateTask, TokenEvent, Usage
+from core.settings import Settings
 from core.tasks import cancel_key, stream_key
+from worker.context import WorkerContext
 
 log = logging.getLogger(__name__)
-
-_engines: dict[str, Any] = {}
-_engines_lock = threading.Lock()
-_redis: Any = None
+MB = 1024 * 1024
 
 
-def engine_for(model: str) -> Any:
-    """The process's engine for `model`, loaded on first use and kept warm."""
-    from worker.engines.generation import GenerationEngine
-
-    with _engines_lock:
-        engine = _engines.get(model)
-        if engine is None:
-            settings = get_settings()
-            engine = GenerationEngine(model, device=settings.worker_device, max_batch_size=settings.max_batch_size,
-                                      max_queue=settings.generation_queue_per_model * 4)
-            _engines[model] = engine
-        return engine
+@dataclass
+class _Entry:
+    engine: Any
+    bytes: int
+    users: int = 0
 
 
-def redis_client() -> Any:
-    """One Redis client (with its pool) per process, shared by the task threads and the scheduler thread."""
-    global _redis
-    if _redis is None:
-        _redis = redis_from_url(get_settings().resolved_redis_url, socket_timeout=10)
-    return _redis
+class EngineRegistry:
+    """Warm engines by model, least recently used first; idle ones are evicted to stay under a memory budget.
+
+    Loading a model holds only that model's lock, so requests for models already loaded go on meanwhile.
+    """
+
+    def __init__(self, build: Callable[[str], Any], budget_bytes: int, footprint: Callable[[Any], int]) -> None:
+        self.build = build
+        self.budget_bytes = budget_bytes
+        self.footprint = footprint
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._loading: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()  # guards the two dicts above; never held while a model loads
+
+    @contextmanager
+    def use(self, model: str) -> Iterator[Any]:
+        """The engine for `model` (loaded on first use); it is not evicted while in use."""
+        entry = self._acquire(model)
+        try:
+            yield entry.engine
+        finally:
+            with self._lock:
+                entry.users -= 1
+            self._evict()
+
+    def loaded(self) -> list[str]:
+        """Models with a warm engine, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
+    def used_bytes(self) -> int:
+        """The summed footprint of the warm engines."""
+        with self._lock:
+            return sum(e.bytes for e in self._entries.values())
+
+    def close(self) -> None:
+        """Stop every engine."""
+        with self._lock:
+            entries, self._entries = list(self._entries.values()), OrderedDict()
+        for entry in entries:
+            entry.engine.close()
+
+    def _acquire(self, model: str) -> _Entry:
+        with self._lock:
+            entry = self._hit(model)
+            if entry is not None:
+                return entry
+            load_lock = self._loading.setdefault(model, threading.Lock())
+        with load_lock:  # one load per model; other models are served meanwhile
+            with self._lock:
+                entry = self._hit(model)
+                if entry is not None:
+                    return entry
+            engine = self.build(model)
+            entry = _Entry(engine, self.footprint(engine), users=1)
+            with self._lock:
+                self._entries[model] = entry
+                self._loading.pop(model, None)
+        self._evict()
+        return entry
+
+    def _hit(self, model: str) -> _Entry | None:
+        entry = self._entries.get(model)
+        if entry is not None:
+            entry.users += 1
+            self._entries.move_to_end(model)
+        return entry
+
+    def _evict(self) -> None:
+        """Close least recently used idle engines while the warm ones exceed the budget."""
+        doomed = []
+        with self._lock:
+            total = sum(e.bytes for e in self._entries.values())
+            for model, entry in list(self._entries.items()):
+                if total <= self.budget_bytes:
+                    break
+                if entry.users == 0:
+                    del self._entries[model]
+                    total -= entry.bytes
+                    doomed.append((model, entry))
+        for model, entry in doomed:
+            log.info("evicting generation engine %s (%.1f MB) to stay under the memory budget", model,
+                     entry.bytes / MB)
+            entry.engine.close()
+
+
+def _footprint(engine: Any) -> int:
+    """Weights and buffers of an engine's model, in bytes (the KV cache is released whenever it is idle)."""
+    return int(engine.model.get_memory_footprint())
 
 
 class EventWriter:
@@ -48,80 +131,97 @@ class EventWriter:
     def __init__(self, client: Any, request_id: str, ttl_s: int) -> None:
         self.client = client
         self.key = stream_key(request_id)
-        self.cancel = cancel_key(request_id)
         self.ttl_s = ttl_s
-        self._checked = 0.0
-        self._cancelled = False
 
-    def emit(self, event: dict[str, Any]) -> None:
-        self.client.xadd(self.key, {"data": json.dumps(event)})
-        if event["type"] in ("accepted", "done", "error"):
+    def emit(self, event: BaseModel) -> None:
+        """Append one event (a protocol model)."""
+        self.client.xadd(self.key, {"data": event.model_dump_json()})
+        if not isinstance(event, TokenEvent):
             self.client.expire(self.key, self.ttl_s)
 
-    def error(self, code: str, message: str, field: str | None = None) -> None:
-        self.emit({"type": "error", "error": {"code": code, "message": message, "field": field}})
 
-    def is_cancelled(self) -> bool:
-        """Polled by the engine between decode steps; Redis is asked at most five times a second."""
-        now = time.monotonic()
-        if not self._cancelled and now - self._checked > 0.2:
-            self._checked = now
-            self._cancelled = bool(self.client.exists(self.cancel))
-        return self._cancelled
+class GenerationService:
+    """One per generation worker process: the engine registry, Redis, and the request flow."""
 
+    def __init__(self, settings: Settings, redis: Any) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.registry = EngineRegistry(self._load, int(settings.generation_memory_budget_mb * MB), _footprint)
 
-def serve(payload: dict[str, Any]) -> None:
-    """Run one request from the API end to end; every outcome is written to its event stream."""
-    from worker.engines.generation import DeadlineExceeded, QueueFull, SamplingParams
+    @classmethod
+    def build(cls, ctx: WorkerContext) -> GenerationService:
+        """The factory for `ctx.service("generation", ...)`."""
+        return cls(ctx.settings, ctx.redis)
 
-    settings = get_settings()
-    writer = EventWriter(redis_client(), payload["request_id"],
-                         int(settings.generation_wait_s + settings.generation_timeout_s))
-    remaining = float(payload["deadline"]) - time.time()
-    if remaining <= 0:  # waited in the broker too long: drop it before it reaches the model
-        writer.error("queue_timeout", "the request waited too long for a generation worker; retry")
-        return
-    params = payload["params"]
-    try:
-        engine = engine_for(payload["model"])
-        prompt_ids = engine.encode(params["prompt"])
+    def _load(self, model: str) -> Any:
+        from worker.engines.generation import GenerationEngine
+
+        return GenerationEngine(model, device=self.settings.worker_device, max_batch_size=self.settings.max_batch_size,
+                                max_queue=self.settings.generation_queue_per_model * 4,
+                                cancelled_ids=self.cancelled_ids)
+
+    def cancelled_ids(self, request_ids: list[str]) -> set[str]:
+        """The requests whose clients went away: one MGET per scheduler step for all of them."""
+        try:
+            flags = self.redis.mget([cancel_key(r) for r in request_ids])
+        except RedisError:
+            log.warning("could not read cancel flags; asking again next step", exc_info=True)
+            return set()
+        return {r for r, flag in zip(request_ids, flags, strict=True) if flag}
+
+    def serve(self, payload: dict[str, Any]) -> None:
+        """Run one request from the API end to end; every outcome is written to its event stream."""
+        try:
+            task = GenerateTask.model_validate(payload)
+        except ValidationError:
+            log.exception("dropping a malformed generation task")
+            return
+        writer = EventWriter(self.redis, task.request_id,
+                             int(self.settings.generation_wait_s + self.settings.generation_timeout_s))
+        remaining = task.remaining()
+        if remaining <= 0:  # waited in the broker too long: drop it before it reaches the model
+            writer.emit(ErrorEvent.of(ErrorCode.QUEUE_TIMEOUT, "the request waited too long for a generation "
+                                      "worker; retry"))
+            return
+        try:
+            with self.registry.use(task.model) as engine:
+                writer.emit(self._run(engine, task, writer, remaining))
+        except Exception as exc:  # noqa: BLE001 - model failed to load, etc.: the client gets a clear error event
+            writer.emit(_error(exc, task.request_id))
+
+    def _run(self, engine: Any, task: GenerateTask, writer: EventWriter, remaining: float) -> BaseModel:
+        prompt_ids = engine.encode(task.prompt)
+        max_new = task.params.max_new_tokens
         if not prompt_ids:
-            writer.error("validation_error", "the prompt encodes to no tokens", "prompt")
-            return
-        if len(prompt_ids) + params["max_new_tokens"] > engine.context_length:
-            writer.error("validation_error", f"the prompt has {len(prompt_ids)} tokens; with max_new_tokens "
-                         f"{params['max_new_tokens']} that exceeds the model's context of {engine.context_length}",
-                         "max_new_tokens")
-            return
-        sampling = SamplingParams(max_new_tokens=params["max_new_tokens"], temperature=params["temperature"],
-                                  top_k=params["top_k"], top_p=params["top_p"],
-                                  repetition_penalty=params["repetition_penalty"], stop=tuple(params["stop"]),
-                                  seed=params["seed"], n=params["n"])
-        future: Future[Any] = engine.submit(
-            prompt_ids, sampling, request_id=payload["request_id"],
-            on_token=lambda index, text: writer.emit({"type": "token", "index": index, "text": text}),
-            is_cancelled=writer.is_cancelled, deadline=time.monotonic() + remaining)
-    except QueueFull as exc:
-        writer.error("overloaded", str(exc))
-        return
-    except ValueError as exc:
-        writer.error("validation_error", str(exc))
-        return
-    except Exception as exc:  # noqa: BLE001 - model failed to load, etc.: the client gets a clear error event
-        log.exception("generation request %s failed", payload["request_id"])
-        writer.error("worker_error", f"{type(exc).__name__}: {exc}")
-        return
-    writer.emit({"type": "accepted", "prompt_tokens": len(prompt_ids)})
-    try:
-        result = future.result(timeout=settings.generation_timeout_s)
-    except DeadlineExceeded:
-        writer.error("queue_timeout", "the request waited too long for a batch slot; retry")
-        return
-    except Exception as exc:  # noqa: BLE001
-        log.exception("generation request %s failed", payload["request_id"])
-        writer.error("worker_error", f"{type(exc).__name__}: {exc}")
-        return
-    writer.emit({"type": "done",
-                 "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason}
-                             for c in result.choices],
-                 "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}})
+            return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, "the prompt encodes to no tokens", "prompt")
+        if len(prompt_ids) + max_new > engine.context_length:
+            return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, f"the prompt has {len(prompt_ids)} tokens; with "
+                                 f"max_new_tokens {max_new} that exceeds the model's context of "
+                                 f"{engine.context_length}", "max_new_tokens")
+        future = engine.submit(prompt_ids, task.params, request_id=task.request_id,
+                               on_token=lambda index, text: writer.emit(TokenEvent(index=index, text=text)),
+                               deadline=time.monotonic() + remaining)
+        writer.emit(AcceptedEvent(prompt_tokens=len(prompt_ids)))
+        result = future.result(timeout=self.settings.generation_timeout_s)
+        return DoneEvent(choices=[ChoiceOut(index=c.index, text=c.text, finish_reason=c.finish_reason)
+                                  for c in result.choices],
+                         usage=Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens))
+
+
+def _error(exc: Exception, request_id: str) -> ErrorEvent:
+    """The engine's exceptions as wire errors: the worker's one mapping."""
+    from worker.engines.generation import DeadlineExceeded, QueueFull
+
+    if isinstance(exc, QueueFull):
+        return ErrorEvent.of(ErrorCode.OVERLOADED, str(exc))
+    if isinstance(exc, DeadlineExceeded):
+        return ErrorEvent.of(ErrorCode.QUEUE_TIMEOUT, "the request waited too long for a batch slot; retry")
+    if isinstance(exc, ValueError):
+        return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, str(exc))
+    log.error("generation request %s failed", request_id, exc_info=exc)
+    return ErrorEvent.of(ErrorCode.WORKER_ERROR, f"{type(exc).__name__}: {exc}")
+
+
+def serve(ctx: WorkerContext, payload: dict[str, Any]) -> None:
+    """Serve one generation task with the process's GenerationService."""
+    ctx.service("generation", GenerationService.build).serve(payload)

@@ -16,17 +16,17 @@ def train(job_id: str) -> None:
     run_training_job(context(), job_id)
 
 
-@celery.task(name=TASK_CLASSIFY)
-def classify(job_id: str, texts: list[str]) -> list[dict[str, Any]]:
-    """Predict labels with the finished model of job `job_id`, kept warm between calls."""
-    from worker.runner import classify_texts
+@celery.task(name=TASK_CLASSIFY, ignore_result=True)
+def classify(payload: dict[str, Any]) -> None:
+    """Answer one /classify call (a core.protocol.ClassifyTask) on the Redis list the API waits on."""
+    from worker.classification import serve_classify
 
-    return classify_texts(context(), job_id, texts)
+    serve_classify(context(), payload)
 
 
 @celery.task(name=TASK_GENERATE, ignore_result=True, acks_late=False)
 def generate(payload: dict[str, Any]) -> None:
-    """Serve one generation request; many run at once in a thread pool so the batcher has work."""
+    """Serve one generation request (a core.protocol.GenerateTask); many run at once so the batcher has work."""
     from worker.serving import serve
 
-    serve(payload)
+    serve(context(), payload)

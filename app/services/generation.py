@@ -2,46 +2,24 @@
 
 from __future__ import annotations
 
-import json
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from app.schemas.generation import ModelCard, ModelList
 from core.auth import Principal
-from core.errors import (
-    BrokerUnavailable,
-    QueueTimeout,
-    TooManyRequests,
-    UpstreamFailed,
-    ValidationFailed,
-    WorkerTimeout,
-)
+from core.errors import BrokerUnavailable, TooManyRequests, ValidationFailed
+from core.protocol import ErrorCode, ErrorEvent, GenerateTask, GenerationEvent, SamplingParams, parse_event
 from core.queue import TaskQueue
-from core.served_models import ServedModel, resolve_served_model
+from core.served_models import ServedModel, list_served_models, resolve_served_model
 from core.settings import Settings
 from core.tasks import QUEUE_GENERATE, TASK_GENERATE, cancel_key, stream_key
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """What the worker needs, as plain JSON."""
-
-    prompt: str
-    max_new_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    repetition_penalty: float
-    stop: list[str]
-    seed: int | None
-    n: int
 
 
 class GenerationGateway:
@@ -51,12 +29,14 @@ class GenerationGateway:
         self.redis = redis
         self.queue = queue
         self.settings = settings
+        # Releases run as their own tasks, so a client that goes away cannot cancel them half-way.
+        self._releases: set[asyncio.Task[None]] = set()
 
     def resolve(self, session: Session, principal: Principal, name: str) -> ServedModel:
         """The model to serve, visible to the caller (404 naming `model` otherwise)."""
         return resolve_served_model(session, self.settings, name=name, tenant=principal.scope)
 
-    def check(self, params: GenerationParams) -> None:
+    def check(self, params: SamplingParams) -> None:
         """Server-side caps that the schema cannot know."""
         if params.max_new_tokens > self.settings.max_new_tokens:
             raise ValidationFailed("max_new_tokens", f"must be at most {self.settings.max_new_tokens} on this server")
@@ -88,13 +68,13 @@ class GenerationGateway:
             raise BrokerUnavailable(f"broker unavailable: {type(exc).__name__}") from exc
         return request_id
 
-    async def submit(self, request_id: str, model: ServedModel, params: GenerationParams) -> None:
+    async def submit(self, request_id: str, model: ServedModel, prompt: str, params: SamplingParams) -> None:
         """Hand the request to a generation worker; it must start before the wait deadline."""
-        deadline = time.time() + self.settings.generation_wait_s
-        payload = {"request_id": request_id, "model": model.path, "params": params.__dict__, "deadline": deadline}
-        await run_in_threadpool(self.queue.send, TASK_GENERATE, [payload], queue=QUEUE_GENERATE)
+        task = GenerateTask(request_id=request_id, model=model.path, prompt=prompt, params=params,
+                            deadline=time.time() + self.settings.generation_wait_s)
+        await run_in_threadpool(self.queue.send, TASK_GENERATE, [task.model_dump(mode="json")], queue=QUEUE_GENERATE)
 
-    async def events(self, request_id: str) -> AsyncIterator[dict[str, Any]]:
+    async def events(self, request_id: str) -> AsyncIterator[GenerationEvent]:
         """The worker's events for this request, in order, until `done` or `error` (or the lifetime ends)."""
         key = stream_key(request_id)
         last = "0-0"
@@ -102,25 +82,38 @@ class GenerationGateway:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                yield {"type": "error", "error": {"code": "worker_timeout", "field": None,
-                                                  "message": "no generation worker finished the request in time"}}
+                yield ErrorEvent.of(ErrorCode.WORKER_TIMEOUT, "no generation worker finished the request in time")
                 return
             try:
                 reply = await self.redis.xread({key: last}, block=int(min(remaining, 1.0) * 1000), count=256)
             except RedisError as exc:
-                yield {"type": "error", "error": {"code": "broker_unavailable", "field": None,
-                                                  "message": f"lost the broker: {type(exc).__name__}"}}
+                yield ErrorEvent.of(ErrorCode.BROKER_UNAVAILABLE, f"lost the broker: {type(exc).__name__}")
                 return
             for _, entries in reply or []:
                 for entry_id, fields in entries:
                     last = entry_id
-                    event = json.loads(fields[b"data"])
+                    event = parse_event(fields[b"data"])
                     yield event
-                    if event["type"] in ("done", "error"):
+                    if event.type in ("done", "error"):
                         return
 
     async def release(self, request_id: str, model: ServedModel, *, finished: bool) -> None:
-        """Free the queue slot; if the client left early, tell the worker to drop the request."""
+        """Free the queue slot and, unless the worker finished, set the cancel flag; a cancelled caller cannot stop it.
+
+        The work runs in a task of its own; when the caller is cancelled (the client went away) the await below
+        is interrupted but the task still completes.
+        """
+        task = asyncio.ensure_future(self._release(request_id, model, finished=finished))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        await asyncio.shield(task)
+
+    async def drain(self) -> None:
+        """Wait for releases still in flight (the app's shutdown, before Redis is closed)."""
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)
+
+    async def _release(self, request_id: str, model: ServedModel, *, finished: bool) -> None:
         try:
             if not finished:
                 await self.redis.set(cancel_key(request_id), "1", ex=int(self._lifetime()))
@@ -136,18 +129,7 @@ def _slots_key(model_id: str) -> str:
     return f"trainserve:slots:{model_id}"
 
 
-def raise_event_error(event: dict[str, Any]) -> None:
-    """Turn a worker's error event into the domain error the API answers with."""
-    error = event["error"]
-    code, message, field = error.get("code"), error.get("message", "generation failed"), error.get("field")
-    if code == "validation_error":
-        raise ValidationFailed(field, message)
-    if code == "queue_timeout":
-        raise QueueTimeout(message)
-    if code == "overloaded":
-        raise TooManyRequests(message, retry_after=1, code="overloaded")
-    if code == "worker_timeout":
-        raise WorkerTimeout(message)
-    if code == "broker_unavailable":
-        raise BrokerUnavailable(message)
-    raise UpstreamFailed(message, code=code or "worker_error")
+def list_models_for(session: Session, settings: Settings, principal: Principal) -> ModelList:
+    """The models /generate and /v1/completions can serve to this caller."""
+    models = list_served_models(session, settings, tenant=principal.scope)
+    return ModelList(data=[ModelCard(id=m.id, created=m.created, owned_by=m.owned_by) for m in models])

@@ -6,7 +6,6 @@ The Celery hop is replaced by a queue that runs the worker's real `serve` functi
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
@@ -14,34 +13,27 @@ import redis as redis_lib
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from core.settings import override_settings
 from core.tasks import TASK_GENERATE
 from tests.tiny_lm import build_tiny_gpt2
 
 
 @pytest.fixture()
-def served(settings, queue, client):
-    """A tiny GPT-2 installed as <home>/models/tiny, served by the worker code in-process."""
-    path = build_tiny_gpt2(settings.home / "models" / "tiny", n_positions=64)
-    override_settings(settings)
+def worker_ctx(settings, queue):
+    """The generation worker's context; its tasks run in threads through the recording queue."""
     from worker import serving
+    from worker.context import WorkerContext
 
-    serving._redis = None
-    original = queue.send
+    ctx = WorkerContext(settings, queue)
+    queue.handlers[TASK_GENERATE] = lambda payload: serving.serve(ctx, payload)
+    yield ctx
+    ctx.service("generation", serving.GenerationService.build).registry.close()
+    ctx.close()
 
-    def send(name, args, *, queue):
-        task_id = original(name, args, queue=queue)
-        if name == TASK_GENERATE:
-            threading.Thread(target=serving.serve, args=(args[0],), daemon=True).start()
-        return task_id
 
-    queue.send = send
-    yield path
-    for engine in serving._engines.values():
-        engine.close()
-    serving._engines.clear()
-    serving._redis = None
-    override_settings(None)
+@pytest.fixture()
+def served(settings, worker_ctx):
+    """A tiny GPT-2 installed as <home>/models/tiny, served by the worker code in-process."""
+    return build_tiny_gpt2(settings.home / "models" / "tiny", n_positions=64)
 
 
 def _reference_greedy(path, prompt, max_new_tokens):
@@ -157,3 +149,24 @@ def test_official_openai_client_completes_and_streams(client, served):
         api.completions.create(model="tiny", prompt="Hi", logprobs=2)
     models = api.models.list()
     assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_a_token_written_before_accepted_is_not_lost(client, settings, queue, served):
+    """The engine's scheduler thread may stream a token before the submitting thread writes `accepted`."""
+    from core.protocol import AcceptedEvent, ChoiceOut, DoneEvent, TokenEvent, Usage
+    from core.tasks import stream_key
+
+    def worker(payload):
+        store = redis_lib.Redis.from_url(settings.resolved_redis_url)
+        done = DoneEvent(choices=[ChoiceOut(index=0, text="ab", finish_reason="length")],
+                         usage=Usage(prompt_tokens=1, completion_tokens=2))
+        for event in (TokenEvent(index=0, text="a"), AcceptedEvent(prompt_tokens=1), TokenEvent(index=0, text="b"),
+                      done):
+            store.xadd(stream_key(payload["request_id"]), {"data": event.model_dump_json()})
+        store.close()
+
+    queue.handlers[TASK_GENERATE] = worker
+    body = {"model": "tiny", "prompt": "hi", "max_new_tokens": 2}
+    assert client.post("/generate", json=body).json()["choices"][0]["text"] == "ab"
+    events = _sse(client.post("/generate", json={**body, "stream": True}))
+    assert [json.loads(data)["text"] for _, data in events[:2]] == ["a", "b"]

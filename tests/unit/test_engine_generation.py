@@ -204,6 +204,37 @@ def test_cancellation_frees_the_slot(narrow) -> None:
     assert narrow.stats()["running"] == 0
 
 
+def test_cancelled_ids_hook_drops_running_and_waiting_requests_within_one_step(model_dir: Path) -> None:
+    flagged: set[str] = set()
+    calls: list[list[str]] = []
+    deltas: list[str] = []
+    at_flag: list[int] = []
+
+    def cancelled_ids(ids: list[str]) -> set[str]:
+        calls.append(list(ids))
+        return flagged & set(ids)
+
+    def on_token(index: int, delta: str) -> None:
+        deltas.append(delta)
+        if len(deltas) == 2:
+            # Tokens accepted so far: the counter is bumped after this step's callbacks, so +1 for this one.
+            at_flag.append(eng.stats()["generated_tokens"] + 1)
+            flagged.update({"running", "waiting"})  # takes effect before the next decode step
+
+    with GenerationEngine(model_dir, device="cpu", max_batch_size=1, cancelled_ids=cancelled_ids) as eng:
+        running = eng.submit("Cancel me", greedy(100), request_id="running", on_token=on_token)
+        waiting = eng.submit("Never started", greedy(5), request_id="waiting")
+        choice = running.result(WAIT).choices[0]
+        assert choice.finish_reason == "cancelled" and len(choice.token_ids) == at_flag[0] < 100
+        assert waiting.result(WAIT).choices[0].finish_reason == "cancelled"
+        assert waiting.result().completion_tokens == 0
+        stats = eng.stats()
+    # One call per scheduler loop covering every request, not one per request.
+    assert stats["steps"] <= len(calls) <= stats["steps"] + stats["prefills"] + 1
+    assert any(set(c) == {"running", "waiting"} for c in calls)
+    assert stats["running"] == 0 and stats["waiting"] == 0
+
+
 def test_deadline_drops_a_waiting_request_before_the_model(narrow) -> None:
     gate = Gate()
     blocker = narrow.submit("Blocker", greedy(3), on_token=gate)

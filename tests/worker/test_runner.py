@@ -30,11 +30,9 @@ def ctx(settings, queue):
 @pytest.fixture()
 def runner(ctx):
     """The runner's entry points bound to a test context (its own sessions, the recording queue)."""
-    from worker.runner import classify_texts
     from worker.training.lifecycle import run_training_job
 
-    return SimpleNamespace(run_training_job=lambda job_id: run_training_job(ctx, job_id),
-                           classify_texts=lambda job_id, texts: classify_texts(ctx, job_id, texts))
+    return SimpleNamespace(run_training_job=lambda job_id: run_training_job(ctx, job_id))
 
 
 def _submit(client, tiny_bert, **hp):
@@ -46,7 +44,7 @@ def _submit(client, tiny_bert, **hp):
     return response.json()["id"]
 
 
-def test_job_runs_to_success_and_serves_predictions(client, queue, runner, tiny_bert):
+def test_job_runs_to_success_and_serves_predictions(client, queue, runner, tiny_bert, ctx):
     job_id = _submit(client, tiny_bert)
     assert runner.run_training_job(job_id) == "succeeded"
     job = client.get(f"/jobs/{job_id}").json()
@@ -73,7 +71,9 @@ def test_job_runs_to_success_and_serves_predictions(client, queue, runner, tiny_
     download = client.get(model["download_url"])
     assert download.status_code == 200 and download.headers["content-type"] == "application/x-tar"
 
-    queue.handlers[TASK_CLASSIFY] = runner.classify_texts
+    from worker.classification import serve_classify
+
+    queue.handlers[TASK_CLASSIFY] = lambda payload: serve_classify(ctx, payload)
     response = client.post("/classify", json={"model": job_id, "texts": ["a wonderful , moving film",
                                                                           "a dull , lifeless mess"]})
     assert response.status_code == 200, response.text

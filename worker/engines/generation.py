@@ -3,116 +3,43 @@
 Threads call `submit`; the scheduler thread owns the model. Each loop it admits waiting requests (FIFO)
 while the batch has room, prefills their prompts into free cache rows, then runs one decode step for all
 running sequences; a finished sequence leaves at once and its row is reused. A cancelled request
-(is_cancelled() polled before every step) resolves with finish_reason "cancelled" and the text so far;
+(is_cancelled() polled before every step, or named by the engine's cancelled_ids hook, asked once per step
+for all requests) resolves with finish_reason "cancelled" and the text so far;
 a deadline only applies while a request waits (DeadlineExceeded).
 """
 
 from __future__ import annotations
 
-import secrets
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from core.protocol import SamplingParams
+from worker.engines.batch import (
+    DeadlineExceeded,
+    EngineClosed,
+    GenerationResult,
+    OnToken,
+    QueueFull,
+    Request,
+    SequenceState,
+    check_fits,
+    prompt_ids,
+)
 from worker.engines.device import DevicePlan, resolve_device
 from worker.engines.lm_loading import Gpt2Runner, eos_ids, load_causal_lm, load_tokenizer, token_bytes
-from worker.engines.sampling import RowParams, SamplingParams, TextStream, make_generator, next_tokens
+from worker.engines.sampling import RowParams, next_tokens
 
-__all__ = [
-    "Choice", "DeadlineExceeded", "EngineClosed", "GenerationEngine", "GenerationResult", "QueueFull",
-    "SamplingParams",
-]
+__all__ = ["DeadlineExceeded", "EngineClosed", "GenerationEngine", "GenerationResult", "QueueFull", "SamplingParams"]
 
 # Padded prompt tokens per prefill forward: bounds the activations of a burst of long prompts.
 PREFILL_TOKENS = 4096
-
-OnToken = Callable[[int, str], None]
-
-
-class QueueFull(RuntimeError):
-    """max_queue requests are already waiting for a batch slot."""
-
-
-class DeadlineExceeded(TimeoutError):
-    """The request was still waiting for a batch slot when its deadline passed."""
-
-
-class EngineClosed(RuntimeError):
-    """The engine was closed before the request finished."""
-
-
-@dataclass
-class Choice:
-    """One generated continuation; token_ids include the eos id when finish_reason is "eos"."""
-
-    index: int
-    text: str
-    finish_reason: str  # "length" | "stop" | "eos" | "cancelled"
-    token_ids: list[int]
-
-
-@dataclass
-class GenerationResult:
-    """The choices of one request and its token usage."""
-
-    request_id: str
-    choices: list[Choice]
-    prompt_tokens: int
-    completion_tokens: int  # sum over choices
-
-
-@dataclass(eq=False)
-class _Request:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    on_token: OnToken | None
-    is_cancelled: Callable[[], bool] | None
-    deadline: float | None
-    future: Future = field(default_factory=Future)
-    sequences: list[_Sequence] = field(default_factory=list)
-    done: bool = False
-
-    @property
-    def cost(self) -> int:
-        """Cache positions the request may occupy: its share of max_tokens_in_flight."""
-        return self.params.n * (len(self.prompt) + self.params.max_new_tokens)
-
-
-@dataclass(eq=False)
-class _Sequence:
-    request: _Request
-    index: int
-    stream: TextStream
-    generator: torch.Generator | None
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-
-    @property
-    def position(self) -> int:
-        """Where the last sampled token goes when it is fed back to the model."""
-        return len(self.request.prompt) + len(self.tokens) - 1
-
-    def accept(self, token: int, eos_ids: frozenset[int]) -> str:
-        """Append a sampled token, decide whether the sequence is finished; returns the text to emit."""
-        self.tokens.append(token)
-        if token in eos_ids:
-            self.finish_reason = "eos"
-            return self.stream.finish()  # the eos token has no text
-        delta = self.stream.push(token)
-        if self.stream.stopped:
-            self.finish_reason = "stop"
-        elif len(self.tokens) >= self.request.params.max_new_tokens:
-            self.finish_reason = "length"
-            delta += self.stream.finish()
-        return delta
 
 
 class GenerationEngine:
@@ -125,6 +52,7 @@ class GenerationEngine:
     def __init__(
         self, model: str | Path, *, device: str = "auto", precision: str = "auto", max_batch_size: int = 32,
         max_tokens_in_flight: int = 16384, max_queue: int = 256,
+        cancelled_ids: Callable[[list[str]], Collection[str]] | None = None,
     ) -> None:
         for name, value in (("max_batch_size", max_batch_size), ("max_tokens_in_flight", max_tokens_in_flight),
                             ("max_queue", max_queue)):
@@ -140,19 +68,21 @@ class GenerationEngine:
         self.max_batch_size = max_batch_size
         self.max_tokens_in_flight = max_tokens_in_flight
         self.max_queue = max_queue
+        # Given the ids of all waiting and running requests, those to drop: one call per loop (raising fails the batch).
+        self._cancelled_ids = cancelled_ids
         self._table = token_bytes(self.tokenizer, self.vocab_size)
         self._runner = Gpt2Runner(self.model, self.plan, max_rows=max_batch_size)
         self._device = torch.device(self.plan.device)
         self._encode_lock = threading.Lock()  # HF fast tokenizers are not safe to call from many threads
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
-        self._waiting: deque[_Request] = deque()
+        self._waiting: deque[Request] = deque()
         self._tokens_in_flight = 0
         self._closed = False
         self._counters = {"steps": 0, "prefills": 0, "prompt_tokens": 0, "generated_tokens": 0,
                           "completed": 0, "cancelled": 0, "expired": 0, "failed": 0, "peak_running_sequences": 0}
         # Scheduler-thread state: rows of the batch, in cache-row order.
-        self._rows: list[_Sequence] = []
+        self._rows: list[SequenceState] = []
         self._row_params: RowParams | None = None
         self._generators: list[torch.Generator] = []
         # Tokens seen per row (prompt + generated), for the repetition penalty: [max_batch_size, vocab].
@@ -174,9 +104,10 @@ class GenerationEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = self._prompt_ids(prompt)
-        self._check_fits(len(ids), params)
-        request = _Request(request_id or uuid.uuid4().hex, ids, params, on_token, is_cancelled, deadline)
+        ids = prompt_ids(prompt, self.encode, self.vocab_size)
+        check_fits(len(ids), params, context_length=self.context_length, max_batch_size=self.max_batch_size,
+                   max_tokens_in_flight=self.max_tokens_in_flight)
+        request = Request(request_id or uuid.uuid4().hex, ids, params, on_token, is_cancelled, deadline)
         with self._lock:
             if self._closed:
                 raise EngineClosed("the generation engine is closed")
@@ -220,39 +151,15 @@ class GenerationEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.encode(prompt) if prompt else []
-        elif isinstance(prompt, list | tuple):
-            ids = list(prompt)
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]!r}")
-        else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt is empty")
-        return ids
-
-    def _check_fits(self, prompt_tokens: int, params: SamplingParams) -> None:
-        total = prompt_tokens + params.max_new_tokens
-        if total > self.context_length:
-            raise ValueError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
-                             f"exceeds the model's context length of {self.context_length}")
-        if params.n > self.max_batch_size:
-            raise ValueError(f"n={params.n} exceeds max_batch_size={self.max_batch_size}")
-        if params.n * total > self.max_tokens_in_flight:
-            raise ValueError(f"n * (prompt + max_new_tokens) = {params.n * total} exceeds "
-                             f"max_tokens_in_flight={self.max_tokens_in_flight}")
-
     def _run(self) -> None:
         with torch.inference_mode():
             while self._wait_for_work():
                 try:
-                    admitted = self._admit()
+                    flagged = self._flagged()
+                    admitted = self._admit(flagged)
                     if admitted:
                         self._start(admitted)
-                    self._poll_cancelled()
+                    self._poll_cancelled(flagged)
                     if self._rows:
                         self._step()
                 except Exception as error:  # noqa: BLE001 - a failed forward fails its batch, not the engine
@@ -266,14 +173,22 @@ class GenerationEngine:
                 self._wake.wait()
             return not self._closed
 
-    def _admit(self) -> list[_Request]:
+    def _flagged(self) -> frozenset[str]:
+        """Ids the cancelled_ids hook names among waiting and running requests (one call for all of them)."""
+        with self._lock:
+            ids = list(dict.fromkeys(
+                [r.request_id for r in self._waiting] + [q.request.request_id for q in self._rows]))
+        return frozenset(self._cancelled_ids(ids)) if self._cancelled_ids is not None and ids else frozenset()
+
+    def _admit(self, flagged: frozenset[str] = frozenset()) -> list[Request]:
         """Pop waiting requests in order while the batch has room; drop expired and cancelled ones first."""
         with self._lock:
-            watched = [r for r in self._waiting if r.is_cancelled is not None or r.future.cancelled()]
+            watched = [r for r in self._waiting
+                       if r.is_cancelled is not None or r.future.cancelled() or r.request_id in flagged]
         # is_cancelled is caller code: polled without holding the lock.
-        gone = {id(r) for r in watched if r.future.cancelled() or self._cancelled(r)}
+        gone = {id(r) for r in watched if r.future.cancelled() or self._cancelled(r, flagged)}
         now = time.monotonic()
-        admitted: list[_Request] = []
+        admitted: list[Request] = []
         with self._lock:
             cancelled = [r for r in self._waiting if id(r) in gone]
             expired = [r for r in self._waiting if r.deadline is not None and r.deadline < now and id(r) not in gone]
@@ -298,11 +213,10 @@ class GenerationEngine:
         for request in cancelled:
             if not request.future.cancelled() and not request.done:
                 request.done = True
-                choices = [Choice(i, "", "cancelled", []) for i in range(request.params.n)]
-                request.future.set_result(GenerationResult(request.request_id, choices, len(request.prompt), 0))
+                request.future.set_result(request.result())
         return admitted
 
-    def _start(self, admitted: list[_Request]) -> None:
+    def _start(self, admitted: list[Request]) -> None:
         """Prefill admitted requests (in chunks) into new rows and sample their first tokens."""
         ready = []
         for request in admitted:
@@ -311,7 +225,7 @@ class GenerationEngine:
             else:
                 with self._lock:
                     self._tokens_in_flight -= request.cost
-        chunk: list[_Request] = []
+        chunk: list[Request] = []
         width = 0
         for request in ready:
             width = max(width, len(request.prompt))
@@ -322,7 +236,7 @@ class GenerationEngine:
         if chunk:
             self._prefill_or_abort(chunk)
 
-    def _prefill_or_abort(self, requests: list[_Request]) -> None:
+    def _prefill_or_abort(self, requests: list[Request]) -> None:
         try:
             self._prefill(requests)
         except Exception as error:  # noqa: BLE001 - fail these requests; rows already running are intact
@@ -336,20 +250,13 @@ class GenerationEngine:
             except Exception:  # noqa: BLE001
                 self._reset(error)
 
-    def _prefill(self, requests: list[_Request]) -> None:
+    def _prefill(self, requests: list[Request]) -> None:
         first = len(self._rows)
         groups: list[list[int]] = []
         for request in requests:
-            params = request.params
-            group = []
-            for index in range(params.n):
-                seed = None if params.greedy else (secrets.randbits(63) if params.seed is None else params.seed + index)
-                sequence = _Sequence(request, index, TextStream(self._table, params.stop),
-                                     None if seed is None else make_generator(seed))
-                request.sequences.append(sequence)
-                group.append(len(self._rows))
-                self._rows.append(sequence)
-            groups.append(group)
+            sequences = request.open(self._table)
+            groups.append(list(range(len(self._rows), len(self._rows) + len(sequences))))
+            self._rows.extend(sequences)
         new_rows = self._rows[first:]
         self._runner.reserve(len(self._rows), max(len(s.request.prompt) + s.request.params.max_new_tokens
                                                   for s in self._rows))
@@ -397,13 +304,15 @@ class GenerationEngine:
             self._counters["generated_tokens"] += len(ids)
         self._sweep()
 
-    def _emit(self, request: _Request, index: int, delta: str) -> None:
+    def _emit(self, request: Request, index: int, delta: str) -> None:
         try:
             request.on_token(index, delta)
         except Exception as error:  # noqa: BLE001 - a broken callback fails its own request only
             self._fail(request, error)
 
-    def _cancelled(self, request: _Request) -> bool:
+    def _cancelled(self, request: Request, flagged: frozenset[str] = frozenset()) -> bool:
+        if request.request_id in flagged:
+            return True
         if request.is_cancelled is None:
             return False
         try:
@@ -412,21 +321,19 @@ class GenerationEngine:
             self._fail(request, error)
             return True
 
-    def _poll_cancelled(self) -> None:
-        requests = {id(s.request): s.request for s in self._rows if s.request.is_cancelled is not None}
+    def _poll_cancelled(self, flagged: frozenset[str] = frozenset()) -> None:
+        requests = {id(s.request): s.request for s in self._rows
+                    if s.request.is_cancelled is not None or s.request.request_id in flagged}
         hit = False
         for request in requests.values():
-            if request.done or not self._cancelled(request):
+            if request.done or not self._cancelled(request, flagged):
                 continue
             hit = True
             if request.done:  # is_cancelled raised: the request has already failed
                 continue
-            for sequence in request.sequences:
-                if sequence.finish_reason is None:
-                    sequence.finish_reason = "cancelled"
-                    delta = sequence.stream.finish()
-                    if delta and request.on_token is not None:
-                        self._emit(request, sequence.index, delta)
+            for index, delta in request.cancel():
+                if request.on_token is not None:
+                    self._emit(request, index, delta)
             with self._lock:
                 self._counters["cancelled"] += 1
         if hit:
@@ -437,7 +344,7 @@ class GenerationEngine:
         doomed = [row for row, s in enumerate(self._rows) if s.finish_reason is not None or s.request.done]
         if not doomed:
             return
-        finished: dict[int, _Request] = {}
+        finished: dict[int, Request] = {}
         with self._lock:
             for row in reversed(doomed):
                 sequence = self._rows[row]
@@ -455,16 +362,13 @@ class GenerationEngine:
             if not request.done and all(s.finish_reason is not None for s in request.sequences):
                 self._complete(request)
 
-    def _complete(self, request: _Request) -> None:
+    def _complete(self, request: Request) -> None:
         request.done = True
-        choices = [Choice(s.index, s.stream.text, s.finish_reason or "cancelled", list(s.tokens))
-                   for s in request.sequences]
         with self._lock:
             self._counters["completed"] += 1
-        request.future.set_result(GenerationResult(
-            request.request_id, choices, len(request.prompt), sum(len(c.token_ids) for c in choices)))
+        request.future.set_result(request.result())
 
-    def _fail(self, request: _Request, error: BaseException) -> None:
+    def _fail(self, request: Request, error: BaseException) -> None:
         if request.done:
             return
         request.done = True

@@ -4,62 +4,19 @@ from __future__ import annotations
 
 import codecs
 import math
-from dataclasses import dataclass
 
 import torch
 
-MAX_SEED = 2**63 - 1
+from core.protocol import MAX_SEED, SamplingParams
+
 # Top-k/top-p rows are processed on their best candidates instead of a full-vocabulary sort (the sort of a
 # [16, 50257] batch costs ~100 ms on a small CPU); the set grows only when it does not cover the nucleus.
 CANDIDATES = 256
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request is decoded; invalid values raise ValueError when the object is built."""
-
-    max_new_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # (0, 1]
-    repetition_penalty: float = 1.0  # CTRL/HF: positive logits divided, negative multiplied
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    n: int = 1
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str) or not isinstance(self.stop, tuple | list):
-            raise ValueError(f"stop must be a tuple of strings, got {self.stop!r}")
-        object.__setattr__(self, "stop", tuple(self.stop))  # a list from JSON is fine; keep it hashable
-        _check_int("max_new_tokens", self.max_new_tokens, 1)
-        _check_int("top_k", self.top_k, 0)
-        _check_int("n", self.n, 1)
-        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop sequences must be non-empty strings, got {self.stop!r}")
-        if self.seed is not None:
-            _check_int("seed", self.seed, 0)
-            if self.seed + self.n - 1 > MAX_SEED:
-                raise ValueError(f"seed + n - 1 must be at most {MAX_SEED}, got {self.seed + self.n - 1}")
-
-    @property
-    def greedy(self) -> bool:
-        """True when the argmax is taken (temperature 0): no randomness is consumed."""
-        return self.temperature == 0
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+__all__ = [
+    "CANDIDATES", "MAX_SEED", "RowParams", "SamplingParams", "TextStream", "make_generator", "next_tokens", "penalize",
+    "truncated_distribution",
+]
 
 
 def make_generator(seed: int) -> torch.Generator:

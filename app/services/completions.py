@@ -1,0 +1,232 @@
+"""The serving side of /generate and /v1/completions, apart from HTTP (as vLLM keeps its OpenAI layer).
+
+Request flow (admit, hand off, wait for the first event, collect or relay), OpenAI parameter mapping,
+response and chunk building and SSE rendering live here; the routes only parse, call and return.
+Releasing a request's slot survives a client that goes away (see GenerationGateway.release).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from app.errors import error_body, from_wire
+from app.schemas.generation import (
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionUsage,
+    GenerateRequest,
+    GenerateResponse,
+)
+from app.services.generation import GenerationGateway
+from core.auth import Principal
+from core.errors import ClientGone, ValidationFailed
+from core.protocol import AcceptedEvent, DoneEvent, ErrorBody, ErrorEvent, GenerationEvent, SamplingParams, TokenEvent
+from core.served_models import ServedModel
+
+# How often a non-streaming request asks whether its client is still there.
+DISCONNECT_POLL_S = 0.25
+
+Disconnected = Callable[[], Awaitable[bool]]  # Request.is_disconnected
+Render = Callable[[GenerationEvent], list[bytes]]
+
+
+@dataclass
+class Started:
+    """A request a worker has accepted: its id, its model (for the slot) and the rest of its events."""
+
+    request_id: str
+    model: ServedModel
+    events: AsyncIterator[GenerationEvent]
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    """One server-sent event; `data` is JSON-encoded unless it is already a string."""
+    payload = data if isinstance(data, str) else json.dumps(data)
+    return ((f"event: {event}\n" if event else "") + f"data: {payload}\n\n").encode()
+
+
+def sse_error(error: ErrorBody) -> bytes:
+    """The error envelope as an `event: error` SSE event."""
+    return sse(error_body(error.code, error.message, error.field, error.details), event="error")
+
+
+def sampling(**values: Any) -> SamplingParams:
+    """SamplingParams from request fields; a combination the schema could not check is a 422."""
+    try:
+        return SamplingParams(**values)
+    except ValidationError as exc:
+        raise ValidationFailed(None, str(exc.errors()[0]["msg"]).removeprefix("Value error, ")) from exc
+
+
+async def start(gateway: GenerationGateway, session: Session, principal: Principal, name: str, prompt: str,
+                params: SamplingParams) -> Started:
+    """Validate, admit, hand off; returns once the worker accepted the request (or raises its error)."""
+    gateway.check(params)
+    model = await run_in_threadpool(gateway.resolve, session, principal, name)
+    await run_in_threadpool(session.close)  # no connection held while generating
+    request_id = await gateway.admit(principal, model)
+    finished = False
+    try:
+        await gateway.submit(request_id, model, prompt, params)
+        events = gateway.events(request_id)
+        first = await anext(events)
+        if isinstance(first, ErrorEvent):
+            finished = True
+            raise from_wire(first.error)
+    except BaseException:
+        await gateway.release(request_id, model, finished=finished)
+        raise
+    if not isinstance(first, AcceptedEvent):  # the scheduler may stream a token before `accepted` is written
+        events = _prepend(first, events)
+    return Started(request_id, model, events)
+
+
+async def _prepend(first: GenerationEvent, rest: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
+    yield first
+    async for event in rest:
+        yield event
+
+
+async def _final(events: AsyncIterator[GenerationEvent]) -> DoneEvent | ErrorEvent:
+    async for event in events:
+        if isinstance(event, DoneEvent | ErrorEvent):
+            return event
+    raise RuntimeError("event stream ended without a result")
+
+
+async def collect(gateway: GenerationGateway, started: Started, disconnected: Disconnected) -> DoneEvent:
+    """Wait for the result; a client that disconnects meanwhile cancels the request (ClientGone)."""
+    finished = False
+    waiting = asyncio.ensure_future(_final(started.events))
+    try:
+        while not waiting.done():
+            await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
+            if not waiting.done() and await disconnected():
+                raise ClientGone("the client disconnected")
+        final = waiting.result()
+        finished = True
+        if isinstance(final, ErrorEvent):
+            raise from_wire(final.error)
+        return final
+    finally:
+        waiting.cancel()
+        await gateway.release(started.request_id, started.model, finished=finished)
+
+
+async def relay(gateway: GenerationGateway, started: Started, render: Render) -> AsyncIterator[bytes]:
+    """Relay events as SSE; a client that goes away cancels this generator, and the release still happens."""
+    finished = False
+    try:
+        async for event in started.events:
+            if isinstance(event, ErrorEvent):
+                finished = True
+                yield sse_error(event.error)
+                break
+            for chunk in render(event):
+                yield chunk
+            if isinstance(event, DoneEvent):
+                finished = True
+                break
+        yield sse("[DONE]")
+    finally:
+        await gateway.release(started.request_id, started.model, finished=finished)
+
+
+async def generate(gateway: GenerationGateway, session: Session, principal: Principal, body: GenerateRequest,
+                   disconnected: Disconnected) -> GenerateResponse | AsyncIterator[bytes]:
+    """/generate: the response, or (stream) its SSE events, one per token then the result."""
+    params = sampling(max_new_tokens=body.max_new_tokens, temperature=body.temperature, top_k=body.top_k,
+                      top_p=body.top_p, repetition_penalty=body.repetition_penalty, stop=body.stop, seed=body.seed,
+                      n=body.n)
+    started = await start(gateway, session, principal, body.model, body.prompt, params)
+    request_id = started.request_id
+    if not body.stream:
+        done = await collect(gateway, started, disconnected)
+        return GenerateResponse(id=request_id, model=body.model, choices=[c.model_dump() for c in done.choices],
+                                usage=done.usage.model_dump())
+
+    def render(event: GenerationEvent) -> list[bytes]:
+        if isinstance(event, TokenEvent):
+            return [sse({"id": request_id, "index": event.index, "text": event.text})]
+        if isinstance(event, DoneEvent):
+            return [sse({"id": request_id, "model": body.model, "choices": [c.model_dump() for c in event.choices],
+                         "usage": event.usage.model_dump()})]
+        return []
+
+    return relay(gateway, started, render)
+
+
+def openai_params(body: CompletionRequest) -> tuple[str, SamplingParams]:
+    """Map OpenAI's fields; refuse the ones this server cannot honour instead of silently ignoring them."""
+    unsupported = {"echo": body.echo, "logprobs": body.logprobs, "suffix": body.suffix,
+                   "logit_bias": body.logit_bias or None}
+    for name, value in unsupported.items():
+        if value:
+            raise ValidationFailed(name, f"{name} is not supported by this server")
+    if body.best_of not in (None, 1):
+        raise ValidationFailed("best_of", "only best_of=1 is supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise ValidationFailed(name, f"{name} is not supported; use /generate with repetition_penalty")
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    if len(prompts) != 1 or not prompts[0]:
+        raise ValidationFailed("prompt", "send exactly one non-empty prompt per request")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > 4 or any(not 1 <= len(s) <= 100 for s in stop):
+        raise ValidationFailed("stop", "up to 4 stop sequences of 1-100 characters")
+    return prompts[0], sampling(max_new_tokens=body.max_tokens or 16,
+                                temperature=1.0 if body.temperature is None else body.temperature, top_k=0,
+                                top_p=1.0 if body.top_p is None else body.top_p, repetition_penalty=1.0, stop=stop,
+                                seed=body.seed, n=body.n or 1)
+
+
+def _openai_reason(reason: str | None) -> str | None:
+    return None if reason is None else "length" if reason == "length" else "stop"
+
+
+def _total(usage: Any) -> dict[str, int]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+async def complete(gateway: GenerationGateway, session: Session, principal: Principal, body: CompletionRequest,
+                   disconnected: Disconnected) -> Completion | AsyncIterator[bytes]:
+    """/v1/completions: an OpenAI Completion, or (stream) its chunks as SSE."""
+    prompt, params = openai_params(body)
+    started = await start(gateway, session, principal, body.model, prompt, params)
+    completion_id, created = f"cmpl-{started.request_id.removeprefix('gen-')}", int(time.time())
+    if not body.stream:
+        done = await collect(gateway, started, disconnected)
+        return Completion(id=completion_id, created=created, model=body.model,
+                          choices=[CompletionChoice(text=c.text, index=c.index,
+                                                    finish_reason=_openai_reason(c.finish_reason))  # type: ignore[arg-type]
+                                   for c in done.choices],
+                          usage=CompletionUsage(**_total(done.usage)))
+    include_usage = bool((body.stream_options or {}).get("include_usage"))
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+        return sse({"id": completion_id, "object": "text_completion", "created": created, "model": body.model,
+                    "choices": choices, **({"usage": usage} if usage is not None else {})})
+
+    def render(event: GenerationEvent) -> list[bytes]:
+        if isinstance(event, TokenEvent):
+            return [chunk([{"text": event.text, "index": event.index, "logprobs": None, "finish_reason": None}])]
+        if not isinstance(event, DoneEvent):
+            return []
+        out = [chunk([{"text": "", "index": c.index, "logprobs": None,
+                       "finish_reason": _openai_reason(c.finish_reason)}]) for c in event.choices]
+        if include_usage:
+            out.append(chunk([], _total(event.usage)))
+        return out
+
+    return relay(gateway, started, render)

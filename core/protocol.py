@@ -1,0 +1,241 @@
+"""The typed wire protocol between the API and the workers: every message on the broker or a Redis stream.
+
+The API builds these models, the broker and Redis carry their JSON, the worker validates them back;
+`ErrorCode` names every error code the service emits (HTTP envelopes, SSE error events, job rows).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+
+MAX_SEED = 2**63 - 1
+
+
+class ErrorCode(StrEnum):
+    """Every machine-readable error code the service answers with or records on a job."""
+
+    ERROR = "error"
+    VALIDATION_ERROR = "validation_error"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    HTTP_ERROR = "http_error"
+    CONFLICT = "conflict"
+    ILLEGAL_TRANSITION = "illegal_transition"
+    STALE_ATTEMPT = "stale_attempt"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    UNAUTHORIZED = "unauthorized"
+    KEY_IN_QUERY = "key_in_query"
+    RATE_LIMITED = "rate_limited"
+    QUOTA_EXCEEDED = "quota_exceeded"
+    TOO_MANY_UPLOADS = "too_many_uploads"
+    OVERLOADED = "overloaded"
+    IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
+    BROKER_UNAVAILABLE = "broker_unavailable"
+    DATABASE_UNAVAILABLE = "database_unavailable"
+    QUEUE_TIMEOUT = "queue_timeout"
+    WORKER_TIMEOUT = "worker_timeout"
+    WORKER_ERROR = "worker_error"
+    INTERNAL_ERROR = "internal_error"
+    CLIENT_DISCONNECTED = "client_disconnected"
+    # Job failures recorded on the row by the worker.
+    TRAINING_ERROR = "training_error"
+    OOM = "oom"
+    WORKER_LOST = "worker_lost"
+    DATASET_MISSING = "dataset_missing"
+    DOES_NOT_FIT = "does_not_fit"
+
+
+class ErrorBody(BaseModel):
+    """The one error envelope's body: REST responses, SSE `event: error`, stream events and job rows."""
+
+    code: str
+    message: str
+    field: str | None = None
+    details: Any = None
+
+    def envelope(self) -> dict[str, Any]:
+        """`{"error": {...}}`, with `details` only when there are some."""
+        body: dict[str, Any] = {"code": str(self.code), "message": self.message, "field": self.field}
+        if self.details is not None:
+            body["details"] = self.details
+        return {"error": body}
+
+
+def error_body(code: str, message: str, field: str | None = None, details: Any = None) -> dict[str, Any]:
+    """The JSON error envelope `{"error": {"code", "message", "field"[, "details"]}}`."""
+    return ErrorBody(code=code, message=message, field=field, details=details).envelope()
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
+
+
+class SamplingParams(BaseModel):
+    """How one request is decoded; the API, the task payload and the engine share this one definition.
+
+    Invalid values raise ValueError (pydantic's ValidationError is one) when the object is built.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # (0, 1]
+    repetition_penalty: float = 1.0  # CTRL/HF: positive logits divided, negative multiplied
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    n: int = 1
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strict(cls, data: Any) -> Any:
+        # Checked before pydantic's coercion so that True, 2.0 and "3" are refused rather than converted.
+        if not isinstance(data, dict):
+            return data
+        stop = data.get("stop", ())
+        if isinstance(stop, str) or not isinstance(stop, tuple | list):
+            raise ValueError(f"stop must be a tuple of strings, got {stop!r}")
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop sequences must be non-empty strings, got {tuple(stop)!r}")
+        for name in ("max_new_tokens", "n"):
+            if name in data:
+                _check_int(name, data[name], 1)
+        if "top_k" in data:
+            _check_int("top_k", data["top_k"], 0)
+        if data.get("seed") is not None:
+            _check_int("seed", data["seed"], 0)
+        temperature = data.get("temperature", 1.0)
+        if not _is_number(temperature) or not 0 <= temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+        top_p = data.get("top_p", 1.0)
+        if not _is_number(top_p) or not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        penalty = data.get("repetition_penalty", 1.0)
+        if not _is_number(penalty) or not 0 < penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {penalty!r}")
+        return {**data, "stop": tuple(stop)}
+
+    @model_validator(mode="after")
+    def _seed_range(self) -> SamplingParams:
+        if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
+            raise ValueError(f"seed + n - 1 must be at most {MAX_SEED}, got {self.seed + self.n - 1}")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        """True when the argmax is taken (temperature 0): no randomness is consumed."""
+        return self.temperature == 0
+
+
+class GenerateTask(BaseModel):
+    """The broker message for one generation request (API -> generation worker)."""
+
+    request_id: str
+    model: str  # the model's folder or hub id, as resolved by the API
+    prompt: str
+    params: SamplingParams
+    deadline: float  # wall-clock time after which a worker drops the request unstarted
+
+    def remaining(self) -> float:
+        """Seconds left before the deadline (negative once it passed)."""
+        return self.deadline - time.time()
+
+
+class TokenEvent(BaseModel):
+    """Text decoded for one choice."""
+
+    type: Literal["token"] = "token"
+    index: int
+    text: str
+
+
+class AcceptedEvent(BaseModel):
+    """The worker validated the request and queued it on its engine."""
+
+    type: Literal["accepted"] = "accepted"
+    prompt_tokens: int
+
+
+class ChoiceOut(BaseModel):
+    """One finished continuation."""
+
+    index: int
+    text: str
+    finish_reason: str  # "length" | "stop" | "eos" | "cancelled"
+
+
+class Usage(BaseModel):
+    """Token counts of a request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class DoneEvent(BaseModel):
+    """The request finished: every choice and the usage."""
+
+    type: Literal["done"] = "done"
+    choices: list[ChoiceOut]
+    usage: Usage
+
+
+class ErrorEvent(BaseModel):
+    """The request failed; `error` is the envelope body."""
+
+    type: Literal["error"] = "error"
+    error: ErrorBody
+
+    @classmethod
+    def of(cls, code: str, message: str, field: str | None = None) -> ErrorEvent:
+        """An error event from its parts."""
+        return cls(error=ErrorBody(code=code, message=message, field=field))
+
+
+GenerationEvent = Annotated[TokenEvent | AcceptedEvent | DoneEvent | ErrorEvent, Field(discriminator="type")]
+EVENTS: TypeAdapter[GenerationEvent] = TypeAdapter(GenerationEvent)
+
+
+def parse_event(raw: bytes | str) -> GenerationEvent:
+    """A stream entry's JSON back into its event model."""
+    return EVENTS.validate_json(raw)
+
+
+class ClassifyTask(BaseModel):
+    """The broker message for one /classify call (API -> inference worker)."""
+
+    request_id: str
+    job_id: str
+    texts: list[str]
+    deadline: float  # wall-clock time after which the caller has stopped waiting
+
+    @field_validator("texts")
+    @classmethod
+    def _some(cls, texts: list[str]) -> list[str]:
+        if not texts:
+            raise ValueError("texts is empty")
+        return texts
+
+
+class Prediction(BaseModel):
+    """One text's label and probability."""
+
+    label: Any
+    score: float
+
+
+class ClassifyResult(BaseModel):
+    """The inference worker's reply: predictions in input order, or an error."""
+
+    predictions: list[Prediction] | None = None
+    error: ErrorBody | None = None

@@ -1,0 +1,94 @@
+"""The generation worker's engine registry with tiny real GPT-2s: LRU eviction under a budget, per-model loads."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from core.protocol import SamplingParams
+from tests.tiny_lm import build_tiny_gpt2
+from worker.engines.generation import GenerationEngine
+from worker.serving import EngineRegistry, _footprint
+
+WAIT = 60
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("registry")
+    return {name: build_tiny_gpt2(root / name, seed=seed, n_positions=32) for seed, name in enumerate("abc")}
+
+
+def _engine(path: str) -> GenerationEngine:
+    return GenerationEngine(path, device="cpu", max_batch_size=2)
+
+
+def _say(engine: GenerationEngine) -> str:
+    return engine.generate("Hello", SamplingParams(max_new_tokens=3, temperature=0)).choices[0].text
+
+
+def test_least_recently_used_idle_engines_are_evicted_under_the_budget(models) -> None:
+    probe = _engine(str(models["a"]))
+    size = _footprint(probe)
+    probe.close()
+    registry = EngineRegistry(_engine, budget_bytes=int(size * 2.5), footprint=_footprint)  # room for two
+    try:
+        with registry.use(str(models["a"])) as a:
+            first = _say(a)
+        with registry.use(str(models["b"])):
+            pass
+        with registry.use(str(models["a"])) as again:  # a is now the most recently used
+            assert again is a and _say(again) == first
+        with registry.use(str(models["c"])):
+            pass
+        assert registry.loaded() == [str(models["a"]), str(models["c"])]  # b was the least recently used
+        assert a.stats()["closed"] is False and registry.used_bytes() <= registry.budget_bytes
+
+        # An engine in use is never evicted, even over budget; it goes once idle and something else is loaded.
+        with registry.use(str(models["a"])) as busy, registry.use(str(models["b"])), registry.use(str(models["c"])):
+            assert len(registry.loaded()) == 3 and _say(busy) == first
+        assert len(registry.loaded()) == 2 and registry.used_bytes() <= registry.budget_bytes
+    finally:
+        registry.close()
+
+
+def test_a_loading_model_does_not_block_requests_for_loaded_ones(models) -> None:
+    slow_started, slow_go = threading.Event(), threading.Event()
+    builds: list[str] = []
+
+    def build(path: str) -> GenerationEngine:
+        builds.append(path)
+        if path == str(models["b"]):
+            slow_started.set()
+            assert slow_go.wait(WAIT)
+        return _engine(path)
+
+    registry = EngineRegistry(build, budget_bytes=10**12, footprint=_footprint)
+    try:
+        with registry.use(str(models["a"])):
+            pass
+        results: list[str] = []
+
+        def use_b() -> None:
+            with registry.use(str(models["b"])) as engine:
+                results.append(_say(engine))
+
+        loaders = [threading.Thread(target=use_b) for _ in range(2)]
+        for thread in loaders:
+            thread.start()
+        assert slow_started.wait(WAIT)
+        started = time.monotonic()
+        with registry.use(str(models["a"])) as a:  # served while b is still loading
+            _say(a)
+        assert time.monotonic() - started < 10 and not results
+        slow_go.set()
+        for thread in loaders:
+            thread.join(WAIT)
+        assert len(results) == 2 and results[0] == results[1]
+        assert builds.count(str(models["b"])) == 1  # two waiting callers, one load
+    finally:
+        slow_go.set()
+        registry.close()

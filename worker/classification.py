@@ -1,0 +1,65 @@
+"""Classification on an inference worker: one task per /classify call, the reply pushed to a Redis list.
+
+A task whose caller has given up (the API set its abandoned marker, or the deadline passed) is skipped
+before any model is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from pydantic import ValidationError
+
+from core.paths import MANIFEST_NAME, job_model_dir
+from core.protocol import ClassifyResult, ClassifyTask, ErrorBody, ErrorCode, Prediction
+from core.tasks import abandoned_key, classify_reply_key
+from worker.context import WorkerContext
+
+log = logging.getLogger(__name__)
+
+
+def _classifiers(ctx: WorkerContext) -> Any:
+    from worker.engines.classify import ClassifierCache
+
+    return ClassifierCache(device=ctx.settings.worker_device)
+
+
+def classify_texts(ctx: WorkerContext, job_id: str, texts: list[str]) -> list[dict[str, Any]]:
+    """Predictions from a finished job's model; the model stays loaded in this process."""
+    model_dir = job_model_dir(ctx.settings, job_id)
+    if not (model_dir / MANIFEST_NAME).is_file():
+        raise FileNotFoundError(f"model of job {job_id} is not on this worker's disk")
+    result: list[dict[str, Any]] = ctx.service("classifiers", _classifiers).get(model_dir).predict(texts)
+    return result
+
+
+def abandoned(ctx: WorkerContext, task: ClassifyTask) -> bool:
+    """True when the caller has stopped waiting for this task."""
+    return task.deadline <= time.time() or bool(ctx.redis.exists(abandoned_key(task.request_id)))
+
+
+def serve_classify(ctx: WorkerContext, payload: dict[str, Any]) -> str:
+    """Run one /classify task and push its result; returns "skipped", "answered" or "failed"."""
+    try:
+        task = ClassifyTask.model_validate(payload)
+    except ValidationError:
+        log.exception("dropping a malformed classify task")
+        return "failed"
+    if abandoned(ctx, task):
+        log.info("skipping classify task %s: its caller has given up", task.request_id)
+        return "skipped"
+    try:
+        predictions = classify_texts(ctx, task.job_id, task.texts)
+        result = ClassifyResult(predictions=[Prediction(**p) for p in predictions])
+    except Exception as exc:  # noqa: BLE001 - the caller gets the error instead of waiting for its timeout
+        log.exception("classify task %s failed", task.request_id)
+        result = ClassifyResult(error=ErrorBody(code=ErrorCode.WORKER_ERROR, message=f"worker failed: {exc}"))
+    key = classify_reply_key(task.request_id)
+    ttl = max(1, int(task.deadline - time.time()) + 60)
+    with ctx.redis.pipeline() as pipe:  # one round trip; the reply expires if the caller never reads it
+        pipe.rpush(key, result.model_dump_json())
+        pipe.expire(key, ttl)
+        pipe.execute()
+    return "failed" if result.error else "answered"

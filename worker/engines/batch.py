@@ -1,0 +1,155 @@
+"""What the generation scheduler tracks: a request, its sequences (one per choice) and their results."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from core.protocol import SamplingParams
+from worker.engines.sampling import TextStream, make_generator
+
+OnToken = Callable[[int, str], None]
+
+
+class QueueFull(RuntimeError):
+    """max_queue requests are already waiting for a batch slot."""
+
+
+class DeadlineExceeded(TimeoutError):
+    """The request was still waiting for a batch slot when its deadline passed."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine was closed before the request finished."""
+
+
+@dataclass
+class Choice:
+    """One generated continuation; token_ids include the eos id when finish_reason is "eos"."""
+
+    index: int
+    text: str
+    finish_reason: str  # "length" | "stop" | "eos" | "cancelled"
+    token_ids: list[int]
+
+
+@dataclass
+class GenerationResult:
+    """The choices of one request and its token usage."""
+
+    request_id: str
+    choices: list[Choice]
+    prompt_tokens: int
+    completion_tokens: int  # sum over choices
+
+
+@dataclass(eq=False)
+class Request:
+    """One submitted request: its prompt ids, sampling settings, callbacks and future."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    on_token: OnToken | None
+    is_cancelled: Callable[[], bool] | None
+    deadline: float | None
+    future: Future = field(default_factory=Future)
+    sequences: list[SequenceState] = field(default_factory=list)
+    done: bool = False
+
+    def result(self) -> GenerationResult:
+        """The outcome from its sequences; a request dropped before it started has empty cancelled choices."""
+        if not self.sequences:
+            return GenerationResult(self.request_id, [Choice(i, "", "cancelled", []) for i in range(self.params.n)],
+                                    len(self.prompt), 0)
+        choices = [Choice(s.index, s.stream.text, s.finish_reason or "cancelled", list(s.tokens))
+                   for s in self.sequences]
+        return GenerationResult(self.request_id, choices, len(self.prompt), sum(len(c.token_ids) for c in choices))
+
+    def open(self, table: list[bytes]) -> list[SequenceState]:
+        """Create the request's n sequences, each with its own generator (seed + index when seeded)."""
+        for index in range(self.params.n):
+            params = self.params
+            seed = None if params.greedy else (secrets.randbits(63) if params.seed is None else params.seed + index)
+            self.sequences.append(SequenceState(self, index, TextStream(table, params.stop),
+                                                None if seed is None else make_generator(seed)))
+        return self.sequences
+
+    def cancel(self) -> list[tuple[int, str]]:
+        """Finish every unfinished sequence as "cancelled"; returns (choice index, text still to emit) pairs."""
+        pending = []
+        for sequence in self.sequences:
+            if sequence.finish_reason is None:
+                sequence.finish_reason = "cancelled"
+                pending.append((sequence.index, sequence.stream.finish()))
+        return [(index, delta) for index, delta in pending if delta]
+
+    @property
+    def cost(self) -> int:
+        """Cache positions the request may occupy: its share of max_tokens_in_flight."""
+        return self.params.n * (len(self.prompt) + self.params.max_new_tokens)
+
+
+@dataclass(eq=False)
+class SequenceState:
+    """One choice of a request, decoding in one row of the batch."""
+
+    request: Request
+    index: int
+    stream: TextStream
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def position(self) -> int:
+        """Where the last sampled token goes when it is fed back to the model."""
+        return len(self.request.prompt) + len(self.tokens) - 1
+
+    def accept(self, token: int, eos_ids: frozenset[int]) -> str:
+        """Append a sampled token, decide whether the sequence is finished; returns the text to emit."""
+        self.tokens.append(token)
+        if token in eos_ids:
+            self.finish_reason = "eos"
+            return self.stream.finish()  # the eos token has no text
+        delta = self.stream.push(token)
+        if self.stream.stopped:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.request.params.max_new_tokens:
+            self.finish_reason = "length"
+            delta += self.stream.finish()
+        return delta
+
+
+def prompt_ids(prompt: str | Sequence[int], encode: Callable[[str], list[int]], vocab_size: int) -> list[int]:
+    """A prompt as token ids; ValueError for an empty prompt or ids outside the vocabulary."""
+    if isinstance(prompt, str):
+        ids = encode(prompt) if prompt else []
+    elif isinstance(prompt, list | tuple):
+        ids = list(prompt)
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}), got {bad[:5]!r}")
+    else:
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("prompt is empty")
+    return ids
+
+
+def check_fits(prompt_tokens: int, params: SamplingParams, *, context_length: int, max_batch_size: int,
+               max_tokens_in_flight: int) -> None:
+    """ValueError when a request can never run on this engine (context, batch rows or cache positions)."""
+    total = prompt_tokens + params.max_new_tokens
+    if total > context_length:
+        raise ValueError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
+                         f"exceeds the model's context length of {context_length}")
+    if params.n > max_batch_size:
+        raise ValueError(f"n={params.n} exceeds max_batch_size={max_batch_size}")
+    if params.n * total > max_tokens_in_flight:
+        raise ValueError(f"n * (prompt + max_new_tokens) = {params.n * total} exceeds "
+                         f"max_tokens_in_flight={max_tokens_in_flight}")
