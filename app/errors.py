@@ -112,7 +112,10 @@ async def _http(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     code = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED,
             413: ErrorCode.PAYLOAD_TOO_LARGE}.get(exc.status_code, ErrorCode.HTTP_ERROR)
-    return JSONResponse(status_code=exc.status_code, content=envelope(code, str(exc.detail)),
+    field = None
+    if exc.status_code == 400:  # the framework could not parse the body (e.g. a JSON integer of 5,000 digits)
+        code, field = ErrorCode.VALIDATION_ERROR, "body"
+    return JSONResponse(status_code=exc.status_code, content=envelope(code, str(exc.detail), field),
                         headers=getattr(exc, "headers", None))
 
 
