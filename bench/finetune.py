@@ -6,8 +6,8 @@ Usage: HF_HUB_OFFLINE=1 .venv/bin/python bench/finetune.py [--rows 4000] [--max-
 from __future__ import annotations
 
 import argparse
-import statistics
 import os
+import statistics
 import sys
 import tempfile
 import time

@@ -25,7 +25,8 @@ class TrainingHyperparameters(BaseModel):
     max_steps: int | None = Field(None, ge=1, le=10_000_000, description="Optimizer steps; overrides epochs.")
     warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Fraction of steps with linear warmup.")
     gradient_accumulation_steps: int = Field(1, ge=1, le=1024, description="Micro-batches per optimizer step.")
-    precision: Precision = Field("auto", description="auto: bf16/fp16 on CUDA by capability, fp32 on CPU.")
+    precision: Precision = Field(
+        "auto", description="auto: bf16/fp16 on CUDA by capability; CPU bf16 autocast if calibrated faster, else fp32.")
     eval_steps: int | None = Field(None, ge=1, le=10_000_000, description="Evaluate every N steps (and at the end).")
 
 

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from core.estimate import architecture, training_memory
 from worker.engines import artifacts, data
+from worker.engines.cls_forward import cls_only_loss, supports_cls_only
 from worker.engines.device import DevicePlan
 from worker.engines.loop import (
     OutOfMemory,
@@ -76,6 +77,7 @@ class ClassifierTask:
         self.model = _load_model(config.base_model, self.labels)
         freeze_word_embeddings(self.model)
         self.model.to(plan.device)  # in place for modules
+        self.cls_only = supports_cls_only(self.model)
         num_eval = len(self.eval_set) if self.eval_set is not None else 0
         return Setup(
             model=self.model, num_examples=len(self.train_set), units_per_example=1,
@@ -95,8 +97,11 @@ class ClassifierTask:
 
     def loss(self, micro_batch: list[int]) -> torch.Tensor:
         """The model's own cross-entropy over the rows, padded to the longest of them."""
-        batch = data.collate(self.train_set, micro_batch)
-        return self.model(**{name: tensor.to(self.plan.device) for name, tensor in batch.items()}).loss
+        collated = data.collate(self.train_set, micro_batch)
+        batch = {name: tensor.to(self.plan.device) for name, tensor in collated.items()}
+        if self.cls_only:  # same loss and gradients, the last layer computed at [CLS] only
+            return cls_only_loss(self.model, **batch)
+        return self.model(**batch).loss
 
     def evaluate(self) -> dict[str, float] | None:
         """Loss, accuracy and F1 over the whole eval set (see classification_metrics for which F1)."""
