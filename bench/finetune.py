@@ -69,7 +69,7 @@ def run_engine(train_file: Path, dev_file: Path, work: Path, args: argparse.Name
         batch_size=HYPER["batch_size"], learning_rate=HYPER["learning_rate"],
         warmup_ratio=HYPER["warmup_ratio"], weight_decay=HYPER["weight_decay"],
         max_length=HYPER["max_length"], precision=precision, seed=HYPER["seed"], device=args.device,
-        base_model_name="minilm-l6",
+        base_model_name="minilm-l6", freeze_word_embeddings=args.freeze_word_embeddings,
     )
     started = time.perf_counter()
     result = train(config)
@@ -145,6 +145,8 @@ def parse_args() -> argparse.Namespace:
                         help="the engine's precision; auto is resolved by the engine's own device plan")
     parser.add_argument("--baseline-precision", default="match", choices=["match", "fp32", "bf16", "fp16"],
                         help="the Trainer runs' precision; match: whatever the engine resolved to")
+    parser.add_argument("--freeze-word-embeddings", action="store_true",
+                        help="the engine's freeze_word_embeddings hyperparameter (default off, as the API's)")
     parser.add_argument("--sides", default=",".join(SIDES),
                         help=f"comma-separated runs, in the interleaving order (default {','.join(SIDES)})")
     args = parser.parse_args()

@@ -39,6 +39,8 @@ class Hyperparameters(TrainingHyperparameters):
     weight_decay: float = _weight_decay(0.01)
     max_length: int = Field(128, ge=8, le=8192, description="Tokens per example after truncation.")
     seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed for shuffling, dropout and the head init.")
+    freeze_word_embeddings: bool = Field(
+        False, description="Keep the base model's token-embedding table as it is (faster steps; pretrained bases).")
 
 
 class LMHyperparameters(TrainingHyperparameters):

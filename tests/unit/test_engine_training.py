@@ -223,12 +223,12 @@ def test_classifier_cache_is_a_small_lru(tmp_path, tiny_model):
     assert cache.get(first).predict([]) == []
 
 
-def test_fine_tuning_keeps_the_word_embeddings_and_trains_the_rest(tmp_path, tiny_model):
-    result = train(make_config(tmp_path, tiny_model, max_steps=3, eval_file=None))
+def test_freeze_word_embeddings_keeps_the_table_and_trains_the_rest(tmp_path, tiny_model):
+    result = train(make_config(tmp_path, tiny_model, max_steps=3, eval_file=None, freeze_word_embeddings=True))
     before, after = weights(tiny_model), weights(result.model_dir)
     table = "bert.embeddings.word_embeddings.weight"
     assert torch.equal(after[table], before[table])  # frozen: no gradient, no AdamW decay
-    assert result.manifest["hyperparameters"]["word_embeddings"] == "frozen"
+    assert result.manifest["hyperparameters"]["freeze_word_embeddings"] is True
     changed = [name for name in before if name in after and not torch.equal(before[name], after[name])]
     assert "bert.embeddings.position_embeddings.weight" in changed
     assert "bert.encoder.layer.0.attention.self.query.weight" in changed

@@ -12,7 +12,6 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from core.estimate import architecture, training_memory
 from worker.engines import artifacts, data
-from worker.engines.cls_forward import cls_only_loss, supports_cls_only
 from worker.engines.device import DevicePlan
 from worker.engines.loop import (
     OutOfMemory,
@@ -43,6 +42,7 @@ class TrainConfig(RunConfig):
     batch_size: int = 32
     learning_rate: float = 5e-5
     weight_decay: float = 0.01
+    freeze_word_embeddings: bool = False
 
 
 def train(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> TrainResult:
@@ -75,9 +75,9 @@ class ClassifierTask:
             fused_attention=plan.is_cuda, num_labels=len(self.labels))
         require_fit(estimate, plan, config.memory_limit_bytes)
         self.model = _load_model(config.base_model, self.labels)
-        freeze_word_embeddings(self.model)
+        if config.freeze_word_embeddings:
+            freeze_word_embeddings(self.model)
         self.model.to(plan.device)  # in place for modules
-        self.cls_only = supports_cls_only(self.model)
         num_eval = len(self.eval_set) if self.eval_set is not None else 0
         return Setup(
             model=self.model, num_examples=len(self.train_set), units_per_example=1,
@@ -86,7 +86,7 @@ class ClassifierTask:
                       "labels": self.labels},
             info={"num_train": len(self.train_set), "num_eval": num_eval, "labels": self.labels},
             hyperparameters={"max_length": config.max_length, "length_grouped": True,
-                             "word_embeddings": "frozen"},
+                             "freeze_word_embeddings": config.freeze_word_embeddings},
         )
 
     def epoch_steps(self, epoch: int) -> list[list[list[int]]]:
@@ -97,11 +97,8 @@ class ClassifierTask:
 
     def loss(self, micro_batch: list[int]) -> torch.Tensor:
         """The model's own cross-entropy over the rows, padded to the longest of them."""
-        collated = data.collate(self.train_set, micro_batch)
-        batch = {name: tensor.to(self.plan.device) for name, tensor in collated.items()}
-        if self.cls_only:  # same loss and gradients, the last layer computed at [CLS] only
-            return cls_only_loss(self.model, **batch)
-        return self.model(**batch).loss
+        batch = data.collate(self.train_set, micro_batch)
+        return self.model(**{name: tensor.to(self.plan.device) for name, tensor in batch.items()}).loss
 
     def evaluate(self) -> dict[str, float] | None:
         """Loss, accuracy and F1 over the whole eval set (see classification_metrics for which F1)."""
@@ -150,8 +147,8 @@ def classification_metrics(predictions: np.ndarray, targets: np.ndarray, num_lab
 def freeze_word_embeddings(model: torch.nn.Module) -> None:
     """Keep the token-embedding table as pretrained: no gradient, no optimizer state, no update."""
     # It is about half of a small BERT's parameters, yet a batch of short texts touches a few hundred of
-    # its 30k rows: its dense gradient, clipping and AdamW update cost ~15% of a CPU step for little
-    # effect on a fine-tune's accuracy (measured in bench/README.md). Position embeddings still train.
+    # its 30k rows: its dense gradient, clipping and AdamW update cost ~10-15% of a CPU step. Opt-in: a
+    # pretrained base loses little accuracy (bench/README.md), a poorly trained table would stay poor.
     model.get_input_embeddings().weight.requires_grad_(False)
 
 
