@@ -14,10 +14,12 @@ import torch
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 _DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-# bf16 autocast adds casts around every matmul, so it pays only when the matmuls themselves are clearly
-# faster: CPUs with AVX512-BF16/AMX run them about twice as fast as fp32, others far slower.
-CPU_BF16_MIN_SPEEDUP = 1.3
-_CALIBRATION_SHAPE = (256, 384, 1024)  # (m, k, n): the size of a small BERT's feed-forward matmul
+# bf16 autocast adds casts around every matmul, so it pays only when a training step is clearly faster.
+# CPUs with AVX512-BF16/AMX run bf16 matmuls 2-6x as fast as fp32, others far slower; but on the dev CPU
+# (AMX) this small step ran 1.3x faster in bf16 while a whole MiniLM step ran 2x slower (bf16 attention
+# backward, see bench/README.md), so a clear margin is required.
+CPU_BF16_MIN_SPEEDUP = 1.5
+_CALIBRATION_SHAPE = (256, 384, 1536)  # (tokens, width, outputs): a small BERT layer's sizes
 _cpu_bf16_calibration: dict[str, bool] = {}  # per process: the answer never changes while it runs
 
 
@@ -92,19 +94,31 @@ def cpu_bf16_faster(timings: Callable[[], tuple[float, float]] | None = None) ->
     return _cpu_bf16_calibration["cpu"]
 
 
-def _time_cpu_matmuls(rounds: int = 8) -> tuple[float, float]:
-    """Best seconds of one calibration matmul in fp32 and in bf16, timed alternately (a few ms in all)."""
+def _time_cpu_matmuls(rounds: int = 6) -> tuple[float, float]:
+    """Best seconds of one small training step (projection, attention, backward) in fp32 and bf16 autocast."""
     m, k, n = _CALIBRATION_SHAPE
     generator = torch.Generator().manual_seed(0)  # leaves the global RNG (seeded by the run) untouched
-    a, b = torch.randn(m, k, generator=generator), torch.randn(k, n, generator=generator)
-    operands = {torch.float32: (a, b), torch.bfloat16: (a.bfloat16(), b.bfloat16())}
-    best = {dtype: float("inf") for dtype in operands}
+    x = torch.randn(m, k, generator=generator, requires_grad=True)
+    w = torch.randn(n, k, generator=generator, requires_grad=True)
+    heads, length = 8, 16  # m rows = 16 sequences of 16 tokens; n = 1024 = q, k, v and an MLP share
+
+    def step(dtype: torch.dtype) -> None:
+        # Matmuls alone are not the whole story: on some CPUs bf16 matmuls are fast but bf16 attention's
+        # backward is far slower than fp32's, so the calibration times what a training step does.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            projected = torch.nn.functional.linear(x, w)
+            q, key, v = (part.reshape(-1, length, heads, k // heads).transpose(1, 2)
+                         for part in projected[:, :3 * k].split(k, dim=1))
+            out = torch.nn.functional.scaled_dot_product_attention(q, key, v)
+        (out.float().sum() + projected[:, 3 * k:].float().sum()).backward()
+
+    best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
     # Alternating rounds with the minimum of each: another process taking the CPU for a while slows
     # both dtypes' rounds, not one. The first round only warms up (kernel selection, AMX set-up).
     for attempt in range(rounds + 1):
-        for dtype, (left, right) in operands.items():
+        for dtype in best:
             started = time.perf_counter()
-            torch.mm(left, right)
+            step(dtype)
             if attempt:
                 best[dtype] = min(best[dtype], time.perf_counter() - started)
         if best[torch.bfloat16] > 10 * best[torch.float32]:
