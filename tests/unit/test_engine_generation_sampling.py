@@ -104,7 +104,8 @@ def test_counter_uniforms_are_splitmix64_and_uniform() -> None:
     seeds = [0, 1, 7, 2**62 + 12345, 2**63 - 1]
     counters = [0, 3, 1000, 5, 63]
     got = counter_uniforms(torch.tensor(seeds), torch.tensor(counters))
-    expected = [(splitmix((splitmix(s) + c) & ((1 << 64) - 1)) >> 40) / 2**24 for s, c in zip(seeds, counters)]
+    mask = (1 << 64) - 1
+    expected = [(splitmix((splitmix(s) + c) & mask) >> 40) / 2**24 for s, c in zip(seeds, counters, strict=True)]
     assert got.tolist() == expected
     many = counter_uniforms(torch.full((20000,), 5), torch.arange(20000))
     assert 0 <= float(many.min()) and float(many.max()) < 1 and abs(float(many.mean()) - 0.5) < 0.01

@@ -285,8 +285,9 @@ class GenerationEngine:
     def _step(self) -> None:
         """One decode step for every running row."""
         if self._row_params is None:
-            self._row_params = RowParams([s.request.params for s in self._rows], self._device,
-                                         seeds=[s.seed for s in self._rows], counters=[len(s.tokens) for s in self._rows])
+            rows = self._rows
+            self._row_params = RowParams([s.request.params for s in rows], self._device,
+                                         seeds=[s.seed for s in rows], counters=[len(s.tokens) for s in rows])
         positions = [s.position for s in self._rows]
         tokens = torch.tensor([s.tokens[-1] for s in self._rows], dtype=torch.long, device=self._device)
         logits = self._runner.decode(tokens, torch.tensor(positions, device=self._device), max(positions) + 1)

@@ -115,6 +115,8 @@ class Gpt2Runner:
         self.values: torch.Tensor | None = None
         cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
         self.packed = _pack_weights(lm, source) if pack and cpu_fp32 else None
+        # oneDNN's gelu_tanh post-op computes HF's gelu_new (within float rounding: a few 1e-7).
+        self.fused_gelu = config.activation_function in ("gelu_new", "gelu_pytorch_tanh")
 
     @property
     def weight_bytes(self) -> int:
@@ -159,6 +161,12 @@ class Gpt2Runner:
         self.keys[:, target, :, :length] = self.keys[:, source, :, :length]
         self.values[:, target, :, :length] = self.values[:, source, :, :length]
 
+    def _mlp_in(self, block: torch.nn.Module, packed: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        # GPT2MLP's first half without its no-op dropout; packed, the tanh GELU runs fused in the matmul.
+        if packed is None or not self.fused_gelu:
+            return block.mlp.act(_linear(block.mlp.c_fc, packed, x))
+        return _linear(block.mlp.c_fc, packed, x, "gelu", "tanh")
+
     def prefill(self, prompts: list[list[int]], rows: list[list[int]]) -> torch.Tensor:
         """Run whole prompts (right-padded), store their keys/values in the given rows, return last logits [R, V].
 
@@ -186,8 +194,7 @@ class Gpt2Runner:
             layer_values[target, :, :width] = value.index_select(0, source)
             attended = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=self.scales[index])
             hidden = _linear(block.attn.c_proj, proj, attended.transpose(1, 2).reshape(batch, width, -1)) + hidden
-            inner = block.mlp.act(_linear(block.mlp.c_fc, fc, block.ln_2(hidden)))  # GPT2MLP without its no-op dropout
-            hidden = hidden + _linear(block.mlp.c_proj, out, inner)
+            hidden = hidden + _linear(block.mlp.c_proj, out, self._mlp_in(block, fc, block.ln_2(hidden)))
         last = torch.tensor([length - 1 for length in lengths], device=self.device)
         # Only the last position's logits are needed: the LM head is the largest matmul of the model.
         final = self.ln_f(hidden[torch.arange(batch, device=self.device), last])
@@ -198,7 +205,12 @@ class Gpt2Runner:
         assert self.keys is not None and self.values is not None
         batch = tokens.shape[0]
         packed = self.packed
+        # Where each row's new key/value vectors go in a layer's cache seen as [rows * head * position, head_dim]:
+        # one index_copy_ per layer instead of an index_put with two advanced indices (several times slower).
+        length = self.keys.shape[3]
+        heads = torch.arange(self.n_head, device=self.device)
         rows = torch.arange(batch, device=self.device)
+        slots = ((rows[:, None] * self.n_head + heads[None]) * length + positions[:, None]).reshape(-1)
         hidden = (self.wte(tokens) + self.wpe(positions))[:, None]  # [B, 1, E]
         # Row b may see its own positions 0..positions[b]; later slots hold stale or padding keys.
         mask = (torch.arange(span, device=self.device)[None] <= positions[:, None])[:, None, None]
@@ -207,16 +219,14 @@ class Gpt2Runner:
             query, key, value = _linear(block.attn.c_attn, attn, block.ln_1(hidden)).split(hidden.shape[-1], dim=2)
             query = query.view(batch, 1, self.n_head, self.head_dim).transpose(1, 2)
             layer_keys, layer_values = self.keys[index], self.values[index]
-            # Advanced indices on dims 0 and 2 around a slice: the target is [B, head, head_dim].
-            layer_keys[rows, :, positions] = key.view(batch, self.n_head, self.head_dim)
-            layer_values[rows, :, positions] = value.view(batch, self.n_head, self.head_dim)
+            layer_keys.view(-1, self.head_dim).index_copy_(0, slots, key.reshape(-1, self.head_dim))
+            layer_values.view(-1, self.head_dim).index_copy_(0, slots, value.reshape(-1, self.head_dim))
             attended = F.scaled_dot_product_attention(
                 query, layer_keys[:batch, :, :span], layer_values[:batch, :, :span],
                 attn_mask=mask, scale=self.scales[index],
             )
             hidden = _linear(block.attn.c_proj, proj, attended.transpose(1, 2).reshape(batch, 1, -1)) + hidden
-            inner = block.mlp.act(_linear(block.mlp.c_fc, fc, block.ln_2(hidden)))  # GPT2MLP without its no-op dropout
-            hidden = hidden + _linear(block.mlp.c_proj, out, inner)
+            hidden = hidden + _linear(block.mlp.c_proj, out, self._mlp_in(block, fc, block.ln_2(hidden)))
         return _linear(self.lm_head, packed[-1][0] if packed else None, self.ln_f(hidden[:, 0])).float()
 
 
@@ -238,7 +248,8 @@ def _pack_weights(lm: PreTrainedModel, source: Path | None) -> list[tuple[torch.
             def pack(module: torch.nn.Module, transposed: bool) -> torch.Tensor:
                 name = "transformer.wte.weight" if module is lm.lm_head and tied else names[id(module.weight)]
                 weight = read(name, module.weight)
-                return torch.ops.mkldnn._reorder_linear_weight((weight.t() if transposed else weight).contiguous(), None)
+                weight = weight.t() if transposed else weight
+                return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
             layers: list[tuple[torch.Tensor | None, ...]] = [tuple(pack(c, True) for c in group) for group in convs]
             layers.append((pack(lm.lm_head, False), None, None, None))
@@ -276,9 +287,11 @@ def _weights_from(source: Path | None) -> Iterator[Callable[[str, torch.Tensor],
         yield read
 
 
-def _linear(module: torch.nn.Module, packed: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """module(x) (a Conv1D or Linear), through its packed weight when there is one."""
+def _linear(module: torch.nn.Module, packed: torch.Tensor | None, x: torch.Tensor, post: str = "none",
+            algorithm: str = "") -> torch.Tensor:
+    """module(x) (a Conv1D or Linear), through its packed weight when there is one, with an optional post-op."""
     if packed is None:
         return module(x)
     flat = x.reshape(-1, x.shape[-1])
-    return torch.ops.mkldnn._linear_pointwise(flat, packed, module.bias, "none", [], "").view(*x.shape[:-1], -1)
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed, module.bias, post, [], algorithm)
+    return out.view(*x.shape[:-1], -1)

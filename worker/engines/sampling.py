@@ -15,8 +15,8 @@ from core.protocol import MAX_SEED, SamplingParams
 CANDIDATES = 256
 
 __all__ = [
-    "CANDIDATES", "MAX_SEED", "RowParams", "SamplingParams", "TextStream", "counter_uniforms", "next_tokens", "penalize",
-    "row_seed", "truncated_distribution",
+    "CANDIDATES", "MAX_SEED", "RowParams", "SamplingParams", "TextStream", "counter_uniforms", "next_tokens",
+    "penalize", "row_seed", "truncated_distribution",
 ]
 
 
@@ -83,6 +83,8 @@ class RowParams:
         self.truncated = torch.tensor(truncated, dtype=torch.long, device=device) if truncated else None
         self.top_k = torch.tensor([sampled[i].top_k for i in truncated], dtype=torch.long, device=device)
         self.top_p = torch.tensor([sampled[i].top_p for i in truncated], device=device)
+        self.max_top_k = max((sampled[i].top_k for i in truncated), default=0)
+        self.open_nucleus = any(sampled[i].top_k == 0 and sampled[i].top_p < 1.0 for i in truncated)
 
 
 def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
@@ -92,15 +94,19 @@ def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) ->
 
 
 def truncated_distribution(
-    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *, max_top_k: int | None = None,
+    open_nucleus: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """HF's top-k then top-p warpers on temperature-scaled logits [S, V], over candidate tokens.
 
     Returns (probs [S, C], token ids [S, C]): the kept tokens' probabilities (zeros elsewhere), renormalised
-    as the softmax of HF's warped logits would be. top_k 0 = off, top_p 1 = off, per row.
+    as the softmax of HF's warped logits would be. top_k 0 = off, top_p 1 = off, per row. Given the
+    largest top_k and whether some row has top-p without top-k (open_nucleus), it reads nothing back from
+    the device unless such a row's nucleus may reach past the candidates.
     """
     vocab = scaled.shape[-1]
-    limit = min(vocab, max(CANDIDATES, int(top_k.max()) + 1))  # +1: a token tied with the k-th stays, as in HF
+    largest = int(top_k.max()) if max_top_k is None else max_top_k
+    limit = min(vocab, max(CANDIDATES, largest + 1))  # +1: a token tied with the k-th stays, as in HF
     full_mass = None
     while True:
         values, ids = scaled.topk(limit, dim=-1)  # sorted, largest first
@@ -115,7 +121,7 @@ def truncated_distribution(
         # ranked strictly above it is >= p. The most likely token always stays.
         above = probs.cumsum(dim=-1) - probs
         covered = (top_k > 0) | (top_p >= 1.0) | (probs.sum(dim=-1) >= top_p)
-        if limit == vocab or bool(covered.all()):
+        if limit == vocab or not open_nucleus or bool(covered.all()):
             break
         limit = min(vocab, limit * 8)  # some nucleus reaches past the candidates: look further
     probs = probs.masked_fill(above >= top_p[:, None], 0.0)
@@ -147,7 +153,8 @@ def next_tokens(logits: torch.Tensor, rows: RowParams, seen: torch.Tensor | None
     if rows.plain is not None:
         drawn[rows.plain] = _inverse_cdf(scaled.index_select(0, rows.plain).softmax(dim=-1), uniforms[rows.plain])
     if rows.truncated is not None:
-        probs, ids = truncated_distribution(scaled.index_select(0, rows.truncated), rows.top_k, rows.top_p)
+        probs, ids = truncated_distribution(scaled.index_select(0, rows.truncated), rows.top_k, rows.top_p,
+                                            max_top_k=rows.max_top_k, open_nucleus=rows.open_nucleus)
         picked = _inverse_cdf(probs, uniforms[rows.truncated])
         drawn[rows.truncated] = ids.gather(1, picked[:, None])[:, 0]
     tokens[rows.sample_index] = drawn
