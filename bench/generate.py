@@ -68,13 +68,13 @@ class HfSide:
         self.max_new_tokens = max_new_tokens
         with torch.inference_mode():  # warm-up, not timed
             self.model.generate(**self.tokenizer(["warm up"], return_tensors="pt"), do_sample=False,
-                                max_new_tokens=4, pad_token_id=0)
+                                max_new_tokens=4, pad_token_id=self.tokenizer.pad_token_id)
 
     def _generate(self, texts: list[str]) -> list[list[int]]:
         self.tokenizer.padding_side = "left"  # decoder-only models pad on the left for generation
         batch = self.tokenizer(texts, return_tensors="pt", padding=True)
         out = self.model.generate(**batch, do_sample=False, max_new_tokens=self.max_new_tokens,
-                                  min_new_tokens=self.max_new_tokens, pad_token_id=0)
+                                  min_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id)
         return out[:, batch.input_ids.shape[1]:].tolist()
 
     def run(self, texts: list[str], batch_size: int) -> tuple[float, list[list[int]]]:
@@ -145,8 +145,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def generation_worker_rss(up: int) -> int:
-    """Resident bytes of `trainserve up`'s generation worker (VmRSS from /proc), 0 when not found."""
+def generation_worker_rss(up: int, field: str = "VmRSS") -> int:
+    """Resident bytes of `trainserve up`'s generation worker from /proc (VmRSS now, VmHWM peak), 0 if not found."""
     for entry in Path("/proc").iterdir():
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -155,7 +155,7 @@ def generation_worker_rss(up: int) -> int:
             continue
         if ppid == up and b"generation" in cmdline:
             for line in (entry / "status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     return 0
 
@@ -203,7 +203,7 @@ def main() -> None:
                     for result in served:
                         latencies["ttft"].append(result["times"][0] if result["times"] else 0.0)
                         latencies["itl"] += [b - a for a, b in zip(result["times"], result["times"][1:], strict=False)]
-            rss = generation_worker_rss(proc.pid)
+            rss, peak = generation_worker_rss(proc.pid), generation_worker_rss(proc.pid, "VmHWM")
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(120)
@@ -230,9 +230,9 @@ def main() -> None:
               f"p90 {percentile(ms, 0.9):.0f} ms, p99 {percentile(ms, 0.99):.0f} ms ({len(ms)} samples)")
     print(f"greedy output equal to generate's: {same_batched}/{len(served)} vs hf-batched, "
           f"{same_sequential}/{len(sequential)} vs hf-sequential")
-    print(f"generation worker RSS {rss / MB:.0f} MiB; weights {weights / MB:.0f} MiB: {rss / weights:.2f}x; "
-          f"before the model was loaded {idle_rss / MB:.0f} MiB, so the model and its cache add "
-          f"{(rss - idle_rss) / MB:.0f} MiB: {(rss - idle_rss) / weights:.2f}x the weights")
+    print(f"generation worker RSS after the rounds (idle) {rss / MB:.0f} MiB, peak {peak / MB:.0f} MiB; weights "
+          f"{weights / MB:.0f} MiB: {rss / weights:.2f}x idle, {peak / weights:.2f}x peak "
+          f"(before its first request, no torch imported yet: {idle_rss / MB:.0f} MiB)")
 
 
 MB = 1024 * 1024

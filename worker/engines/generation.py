@@ -71,9 +71,7 @@ class GenerationEngine:
         # Given the ids of all waiting and running requests, those to drop: one call per loop (raising fails the batch).
         self._cancelled_ids = cancelled_ids
         self._table = token_bytes(self.tokenizer, self.vocab_size)
-        source = Path(model) / "model.safetensors"
-        self._runner = Gpt2Runner(self.model, self.plan, max_rows=max_batch_size,
-                                  source=source if source.is_file() else None)
+        self._runner = Gpt2Runner(self.model, self.plan, max_rows=max_batch_size, source=Path(model))
         self._device = torch.device(self.plan.device)
         self._encode_lock = threading.Lock()  # HF fast tokenizers are not safe to call from many threads
         self._lock = threading.RLock()

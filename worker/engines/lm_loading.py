@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -84,7 +85,7 @@ class Gpt2Runner:
     padding or shifting: a decode step writes each row's new key/value at its own position and masks
     the positions past it. The HF modules (layer norms, Conv1D projections, MLP) are reused as they are;
     only attention and the cache are ours. On the CPU in fp32 the projections' and the LM head's weights
-    are packed (read from `source`, the checkpoint's safetensors file, when given: see `_pack_weights`) and
+    are packed (read from `source`, the checkpoint's folder or safetensors file, when given: see `_pack_weights`) and
     the modules' own weights are dropped, so the model is no longer usable as an HF module.
     """
 
@@ -115,6 +116,7 @@ class Gpt2Runner:
         self.values: torch.Tensor | None = None
         cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
         self.packed = _pack_weights(lm, source) if pack and cpu_fp32 else None
+        _trim_heap()  # packing's transposed temporaries came from the heap: give them back
         # oneDNN's gelu_tanh post-op computes HF's gelu_new (within float rounding: a few 1e-7).
         self.fused_gelu = config.activation_function in ("gelu_new", "gelu_pytorch_tanh")
 
@@ -152,8 +154,10 @@ class Gpt2Runner:
         self.keys, self.values = keys, values
 
     def release(self) -> None:
-        """Drop the cache (it is rebuilt on the next reserve)."""
-        self.keys = self.values = None
+        """Drop the cache (it is rebuilt on the next reserve) and hand freed heap memory back to the system."""
+        if self.keys is not None:
+            self.keys = self.values = None
+            _trim_heap()
 
     def move_row(self, source: int, target: int, length: int) -> None:
         """Copy the first `length` positions of row `source` into row `target` (compaction after a finish)."""
@@ -269,7 +273,9 @@ def _pack_weights(lm: PreTrainedModel, source: Path | None) -> list[tuple[torch.
 
 @contextmanager
 def _weights_from(source: Path | None) -> Iterator[Callable[[str, torch.Tensor], torch.Tensor]]:
-    """read(name, fallback): the fp32 tensor `name` from the safetensors file, else the fallback tensor."""
+    """read(name, fallback): the fp32 tensor `name` from the checkpoint's safetensors file, else the fallback."""
+    if source is not None and source.is_dir():
+        source = source / "model.safetensors"  # a sharded checkpoint has none: the modules' weights are used
     if source is None or not source.is_file():
         yield lambda name, fallback: fallback
         return
@@ -285,6 +291,15 @@ def _weights_from(source: Path | None) -> Iterator[Callable[[str, torch.Tensor],
             return fallback
 
         yield read
+
+
+def _trim_heap() -> None:
+    # glibc keeps freed heap memory (per-thread arenas, and chunks below its adaptive mmap threshold) resident
+    # until asked; elsewhere this is a no-op.
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _linear(module: torch.nn.Module, packed: torch.Tensor | None, x: torch.Tensor, post: str = "none",
