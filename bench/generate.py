@@ -1,12 +1,17 @@
-"""Benchmark: N concurrent HTTP clients against `trainserve up` vs one-at-a-time `model.generate`.
+"""Benchmark: N concurrent HTTP clients against `trainserve up` vs batched and sequential `model.generate`.
 
-Both sides use the same GPT-2 (GPT-2-small shape by default, random weights from a fixed seed), the same
-prompts and the same number of new tokens per prompt, in one invocation. Baseline "sequential-hf-generate":
-Hugging Face `model.generate`, greedy, one prompt at a time, in this process. Candidate: the full service
-(API, Celery over Redis, the generation worker's continuous batcher), streaming, greedy.
+All sides use the same GPT-2 (GPT-2-small shape by default, random weights from a fixed seed), the same
+prompts and the same number of new tokens per prompt, greedy, in one invocation, interleaved round by round
+(`--repeats` rounds; medians and spread printed). Baselines, in this process:
+- "hf-batched" (the headline baseline): one `model.generate` per `--concurrency` prompts, left padded;
+- "hf-sequential": `model.generate` one prompt at a time, over the first `--sequential` prompts only (it is
+  slow; tokens/s does not depend on how many prompts it runs).
+Candidate: the full service (API, Celery over Redis, the generation worker's continuous batcher), streaming.
+Also printed: time to first token and inter-token latency percentiles of the service, how many of its
+greedy outputs equal `generate`'s, and the generation worker's resident memory against the weights' size.
 
-    python bench/generate.py                      # GPT-2 small, 32 prompts x 64 tokens, 16 clients
-    python bench/generate.py --layers 2 --requests 8 --max-new-tokens 16   # quick smoke run
+    python bench/generate.py                      # GPT-2 small, 32 prompts x 64 tokens, 16 clients, 3 rounds
+    python bench/generate.py --layers 2 --requests 8 --max-new-tokens 16 --repeats 1   # quick smoke run
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ import httpx
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from core.paths import GPT2_TOKENIZER_DIR  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-TOKENIZER = ROOT / "assets" / "gpt2-tokenizer"
 CORPUS = ROOT / "examples" / "data" / "tinyshakespeare_sample.txt"
 
 
@@ -48,23 +55,36 @@ def build_model(folder: Path, layers: int) -> None:
     model.config.eos_token_id = None
     model.generation_config.eos_token_id = None
     model.save_pretrained(folder, safe_serialization=True)
-    GPT2TokenizerFast.from_pretrained(TOKENIZER).save_pretrained(folder)
+    GPT2TokenizerFast.from_pretrained(GPT2_TOKENIZER_DIR).save_pretrained(folder)
 
 
-def baseline(folder: Path, texts: list[str], max_new_tokens: int) -> tuple[float, int]:
-    """Sequential greedy model.generate; returns (seconds, new tokens)."""
-    tokenizer = GPT2TokenizerFast.from_pretrained(folder)
-    model = GPT2LMHeadModel.from_pretrained(folder).eval()
-    with torch.inference_mode():
-        ids = tokenizer("warm up", return_tensors="pt").input_ids
-        model.generate(ids, do_sample=False, max_new_tokens=4, pad_token_id=0)
-        tokens, start = 0, time.perf_counter()
-        for text in texts:
-            ids = tokenizer(text, return_tensors="pt").input_ids
-            out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens,
-                                 min_new_tokens=max_new_tokens, pad_token_id=0)
-            tokens += out.shape[1] - ids.shape[1]
-    return time.perf_counter() - start, tokens
+class HfSide:
+    """The Hugging Face baselines over one loaded model."""
+
+    def __init__(self, folder: Path, max_new_tokens: int) -> None:
+        self.tokenizer = GPT2TokenizerFast.from_pretrained(folder)
+        self.tokenizer.pad_token = self.tokenizer.eos_token  # any id: padded positions are masked out
+        self.model = GPT2LMHeadModel.from_pretrained(folder).eval()
+        self.max_new_tokens = max_new_tokens
+        with torch.inference_mode():  # warm-up, not timed
+            self.model.generate(**self.tokenizer(["warm up"], return_tensors="pt"), do_sample=False,
+                                max_new_tokens=4, pad_token_id=self.tokenizer.pad_token_id)
+
+    def _generate(self, texts: list[str]) -> list[list[int]]:
+        self.tokenizer.padding_side = "left"  # decoder-only models pad on the left for generation
+        batch = self.tokenizer(texts, return_tensors="pt", padding=True)
+        out = self.model.generate(**batch, do_sample=False, max_new_tokens=self.max_new_tokens,
+                                  min_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id)
+        return out[:, batch.input_ids.shape[1]:].tolist()
+
+    def run(self, texts: list[str], batch_size: int) -> tuple[float, list[list[int]]]:
+        """generate over `batch_size` prompts at a time; returns (seconds, new token ids per prompt)."""
+        outputs: list[list[int]] = []
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for at in range(0, len(texts), batch_size):
+                outputs += self._generate(texts[at: at + batch_size])
+        return time.perf_counter() - start, outputs
 
 
 def free_port() -> int:
@@ -90,10 +110,12 @@ def start_service(home: Path, port: int) -> subprocess.Popen[bytes]:
     raise RuntimeError(f"trainserve up did not start; see {home / 'up.log'}")
 
 
-def one_request(client: httpx.Client, model: str, text: str, max_new_tokens: int) -> tuple[float, float, int]:
-    """Stream one completion; returns (time to first token, total time, completion tokens)."""
+def one_request(client: httpx.Client, model: str, text: str, max_new_tokens: int) -> dict:
+    """Stream one completion; returns its token event times (from the request's start), text and token count."""
     start = time.perf_counter()
-    first = None
+    times: list[float] = []
+    parts: list[str] = []
+    tokens = 0
     body = {"model": model, "prompt": text, "max_new_tokens": max_new_tokens, "temperature": 0, "stream": True}
     with client.stream("POST", "/generate", json=body, timeout=600) as response:
         response.raise_for_status()
@@ -101,29 +123,45 @@ def one_request(client: httpx.Client, model: str, text: str, max_new_tokens: int
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line.removeprefix("data: "))
-            if "text" in event and first is None:
-                first = time.perf_counter() - start
+            if "text" in event and "usage" not in event:
+                times.append(time.perf_counter() - start)
+                parts.append(event["text"])
             if "usage" in event:
                 tokens = event["usage"]["completion_tokens"]
-    return first or 0.0, time.perf_counter() - start, tokens
+    return {"times": times, "text": "".join(parts), "tokens": tokens}
 
 
-def service(port: int, key: str, model: str, texts: list[str], max_new_tokens: int, clients: int
-            ) -> tuple[float, int, list[float]]:
-    """N concurrent streaming clients; returns (seconds, new tokens, TTFTs)."""
-    headers = {"Authorization": f"Bearer {key}"}
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers) as client:
-        one_request(client, model, "warm up", 4)  # loads the model into the generation worker
-        start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=clients) as pool:
-            results = list(pool.map(lambda t: one_request(client, model, t, max_new_tokens), texts))
-        elapsed = time.perf_counter() - start
-    return elapsed, sum(r[2] for r in results), [r[0] for r in results]
+def service(client: httpx.Client, model: str, texts: list[str], max_new_tokens: int, clients: int
+            ) -> tuple[float, list[dict]]:
+    """N concurrent streaming clients; returns (seconds, one_request's result per prompt)."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        results = list(pool.map(lambda t: one_request(client, model, t, max_new_tokens), texts))
+    return time.perf_counter() - start, results
 
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def generation_worker_rss(up: int, field: str = "VmRSS") -> int:
+    """Resident bytes of `trainserve up`'s generation worker from /proc (VmRSS now, VmHWM peak), 0 if not found."""
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == up and b"generation" in cmdline:
+            for line in (entry / "status").read_text().splitlines():
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+    return 0
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
 
 
 def main() -> None:
@@ -132,30 +170,72 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every side")
+    parser.add_argument("--sequential", type=int, default=4, help="prompts the slow hf-sequential side runs")
     args = parser.parse_args()
     texts = prompts(args.requests)
+    runs: dict[str, list[tuple[float, int, float]]] = {"hf-sequential": [], "hf-batched": [], "trainserve": []}
+    latencies: dict[str, list[float]] = {"ttft": [], "itl": []}
     with tempfile.TemporaryDirectory(prefix="trainserve-bench-") as tmp:
         home = Path(tmp)
         folder = home / "models" / "gpt2-bench"
         build_model(folder, args.layers)
-        base_s, base_tokens = baseline(folder, texts, args.max_new_tokens)
+        hf = HfSide(folder, args.max_new_tokens)
+        weights = sum(p.numel() * p.element_size() for p in hf.model.parameters())  # tied embedding once
         port = free_port()
         proc = start_service(home, port)
         try:
             key = (home / "admin.key").read_text().strip()
-            svc_s, svc_tokens, ttft = service(port, key, "gpt2-bench", texts, args.max_new_tokens, args.concurrency)
+            headers = {"Authorization": f"Bearer {key}"}
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers) as client:
+                idle_rss = generation_worker_rss(proc.pid)
+                one_request(client, "gpt2-bench", "warm up", 4)  # loads the model into the generation worker
+                for _ in range(args.repeats):
+                    load = os.getloadavg()[0]
+                    seconds, sequential = hf.run(texts[: args.sequential], 1)
+                    runs["hf-sequential"].append((seconds, sum(map(len, sequential)), load))
+                    load = os.getloadavg()[0]
+                    seconds, batched = hf.run(texts, args.concurrency)
+                    runs["hf-batched"].append((seconds, sum(map(len, batched)), load))
+                    load = os.getloadavg()[0]
+                    seconds, served = service(client, "gpt2-bench", texts, args.max_new_tokens, args.concurrency)
+                    runs["trainserve"].append((seconds, sum(r["tokens"] for r in served), load))
+                    for result in served:
+                        latencies["ttft"].append(result["times"][0] if result["times"] else 0.0)
+                        latencies["itl"] += [b - a for a, b in zip(result["times"], result["times"][1:], strict=False)]
+            rss, peak = generation_worker_rss(proc.pid), generation_worker_rss(proc.pid, "VmHWM")
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(120)
-    base_tps, svc_tps = base_tokens / base_s, svc_tokens / svc_s
+    decode = hf.tokenizer.decode
+    same_batched = sum(r["text"] == decode(ids) for r, ids in zip(served, batched, strict=True))
+    same_sequential = sum(r["text"] == decode(ids) for r, ids in zip(served, sequential, strict=False))
     print(f"model: GPT-2 shape, {args.layers} layers, random weights; {args.requests} prompts x "
-          f"{args.max_new_tokens} new tokens, greedy; torch threads {torch.get_num_threads()}")
-    print(f"{'side':<40}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}")
-    print(f"{'sequential-hf-generate (baseline)':<40}{base_tokens:>8}{base_s:>10.1f}{base_tps:>10.1f}")
-    print(f"{f'trainserve up, {args.concurrency} HTTP clients':<40}{svc_tokens:>8}{svc_s:>10.1f}{svc_tps:>10.1f}")
-    print(f"ratio (trainserve / sequential-hf-generate): {svc_tps / base_tps:.2f}x")
-    print(f"time to first token: p50 {percentile(ttft, 0.5) * 1000:.0f} ms, p99 {percentile(ttft, 0.99) * 1000:.0f} ms"
-          f" (mean {statistics.mean(ttft) * 1000:.0f} ms)")
+          f"{args.max_new_tokens} new tokens, greedy; {args.repeats} interleaved rounds; torch threads "
+          f"{torch.get_num_threads()}; hf-sequential over the first {args.sequential} prompts")
+    print(f"{'side':<34}{'tokens':>8}{'seconds':>20}{'tokens/s med [min-max]':>26}{'load':>7}")
+    tps = {}
+    for side, label in (("hf-sequential", "hf-sequential"), ("hf-batched", f"hf-batched (x{args.concurrency})"),
+                        ("trainserve", f"trainserve up, {args.concurrency} clients")):
+        rates = [tokens / seconds for seconds, tokens, _ in runs[side]]
+        tps[side] = statistics.median(rates)
+        print(f"{label:<34}{runs[side][0][1]:>8}{spread([s for s, _, _ in runs[side]]):>20}{spread(rates):>26}"
+              f"{statistics.median([load for _, _, load in runs[side]]):>7.2f}")
+    print(f"ratio trainserve / hf-batched: {tps['trainserve'] / tps['hf-batched']:.2f}x (median tokens/s); "
+          f"trainserve / hf-sequential: {tps['trainserve'] / tps['hf-sequential']:.2f}x")
+    for name, values in latencies.items():
+        ms = [v * 1000 for v in values]
+        label = "time to first token" if name == "ttft" else "inter-token latency"
+        print(f"{label}: p50 {percentile(ms, 0.5):.0f} ms, "
+              f"p90 {percentile(ms, 0.9):.0f} ms, p99 {percentile(ms, 0.99):.0f} ms ({len(ms)} samples)")
+    print(f"greedy output equal to generate's: {same_batched}/{len(served)} vs hf-batched, "
+          f"{same_sequential}/{len(sequential)} vs hf-sequential")
+    print(f"generation worker RSS after the rounds (idle) {rss / MB:.0f} MiB, peak {peak / MB:.0f} MiB; weights "
+          f"{weights / MB:.0f} MiB: {rss / weights:.2f}x idle, {peak / weights:.2f}x peak "
+          f"(before its first request, no torch imported yet: {idle_rss / MB:.0f} MiB)")
+
+
+MB = 1024 * 1024
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ class EngineRegistry:
 
 def _footprint(engine: Any) -> int:
     """Weights and buffers of an engine's model, in bytes (the KV cache is released whenever it is idle)."""
-    return int(engine.model.get_memory_footprint())
+    return int(engine.weight_bytes)
 
 
 class EventWriter:

@@ -44,29 +44,33 @@ class GenerationGateway:
     async def admit(self, principal: Principal, model: ServedModel) -> str:
         """Apply the per-key rate limit and the per-model queue bound; returns a request id holding a slot."""
         now = time.time()
+        request_id = f"gen-{uuid.uuid4().hex}"
         try:
             # Sliding one-minute window per key: a log of request times, so there is no burst at minute edges.
-            rate_key = f"trainserve:rate:{principal.key_id}"
-            await self.redis.zremrangebyscore(rate_key, "-inf", now - 60)
-            if await self.redis.zcard(rate_key) >= self.settings.generation_rate_per_minute:
-                oldest = await self.redis.zrange(rate_key, 0, 0, withscores=True)
-                wait = (oldest[0][1] + 60 - now) if oldest else 1.0
+            oldest = await self._take(f"trainserve:rate:{principal.key_id}", member=uuid.uuid4().hex, now=now,
+                                      horizon=60, limit=self.settings.generation_rate_per_minute)
+            if oldest is not None:
                 raise TooManyRequests(f"more than {self.settings.generation_rate_per_minute} generation requests "
-                                      "per minute for this key", retry_after=wait, code="rate_limited")
-            await self.redis.zadd(rate_key, {uuid.uuid4().hex: now})
-            await self.redis.expire(rate_key, 61)
-            request_id = f"gen-{uuid.uuid4().hex}"
-            slots = _slots_key(model.id)
+                                      "per minute for this key", retry_after=max(oldest + 60 - now, 1.0),
+                                      code="rate_limited")
             # Slots older than the longest possible request are leftovers of a crashed API process.
-            await self.redis.zremrangebyscore(slots, "-inf", now - self._lifetime())
-            await self.redis.zadd(slots, {request_id: now})
-            if await self.redis.zcard(slots) > self.settings.generation_queue_per_model:
-                await self.redis.zrem(slots, request_id)
+            if await self._take(_slots_key(model.id), member=request_id, now=now, horizon=self._lifetime(),
+                                limit=self.settings.generation_queue_per_model) is not None:
                 raise TooManyRequests(f"model {model.id!r} has {self.settings.generation_queue_per_model} requests "
                                       "in flight; retry shortly", retry_after=1, code="overloaded")
         except RedisError as exc:
             raise BrokerUnavailable(f"broker unavailable: {type(exc).__name__}") from exc
         return request_id
+
+    async def _take(self, key: str, *, member: str, now: float, horizon: float, limit: int) -> float | None:
+        """Add `member` to the bounded window `key` in one atomic step; None if taken, else the oldest entry's time.
+
+        A check followed by an add in separate calls lets a concurrent burst interleave: every request adds
+        itself, every one then sees the set over the bound, and all are refused.
+        """
+        args = (str(now), str(horizon), str(limit), member, str(int(horizon) + 1))
+        oldest = await self.redis.eval(_TAKE, 1, key, *args)  # type: ignore[misc]
+        return None if oldest is None else float(oldest)
 
     async def submit(self, request_id: str, model: ServedModel, prompt: str, params: SamplingParams) -> None:
         """Hand the request to a generation worker; it must start before the wait deadline."""
@@ -123,6 +127,20 @@ class GenerationGateway:
 
     def _lifetime(self) -> float:
         return self.settings.generation_wait_s + self.settings.generation_timeout_s
+
+
+# KEYS[1]: a sorted set of (member, time); ARGV: now, horizon, limit, member, ttl. Drops entries older than the
+# horizon; below the limit adds the member and returns nil, else returns the oldest entry's time.
+_TAKE = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[1]) - tonumber(ARGV[2]))
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  return oldest[2] or ARGV[1]
+end
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+return false
+"""
 
 
 def _slots_key(model_id: str) -> str:

@@ -170,3 +170,30 @@ def test_a_token_written_before_accepted_is_not_lost(client, settings, queue, se
     assert client.post("/generate", json=body).json()["choices"][0]["text"] == "ab"
     events = _sse(client.post("/generate", json={**body, "stream": True}))
     assert [json.loads(data)["text"] for _, data in events[:2]] == ["a", "b"]
+
+
+def test_a_concurrent_burst_gets_exactly_the_bound_of_slots(settings, queue):
+    """Admission is atomic: of 20 racing requests, 6 pass a rate limit of 6 and exactly 4 of them get the 4 slots."""
+    import asyncio
+
+    from app.services.generation import GenerationGateway
+    from core.auth import Principal
+    from core.errors import TooManyRequests
+    from core.redis_client import async_redis_from_url
+    from core.served_models import ServedModel
+
+    settings.generation_queue_per_model, settings.generation_rate_per_minute = 4, 6
+    model = ServedModel(id=f"burst-{time.time_ns()}", path="/nowhere", owned_by="local", created=0)
+
+    async def burst(principal: Principal) -> list[str]:
+        redis = async_redis_from_url(settings.resolved_redis_url)
+        gateway = GenerationGateway(redis, queue, settings)
+        results = await asyncio.gather(*(gateway.admit(principal, model) for _ in range(20)), return_exceptions=True)
+        await redis.aclose()
+        assert all(isinstance(r, str) or isinstance(r, TooManyRequests) for r in results), results
+        return [r.code for r in results if isinstance(r, TooManyRequests)]
+
+    first = asyncio.run(burst(Principal(key_id=f"key_a{time.time_ns()}", tenant_id="t", is_admin=False)))
+    assert first.count("rate_limited") == 14 and first.count("overloaded") == 2  # 4 admitted: the bound, not zero
+    second = asyncio.run(burst(Principal(key_id=f"key_b{time.time_ns()}", tenant_id="t", is_admin=False)))
+    assert second.count("rate_limited") == 14 and second.count("overloaded") == 6  # slots still held by the first

@@ -30,7 +30,7 @@ from tests.integration.conftest import wait_for
 from tests.tiny_lm import build_tiny_gpt2
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-ASKED = 1000  # tokens asked for: far more than are generated before the worker sees the cancel flag
+ASKED = 4000  # far more tokens than a fast engine generates before it sees the cancel flag, even on a busy CPU
 SLOTS = "trainserve:slots:tiny"
 TENANT = "tenant-abandon"
 CLASSIFY_TIMEOUT_S = 6
@@ -57,10 +57,10 @@ def _free_port() -> int:
 @pytest.fixture()
 def api(worker_env, settings, tmp_path: Path) -> Iterator[Api]:
     """`trainserve api` (uvicorn) in its own process, with a short /classify timeout."""
-    build_tiny_gpt2(settings.home / "models" / "tiny", n_positions=1024)
+    build_tiny_gpt2(settings.home / "models" / "tiny", n_positions=ASKED + 64)
     port = _free_port()
     log = open(tmp_path / "api.log", "wb")  # noqa: SIM115
-    env = dict(worker_env, TRAINSERVE_CLASSIFY_TIMEOUT_S=str(CLASSIFY_TIMEOUT_S))
+    env = dict(worker_env, TRAINSERVE_CLASSIFY_TIMEOUT_S=str(CLASSIFY_TIMEOUT_S), TRAINSERVE_MAX_NEW_TOKENS=str(ASKED))
     proc = subprocess.Popen([sys.executable, "-m", "trainserve.cli", "api", "--port", str(port)], env=env,
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -110,7 +110,7 @@ def test_a_stream_dropped_after_the_first_token_frees_its_slot_and_stops_the_wor
         assert response.status_code == 200
         first = next(line for line in response.iter_lines() if line.startswith("data: "))
         request_id = json.loads(first.removeprefix("data: "))["id"]
-        assert store.zcard(SLOTS) == 1
+        assert store.zcard(SLOTS) == 1, first
     _assert_abandoned(store, request_id)  # the connection is closed here, mid-stream
 
 

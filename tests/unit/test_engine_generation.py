@@ -20,7 +20,7 @@ from worker.engines.generation import (
     QueueFull,
     SamplingParams,
 )
-from worker.engines.lm_loading import Gpt2Runner
+from worker.engines.lm_loading import Gpt2Runner, load_causal_lm
 
 PROMPTS = [
     "Hello",
@@ -310,19 +310,36 @@ def test_close_fails_pending_requests(model_dir) -> None:
         eng.submit("After", greedy(5))
 
 
-def test_packed_and_plain_decode_steps_agree(engine) -> None:
-    runner = Gpt2Runner(engine.model, engine.plan, max_rows=8)  # its own cache: the engine's is left alone
+def test_packed_and_plain_decode_steps_agree(model_dir, engine) -> None:
+    runner = Gpt2Runner(load_causal_lm(model_dir, engine.plan), engine.plan, max_rows=8)  # its own model and cache
     if runner.packed is None:
         pytest.skip("oneDNN packed weights are not available in this torch build")
-    positions = torch.tensor([3, 9, 1, 4, 7, 2])  # six rows: at least PACKED_MIN_ROWS, so the packed path
+    plain_runner = Gpt2Runner(load_causal_lm(model_dir, engine.plan), engine.plan, max_rows=8, pack=False)
+    positions = torch.tensor([3, 9, 1, 4, 7, 2])
     tokens = torch.tensor([464, 3290, 318, 11, 13, 262])
     with torch.inference_mode():
-        runner.reserve(6, 16)
-        torch.manual_seed(0)
-        runner.keys.normal_()
-        runner.values.normal_()
-        packed = runner.decode(tokens, positions, 10)
-        runner.packed = None
-        plain = runner.decode(tokens, positions, 10)
+        outputs = []
+        for each in (runner, plain_runner):
+            each.reserve(6, 16)
+            torch.manual_seed(0)
+            each.keys.normal_()
+            each.values.normal_()
+            outputs.append(each.decode(tokens, positions, 10))
+        packed, plain = outputs
     torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-5)
     assert torch.equal(packed.argmax(-1), plain.argmax(-1))
+
+
+def test_packed_weights_replace_the_originals(model_dir, engine) -> None:
+    # The weights are held once: the packed projections and LM head replace the modules' own weights.
+    if engine._runner.packed is None:
+        pytest.skip("oneDNN packed weights are not available in this torch build")
+    reference = load_causal_lm(model_dir, engine.plan)
+    size = sum(p.numel() * p.element_size() for p in reference.parameters())  # tied embedding counted once
+    wte = reference.transformer.wte.weight
+    # A tied embedding also stays for row lookups (mapped from the checkpoint, only looked-up rows resident).
+    tied = wte.numel() * wte.element_size() if reference.lm_head.weight is wte else 0
+    assert engine.weight_bytes == size + tied
+    for block in engine.model.transformer.h:
+        for conv in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
+            assert conv.weight.numel() == 0

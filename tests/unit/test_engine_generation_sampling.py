@@ -17,7 +17,7 @@ from worker.engines.sampling import (
     RowParams,
     SamplingParams,
     TextStream,
-    make_generator,
+    counter_uniforms,
     next_tokens,
     penalize,
     truncated_distribution,
@@ -69,21 +69,52 @@ def test_a_seeded_row_draws_the_same_tokens_whatever_shares_the_batch() -> None:
     torch.manual_seed(2)
     mine = torch.randn(1, 1000) * 2
     params = SamplingParams(temperature=0.7, top_k=100, top_p=0.95, seed=11)
-    alone = RowParams([params], CPU)
-    crowd = RowParams([SamplingParams(temperature=0), SamplingParams(temperature=1.5), params], CPU)
-    solo_gen, crowd_gens = make_generator(11), [make_generator(99), make_generator(11)]
+    alone = RowParams([params], CPU, seeds=[11])
+    crowd = RowParams([SamplingParams(temperature=0), SamplingParams(temperature=1.5), params], CPU,
+                      seeds=[None, 99, 11])
     for _ in range(20):
         others = torch.randn(2, 1000)
-        solo = next_tokens(mine, alone, None, [solo_gen])
-        batch = next_tokens(torch.cat([others, mine]), crowd, None, crowd_gens)
+        solo = next_tokens(mine, alone, None)
+        batch = next_tokens(torch.cat([others, mine]), crowd, None)
         assert batch[0] == others[0].argmax() and batch[2] == solo[0]
+
+
+def test_a_row_joining_mid_sequence_continues_its_own_noise() -> None:
+    # A row rebuilt into another batch at counter k draws what it would have drawn staying where it was.
+    torch.manual_seed(3)
+    logits = torch.randn(1, 500)
+    params = SamplingParams(temperature=1.0, seed=42)
+    steady = RowParams([params], CPU, seeds=[42])
+    drawn = [int(next_tokens(logits, steady, None)[0]) for _ in range(6)]
+    for k in range(6):
+        crowd = RowParams([SamplingParams(seed=1), params, SamplingParams(temperature=0)], CPU,
+                          seeds=[1, 42, None], counters=[0, k, 0])
+        logits3 = torch.cat([torch.randn(1, 500), logits, torch.randn(1, 500)])
+        assert int(next_tokens(logits3, crowd, None)[1]) == drawn[k]
+
+
+def test_counter_uniforms_are_splitmix64_and_uniform() -> None:
+    def splitmix(x: int) -> int:  # the reference SplitMix64 finaliser on Python integers
+        mask = (1 << 64) - 1
+        x = (x + 0x9E3779B97F4A7C15) & mask
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        return x ^ (x >> 31)
+
+    seeds = [0, 1, 7, 2**62 + 12345, 2**63 - 1]
+    counters = [0, 3, 1000, 5, 63]
+    got = counter_uniforms(torch.tensor(seeds), torch.tensor(counters))
+    mask = (1 << 64) - 1
+    expected = [(splitmix((splitmix(s) + c) & mask) >> 40) / 2**24 for s, c in zip(seeds, counters, strict=True)]
+    assert got.tolist() == expected
+    many = counter_uniforms(torch.full((20000,), 5), torch.arange(20000))
+    assert 0 <= float(many.min()) and float(many.max()) < 1 and abs(float(many.mean()) - 0.5) < 0.01
 
 
 def test_draws_follow_the_distribution() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125, 0.0]]))
-    rows = RowParams([SamplingParams()], CPU)
-    generator = make_generator(0)
-    counts = torch.bincount(torch.cat([next_tokens(logits, rows, None, [generator]) for _ in range(4000)]),
+    rows = RowParams([SamplingParams()], CPU, seeds=[0])
+    counts = torch.bincount(torch.cat([next_tokens(logits, rows, None) for _ in range(4000)]),
                             minlength=5)
     assert counts[4] == 0
     torch.testing.assert_close(counts[:4] / 4000, torch.tensor([0.5, 0.25, 0.125, 0.125]), atol=0.03, rtol=0)

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import torch
-
 from core.protocol import SamplingParams
-from worker.engines.sampling import TextStream, make_generator
+from worker.engines.sampling import TextStream, row_seed
 
 OnToken = Callable[[int, str], None]
 
@@ -71,12 +68,10 @@ class Request:
         return GenerationResult(self.request_id, choices, len(self.prompt), sum(len(c.token_ids) for c in choices))
 
     def open(self, table: list[bytes]) -> list[SequenceState]:
-        """Create the request's n sequences, each with its own generator (seed + index when seeded)."""
+        """Create the request's n sequences, each with its own seed (seed + index when seeded)."""
         for index in range(self.params.n):
-            params = self.params
-            seed = None if params.greedy else (secrets.randbits(63) if params.seed is None else params.seed + index)
-            self.sequences.append(SequenceState(self, index, TextStream(table, params.stop),
-                                                None if seed is None else make_generator(seed)))
+            self.sequences.append(SequenceState(self, index, TextStream(table, self.params.stop),
+                                                row_seed(self.params, index)))
         return self.sequences
 
     def cancel(self) -> list[tuple[int, str]]:
@@ -101,7 +96,7 @@ class SequenceState:
     request: Request
     index: int
     stream: TextStream
-    generator: torch.Generator | None
+    seed: int | None  # None when greedy
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 

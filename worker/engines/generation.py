@@ -71,7 +71,7 @@ class GenerationEngine:
         # Given the ids of all waiting and running requests, those to drop: one call per loop (raising fails the batch).
         self._cancelled_ids = cancelled_ids
         self._table = token_bytes(self.tokenizer, self.vocab_size)
-        self._runner = Gpt2Runner(self.model, self.plan, max_rows=max_batch_size)
+        self._runner = Gpt2Runner(self.model, self.plan, max_rows=max_batch_size, source=Path(model))
         self._device = torch.device(self.plan.device)
         self._encode_lock = threading.Lock()  # HF fast tokenizers are not safe to call from many threads
         self._lock = threading.RLock()
@@ -84,7 +84,6 @@ class GenerationEngine:
         # Scheduler-thread state: rows of the batch, in cache-row order.
         self._rows: list[SequenceState] = []
         self._row_params: RowParams | None = None
-        self._generators: list[torch.Generator] = []
         # Tokens seen per row (prompt + generated), for the repetition penalty: [max_batch_size, vocab].
         self._seen = torch.zeros(max_batch_size, self.vocab_size, dtype=torch.bool, device=self._device)
         self._thread = threading.Thread(target=self._run, name="generation-scheduler", daemon=True)
@@ -120,6 +119,11 @@ class GenerationEngine:
             self._waiting.append(request)
             self._wake.notify()
         return request.future
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of model weights the engine holds (packed copies replace the originals, so each counts once)."""
+        return self._runner.weight_bytes
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
         """Submit and wait for the result."""
@@ -266,10 +270,9 @@ class GenerationEngine:
             if sequence.request.params.repetition_penalty != 1.0:
                 self._seen[row].zero_()
                 self._seen[row, torch.tensor(sequence.request.prompt, device=self._device)] = True
-        params = RowParams([s.request.params for s in new_rows], self._device)
-        generators = [new_rows[i].generator for i in params.sample_rows]
+        params = RowParams([s.request.params for s in new_rows], self._device, seeds=[s.seed for s in new_rows])
         seen = self._seen[first:len(self._rows)]
-        tokens = next_tokens(logits.index_select(0, source), params, seen, generators)
+        tokens = next_tokens(logits.index_select(0, source), params, seen)
         with self._lock:
             self._counters["prefills"] += 1
             self._counters["prompt_tokens"] += sum(len(r.prompt) for r in requests)
@@ -280,13 +283,14 @@ class GenerationEngine:
     def _step(self) -> None:
         """One decode step for every running row."""
         if self._row_params is None:
-            self._row_params = RowParams([s.request.params for s in self._rows], self._device)
-            self._generators = [self._rows[i].generator for i in self._row_params.sample_rows]
+            rows = self._rows
+            self._row_params = RowParams([s.request.params for s in rows], self._device,
+                                         seeds=[s.seed for s in rows], counters=[len(s.tokens) for s in rows])
         positions = [s.position for s in self._rows]
         tokens = torch.tensor([s.tokens[-1] for s in self._rows], dtype=torch.long, device=self._device)
         logits = self._runner.decode(tokens, torch.tensor(positions, device=self._device), max(positions) + 1)
         seen = self._seen[: len(self._rows)] if self._row_params.penalty is not None else None
-        new = next_tokens(logits, self._row_params, seen, self._generators)
+        new = next_tokens(logits, self._row_params, seen)
         with self._lock:
             self._counters["steps"] += 1
         self._accept(0, new)

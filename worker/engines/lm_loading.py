@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
 
@@ -14,10 +18,11 @@ from worker.engines.device import DevicePlan
 
 ASSETS_TOKENIZER = GPT2_TOKENIZER_DIR
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
-# From this many rows a matmul uses oneDNN weights packed once at load (CPU, fp32): MKL's sgemm repacks the
-# weight on every call, which dominates at 4-64 rows (a decode step of 16 rows is about 1.5x faster on a
-# 2-core EPYC); below it the plain GEMV is faster. The packed copy costs one more copy of the linear weights.
-PACKED_MIN_ROWS = 4
+# On the CPU in fp32 every projection and the LM head run on oneDNN weights packed once at load: MKL's sgemm
+# repacks the weight on every call, which dominates at 4-64 rows (the LM head of a 16-row decode step: 35 ms
+# packed, 60 ms plain on a 2-core EPYC) and costs nothing extra at one row. The packed layout replaces the
+# original (which is then dropped), so the weights are held once.
+PROBE_ROWS = 4
 
 
 def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
@@ -79,10 +84,13 @@ class Gpt2Runner:
     Row r holds positions 0..len-1 of one sequence, so sequences of any length share a batch without
     padding or shifting: a decode step writes each row's new key/value at its own position and masks
     the positions past it. The HF modules (layer norms, Conv1D projections, MLP) are reused as they are;
-    only attention and the cache are ours.
+    only attention and the cache are ours. On the CPU in fp32 the projections' and the LM head's weights
+    are packed (read from `source`, the checkpoint's folder or safetensors file, when given: see `_pack_weights`) and
+    the modules' own weights are dropped, so the model is no longer usable as an HF module.
     """
 
-    def __init__(self, lm: PreTrainedModel, plan: DevicePlan, *, max_rows: int) -> None:
+    def __init__(self, lm: PreTrainedModel, plan: DevicePlan, *, max_rows: int, source: Path | None = None,
+                 pack: bool = True) -> None:
         config = lm.config
         self.device = torch.device(plan.device)
         self.dtype = lm.transformer.wte.weight.dtype
@@ -106,7 +114,23 @@ class Gpt2Runner:
             self.scales.append(None if default else scale)
         self.keys: torch.Tensor | None = None  # [layer, row, head, position, head_dim]
         self.values: torch.Tensor | None = None
-        self.packed = _pack_weights(lm) if self.device.type == "cpu" and self.dtype == torch.float32 else None
+        cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
+        self.packed = _pack_weights(lm, source) if pack and cpu_fp32 else None
+        _trim_heap()  # packing's transposed temporaries came from the heap: give them back
+        # oneDNN's gelu_tanh post-op computes HF's gelu_new (within float rounding: a few 1e-7).
+        self.fused_gelu = config.activation_function in ("gelu_new", "gelu_pytorch_tanh")
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights the runner holds: parameters still in the model plus the packed copies."""
+        params = {p.data_ptr(): p.numel() * p.element_size() for p in self.lm_parameters() if p.numel()}
+        packed = sum(t.numel() * t.element_size() for layer in self.packed or [] for t in layer if t is not None)
+        return sum(params.values()) + packed
+
+    def lm_parameters(self) -> list[torch.Tensor]:
+        """The model's parameters the runner reads (the tied embedding counted once by its data pointer)."""
+        modules = [self.wte, self.wpe, self.ln_f, self.lm_head, *self.blocks]
+        return [p for m in modules for p in m.parameters()]
 
     @property
     def capacity(self) -> tuple[int, int]:
@@ -130,8 +154,10 @@ class Gpt2Runner:
         self.keys, self.values = keys, values
 
     def release(self) -> None:
-        """Drop the cache (it is rebuilt on the next reserve)."""
-        self.keys = self.values = None
+        """Drop the cache (it is rebuilt on the next reserve) and hand freed heap memory back to the system."""
+        if self.keys is not None:
+            self.keys = self.values = None
+            _trim_heap()
 
     def move_row(self, source: int, target: int, length: int) -> None:
         """Copy the first `length` positions of row `source` into row `target` (compaction after a finish)."""
@@ -139,8 +165,11 @@ class Gpt2Runner:
         self.keys[:, target, :, :length] = self.keys[:, source, :, :length]
         self.values[:, target, :, :length] = self.values[:, source, :, :length]
 
-    def _packed_for(self, rows: int) -> list[tuple[torch.Tensor | None, ...]] | None:
-        return self.packed if rows >= PACKED_MIN_ROWS else None
+    def _mlp_in(self, block: torch.nn.Module, packed: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        # GPT2MLP's first half without its no-op dropout; packed, the tanh GELU runs fused in the matmul.
+        if packed is None or not self.fused_gelu:
+            return block.mlp.act(_linear(block.mlp.c_fc, packed, x))
+        return _linear(block.mlp.c_fc, packed, x, "gelu", "tanh")
 
     def prefill(self, prompts: list[list[int]], rows: list[list[int]]) -> torch.Tensor:
         """Run whole prompts (right-padded), store their keys/values in the given rows, return last logits [R, V].
@@ -157,7 +186,7 @@ class Gpt2Runner:
         positions = torch.arange(width, device=self.device)
         hidden = self.wte(ids) + self.wpe(positions)[None]
         batch = len(prompts)
-        packed = self._packed_for(batch * width)
+        packed = self.packed
         for index, block in enumerate(self.blocks):
             attn, proj, fc, out = packed[index] if packed else _UNPACKED
             query, key, value = _linear(block.attn.c_attn, attn, block.ln_1(hidden)).split(hidden.shape[-1], dim=2)
@@ -169,20 +198,23 @@ class Gpt2Runner:
             layer_values[target, :, :width] = value.index_select(0, source)
             attended = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=self.scales[index])
             hidden = _linear(block.attn.c_proj, proj, attended.transpose(1, 2).reshape(batch, width, -1)) + hidden
-            inner = block.mlp.act(_linear(block.mlp.c_fc, fc, block.ln_2(hidden)))  # GPT2MLP without its no-op dropout
-            hidden = hidden + _linear(block.mlp.c_proj, out, inner)
+            hidden = hidden + _linear(block.mlp.c_proj, out, self._mlp_in(block, fc, block.ln_2(hidden)))
         last = torch.tensor([length - 1 for length in lengths], device=self.device)
         # Only the last position's logits are needed: the LM head is the largest matmul of the model.
         final = self.ln_f(hidden[torch.arange(batch, device=self.device), last])
-        head = self._packed_for(batch)
-        return _linear(self.lm_head, head[-1][0] if head else None, final).float()
+        return _linear(self.lm_head, packed[-1][0] if packed else None, final).float()
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         """One step for rows 0..B-1: token b sits at positions[b]; attention covers positions < span. Logits [B, V]."""
         assert self.keys is not None and self.values is not None
         batch = tokens.shape[0]
-        packed = self._packed_for(batch)
+        packed = self.packed
+        # Where each row's new key/value vectors go in a layer's cache seen as [rows * head * position, head_dim]:
+        # one index_copy_ per layer instead of an index_put with two advanced indices (several times slower).
+        length = self.keys.shape[3]
+        heads = torch.arange(self.n_head, device=self.device)
         rows = torch.arange(batch, device=self.device)
+        slots = ((rows[:, None] * self.n_head + heads[None]) * length + positions[:, None]).reshape(-1)
         hidden = (self.wte(tokens) + self.wpe(positions))[:, None]  # [B, 1, E]
         # Row b may see its own positions 0..positions[b]; later slots hold stale or padding keys.
         mask = (torch.arange(span, device=self.device)[None] <= positions[:, None])[:, None, None]
@@ -191,47 +223,90 @@ class Gpt2Runner:
             query, key, value = _linear(block.attn.c_attn, attn, block.ln_1(hidden)).split(hidden.shape[-1], dim=2)
             query = query.view(batch, 1, self.n_head, self.head_dim).transpose(1, 2)
             layer_keys, layer_values = self.keys[index], self.values[index]
-            # Advanced indices on dims 0 and 2 around a slice: the target is [B, head, head_dim].
-            layer_keys[rows, :, positions] = key.view(batch, self.n_head, self.head_dim)
-            layer_values[rows, :, positions] = value.view(batch, self.n_head, self.head_dim)
+            layer_keys.view(-1, self.head_dim).index_copy_(0, slots, key.reshape(-1, self.head_dim))
+            layer_values.view(-1, self.head_dim).index_copy_(0, slots, value.reshape(-1, self.head_dim))
             attended = F.scaled_dot_product_attention(
                 query, layer_keys[:batch, :, :span], layer_values[:batch, :, :span],
                 attn_mask=mask, scale=self.scales[index],
             )
             hidden = _linear(block.attn.c_proj, proj, attended.transpose(1, 2).reshape(batch, 1, -1)) + hidden
-            inner = block.mlp.act(_linear(block.mlp.c_fc, fc, block.ln_2(hidden)))  # GPT2MLP without its no-op dropout
-            hidden = hidden + _linear(block.mlp.c_proj, out, inner)
+            hidden = hidden + _linear(block.mlp.c_proj, out, self._mlp_in(block, fc, block.ln_2(hidden)))
         return _linear(self.lm_head, packed[-1][0] if packed else None, self.ln_f(hidden[:, 0])).float()
 
 
 _UNPACKED = (None, None, None, None)
 
 
-def _pack_weights(lm: PreTrainedModel) -> list[tuple[torch.Tensor | None, ...]] | None:
-    """oneDNN-packed [out, in] copies of every projection and the LM head; None where oneDNN is unavailable."""
+def _pack_weights(lm: PreTrainedModel, source: Path | None) -> list[tuple[torch.Tensor | None, ...]] | None:
+    """oneDNN-packed [out, in] copies of every projection and the LM head, the originals dropped; None without oneDNN.
+
+    Weights are read from `source` (a safetensors file, through a mapping freed after each tensor) when it
+    holds them in fp32, so the model's own mapped pages are never touched: with HF's lazily mapped
+    checkpoints only the embedding rows actually looked up become resident. Otherwise from the modules.
+    """
+    convs = [(b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj) for b in lm.transformer.h]
+    names = {id(p): n for n, p in lm.named_parameters(remove_duplicate=False)}
+    tied = lm.lm_head.weight is lm.transformer.wte.weight
     try:
-        with torch.inference_mode():
-            def pack(weight: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode(), _weights_from(source) as read:
+            def pack(module: torch.nn.Module, transposed: bool) -> torch.Tensor:
+                name = "transformer.wte.weight" if module is lm.lm_head and tied else names[id(module.weight)]
+                weight = read(name, module.weight)
+                weight = weight.t() if transposed else weight
                 return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
-            layers: list[tuple[torch.Tensor | None, ...]] = [
-                tuple(pack(conv.weight.t()) for conv in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj))
-                for b in lm.transformer.h
-            ]
-            layers.append((pack(lm.lm_head.weight), None, None, None))
-            # Probe once: a build without these ops, or one that computes differently, falls back to HF modules.
-            probe = torch.randn(PACKED_MIN_ROWS, lm.config.n_embd)
-            conv = lm.transformer.h[0].attn.c_attn
-            if not torch.allclose(_linear(conv, layers[0][0], probe), conv(probe), rtol=1e-4, atol=1e-4):
+            layers: list[tuple[torch.Tensor | None, ...]] = [tuple(pack(c, True) for c in group) for group in convs]
+            layers.append((pack(lm.lm_head, False), None, None, None))
+            # Probe once: a build without these ops, or one that computes differently, keeps the HF modules.
+            probe = torch.randn(PROBE_ROWS, lm.config.n_embd)
+            conv = convs[0][0]
+            expected = probe @ read(names[id(conv.weight)], conv.weight) + conv.bias
+            if not torch.allclose(_linear(conv, layers[0][0], probe), expected, rtol=1e-4, atol=1e-4):
                 return None
-            return layers
     except (AttributeError, RuntimeError, NotImplementedError):
         return None
+    empty = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    for module in [c for group in convs for c in group] + ([] if tied else [lm.lm_head]):
+        module.weight = empty  # the packed copy is the only one now
+    return layers
 
 
-def _linear(module: torch.nn.Module, packed: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """module(x) (a Conv1D or Linear), through its packed weight when there is one."""
+@contextmanager
+def _weights_from(source: Path | None) -> Iterator[Callable[[str, torch.Tensor], torch.Tensor]]:
+    """read(name, fallback): the fp32 tensor `name` from the checkpoint's safetensors file, else the fallback."""
+    if source is not None and source.is_dir():
+        source = source / "model.safetensors"  # a sharded checkpoint has none: the modules' weights are used
+    if source is None or not source.is_file():
+        yield lambda name, fallback: fallback
+        return
+    with safe_open(str(source), framework="pt") as handle:
+        keys = set(handle.keys())
+
+        def read(name: str, fallback: torch.Tensor) -> torch.Tensor:
+            for key in (name, name.removeprefix("transformer.")):  # checkpoints saved with or without the prefix
+                if key in keys:
+                    tensor = handle.get_tensor(key)
+                    if tensor.dtype == torch.float32 and tensor.shape == fallback.shape:
+                        return tensor
+            return fallback
+
+        yield read
+
+
+def _trim_heap() -> None:
+    # glibc keeps freed heap memory (per-thread arenas, and chunks below its adaptive mmap threshold) resident
+    # until asked; elsewhere this is a no-op.
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _linear(module: torch.nn.Module, packed: torch.Tensor | None, x: torch.Tensor, post: str = "none",
+            algorithm: str = "") -> torch.Tensor:
+    """module(x) (a Conv1D or Linear), through its packed weight when there is one, with an optional post-op."""
     if packed is None:
         return module(x)
     flat = x.reshape(-1, x.shape[-1])
-    return torch.ops.mkldnn._linear_pointwise(flat, packed, module.bias, "none", [], "").view(*x.shape[:-1], -1)
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed, module.bias, post, [], algorithm)
+    return out.view(*x.shape[:-1], -1)

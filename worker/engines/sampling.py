@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import math
+import secrets
 
 import torch
 
@@ -14,28 +15,65 @@ from core.protocol import MAX_SEED, SamplingParams
 CANDIDATES = 256
 
 __all__ = [
-    "CANDIDATES", "MAX_SEED", "RowParams", "SamplingParams", "TextStream", "make_generator", "next_tokens", "penalize",
-    "truncated_distribution",
+    "CANDIDATES", "MAX_SEED", "RowParams", "SamplingParams", "TextStream", "counter_uniforms", "next_tokens",
+    "penalize", "row_seed", "truncated_distribution",
 ]
 
 
-def make_generator(seed: int) -> torch.Generator:
-    """A CPU generator for one sequence: CPU so the same seed draws the same numbers on any device."""
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(seed)
-    return generator
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    # Logical shift of an int64 holding 64 raw bits (torch's >> is arithmetic).
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    # SplitMix64's finaliser; int64 products wrap modulo 2**64 on every torch backend.
+    x = x + _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def counter_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per row, a pure function of (seed, counter): no generator state, any device."""
+    bits = _shr(_splitmix(_splitmix(seeds) + counters), 40)  # the top 24 bits: exact in float32
+    return bits.to(torch.float32) * 2.0**-24
+
+
+def row_seed(params: SamplingParams, index: int) -> int | None:
+    """The seed of choice `index`: seed + index when seeded, a random one when not, None when greedy."""
+    if params.greedy:
+        return None
+    return secrets.randbits(63) if params.seed is None else params.seed + index
 
 
 class RowParams:
-    """The sampling settings of a batch's rows as tensors; rebuilt only when the batch changes."""
+    """The sampling settings of a batch's rows as tensors; rebuilt only when the batch changes.
 
-    def __init__(self, params: list[SamplingParams], device: torch.device) -> None:
+    seeds[i] and counters[i] (tokens row i has drawn so far) give sampled rows their noise: the draw for a
+    row's k-th token depends on (seed, k) only, so it is the same whatever shares the batch. A seed of None
+    for a sampled row means a random one (row_seed).
+    """
+
+    def __init__(self, params: list[SamplingParams], device: torch.device, *,
+                 seeds: list[int | None] | None = None, counters: list[int] | None = None) -> None:
         penalties = [p.repetition_penalty for p in params]
         self.penalty = (
             torch.tensor(penalties, device=device)[:, None] if any(v != 1.0 for v in penalties) else None
         )
         self.sample_rows = [i for i, p in enumerate(params) if not p.greedy]
         sampled = [params[i] for i in self.sample_rows]
+        seeds = seeds or [None] * len(params)
+        counters = counters or [0] * len(params)
+        chosen = [row_seed(params[i], 0) if seeds[i] is None else seeds[i] for i in self.sample_rows]
+        self.seeds = torch.tensor(chosen, dtype=torch.long, device=device)
+        self.counters = torch.tensor([counters[i] for i in self.sample_rows], dtype=torch.long, device=device)
         self.sample_index = torch.tensor(self.sample_rows, dtype=torch.long, device=device)
         self.temperature = torch.tensor([p.temperature for p in sampled], device=device)[:, None]
         # Positions within the sampled rows: plain (whole distribution) or truncated (top-k and/or top-p).
@@ -45,6 +83,8 @@ class RowParams:
         self.truncated = torch.tensor(truncated, dtype=torch.long, device=device) if truncated else None
         self.top_k = torch.tensor([sampled[i].top_k for i in truncated], dtype=torch.long, device=device)
         self.top_p = torch.tensor([sampled[i].top_p for i in truncated], device=device)
+        self.max_top_k = max((sampled[i].top_k for i in truncated), default=0)
+        self.open_nucleus = any(sampled[i].top_k == 0 and sampled[i].top_p < 1.0 for i in truncated)
 
 
 def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
@@ -54,15 +94,19 @@ def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) ->
 
 
 def truncated_distribution(
-    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *, max_top_k: int | None = None,
+    open_nucleus: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """HF's top-k then top-p warpers on temperature-scaled logits [S, V], over candidate tokens.
 
     Returns (probs [S, C], token ids [S, C]): the kept tokens' probabilities (zeros elsewhere), renormalised
-    as the softmax of HF's warped logits would be. top_k 0 = off, top_p 1 = off, per row.
+    as the softmax of HF's warped logits would be. top_k 0 = off, top_p 1 = off, per row. Given the
+    largest top_k and whether some row has top-p without top-k (open_nucleus), it reads nothing back from
+    the device unless such a row's nucleus may reach past the candidates.
     """
     vocab = scaled.shape[-1]
-    limit = min(vocab, max(CANDIDATES, int(top_k.max()) + 1))  # +1: a token tied with the k-th stays, as in HF
+    largest = int(top_k.max()) if max_top_k is None else max_top_k
+    limit = min(vocab, max(CANDIDATES, largest + 1))  # +1: a token tied with the k-th stays, as in HF
     full_mass = None
     while True:
         values, ids = scaled.topk(limit, dim=-1)  # sorted, largest first
@@ -77,7 +121,7 @@ def truncated_distribution(
         # ranked strictly above it is >= p. The most likely token always stays.
         above = probs.cumsum(dim=-1) - probs
         covered = (top_k > 0) | (top_p >= 1.0) | (probs.sum(dim=-1) >= top_p)
-        if limit == vocab or bool(covered.all()):
+        if limit == vocab or not open_nucleus or bool(covered.all()):
             break
         limit = min(vocab, limit * 8)  # some nucleus reaches past the candidates: look further
     probs = probs.masked_fill(above >= top_p[:, None], 0.0)
@@ -91,13 +135,11 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return drawn.clamp_max(cdf.shape[-1] - 1)
 
 
-def next_tokens(
-    logits: torch.Tensor, rows: RowParams, seen: torch.Tensor | None, generators: list[torch.Generator],
-) -> torch.Tensor:
+def next_tokens(logits: torch.Tensor, rows: RowParams, seen: torch.Tensor | None) -> torch.Tensor:
     """Each row's next token id [B]: repetition penalty, then argmax or temperature -> top-k -> top-p -> draw.
 
-    generators[i] belongs to rows.sample_rows[i] and draws exactly one uniform per token, so a
-    sequence's randomness does not depend on what else shares the batch.
+    All rows in one vectorised pass; each sampled row uses one counter-based uniform per token and its
+    counter advances, so a sequence's randomness does not depend on what else shares the batch.
     """
     if rows.penalty is not None and seen is not None:
         logits = penalize(logits, seen, rows.penalty)
@@ -105,12 +147,14 @@ def next_tokens(
     if not rows.sample_rows:
         return tokens
     scaled = logits.index_select(0, rows.sample_index) / rows.temperature
-    uniforms = torch.cat([torch.rand(1, generator=g) for g in generators]).to(scaled.device)
+    uniforms = counter_uniforms(rows.seeds, rows.counters)
+    rows.counters += 1
     drawn = torch.empty(len(rows.sample_rows), dtype=torch.long, device=scaled.device)
     if rows.plain is not None:
         drawn[rows.plain] = _inverse_cdf(scaled.index_select(0, rows.plain).softmax(dim=-1), uniforms[rows.plain])
     if rows.truncated is not None:
-        probs, ids = truncated_distribution(scaled.index_select(0, rows.truncated), rows.top_k, rows.top_p)
+        probs, ids = truncated_distribution(scaled.index_select(0, rows.truncated), rows.top_k, rows.top_p,
+                                            max_top_k=rows.max_top_k, open_nucleus=rows.open_nucleus)
         picked = _inverse_cdf(probs, uniforms[rows.truncated])
         drawn[rows.truncated] = ids.gather(1, picked[:, None])[:, 0]
     tokens[rows.sample_index] = drawn
