@@ -147,8 +147,8 @@ def classification_metrics(predictions: np.ndarray, targets: np.ndarray, num_lab
 def freeze_word_embeddings(model: torch.nn.Module) -> None:
     """Keep the token-embedding table as pretrained: no gradient, no optimizer state, no update."""
     # It is about half of a small BERT's parameters, yet a batch of short texts touches a few hundred of
-    # its 30k rows: its dense gradient, clipping and AdamW update cost ~10-15% of a CPU step. Opt-in: a
-    # pretrained base loses little accuracy (bench/README.md), a poorly trained table would stay poor.
+    # its 30k rows: its dense gradient, clipping and AdamW update are ~10% of a profiled CPU step (the
+    # end-to-end gain was within noise, bench/README.md). Opt-in: a poorly trained table would stay poor.
     model.get_input_embeddings().weight.requires_grad_(False)
 
 
