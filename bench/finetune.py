@@ -1,12 +1,13 @@
-"""Fine-tune MiniLM on SST-2 rows with the engine and with HF Trainer; print throughput and accuracy.
+"""Fine-tune MiniLM on SST-2 rows with the engine and with HF Trainer (grouped and default); print medians.
 
-Usage: HF_HUB_OFFLINE=1 .venv/bin/python bench/finetune.py [--rows 4000] [--max-steps N]
+Usage: HF_HUB_OFFLINE=1 .venv/bin/python bench/finetune.py [--rows 4000] [--max-steps N] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -20,7 +21,8 @@ import torch  # noqa: E402
 
 from core.tabular import label_values, read_table  # noqa: E402
 
-BASELINE = "hf-trainer"
+BASELINE = "hf-trainer-grouped"  # the Trainer setting a user would pick: length-grouped batches
+SIDES = ("engine", BASELINE, "hf-trainer")
 HYPER = {"epochs": 1, "batch_size": 32, "learning_rate": 1e-4, "max_length": 64, "warmup_ratio": 0.0,
          "weight_decay": 0.01, "seed": 42}
 
@@ -54,7 +56,7 @@ def dev_accuracy(model, tokenizer, texts: list[str], labels: list[int], max_leng
     return correct / len(texts)
 
 
-def run_engine(train_file: Path, dev_file: Path, work: Path, args: argparse.Namespace) -> dict:
+def run_engine(train_file: Path, dev_file: Path, work: Path, args: argparse.Namespace, precision: str) -> dict:
     """The engine's train() on the rows, with dev evaluated inside (excluded from samples/s)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -66,8 +68,8 @@ def run_engine(train_file: Path, dev_file: Path, work: Path, args: argparse.Name
         checkpoint_dir=work / "engine-checkpoints", epochs=HYPER["epochs"], max_steps=args.max_steps,
         batch_size=HYPER["batch_size"], learning_rate=HYPER["learning_rate"],
         warmup_ratio=HYPER["warmup_ratio"], weight_decay=HYPER["weight_decay"],
-        max_length=HYPER["max_length"], precision=args.precision, seed=HYPER["seed"], device=args.device,
-        base_model_name="minilm-l6",
+        max_length=HYPER["max_length"], precision=precision, seed=HYPER["seed"], device=args.device,
+        base_model_name="minilm-l6", freeze_word_embeddings=args.freeze_word_embeddings,
     )
     started = time.perf_counter()
     result = train(config)
@@ -76,12 +78,12 @@ def run_engine(train_file: Path, dev_file: Path, work: Path, args: argparse.Name
     tokenizer = AutoTokenizer.from_pretrained(result.model_dir)
     return {"samples_per_second": result.metrics["train_samples_per_second"],
             "train_runtime": result.metrics["train_runtime"], "steps": result.global_step,
-            "train_loss": result.metrics["train_loss"], "wall": wall,
-            "own_eval_accuracy": result.metrics["eval_accuracy"], "model": model, "tokenizer": tokenizer}
+            "train_loss": result.metrics["train_loss"], "wall": wall, "model": model, "tokenizer": tokenizer,
+            "precision": result.manifest["hyperparameters"]["precision"]}
 
 
-def run_trainer(train_file: Path, work: Path, args: argparse.Namespace) -> dict:
-    """The named baseline: HF Trainer with default settings and the same rows and hyperparameters."""
+def run_trainer(train_file: Path, work: Path, args: argparse.Namespace, precision: str, grouped: bool) -> dict:
+    """HF Trainer on the same rows and hyperparameters: defaults, or length-grouped batches (the baseline)."""
     import datasets
     from transformers import (
         AutoModelForSequenceClassification,
@@ -102,13 +104,15 @@ def run_trainer(train_file: Path, work: Path, args: argparse.Namespace) -> dict:
                                        "label": label_values(table, "label")})
     rows = rows.map(lambda b: tokenizer(b["sentence"], truncation=True, max_length=HYPER["max_length"]),
                     batched=True, remove_columns=["sentence"])
+    # Both Trainer lines use the fused AdamW (the default of this transformers release, spelled out);
+    # the grouped one adds length-grouped batches, which the engine also uses.
     training_args = TrainingArguments(
         output_dir=str(work / "hf-trainer"), per_device_train_batch_size=HYPER["batch_size"],
         num_train_epochs=HYPER["epochs"], max_steps=args.max_steps or -1,
         learning_rate=HYPER["learning_rate"], warmup_ratio=HYPER["warmup_ratio"],
         weight_decay=HYPER["weight_decay"], seed=HYPER["seed"], report_to="none", save_strategy="no",
-        use_cpu=args.device == "cpu", bf16=args.precision == "bf16", fp16=args.precision == "fp16",
-        disable_tqdm=True,
+        use_cpu=args.device == "cpu", bf16=precision == "bf16", fp16=precision == "fp16",
+        disable_tqdm=True, group_by_length=grouped, optim="adamw_torch_fused",
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=rows,
                       data_collator=DataCollatorWithPadding(tokenizer))
@@ -117,63 +121,105 @@ def run_trainer(train_file: Path, work: Path, args: argparse.Namespace) -> dict:
     return {"samples_per_second": output.metrics["train_samples_per_second"],
             "train_runtime": output.metrics["train_runtime"], "steps": output.global_step,
             "train_loss": output.metrics["train_loss"], "wall": wall, "model": trainer.model,
-            "tokenizer": tokenizer}
+            "tokenizer": tokenizer, "precision": precision}
 
 
 def _torch_device(args: argparse.Namespace) -> str:
     return "cpu" if args.device == "cpu" else "cuda:0"
 
 
-def main() -> None:
-    """Run both fine-tunings and print the comparison table."""
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.1f}-{max(values):.1f}"
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line options (see bench/README.md)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train", type=Path, default=default_data("sst2_train_4k.tsv", "train.tsv"))
     parser.add_argument("--dev", type=Path, default=default_data("sst2_dev.tsv", "dev.tsv"))
     parser.add_argument("--rows", type=int, default=4000, help="first N training rows (default 4000)")
-    parser.add_argument("--max-steps", type=int, default=None, help="stop both runs after N steps (smoke)")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop every run after N steps (smoke)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side, interleaved (default 3)")
     parser.add_argument("--device", default="cpu", help="cpu (the measured setting) or cuda")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
-    parser.add_argument("--only", choices=["engine", BASELINE], help="run one side only")
+    parser.add_argument("--precision", default="fp32", choices=["auto", "fp32", "bf16", "fp16"],
+                        help="the engine's precision; auto is resolved by the engine's own device plan")
+    parser.add_argument("--baseline-precision", default="match", choices=["match", "fp32", "bf16", "fp16"],
+                        help="the Trainer runs' precision; match: whatever the engine resolved to")
+    parser.add_argument("--freeze-word-embeddings", action="store_true",
+                        help="the engine's freeze_word_embeddings hyperparameter (default off, as the API's)")
+    parser.add_argument("--sides", default=",".join(SIDES),
+                        help=f"comma-separated runs, in the interleaving order (default {','.join(SIDES)})")
     args = parser.parse_args()
+    args.sides = [side.strip() for side in args.sides.split(",") if side.strip()]
+    unknown = set(args.sides) - set(SIDES)
+    if unknown or not args.sides:
+        parser.error(f"--sides takes some of {', '.join(SIDES)}")
+    return args
+
+
+def main() -> None:
+    """Run the sides interleaved (A B C A B C ...), score each model on dev, print per-run lines and medians."""
+    from worker.engines.device import resolve_device
+
+    args = parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # The engine resolves its precision the same way (one calibration per process, cached).
+    engine_precision = resolve_device(args.device, args.precision, training=True).precision
+    baseline_precision = engine_precision if args.baseline_precision == "match" else args.baseline_precision
 
     dev = read_table(args.dev)
     dev_texts = [str(r["sentence"]) for r in dev.rows]
     dev_labels = [int(v) for v in label_values(dev, "label")]
-    results: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {side: [] for side in args.sides}
+    print(f"{os.uname().nodename}: {os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, device {args.device}; engine precision {args.precision} -> "
+          f"{engine_precision}, Trainer precision {baseline_precision}", flush=True)
+    print(f"{'run':<20}{'prec':>6}{'steps':>7}{'samples/s':>11}{'train s':>9}{'wall s':>8}{'loss':>8}"
+          f"{'dev acc':>9}{'load':>6}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-finetune-") as tmp:
         work = Path(tmp)
         train_file = work / "train.tsv"
         rows = take_rows(args.train, args.rows, train_file)
-        print(f"{rows} training rows from {args.train}, {len(dev_texts)} dev rows from {args.dev}, "
-              f"device {args.device}, {torch.get_num_threads()} threads", flush=True)
-        # Each side's samples/s comes from its own timer around training only, so the process's
-        # one-off warm-up and the model loading count for neither.
-        runners = {BASELINE: lambda: run_trainer(train_file, work, args),
-                   "engine": lambda: run_engine(train_file, args.dev, work, args)}
-        for name, run in runners.items():
-            if args.only in (None, name):
-                results[name] = run()
+        runners = {
+            "engine": lambda: run_engine(train_file, args.dev, work, args, args.precision),
+            BASELINE: lambda: run_trainer(train_file, work, args, baseline_precision, grouped=True),
+            "hf-trainer": lambda: run_trainer(train_file, work, args, baseline_precision, grouped=False),
+        }
+        # Interleaved repeats: a slow spell of the machine hits every side, not one of them.
+        for repeat in range(args.repeats):
+            for side in args.sides:
+                result = runners[side]()
                 # The 1-min load average as the run ends: the run itself accounts for about one per
                 # torch thread; more means another process shared the CPU and the timing is suspect.
-                results[name]["load"] = os.getloadavg()[0]
-        for result in results.values():
-            result["dev_accuracy"] = dev_accuracy(result.pop("model"), result.pop("tokenizer"), dev_texts,
-                                                  dev_labels, HYPER["max_length"])
+                result["load"] = os.getloadavg()[0]
+                result["dev_accuracy"] = dev_accuracy(result.pop("model"), result.pop("tokenizer"), dev_texts,
+                                                      dev_labels, HYPER["max_length"])
+                runs[side].append(result)
+                r = result
+                print(f"{side + ' #' + str(repeat + 1):<20}{r['precision']:>6}{r['steps']:>7}"
+                      f"{r['samples_per_second']:>11.1f}{r['train_runtime']:>9.1f}{r['wall']:>8.1f}"
+                      f"{r['train_loss']:>8.4f}{r['dev_accuracy']:>9.4f}{r['load']:>6.1f}", flush=True)
 
-    print(f"\n{'run':<12}{'steps':>7}{'samples/s':>11}{'train s':>9}{'wall s':>8}{'loss':>8}{'dev acc':>9}"
-          f"{'load':>6}")
-    for name, r in results.items():
-        print(f"{name:<12}{r['steps']:>7}{r['samples_per_second']:>11.1f}{r['train_runtime']:>9.1f}"
-              f"{r['wall']:>8.1f}{r['train_loss']:>8.4f}{r['dev_accuracy']:>9.4f}{r['load']:>6.1f}")
-    if len(results) == 2:
-        engine, base = results["engine"], results[BASELINE]
-        ratio = engine["samples_per_second"] / base["samples_per_second"]
-        delta = 100 * (engine["dev_accuracy"] - base["dev_accuracy"])
-        print(f"\nengine/{BASELINE} samples/s ratio: {ratio:.2f}x (target >= 1.3x); "
-              f"dev accuracy delta: {delta:+.1f} points (target within 1)")
-        print(f"engine's own eval_accuracy: {engine['own_eval_accuracy']:.4f}")
-    print(f"load: 1-min load average at the end of each run ({torch.get_num_threads()} of it is the run itself)")
+    print(f"\n{rows} training rows, {len(dev_texts)} dev rows, {args.repeats} runs per side, interleaved")
+    print(f"{'side':<20}{'prec':>6}{'median samples/s':>18}{'min-max':>14}{'dev acc':>9}{'load':>10}")
+    medians = {}
+    for side, results in runs.items():
+        speeds = [r["samples_per_second"] for r in results]
+        loads = [r["load"] for r in results]
+        medians[side] = statistics.median(speeds)
+        accuracy = statistics.median(r["dev_accuracy"] for r in results)
+        print(f"{side:<20}{results[0]['precision']:>6}{medians[side]:>18.1f}{_spread(speeds):>14}"
+              f"{accuracy:>9.4f}{_spread(loads):>10}")
+    if "engine" in runs:
+        engine_accuracy = statistics.median(r["dev_accuracy"] for r in runs["engine"])
+        for side in (s for s in args.sides if s != "engine"):
+            ratio = medians["engine"] / medians[side]
+            delta = 100 * (engine_accuracy - statistics.median(r["dev_accuracy"] for r in runs[side]))
+            target = " (target >= 1.3x same precision, >= 2x with auto vs fp32)" if side == BASELINE else ""
+            print(f"engine/{side}: {ratio:.2f}x median samples/s{target}; dev accuracy {delta:+.1f} points "
+                  "(target within 0.5)")
+    print(f"load: 1-min load average as each run ended, min-max ({torch.get_num_threads()} of it is the run "
+          f"itself); now {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

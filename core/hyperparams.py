@@ -25,7 +25,8 @@ class TrainingHyperparameters(BaseModel):
     max_steps: int | None = Field(None, ge=1, le=10_000_000, description="Optimizer steps; overrides epochs.")
     warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Fraction of steps with linear warmup.")
     gradient_accumulation_steps: int = Field(1, ge=1, le=1024, description="Micro-batches per optimizer step.")
-    precision: Precision = Field("auto", description="auto: bf16/fp16 on CUDA by capability, fp32 on CPU.")
+    precision: Precision = Field(
+        "auto", description="auto: bf16/fp16 on CUDA by capability; CPU bf16 autocast if calibrated faster, else fp32.")
     eval_steps: int | None = Field(None, ge=1, le=10_000_000, description="Evaluate every N steps (and at the end).")
 
 
@@ -38,6 +39,8 @@ class Hyperparameters(TrainingHyperparameters):
     weight_decay: float = _weight_decay(0.01)
     max_length: int = Field(128, ge=8, le=8192, description="Tokens per example after truncation.")
     seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed for shuffling, dropout and the head init.")
+    freeze_word_embeddings: bool = Field(
+        False, description="Keep the base model's token-embedding table as it is (faster steps; pretrained bases).")
 
 
 class LMHyperparameters(TrainingHyperparameters):

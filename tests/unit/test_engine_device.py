@@ -7,7 +7,8 @@ import contextlib
 import pytest
 import torch
 
-from worker.engines.device import DevicePlan, release_memory, resolve_device
+from worker.engines import device as device_module
+from worker.engines.device import DevicePlan, cpu_bf16_faster, release_memory, resolve_device
 
 
 @pytest.fixture
@@ -96,3 +97,45 @@ def test_half_precision_on_cpu_means_cpu_autocast_without_scaler(precision, dtyp
 
 def test_release_memory_on_cpu_is_harmless():
     release_memory(resolve_device("cpu"))
+
+
+@pytest.fixture
+def fresh_calibration(monkeypatch):
+    """An empty per-process calibration cache, and a fake timer that counts its calls."""
+    monkeypatch.setattr(device_module, "_cpu_bf16_calibration", {})
+    calls: list[tuple[float, float]] = []
+
+    def install(fp32_seconds: float, bf16_seconds: float) -> list:
+        def timings() -> tuple[float, float]:
+            calls.append((fp32_seconds, bf16_seconds))
+            return fp32_seconds, bf16_seconds
+
+        monkeypatch.setattr(device_module, "_time_cpu_matmuls", timings)
+        return calls
+
+    return install
+
+
+def test_auto_training_on_a_cpu_with_fast_bf16_picks_bf16_autocast(no_cuda, fresh_calibration):
+    calls = fresh_calibration(fp32_seconds=2e-3, bf16_seconds=0.5e-3)
+    plan = resolve_device("cpu", "auto", training=True)
+    assert (plan.precision, plan.autocast_dtype, plan.use_grad_scaler) == ("bf16", torch.bfloat16, False)
+    assert resolve_device("auto", "auto", training=True).precision == "bf16"
+    assert len(calls) == 1  # calibrated once per process, then cached
+    # Inference keeps fp32 on a CPU whatever the calibration says; explicit choices are never overridden.
+    assert resolve_device("cpu", "auto").precision == "fp32"
+    assert resolve_device("cpu", "fp32", training=True).precision == "fp32"
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("bf16_seconds", [2e-3, 1.5e-3, 0.3])  # equal, 1.33x faster, emulated (slow)
+def test_auto_training_stays_fp32_when_bf16_is_not_clearly_faster(no_cuda, fresh_calibration, bf16_seconds):
+    fresh_calibration(fp32_seconds=2e-3, bf16_seconds=bf16_seconds)
+    plan = resolve_device("cpu", "auto", training=True)
+    assert plan == DevicePlan(device="cpu", precision="fp32", autocast_dtype=None, use_grad_scaler=False)
+
+
+def test_cpu_bf16_faster_threshold_and_real_calibration_is_cheap():
+    assert cpu_bf16_faster(lambda: (1.5, 1.0)) and not cpu_bf16_faster(lambda: (1.49, 1.0))
+    fp32_seconds, bf16_seconds = device_module._time_cpu_matmuls(rounds=2)
+    assert 0 < fp32_seconds < 1 and 0 < bf16_seconds < 5

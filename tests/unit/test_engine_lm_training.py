@@ -91,7 +91,8 @@ def make_config(tmp_path: Path, train_file: Path, tokenizer_dir: Path | None, **
                   checkpoint_dir=tmp_path / "ckpt", model_config=TINY, block_size=32, batch_size=4,
                   learning_rate=1e-2, seed=3, device="cpu", base_model_name="tiny-gpt2",
                   tokenizer=str(tokenizer_dir) if tokenizer_dir else None,
-                  dataset_hashes={"train": "sha256:abc"})
+                  dataset_hashes={"train": "sha256:abc"},
+                  precision="fp32")  # "auto" may pick bf16 on a CPU with native bf16; tested on its own
     values.update(overrides)
     return LMTrainConfig(**values)
 

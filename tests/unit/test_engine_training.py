@@ -44,7 +44,8 @@ def make_config(tmp_path: Path, model: Path, **overrides) -> TrainConfig:
     values = dict(base_model=str(model), train_file=train_file, eval_file=train_file, text_column="sentence",
                   label_column="label", output_dir=tmp_path / "out", checkpoint_dir=tmp_path / "ckpt",
                   epochs=2, batch_size=8, learning_rate=3e-3, seed=3, base_model_name="tiny-bert",
-                  dataset_hashes={"train": "sha256:abc"})
+                  dataset_hashes={"train": "sha256:abc"},
+                  precision="fp32")  # "auto" may pick bf16 on a CPU with native bf16; tested on its own
     values.update(overrides)
     return TrainConfig(**values)
 
@@ -220,3 +221,14 @@ def test_classifier_cache_is_a_small_lru(tmp_path, tiny_model):
     cache.get(second)
     assert len(cache) == 1 and cache.get(first) is not one
     assert cache.get(first).predict([]) == []
+
+
+def test_freeze_word_embeddings_keeps_the_table_and_trains_the_rest(tmp_path, tiny_model):
+    result = train(make_config(tmp_path, tiny_model, max_steps=3, eval_file=None, freeze_word_embeddings=True))
+    before, after = weights(tiny_model), weights(result.model_dir)
+    table = "bert.embeddings.word_embeddings.weight"
+    assert torch.equal(after[table], before[table])  # frozen: no gradient, no AdamW decay
+    assert result.manifest["hyperparameters"]["freeze_word_embeddings"] is True
+    changed = [name for name in before if name in after and not torch.equal(before[name], after[name])]
+    assert "bert.embeddings.position_embeddings.weight" in changed
+    assert "bert.encoder.layer.0.attention.self.query.weight" in changed

@@ -134,3 +134,19 @@ def test_out_of_memory_at_one_example_fails_the_job_with_code_oom(client, runner
     job = client.get(f"/jobs/{job_id}").json()
     assert job["error"]["code"] == "oom" and "one example" in job["error"]["message"]
     assert "oom" in [e["kind"] for e in client.get(f"/jobs/{job_id}/events").json()["data"]]
+
+
+def test_freeze_word_embeddings_reaches_the_engine(client, runner, tiny_bert, settings):
+    import safetensors.torch
+
+    from core.paths import job_model_dir
+
+    job_id = _submit(client, tiny_bert, epochs=1, freeze_word_embeddings=True)
+    assert runner.run_training_job(job_id) == "succeeded"
+    table = "bert.embeddings.word_embeddings.weight"
+    before = safetensors.torch.load_file(str(tiny_bert / "model.safetensors"))[table]
+    model_dir = job_model_dir(settings, job_id)
+    after = safetensors.torch.load_file(str(model_dir / "model.safetensors"))[table]
+    assert after.equal(before)
+    manifest = client.get(f"/jobs/{job_id}").json()
+    assert manifest["hyperparameters"]["freeze_word_embeddings"] is True

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +14,13 @@ import torch
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 _DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+# bf16 autocast adds casts around every matmul, so it pays only when a training step is clearly faster.
+# CPUs with AVX512-BF16/AMX run bf16 matmuls 2-6x as fast as fp32, others far slower; but on the dev CPU
+# (AMX) this small step ran 1.3x faster in bf16 while a whole MiniLM step ran 2x slower (bf16 attention
+# backward, see bench/README.md), so a clear margin is required.
+CPU_BF16_MIN_SPEEDUP = 1.5
+_CALIBRATION_SHAPE = (256, 384, 1536)  # (tokens, width, outputs): a small BERT layer's sizes
+_cpu_bf16_calibration: dict[str, bool] = {}  # per process: the answer never changes while it runs
 
 
 @dataclass(frozen=True)
@@ -44,8 +53,12 @@ class DevicePlan:
         return torch.amp.GradScaler(self.device_type, enabled=self.use_grad_scaler)
 
 
-def resolve_device(device: str = "auto", precision: str = "auto") -> DevicePlan:
-    """Resolve "auto"/"cpu"/"cuda[:N]" and "auto"/"fp32"/"fp16"/"bf16" into a DevicePlan."""
+def resolve_device(device: str = "auto", precision: str = "auto", *, training: bool = False) -> DevicePlan:
+    """Resolve "auto"/"cpu"/"cuda[:N]" and "auto"/"fp32"/"fp16"/"bf16" into a DevicePlan.
+
+    On a CPU, "auto" is fp32, except for training (fp32 master weights, bf16 autocast) where a one-off
+    calibration shows bf16 matmuls faster; inference keeps fp32 so its outputs stay the reference ones.
+    """
     resolved = _resolve_device_name(device.strip().lower())
     is_cuda = resolved.startswith("cuda")
     precision = precision.strip().lower()
@@ -53,7 +66,7 @@ def resolve_device(device: str = "auto", precision: str = "auto") -> DevicePlan:
         raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
     if precision == "auto":
         if not is_cuda:
-            precision = "fp32"
+            precision = "bf16" if training and cpu_bf16_faster() else "fp32"
         else:
             precision = "bf16" if _cuda_bf16_supported(resolved) else "fp16"
     elif precision == "bf16" and is_cuda and not _cuda_bf16_supported(resolved):
@@ -66,6 +79,51 @@ def resolve_device(device: str = "auto", precision: str = "auto") -> DevicePlan:
         autocast_dtype=_DTYPES[precision],
         use_grad_scaler=is_cuda and precision == "fp16",
     )
+
+
+def cpu_bf16_faster(timings: Callable[[], tuple[float, float]] | None = None) -> bool:
+    """True when bf16 matmuls run at least CPU_BF16_MIN_SPEEDUP times faster than fp32 here (cached per process).
+
+    `timings` returns (fp32 seconds, bf16 seconds); tests pass a fake one, which is neither cached nor cached from.
+    """
+    if timings is not None:
+        fp32, bf16 = timings()
+        return fp32 >= CPU_BF16_MIN_SPEEDUP * bf16
+    if "cpu" not in _cpu_bf16_calibration:
+        _cpu_bf16_calibration["cpu"] = cpu_bf16_faster(_time_cpu_matmuls)
+    return _cpu_bf16_calibration["cpu"]
+
+
+def _time_cpu_matmuls(rounds: int = 6) -> tuple[float, float]:
+    """Best seconds of one small training step (projection, attention, backward) in fp32 and bf16 autocast."""
+    m, k, n = _CALIBRATION_SHAPE
+    generator = torch.Generator().manual_seed(0)  # leaves the global RNG (seeded by the run) untouched
+    x = torch.randn(m, k, generator=generator, requires_grad=True)
+    w = torch.randn(n, k, generator=generator, requires_grad=True)
+    heads, length = 8, 16  # m rows = 16 sequences of 16 tokens; n = 1024 = q, k, v and an MLP share
+
+    def step(dtype: torch.dtype) -> None:
+        # Matmuls alone are not the whole story: on some CPUs bf16 matmuls are fast but bf16 attention's
+        # backward is far slower than fp32's, so the calibration times what a training step does.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            projected = torch.nn.functional.linear(x, w)
+            q, key, v = (part.reshape(-1, length, heads, k // heads).transpose(1, 2)
+                         for part in projected[:, :3 * k].split(k, dim=1))
+            out = torch.nn.functional.scaled_dot_product_attention(q, key, v)
+        (out.float().sum() + projected[:, 3 * k:].float().sum()).backward()
+
+    best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
+    # Alternating rounds with the minimum of each: another process taking the CPU for a while slows
+    # both dtypes' rounds, not one. The first round only warms up (kernel selection, AMX set-up).
+    for attempt in range(rounds + 1):
+        for dtype in best:
+            started = time.perf_counter()
+            step(dtype)
+            if attempt:
+                best[dtype] = min(best[dtype], time.perf_counter() - started)
+        if best[torch.bfloat16] > 10 * best[torch.float32]:
+            break  # bf16 emulated in software: clearly slower, no need to spend seconds proving it
+    return best[torch.float32], best[torch.bfloat16]
 
 
 def release_memory(plan: DevicePlan) -> None:

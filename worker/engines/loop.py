@@ -163,7 +163,7 @@ def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None) 
     """Run (or resume) a training job to completion or cancellation."""
     callbacks = callbacks or TrainCallbacks()
     check_config(config)
-    plan = resolve_device(config.device, config.precision)
+    plan = resolve_device(config.device, config.precision, training=True)
     seed_everything(config.seed)
 
     setup = task.build(plan)
@@ -275,7 +275,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
         scaler.scale(share).backward()
         step_loss += share.detach().float()
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+    # foreach: one multi-tensor norm and scale over all parameters instead of one kernel per tensor.
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
+                                               MAX_GRAD_NORM, foreach=True)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)

@@ -36,7 +36,8 @@ def build_config(settings: Settings, job: Job, train_path: Path, eval_path: Path
                              val_fraction=hp["val_fraction"], block_size=hp["block_size"])
     assert job.base_model_path is not None and job.label_column is not None
     return TrainConfig(**common, base_model=job.base_model_path, label_column=job.label_column,
-                       max_length=hp["max_length"])
+                       max_length=hp["max_length"],
+                       freeze_word_embeddings=hp.get("freeze_word_embeddings", False))  # absent on older jobs
 
 
 def config_for(settings: Settings, session: Session, job: Job, device: str) -> EngineConfig:

@@ -72,7 +72,7 @@ def run_training_job(ctx: WorkerContext, job_id: str) -> str:
 
 def release_memory_of(config: EngineConfig) -> None:
     """Give the device's cached memory back once a job ends, however it ended."""
-    release_memory(resolve_device(config.device, config.precision))
+    release_memory(resolve_device(config.device, config.precision, training=True))
 
 
 def _claim(ctx: WorkerContext, session: Session, job_id: str) -> Job | None:
