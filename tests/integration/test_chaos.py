@@ -96,8 +96,9 @@ def test_poison_job_fails_with_worker_lost_and_a_chaos_job_succeeds_once(tmp_pat
             wait_for(lambda a=attempt: _running_attempt(api, job_id, a), 90, f"attempt {attempt} to train")
             if how == "checkpoint":
                 caught_mid_write = _kill_during_checkpoint_write(checkpoints, proc.pid)
-            else:
-                time.sleep(rng.uniform(0.3, 2.0))
+            else:  # a random step a little ahead, not a random time: a fast CPU could otherwise finish first
+                target = _job(api, job_id)["progress"]["step"] + rng.randint(1, 12)
+                wait_for(lambda t=target: _job(api, job_id)["progress"]["step"] >= t, 90, f"step {target}")
                 os.kill(_training_worker(proc.pid), signal.SIGKILL)
             assert _job(api, job_id)["status"] != "succeeded", "the job finished before it could be killed"
         done = wait_for(lambda: (j := _job(api, job_id))["status"] in ("succeeded", "failed") and j, 240,
