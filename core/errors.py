@@ -56,13 +56,13 @@ class Conflict(DomainError):
 class IllegalTransition(Conflict):
     """A job was asked to move between two statuses the state machine does not connect."""
 
-    code = "illegal_transition"
+    code: str = ErrorCode.ILLEGAL_TRANSITION
 
 
 class StaleAttempt(Conflict):
     """A write from an attempt that no longer holds the job (the reaper requeued it, or it finished)."""
 
-    code = "stale_attempt"
+    code: str = ErrorCode.STALE_ATTEMPT
 
 
 class PayloadTooLarge(DomainError):
