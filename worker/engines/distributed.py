@@ -74,6 +74,19 @@ def shard(micro_batches: Sequence[Any], dist: Dist) -> list[Any]:
     return [part for part in parts if len(part)]
 
 
+def step_share(micro_batches: Sequence[Any], dist: Dist) -> tuple[list[Any], list[float]]:
+    """This rank's micro-batches of a step and the weight of each in the step's loss (its share of all examples).
+
+    A rank left without examples (a last step shorter than the world) runs one example at weight zero: it
+    must still join the step's gradient all-reduce.
+    """
+    examples = sum(len(m) for m in micro_batches)
+    parts = shard(micro_batches, dist)
+    if not parts:
+        return [micro_batches[0][:1]], [0.0]
+    return parts, [len(p) / examples for p in parts]
+
+
 class Replica:
     """One rank's model wrapped in DistributedDataParallel, with the collectives the loop uses."""
 
@@ -86,16 +99,8 @@ class Replica:
                                               broadcast_buffers=False)
 
     def share(self, micro_batches: Sequence[Any]) -> tuple[list[Any], list[float]]:
-        """This rank's micro-batches and the weight of each in the step's gradient (a fraction of all examples).
-
-        A rank left without examples (a last step shorter than the world) runs one example at weight zero: it
-        must still join the gradient all-reduce of the step.
-        """
-        examples = sum(len(m) for m in micro_batches)
-        parts = shard(micro_batches, self.dist)
-        if not parts:
-            return [micro_batches[0][:1]], [0.0]
-        return parts, [len(p) / examples for p in parts]
+        """This rank's micro-batches of a step and their weights (see step_share)."""
+        return step_share(micro_batches, self.dist)
 
     @property
     def gradient_scale(self) -> float:
