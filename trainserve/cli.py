@@ -8,6 +8,8 @@ import socket
 import sys
 from pathlib import Path
 
+from core.tasks import QUEUE_GENERATE, QUEUE_TRAIN, train_queues
+
 
 def _api(args: argparse.Namespace) -> int:
     import uvicorn
@@ -18,26 +20,28 @@ def _api(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    device = args.device
-    # Pin the process to one GPU before anything can initialise CUDA; inside it, that GPU is cuda:0.
-    if device.startswith("cuda:"):
-        os.environ["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
-        os.environ["TRAINSERVE_WORKER_DEVICE"] = "cuda:0"
-    elif device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        os.environ["TRAINSERVE_WORKER_DEVICE"] = "cpu"
-    elif device == "auto":
-        os.environ["TRAINSERVE_WORKER_DEVICE"] = "auto"
-    else:
-        print(f"--device must be cpu, auto or cuda:N, not {device!r}", file=sys.stderr)
+    try:
+        device, devices, visible = worker_devices(args.device, args.devices)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
         return 2
+    # Pin the process to its GPUs before anything can initialise CUDA; inside it, they are cuda:0..N-1.
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    os.environ["TRAINSERVE_WORKER_DEVICE"] = device
+    os.environ["TRAINSERVE_WORKER_DEVICES"] = str(devices)
+    queues = args.queues.split(",")
+    if QUEUE_TRAIN in queues:  # a worker owning N devices takes jobs of every size up to N
+        queues = [q for q in queues if q != QUEUE_TRAIN] + train_queues(devices)
+    args.queues = ",".join(queues)
     os.environ["TRAINSERVE_WORKER_QUEUES"] = args.queues
     from worker.app import celery
 
-    name = f"{args.queues.replace(',', '+')}-{device.replace(':', '')}-{os.getpid()}@{socket.gethostname()}"
+    name = f"{args.queues.replace(',', '+')}-{args.device.replace(':', '').replace(',', '+')}-{os.getpid()}" \
+           f"@{socket.gethostname()}"
     # Solo pool: the task runs in the worker's main process, so a shutdown signal reaches the training loop,
     # which checkpoints and requeues its job instead of losing it.
-    if args.queues == "generation":
+    if args.queues == QUEUE_GENERATE:
         # Generation tasks mostly wait on the engine's batch: many threads keep many requests in flight.
         from core.settings import get_settings
 
@@ -47,6 +51,34 @@ def _worker(args: argparse.Namespace) -> int:
     celery.worker_main(["worker", *pool, "-Q", args.queues, "-n", name, "--loglevel", args.loglevel,
                         "--without-gossip", "--without-mingle"])
     return 0
+
+
+def worker_devices(device: str, devices: int | None) -> tuple[str, int, str | None]:
+    """(TRAINSERVE_WORKER_DEVICE, device count, CUDA_VISIBLE_DEVICES or None) from --device and --devices.
+
+    `--device cuda:0,cuda:1` owns those two GPUs; `--device cpu --devices 2` runs two gloo processes per job;
+    `--devices N` with cuda or auto owns the first N GPUs.
+    """
+    names = [d.strip().lower() for d in device.split(",") if d.strip()]
+    if not names or any(n not in ("cpu", "auto", "cuda") and not _is_cuda_index(n) for n in names) or (
+            len(names) > 1 and not all(_is_cuda_index(n) for n in names)):
+        raise ValueError(f"--device must be cpu, auto, cuda, cuda:N or a list cuda:N,cuda:M, not {device!r}")
+    if devices is not None and devices < 1:
+        raise ValueError(f"--devices must be at least 1, not {devices}")
+    if len(names) > 1 or _is_cuda_index(names[0]):
+        if devices is not None and devices != len(names):
+            raise ValueError(f"--device {device} names {len(names)} device(s) but --devices is {devices}")
+        return "cuda:0", len(names), ",".join(n.split(":", 1)[1] for n in names)
+    count = devices or 1
+    if names[0] == "cpu":
+        return "cpu", count, ""
+    if names[0] == "cuda" or devices is not None:
+        return "cuda:0" if names[0] == "cuda" else "auto", count, ",".join(str(i) for i in range(count))
+    return "auto", 1, None
+
+
+def _is_cuda_index(name: str) -> bool:
+    return name.startswith("cuda:") and name[5:].isdigit()
 
 
 def _migrate(_: argparse.Namespace) -> int:
@@ -104,8 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--host", default="127.0.0.1")
     api.add_argument("--port", type=int, default=8000)
     api.set_defaults(func=_api)
-    worker = sub.add_parser("worker", help="run a Celery worker pinned to one device")
-    worker.add_argument("--device", default="auto", help="cpu, cuda:N or auto")
+    worker = sub.add_parser("worker", help="run a Celery worker pinned to its device(s)")
+    worker.add_argument("--device", default="auto", help="cpu, cuda:N, auto, or GPUs for multi-device jobs: "
+                        "cuda:0,cuda:1")
+    worker.add_argument("--devices", type=int, default=None,
+                        help="devices this worker owns for multi-device jobs (with cpu: gloo processes)")
     worker.add_argument("--queues", default="training",
                         help="training, inference or generation (training and inference may be combined)")
     worker.add_argument("--loglevel", default="INFO")

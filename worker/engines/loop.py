@@ -290,7 +290,7 @@ def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None, 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                plan: DevicePlan, task: Task, micro_batches: list[Any], lr: float, replica: Replica | None = None
                ) -> tuple[float, float, int]:
-    """One optimizer step over its micro-batches (this rank's share of them); returns (mean loss, grad norm, examples)."""
+    """One optimizer step over its micro-batches (a rank's share of them); returns (mean loss, grad norm, examples)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     examples = sum(len(micro_batch) for micro_batch in micro_batches)
