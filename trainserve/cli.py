@@ -40,9 +40,8 @@ def queues_arg(value: str) -> str:
     return ",".join(names)
 
 
-def _worker(args: argparse.Namespace) -> int:
-    device = args.device
-    # Pin the process to one GPU before anything can initialise CUDA; inside it, that GPU is cuda:0.
+def pin_device(device: str) -> None:
+    """Pin this process to `device` before anything can initialise CUDA; inside it, cuda:N is cuda:0."""
     if device.startswith("cuda:"):
         os.environ["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
         os.environ["TRAINSERVE_WORKER_DEVICE"] = "cuda:0"
@@ -51,6 +50,11 @@ def _worker(args: argparse.Namespace) -> int:
         os.environ["TRAINSERVE_WORKER_DEVICE"] = "cpu"
     else:
         os.environ["TRAINSERVE_WORKER_DEVICE"] = "auto"
+
+
+def _worker(args: argparse.Namespace) -> int:
+    device = args.device
+    pin_device(device)
     os.environ["TRAINSERVE_WORKER_QUEUES"] = args.queues
     from worker.app import celery
 
