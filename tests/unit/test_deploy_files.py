@@ -214,3 +214,18 @@ def test_wheel_carries_assets_and_migrations(tmp_path):
 def test_env_example_is_the_one_configuration_file():
     text = COMPOSE.read_text()
     assert "env_file: .env" in text and ENV_EXAMPLE.is_file()
+
+
+@pytest.mark.parametrize("argv", [["worker", "--device", "gpu0"], ["worker", "--device", "cuda:x"],
+                                  ["worker", "--queues", "train"], ["worker", "--queues", "generation,training"]])
+def test_cli_refuses_bad_worker_options_at_parse_time(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2 and f"argument {argv[-2]}" in capsys.readouterr().err
+
+
+def test_health_command_fails_when_nothing_answers(capsys):
+    from trainserve.cli import main
+
+    assert main(["health", "--url", "http://127.0.0.1:9/health", "--timeout", "2"]) == 1
+    assert "unhealthy" in capsys.readouterr().err
