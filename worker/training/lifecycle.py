@@ -1,4 +1,5 @@
-"""A training job's lifecycle: claim the row, run the engine, record how it ended; every move via core.states."""
+"""A training job's lifecycle: claim the row, fetch its inputs, run the engine, store the model, record how it
+ended; every move via core.states."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from worker.engines.device import release_memory, resolve_device
 from worker.engines.lm_training import LMTrainConfig, train_lm
 from worker.engines.training import TrainResult, train
 from worker.recovery import Heartbeat
-from worker.training.config import EngineConfig, config_for
+from worker.sync import pull_checkpoint, push_model, storage_errors
+from worker.training.config import EngineConfig, JobInputs, config_for, job_inputs
 from worker.training.reporter import JobReporter, artifact_row
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ def run_training_job(ctx: WorkerContext, job_id: str) -> str:
                         message="cancelled before training started")
             return JobStatus.CANCELLED
         try:
-            config = config_for(settings, session, job, settings.worker_device)
+            inputs = job_inputs(session, job)
         except ValueError as exc:
             states.move(session, job, JobStatus.FAILED, code="dataset_missing", message=str(exc), attempt=attempt)
             return JobStatus.FAILED
@@ -48,17 +50,23 @@ def run_training_job(ctx: WorkerContext, job_id: str) -> str:
                         attempt=attempt)
 
     heartbeat = Heartbeat(ctx.sessions, settings, job_id, attempt)
-    reporter = JobReporter(ctx.sessions, settings, job_id, attempt, lost=heartbeat.lost, shutdown=ctx.shutdown)
+    reporter = JobReporter(ctx.sessions, settings, job_id, attempt, lost=heartbeat.lost, shutdown=ctx.shutdown,
+                           storage=ctx.storage)
+    config: EngineConfig | None = None
     try:
-        with heartbeat:
+        with heartbeat:  # downloads and uploads count as the attempt's work: the reaper leaves it alone meanwhile
+            config = _prepare(ctx, job, inputs)
             result = train_lm(config, reporter) if isinstance(config, LMTrainConfig) else train(config, reporter)
+            if result.status == "completed" and result.model_dir is not None and not heartbeat.lost.is_set():
+                push_model(ctx.storage, job_id, result.model_dir)
     except Exception as exc:  # noqa: BLE001 - any failure ends the job with a recorded reason
         log.exception("job %s failed", job_id)
         # Engines name a specific failure (oom, ...) with a `code` attribute on the exception.
         code = str(getattr(exc, "code", "training_error"))
         return _end(ctx, job_id, attempt, JobStatus.FAILED, f"{type(exc).__name__}: {exc}", code=code)
     finally:
-        release_memory_of(config)
+        if config is not None:
+            release_memory_of(config)
     if heartbeat.lost.is_set():
         log.warning("job %s attempt %d lost its claim; leaving the row to the newer attempt", job_id, attempt)
         return LOST
@@ -68,6 +76,14 @@ def run_training_job(ctx: WorkerContext, job_id: str) -> str:
     except StaleAttempt:
         log.warning("job %s attempt %d lost its claim before recording its result", job_id, attempt)
         return LOST
+
+
+def _prepare(ctx: WorkerContext, job: Job, inputs: JobInputs) -> EngineConfig:
+    """Fetch the datasets and the newest stored checkpoint to this host, then build the engine's config."""
+    with storage_errors(f"fetch the inputs of {job.id} from {ctx.storage.url}"):
+        config = config_for(ctx.settings, ctx.storage, job, inputs, ctx.settings.worker_device)
+    pull_checkpoint(ctx.storage, ctx.settings, job.id)
+    return config
 
 
 def release_memory_of(config: EngineConfig) -> None:
