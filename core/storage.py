@@ -201,8 +201,8 @@ def open_storage(settings: Settings) -> ArtifactStore:
     url = settings.storage_url.strip()
     if not url:
         return ArtifactStore(LocalFileSystem(), str(settings.home.resolve()), settings.home)
-    protocol, _, rest = url.partition("://")
-    if not rest:  # a plain folder path
+    protocol, scheme, rest = url.partition("://")
+    if not scheme:  # a plain folder path
         return ArtifactStore(LocalFileSystem(), str(Path(url).expanduser().resolve()), settings.home)
     if protocol == "file":
         return ArtifactStore(LocalFileSystem(), str(Path(rest).resolve()), settings.home)

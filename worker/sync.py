@@ -10,12 +10,13 @@ and the final model (manifest.json last) before the job is marked succeeded. Wit
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from core.errors import DomainError, StorageUnavailable
-from core.paths import MANIFEST_NAME, job_checkpoints_dir, job_checkpoints_key, job_model_key
+from core.paths import MANIFEST_NAME, job_checkpoints_dir, job_checkpoints_key, job_dir, job_model_key
 from core.settings import Settings
 from core.storage import ArtifactStore
 from worker.engines.artifacts import KEEP_CHECKPOINTS, STATE, checkpoint_step, latest_checkpoint
@@ -79,6 +80,12 @@ def push_model(storage: ArtifactStore, job_id: str, model_dir: Path) -> None:
     """Upload the finished model folder, manifest.json last: a host that sees the manifest sees it all."""
     with storage_errors(f"upload the model of {job_id} to {storage.url}"):
         storage.upload_dir(model_dir, job_model_key(job_id), marker=MANIFEST_NAME)
+
+
+def clear_work(storage: ArtifactStore, settings: Settings, job_id: str) -> None:
+    """Remove this host's work folder of a finished job (its model and checkpoints are in the store)."""
+    if not storage.is_home:  # in <home> the work folder is the store itself
+        shutil.rmtree(job_dir(settings, job_id), ignore_errors=True)
 
 
 def fetch_model(storage: ArtifactStore, job_id: str) -> Path:

@@ -19,7 +19,7 @@ from worker.engines.device import release_memory, resolve_device
 from worker.engines.lm_training import LMTrainConfig, train_lm
 from worker.engines.training import TrainResult, train
 from worker.recovery import Heartbeat
-from worker.sync import pull_checkpoint, push_model, storage_errors
+from worker.sync import clear_work, pull_checkpoint, push_model, storage_errors
 from worker.training.config import EngineConfig, JobInputs, config_for, job_inputs
 from worker.training.reporter import JobReporter, artifact_row
 
@@ -31,6 +31,13 @@ LOST = "lost"  # the attempt stopped holding the job while it ran: its writes we
 
 def run_training_job(ctx: WorkerContext, job_id: str) -> str:
     """Claim and run a job; returns the status it ended in, 'skipped' or 'lost'."""
+    status = _run(ctx, job_id)
+    if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED):
+        clear_work(ctx.storage, ctx.settings, job_id)  # the store has all that is kept; no host hoards copies
+    return status
+
+
+def _run(ctx: WorkerContext, job_id: str) -> str:
     settings = ctx.settings
     with session_scope(ctx.sessions) as session:
         job = _claim(ctx, session, job_id)
