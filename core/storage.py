@@ -112,9 +112,12 @@ class ArtifactStore:
         tmp = dest.with_name(f".tmp-{dest.name}-{_token()}")
         try:
             names = [name for name, _ in self.files(key)]
-            for name in sorted(names, key=lambda n: n == marker):  # the marker last, as it was written
+            if marker not in names:  # withdrawn since: the folder is being replaced
+                return False
+            for name in names:
                 (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-                self._get(f"{key}/{name}", tmp / name)
+            # Concurrent transfers on S3; the marker came with the listing, so the copy is of a complete folder.
+            self.fs.get([self._remote(f"{key}/{n}") for n in names], [str(tmp / n) for n in names])
             if dest.exists():
                 shutil.rmtree(dest)
             try:
@@ -149,9 +152,9 @@ class ArtifactStore:
         if not (src / marker).is_file():
             raise ValueError(f"{src} has no {marker}: only complete folders are uploaded")
         self.delete(f"{key}/{marker}")  # a reader must not take a half-replaced folder for a complete one
-        files = sorted((p for p in src.rglob("*") if p.is_file()), key=lambda p: p.name == marker)
-        for path in files:
-            self._put(path, f"{key}/{path.relative_to(src).as_posix()}")
+        body = sorted(p for p in src.rglob("*") if p.is_file() and p != src / marker)
+        self._put_many(body, [f"{key}/{p.relative_to(src).as_posix()}" for p in body])
+        self._put(src / marker, f"{key}/{marker}")
 
     def delete(self, key: str) -> None:
         """Remove an object or a whole folder of objects; nothing happens when it is absent."""
@@ -172,6 +175,13 @@ class ArtifactStore:
             self.fs.get_file(self._remote(key), str(local))
         except FileNotFoundError:
             raise FileNotFoundError(f"{key} is not in the artifact store ({self.url})") from None
+
+    def _put_many(self, local: list[Path], keys: list[str]) -> None:
+        if self.is_local:
+            for path, key in zip(local, keys, strict=True):
+                self._put(path, key)
+        elif local:  # s3fs uploads a list concurrently (fsspec's batch size)
+            self.fs.put([str(p) for p in local], [self._remote(k) for k in keys])
 
     def _put(self, local: Path, key: str) -> None:
         remote = self._remote(key)

@@ -41,10 +41,10 @@ def worker_env(settings, redis_url) -> dict[str, str]:
 def start_worker(worker_env, tmp_path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(queues: str = "training", device: str = "cpu") -> subprocess.Popen[bytes]:
+    def start(queues: str = "training", device: str = "cpu", **env: str) -> subprocess.Popen[bytes]:
         log = open(tmp_path / f"worker-{queues}-{len(started)}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen([sys.executable, "-m", "trainserve.cli", "worker", "--device", device,
-                                 "--queues", queues], env=worker_env, stdout=log, stderr=subprocess.STDOUT)
+                                 "--queues", queues], env={**worker_env, **env}, stdout=log, stderr=subprocess.STDOUT)
         started.append(proc)
         return proc
 

@@ -33,18 +33,14 @@ def _folder(root: Path, version: str) -> Path:
     return root
 
 
-def _failing_after(store: ArtifactStore, uploads: int, calls: list[str]) -> None:
-    """Make the store's uploads fail after `uploads` files, as a host dying mid-upload would."""
-    def put(local: Path, key: str) -> None:
+def _dies_at_the_marker(store: ArtifactStore) -> None:
+    """Make the store's uploads fail at a folder's marker, as a host dying mid-upload would."""
+    def put_or_die(local: Path, key: str) -> None:
+        if key.endswith("/" + MARKER):
+            raise ConnectionResetError("host died before uploading the marker")
         ArtifactStore._put(store, local, key)
 
-    def flaky(local: Path, key: str) -> None:
-        if len(calls) >= uploads:
-            raise ConnectionResetError("host died mid-upload")
-        calls.append(key)
-        put(local, key)
-
-    store._put = flaky  # type: ignore[method-assign]
+    store._put = put_or_die  # type: ignore[method-assign]
 
 
 def test_a_file_stored_by_one_host_is_downloaded_once_by_another(url, tmp_path):
@@ -68,18 +64,16 @@ def test_a_file_stored_by_one_host_is_downloaded_once_by_another(url, tmp_path):
 def test_a_folder_is_complete_only_once_its_marker_is_stored_last(url, tmp_path):
     a, b = host(url, tmp_path / "a"), host(url, tmp_path / "b")
     src = _folder(tmp_path / "a" / "jobs" / "j" / "model", "v1")
-    calls: list[str] = []
-    _failing_after(a, 2, calls)
+    _dies_at_the_marker(a)
     with pytest.raises(ConnectionResetError):
         a.upload_dir(src, "jobs/j/model", marker=MARKER)
-    assert len(calls) == 2 and not any(key.endswith(MARKER) for key in calls)
-    assert b.fetch_dir("jobs/j/model", marker=MARKER) is None  # two of three files stored: not a model yet
+    # Everything but the marker was stored first; without it the folder is not a model yet.
+    assert [name for name, _ in a.files("jobs/j/model")] == ["sub/tokenizer.json", "weights.bin"]
+    assert b.fetch_dir("jobs/j/model", marker=MARKER) is None
     assert not (tmp_path / "b" / "cache" / "jobs" / "j" / "model").exists()
 
-    calls.clear()
-    _failing_after(a, 99, calls)
+    del a._put  # the host is back
     a.upload_dir(src, "jobs/j/model", marker=MARKER)
-    assert calls[-1] == "jobs/j/model/" + MARKER  # the marker goes last
     assert a.files("jobs/j/model") == [(MARKER, 17), ("sub/tokenizer.json", 17), ("weights.bin", 2000)]
     copy = b.fetch_dir("jobs/j/model", marker=MARKER)
     assert copy == tmp_path / "b" / "cache" / "jobs" / "j" / "model"
@@ -92,7 +86,7 @@ def test_a_folder_is_complete_only_once_its_marker_is_stored_last(url, tmp_path)
 def test_a_folder_being_replaced_is_never_taken_for_complete(url, tmp_path):
     a = host(url, tmp_path / "a")
     a.upload_dir(_folder(tmp_path / "v1", "v1"), "jobs/j/checkpoints/checkpoint-5", marker=MARKER)
-    _failing_after(a, 1, [])
+    _dies_at_the_marker(a)
     with pytest.raises(ConnectionResetError):  # a second attempt rewrites the same step and dies
         a.upload_dir(_folder(tmp_path / "v2", "v2"), "jobs/j/checkpoints/checkpoint-5", marker=MARKER)
     # Its old marker was withdrawn first, so nobody can read a mix of v1 and v2 as one checkpoint.
