@@ -54,16 +54,6 @@ def job_checkpoints_dir(settings: Settings, job_id: str) -> Path:
     return settings.home / job_checkpoints_key(job_id)
 
 
-def dataset_file(settings: Settings, stored_name: str) -> Path:
-    """Where an uploaded dataset's file lies when storage is the home folder."""
-    return settings.home / dataset_key(stored_name)
-
-
 def relative_to_home(settings: Settings, path: Path) -> str:
     """How a path under home is recorded in a row (relative, so a home folder can move): its storage key."""
     return Path(path).resolve().relative_to(settings.home.resolve()).as_posix()
-
-
-def from_home(settings: Settings, stored: str) -> Path:
-    """The absolute path of a path recorded relative to home."""
-    return settings.home / stored
