@@ -38,6 +38,20 @@ def worker_env(settings, redis_url) -> dict[str, str]:
 
 
 @pytest.fixture()
+def live_client(settings, redis_url):
+    """A TestClient on the app with the real Celery task queue, authorized as a fresh tenant."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from tests.conftest import make_key
+
+    settings.redis_url = redis_url
+    with TestClient(create_app(settings=settings)) as client:
+        client.headers["Authorization"] = f"Bearer {make_key(settings.resolved_database_url)}"
+        yield client
+
+
+@pytest.fixture()
 def start_worker(worker_env, tmp_path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     started: list[subprocess.Popen[bytes]] = []
 

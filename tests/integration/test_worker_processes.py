@@ -6,22 +6,11 @@ import signal
 from collections import Counter
 
 import pytest
-from fastapi.testclient import TestClient
 
-from app.main import create_app
-from tests.conftest import make_key
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 from tests.integration.conftest import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-@pytest.fixture()
-def live_client(settings, redis_url):
-    settings.redis_url = redis_url
-    with TestClient(create_app(settings=settings)) as client:  # the real Celery task queue
-        client.headers["Authorization"] = f"Bearer {make_key(settings.resolved_database_url)}"
-        yield client
 
 
 def _job(client, tiny_bert_dir, **hp):
