@@ -12,17 +12,19 @@ from core.models import Job, OutboxMessage, utcnow
 from core.tasks import QUEUE_TRAIN, TASK_TRAIN
 
 
-def add(session: Session, *, job_id: str, task: str, args: list[Any], queue: str) -> OutboxMessage:
+def add(session: Session, *, job_id: str, task: str, args: list[Any], queue: str,
+        headers: dict[str, str] | None = None) -> OutboxMessage:
     """Write a message to send once the caller's transaction commits."""
-    message = OutboxMessage(job_id=job_id, task=task, args=args, queue=queue, created_at=utcnow(), attempts=0)
+    message = OutboxMessage(job_id=job_id, task=task, args=args, queue=queue, headers=headers, created_at=utcnow(),
+                            attempts=0)
     session.add(message)
     session.flush()
     return message
 
 
-def add_train(session: Session, *, job_id: str) -> OutboxMessage:
+def add_train(session: Session, *, job_id: str, headers: dict[str, str] | None = None) -> OutboxMessage:
     """The training task message that runs (or resumes) a queued job."""
-    return add(session, job_id=job_id, task=TASK_TRAIN, args=[job_id], queue=QUEUE_TRAIN)
+    return add(session, job_id=job_id, task=TASK_TRAIN, args=[job_id], queue=QUEUE_TRAIN, headers=headers)
 
 
 def take_unsent(session: Session, *, job_id: str | None = None, limit: int = 100) -> list[tuple[OutboxMessage, str]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
 
 from sqlalchemy.orm import Session
@@ -10,6 +11,7 @@ from sqlalchemy.orm import Session
 from core import states
 from core.db import session_scope
 from core.errors import NotFound, StaleAttempt
+from core.logs import bound
 from core.models import Job, JobStatus, utcnow
 from core.relay import deliver_now
 from core.store import jobs as store
@@ -17,9 +19,11 @@ from worker.context import WorkerContext
 from worker.engines.device import release_memory, resolve_device
 from worker.engines.lm_training import LMTrainConfig, train_lm
 from worker.engines.training import TrainResult, train
+from worker.metrics import JOB_DURATION, JOB_QUEUE_WAIT, TrainingMetrics
 from worker.recovery import Heartbeat
 from worker.training.config import EngineConfig, config_for
 from worker.training.reporter import JobReporter, artifact_row
+from worker.training.tensorboard import TensorBoardSink, tensorboard_dir
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +32,21 @@ LOST = "lost"  # the attempt stopped holding the job while it ran: its writes we
 
 
 def run_training_job(ctx: WorkerContext, job_id: str) -> str:
-    """Claim and run a job; returns the status it ended in, 'skipped' or 'lost'."""
+    """Claim and run a job; returns the status it ended in, 'skipped' or 'lost'. Its log lines carry its id."""
+    with bound(job_id=job_id):
+        return _run(ctx, job_id)
+
+
+def _run(ctx: WorkerContext, job_id: str) -> str:
     settings = ctx.settings
+    started = time.monotonic()
     with session_scope(ctx.sessions) as session:
         job = _claim(ctx, session, job_id)
         if job is None:
             return SKIPPED
-        attempt = job.attempts
+        attempt, task, hyperparameters = job.attempts, str(job.task), dict(job.hyperparameters)
+        if attempt == 1:  # a resumed attempt's wait started at its requeue, which the row does not keep
+            JOB_QUEUE_WAIT.labels(task).observe(max((utcnow() - job.created_at).total_seconds(), 0.0))
         if job.cancel_requested_at is not None:
             states.move(session, job, JobStatus.CANCELLED, attempt=attempt,
                         message="cancelled before training started")
@@ -46,9 +58,20 @@ def run_training_job(ctx: WorkerContext, job_id: str) -> str:
             return JobStatus.FAILED
         store.add_event(session, job_id=job_id, kind="claimed", message=f"attempt {attempt} claimed by a worker",
                         attempt=attempt)
+    log.info("job %s attempt %d claimed", job_id, attempt)
+    status = _train(ctx, job_id, attempt, config, hyperparameters)
+    JOB_DURATION.labels(task, status).observe(time.monotonic() - started)
+    log.info("job %s attempt %d ended: %s", job_id, attempt, status)
+    return status
 
+
+def _train(ctx: WorkerContext, job_id: str, attempt: int, config: EngineConfig, hyperparameters: dict) -> str:
+    settings = ctx.settings
     heartbeat = Heartbeat(ctx.sessions, settings, job_id, attempt)
-    reporter = JobReporter(ctx.sessions, settings, job_id, attempt, lost=heartbeat.lost, shutdown=ctx.shutdown)
+    sinks = [TrainingMetrics(settings.worker_device),
+             TensorBoardSink(tensorboard_dir(settings, job_id), hyperparameters)]
+    reporter = JobReporter(ctx.sessions, settings, job_id, attempt, lost=heartbeat.lost, shutdown=ctx.shutdown,
+                           sinks=sinks)
     try:
         with heartbeat:
             result = train_lm(config, reporter) if isinstance(config, LMTrainConfig) else train(config, reporter)
@@ -56,8 +79,10 @@ def run_training_job(ctx: WorkerContext, job_id: str) -> str:
         log.exception("job %s failed", job_id)
         # Engines name a specific failure (oom, ...) with a `code` attribute on the exception.
         code = str(getattr(exc, "code", "training_error"))
+        reporter.close()  # the event file complete before its artifact row is written
         return _end(ctx, job_id, attempt, JobStatus.FAILED, f"{type(exc).__name__}: {exc}", code=code)
     finally:
+        reporter.close()
         release_memory_of(config)
     if heartbeat.lost.is_set():
         log.warning("job %s attempt %d lost its claim; leaving the row to the newer attempt", job_id, attempt)
@@ -92,6 +117,7 @@ def _end(ctx: WorkerContext, job_id: str, attempt: int, status: JobStatus, messa
         with session_scope(ctx.sessions) as session:
             states.move(session, store.get_job(session, job_id=job_id), status, message=message, code=code,
                         attempt=attempt)
+            _record_tensorboard(ctx, session, job_id, attempt)
     except StaleAttempt:
         return LOST
     return status
@@ -104,6 +130,7 @@ def _record_result(ctx: WorkerContext, job_id: str, attempt: int, result: TrainR
         job = store.get_job(session, job_id=job_id)
         job.metrics = {**(job.metrics or {}), **result.metrics}
         job.step = result.global_step
+        _record_tensorboard(ctx, session, job_id, attempt)
         if result.status == "completed" and result.model_dir is not None:
             model = artifact_row(ctx.settings, job_id, "model", result.model_dir, result.global_step)
             store.add_artifact(session, artifact=model, attempt=attempt)
@@ -121,3 +148,15 @@ def _record_result(ctx: WorkerContext, job_id: str, attempt: int, result: TrainR
         with ctx.sessions() as session:
             deliver_now(session, ctx.queue, job_id=job_id)
     return status
+
+
+def _record_tensorboard(ctx: WorkerContext, session: Session, job_id: str, attempt: int) -> None:
+    """Record (or refresh) the job's TensorBoard folder as an artifact, downloadable like the model."""
+    folder = tensorboard_dir(ctx.settings, job_id)
+    if not folder.is_dir():
+        return
+    job = store.get_job(session, job_id=job_id)
+    for old in [a for a in job.artifacts if a.kind == "tensorboard"]:
+        session.delete(old)
+    store.add_artifact(session, artifact=artifact_row(ctx.settings, job_id, "tensorboard", folder, None),
+                       attempt=attempt)
