@@ -64,9 +64,9 @@ class ContextFilter(logging.Filter):
     """Copies the bound ids onto every record, so any formatter can print them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        """Never drops a record."""
-        record.request_id = request_id_var.get()
-        record.job_id = job_id_var.get()
+        """Never drops a record; ids given with `extra=` win over the bound ones."""
+        record.request_id = getattr(record, "request_id", None) or request_id_var.get()
+        record.job_id = getattr(record, "job_id", None) or job_id_var.get()
         return True
 
 

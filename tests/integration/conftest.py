@@ -41,10 +41,12 @@ def worker_env(settings, redis_url) -> dict[str, str]:
 def start_worker(worker_env, tmp_path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(queues: str = "training", device: str = "cpu") -> subprocess.Popen[bytes]:
+    def start(queues: str = "training", device: str = "cpu", env: dict[str, str] | None = None
+              ) -> subprocess.Popen[bytes]:
         log = open(tmp_path / f"worker-{queues}-{len(started)}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen([sys.executable, "-m", "trainserve.cli", "worker", "--device", device,
-                                 "--queues", queues], env=worker_env, stdout=log, stderr=subprocess.STDOUT)
+                                 "--queues", queues], env=dict(worker_env, **(env or {})), stdout=log,
+                                stderr=subprocess.STDOUT)
         started.append(proc)
         return proc
 
@@ -67,6 +69,39 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
             return value
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture()
+def start_api(worker_env, tmp_path) -> Iterator[Callable[..., str]]:
+    """`trainserve api` (uvicorn) in its own process on a free port; start(**env) returns its base URL."""
+    import httpx
+
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(**env: str) -> str:
+        port = _free_port()
+        log = open(tmp_path / "api.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen([sys.executable, "-m", "trainserve.cli", "api", "--port", str(port)],
+                                env=dict(worker_env, **env), stdout=log, stderr=subprocess.STDOUT)
+        started.append(proc)
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"{url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 60, "the API to answer /health")
+        return url
+
+    yield start
+    for proc in started:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 @pytest.fixture(scope="session")
