@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import logging
 
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from core.logs import REQUEST_ID_HEADER, ContextFilter, JsonFormatter, bound
-from tests.conftest import make_key
+from tests.conftest import ROOT, make_key
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 
 
@@ -74,3 +75,22 @@ def test_metrics_can_require_an_admin_key(client, settings):
     assert client.get("/metrics", headers={"Authorization": f"Bearer {user}"}).status_code == 401
     admin = make_key(settings.resolved_database_url, admin=True)
     assert client.get("/metrics", headers={"Authorization": f"Bearer {admin}"}).status_code == 200
+
+
+def test_every_metric_the_grafana_dashboard_queries_exists(client):
+    """The dashboard's PromQL names families the API or a worker really exports (counters as `_total`)."""
+    import re
+
+    from core.settings import Settings
+    from worker.metrics import REGISTRY
+
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "trainserve.json").read_text())
+    queried = {re.sub(r"_(bucket|sum|count)$", "", name)
+               for panel in dashboard["panels"] for target in panel.get("targets", [])
+               for name in re.findall(r"trainserve_\w+", target["expr"])}
+    exported = {}
+    for text in (client.get("/metrics").text, generate_latest(REGISTRY).decode()):
+        for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, flags=re.M):
+            exported[name + ("_total" if kind == "counter" else "")] = kind
+    assert queried and queried <= set(exported), sorted(queried - set(exported))
+    assert Settings().worker_metrics_port == 0  # off unless configured: no port opened by surprise
