@@ -23,7 +23,10 @@ def add(session: Session, *, job_id: str, task: str, args: list[Any], queue: str
 
 
 def add_train(session: Session, *, job_id: str, headers: dict[str, str] | None = None) -> OutboxMessage:
-    """The training task message that runs (or resumes) a queued job."""
+    """The training task message that runs (or resumes) a queued job; without headers, the job's last ones."""
+    if headers is None:  # a requeue by the reaper, outside any request: the job keeps its request id
+        headers = session.scalar(select(OutboxMessage.headers).where(OutboxMessage.job_id == job_id)
+                                 .order_by(OutboxMessage.id.desc()).limit(1))
     return add(session, job_id=job_id, task=TASK_TRAIN, args=[job_id], queue=QUEUE_TRAIN, headers=headers)
 
 

@@ -8,7 +8,9 @@ import logging
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from core.db import make_engine, make_sessionmaker, session_scope
 from core.logs import REQUEST_ID_HEADER, ContextFilter, JsonFormatter, bound
+from core.store import outbox
 from tests.conftest import ROOT, make_key
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 
@@ -29,11 +31,17 @@ def test_request_id_is_echoed_generated_and_replaced_when_unsafe(client):
     assert client.get("/jobs/job_nope", headers={"X-Request-ID": "r-404"}).headers["x-request-id"] == "r-404"
 
 
-def test_the_request_id_travels_with_the_training_task_message(client, queue):
+def test_the_request_id_travels_with_the_training_task_message(client, queue, settings):
     train_id = upload(client, tsv_bytes(sentiment_rows())).json()["id"]
     response = client.post("/jobs", json=job_body(train_id), headers={"X-Request-ID": "trace-job-1"})
     assert response.status_code == 201, response.text
     assert queue.headers[-1] == {REQUEST_ID_HEADER: "trace-job-1"}
+    # A requeue outside any request (the reaper's) keeps the job's request id.
+    engine = make_engine(settings.resolved_database_url)
+    with session_scope(make_sessionmaker(engine)) as session:
+        message = outbox.add_train(session, job_id=response.json()["id"])
+        assert message.headers == {REQUEST_ID_HEADER: "trace-job-1"}
+    engine.dispose()
 
 
 def test_json_lines_carry_the_bound_ids():
@@ -91,6 +99,6 @@ def test_every_metric_the_grafana_dashboard_queries_exists(client):
     exported = {}
     for text in (client.get("/metrics").text, generate_latest(REGISTRY).decode()):
         for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, flags=re.M):
-            exported[name + ("_total" if kind == "counter" else "")] = kind
+            exported[name.removesuffix("_total") + ("_total" if kind == "counter" else "")] = kind
     assert queried and queried <= set(exported), sorted(queried - set(exported))
     assert Settings().worker_metrics_port == 0  # off unless configured: no port opened by surprise
