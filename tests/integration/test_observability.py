@@ -48,7 +48,7 @@ def test_metrics_during_a_job_and_a_burst_and_logs_that_follow_the_job(start_api
     start_worker("training", env={"TRAINSERVE_WORKER_METRICS_PORT": str(train_port)})
     start_worker("generation", env={"TRAINSERVE_WORKER_METRICS_PORT": str(gen_port)})
     api = start_api(TRAINSERVE_MODEL_ROOTS=str(tiny_bert_dir.parent))
-    client = httpx.Client(base_url=api, timeout=60,
+    client = httpx.Client(base_url=api, timeout=240,  # a burst on a busy 2-core machine can take a minute or more
                           headers={"Authorization": f"Bearer {make_key(settings.resolved_database_url)}"})
 
     train = client.post("/datasets", files={"file": ("t.tsv", tsv_bytes(sentiment_rows(4)))}).json()["id"]
@@ -58,7 +58,7 @@ def test_metrics_during_a_job_and_a_burst_and_logs_that_follow_the_job(start_api
     assert response.status_code == 201, response.text
     assert response.headers["x-request-id"] == REQUEST_ID
     job_id = response.json()["id"]
-    wait_for(lambda: client.get(f"/jobs/{job_id}").json()["progress"]["step"] >= 3, 120, "the job to take steps")
+    wait_for(lambda: client.get(f"/jobs/{job_id}").json()["progress"]["step"] >= 3, 240, "the job to take steps")
 
     # A burst past the per-model bound while the job trains: some 429s, the rest answered.
     peak_in_flight = 0.0
@@ -70,6 +70,7 @@ def test_metrics_during_a_job_and_a_burst_and_logs_that_follow_the_job(start_api
             in_flight = _value(_scrape(f"http://127.0.0.1:{gen_port}/metrics"),
                                "trainserve_generation_requests_in_flight")
             peak_in_flight = max(peak_in_flight, in_flight)
+            bursting.wait(0.25)  # scraping in a tight loop would starve the worker it watches
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()

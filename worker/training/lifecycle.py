@@ -60,8 +60,8 @@ def _run(ctx: WorkerContext, job_id: str) -> str:
                         attempt=attempt)
     log.info("job %s attempt %d claimed", job_id, attempt)
     status = _train(ctx, job_id, attempt, config, hyperparameters)
-    JOB_DURATION.labels(task, status).observe(time.monotonic() - started)
     log.info("job %s attempt %d ended: %s", job_id, attempt, status)
+    JOB_DURATION.labels(task, status).observe(time.monotonic() - started)
     return status
 
 
