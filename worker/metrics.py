@@ -104,6 +104,7 @@ class TrainingMetrics(TrainCallbacks):
         self.device = device
         self.last_step: tuple[int, float] | None = None
         self.running = False
+        self.memory_read_at = 0.0
 
     def on_start(self, info: dict[str, Any]) -> None:
         self.device = str(info.get("device") or self.device)
@@ -126,7 +127,9 @@ class TrainingMetrics(TrainCallbacks):
             TRAIN_TOKENS_PER_SECOND.labels(self.device).set(metrics["tokens_per_second"])
         if "train_loss" in metrics:
             TRAIN_LOSS.labels(self.device).set(metrics["train_loss"])
-        DEVICE_MEMORY.labels(self.device).set(memory_in_use(self.device))
+        if now - self.memory_read_at >= 1.0:  # a /proc read or a CUDA query: once a second is plenty
+            self.memory_read_at = now
+            DEVICE_MEMORY.labels(self.device).set(memory_in_use(self.device))
 
     def close(self) -> None:
         """The job ended on this worker."""
