@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from worker.engines.loop import TrainCallbacks
-from worker.metrics import TrainingMetrics
+from worker.training.prometheus import TrainingMetrics
 from worker.training.tensorboard import TensorBoardSink
 
 

@@ -59,9 +59,11 @@ worker_ready.connect(lambda **_: start_reporting(context()), weak=False)  # devi
 @worker_ready.connect
 def _serve_metrics(**_: Any) -> None:
     """This worker's Prometheus /metrics on its own port (TRAINSERVE_WORKER_METRICS_PORT; 0: none)."""
-    from worker.metrics import serve_metrics
+    port = context().settings.worker_metrics_port
+    if port:
+        from worker.metrics import serve_metrics
 
-    serve_metrics(context().settings.worker_metrics_port)
+        serve_metrics(port)
 
 
 @setup_logging.connect

@@ -19,9 +19,10 @@ from worker.context import WorkerContext
 from worker.engines.device import release_memory, resolve_device
 from worker.engines.lm_training import LMTrainConfig, train_lm
 from worker.engines.training import TrainResult, train
-from worker.metrics import JOB_DURATION, JOB_QUEUE_WAIT, TrainingMetrics
+from worker.metrics import JOB_DURATION, JOB_QUEUE_WAIT
 from worker.recovery import Heartbeat
 from worker.training.config import EngineConfig, config_for
+from worker.training.prometheus import TrainingMetrics
 from worker.training.reporter import JobReporter, artifact_row
 from worker.training.tensorboard import TensorBoardSink, tensorboard_dir
 
