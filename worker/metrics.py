@@ -64,8 +64,8 @@ def serve_metrics(port: int, addr: str = "0.0.0.0") -> bool:
         return False
     try:
         start_http_server(port, addr=addr, registry=REGISTRY)
-    except OSError:
-        log.exception("could not serve worker metrics on port %d", port)
+    except OSError as exc:  # taken (several workers of one host given one port): the worker still serves tasks
+        log.warning("could not serve worker metrics on port %d: %s", port, exc)
         return False
     log.info("worker metrics on http://%s:%d/metrics", addr, port)
     return True
