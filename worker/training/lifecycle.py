@@ -116,9 +116,9 @@ def _end(ctx: WorkerContext, job_id: str, attempt: int, status: JobStatus, messa
     """Move the job to a terminal status if this attempt still holds it."""
     try:
         with session_scope(ctx.sessions) as session:
+            _record_tensorboard(ctx, session, job_id, attempt)  # fenced: while the attempt still holds the job
             states.move(session, store.get_job(session, job_id=job_id), status, message=message, code=code,
                         attempt=attempt)
-            _record_tensorboard(ctx, session, job_id, attempt)
     except StaleAttempt:
         return LOST
     return status
