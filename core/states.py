@@ -47,7 +47,7 @@ def create(session: Session, job: Job, *, message: str = "job created and queued
     session.add(job)
     session.flush()
     _event(session, job.id, kind="created", level="info", message=message, data=None, now=job.created_at)
-    outbox.add_train(session, job_id=job.id, headers=task_headers())
+    outbox.add_train(session, job_id=job.id, devices=job.devices, headers=task_headers())
     return job
 
 
@@ -88,7 +88,8 @@ def move(session: Session, job: Job, target: JobStatus, *, message: str, kind: s
     _event(session, job.id, kind=kind or str(target), level=level or _level(target), message=message,
            data=data, now=now)
     if target == JobStatus.QUEUED:
-        outbox.add_train(session, job_id=job.id, headers=task_headers())  # a requeue keeps the request id
+        # a requeue keeps the request id
+        outbox.add_train(session, job_id=job.id, devices=job.devices, headers=task_headers())
     return job
 
 

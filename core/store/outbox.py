@@ -9,7 +9,7 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from core.models import Job, OutboxMessage, utcnow
-from core.tasks import QUEUE_TRAIN, TASK_TRAIN
+from core.tasks import TASK_TRAIN, train_queue
 
 
 def add(session: Session, *, job_id: str, task: str, args: list[Any], queue: str,
@@ -22,12 +22,17 @@ def add(session: Session, *, job_id: str, task: str, args: list[Any], queue: str
     return message
 
 
-def add_train(session: Session, *, job_id: str, headers: dict[str, str] | None = None) -> OutboxMessage:
-    """The training task message that runs (or resumes) a queued job; without headers, the job's last ones."""
-    if headers is None:  # a requeue by the reaper, outside any request: the job keeps its request id
+def add_train(session: Session, *, job_id: str, devices: int, headers: dict[str, str] | None = None
+              ) -> OutboxMessage:
+    """The training task message that runs (or resumes) a queued job, on the queue of its device count.
+
+    Without headers (a requeue by the reaper, outside any request) it takes the job's last ones, so the job
+    keeps its request id.
+    """
+    if headers is None:
         headers = session.scalar(select(OutboxMessage.headers).where(OutboxMessage.job_id == job_id)
                                  .order_by(OutboxMessage.id.desc()).limit(1))
-    return add(session, job_id=job_id, task=TASK_TRAIN, args=[job_id], queue=QUEUE_TRAIN, headers=headers)
+    return add(session, job_id=job_id, task=TASK_TRAIN, args=[job_id], queue=train_queue(devices), headers=headers)
 
 
 def take_unsent(session: Session, *, job_id: str | None = None, limit: int = 100) -> list[tuple[OutboxMessage, str]]:

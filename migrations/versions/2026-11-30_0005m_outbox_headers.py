@@ -1,7 +1,7 @@
 """outbox headers: task-message headers (the request id that logs follow into the worker)
 
 Revision ID: 0005m
-Revises: 0004
+Revises: 0005p
 Create Date: 2026-11-30 06:20:00.000000
 """
 from collections.abc import Sequence
@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = '0005m'
-down_revision: str | None = '0004'
+down_revision: str | None = '0005p'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

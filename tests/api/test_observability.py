@@ -39,7 +39,7 @@ def test_the_request_id_travels_with_the_training_task_message(client, queue, se
     # A requeue outside any request (the reaper's) keeps the job's request id.
     engine = make_engine(settings.resolved_database_url)
     with session_scope(make_sessionmaker(engine)) as session:
-        message = outbox.add_train(session, job_id=response.json()["id"])
+        message = outbox.add_train(session, job_id=response.json()["id"], devices=1)
         assert message.headers == {REQUEST_ID_HEADER: "trace-job-1"}
     engine.dispose()
 
