@@ -255,6 +255,8 @@ class OutboxMessage(Base):
     task: Mapped[str] = mapped_column(String(100))
     queue: Mapped[str] = mapped_column(String(40))
     args: Mapped[list[Any]] = mapped_column(JSON)
+    # Message headers (the request id, so the worker's log lines for the job carry it); None on older rows.
+    headers: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     sent_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, index=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 from typing import Any
 
@@ -30,6 +31,8 @@ from core.store import jobs as store
 from core.store.paging import decode_cursor, split_page
 from core.tabular import MAX_LABEL_CHARS, MAX_TRACKED_VALUES, label_space, name_list, short, to_label
 
+log = logging.getLogger(__name__)
+
 ROUTE = "POST /jobs"
 MAX_HINT_COLUMNS = 1000  # columns searched for a "did you mean" hint
 
@@ -53,6 +56,7 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, principal
         idempotency.remember(session, principal, route=ROUTE, key=idempotency_key, request_hash=request_hash,
                              resource_id=job.id)
         session.commit()
+        log.info("job %s created (%s, %s)", job.id, job.task, job.base_model or "fresh model", extra={"job_id": job.id})
     except IntegrityError:
         # A concurrent request with the same Idempotency-Key committed first: answer with its job.
         session.rollback()

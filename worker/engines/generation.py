@@ -53,6 +53,7 @@ class GenerationEngine:
         self, model: str | Path, *, device: str = "auto", precision: str = "auto", max_batch_size: int = 32,
         max_tokens_in_flight: int = 16384, max_queue: int = 256,
         cancelled_ids: Callable[[list[str]], Collection[str]] | None = None,
+        on_step: Callable[[int], None] | None = None,
     ) -> None:
         for name, value in (("max_batch_size", max_batch_size), ("max_tokens_in_flight", max_tokens_in_flight),
                             ("max_queue", max_queue)):
@@ -70,6 +71,8 @@ class GenerationEngine:
         self.max_queue = max_queue
         # Given the ids of all waiting and running requests, those to drop: one call per loop (raising fails the batch).
         self._cancelled_ids = cancelled_ids
+        # Told the batch size of every decode step (the worker's metrics); runs on the scheduler thread.
+        self._on_step = on_step
         self._table = token_bytes(self.tokenizer, self.vocab_size)
         self._runner = Gpt2Runner(self.model, self.plan, max_rows=max_batch_size, source=Path(model))
         self._device = torch.device(self.plan.device)
@@ -293,6 +296,8 @@ class GenerationEngine:
         new = next_tokens(logits, self._row_params, seen)
         with self._lock:
             self._counters["steps"] += 1
+        if self._on_step is not None:
+            self._on_step(len(self._rows))
         self._accept(0, new)
 
     def _accept(self, first: int, tokens: torch.Tensor) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,8 @@ class JobReporter(TrainCallbacks):
 
     def __init__(self, factory: sessionmaker[Session], settings: Settings, job_id: str, attempt: int, *,
                  lost: threading.Event | None = None, shutdown: threading.Event | None = None,
-                 storage: ArtifactStore | None = None, sweep_id: str | None = None) -> None:
+                 storage: ArtifactStore | None = None, sweep_id: str | None = None,
+                 sinks: Sequence[TrainCallbacks] = ()) -> None:
         self.factory = factory
         self.sweep_id = sweep_id  # a sweep's child asks the sweep's pruning rule after each evaluation
         self.last_eval_step: int | None = None
@@ -65,6 +66,8 @@ class JobReporter(TrainCallbacks):
         self.started = time.monotonic()
         self.first_step: int | None = None
         self.last_flush = 0.0
+        # Observers of the same callbacks (metrics exporter, TensorBoard); their failures never stop training.
+        self.sinks = list(sinks)
 
     def on_start(self, info: dict[str, Any]) -> None:
         self.total_steps = int(info["total_steps"])
@@ -80,11 +83,13 @@ class JobReporter(TrainCallbacks):
                 "total_steps": self.total_steps, "step": resumed, "device": info.get("device")})
             store.add_event(session, job_id=self.job_id, kind="started", message=message, attempt=self.attempt,
                             data={k: v for k, v in info.items() if isinstance(v, (int, float, str))})
+        self._notify("on_start", info)
 
     def on_log(self, step: int, epoch: float, metrics: dict[str, float]) -> None:
         self.points.extend((step, epoch, name, float(value)) for name, value in metrics.items())
         self.latest.update(metrics)
         self.progress = {"step": step, "epoch": epoch, "eta_seconds": self._eta(step)}
+        self._notify("on_log", step, epoch, metrics)
         # The engine logs step N before it checkpoints step N: flushing here means a checkpoint never
         # gets ahead of the stored history, so a resume after a crash leaves no gap in it.
         checkpoint_next = self.checkpoint_steps is not None and step % self.checkpoint_steps == 0
@@ -95,6 +100,7 @@ class JobReporter(TrainCallbacks):
         self.points.extend((step, self.progress.get("epoch", 0.0), name, float(v)) for name, v in metrics.items())
         self.latest.update(metrics)
         self.last_eval_step = step
+        self._notify("on_eval", step, metrics)
         self.try_flush()
         summary = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
         self._event("eval", f"step {step}: {summary}", data=dict(metrics))
@@ -151,6 +157,17 @@ class JobReporter(TrainCallbacks):
                 return store.cancel_requested(session, job_id=self.job_id)
         except OperationalError:
             return False  # database briefly away: keep training; the next step asks again
+
+    def close(self) -> None:
+        """Close the sinks (the run ended, however it ended)."""
+        self._notify("close")
+
+    def _notify(self, method: str, *args: Any) -> None:
+        for sink in self.sinks:
+            try:
+                getattr(sink, method)(*args)
+            except Exception:  # noqa: BLE001 - an observer's failure must not fail the job
+                log.warning("job %s: %s.%s failed", self.job_id, type(sink).__name__, method, exc_info=True)
 
     def try_flush(self) -> None:
         """Flush, but ride out a database outage: the points stay buffered for the next attempt."""
