@@ -13,6 +13,7 @@ from app.errors import install_error_handlers
 from app.limits import BodyLimitMiddleware, UploadSlotsMiddleware
 from app.routes import classify, datasets, generation, health, jobs
 from app.services.generation import GenerationGateway
+from app.services.job_stream import StreamSlots
 from core.celery_app import make_celery
 from core.db import make_engine, make_sessionmaker
 from core.queue import CeleryTaskQueue, TaskQueue
@@ -36,6 +37,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
         redis = async_redis_from_url(resolved.resolved_redis_url, socket_timeout=10)
         app.state.redis = redis
         app.state.generation = GenerationGateway(redis, app.state.task_queue, resolved)
+        app.state.event_streams = StreamSlots(resolved.event_streams_per_tenant)
         # Sends task messages whose fast path found the broker refusing (the job stays queued meanwhile).
         relay = relay_thread(app.state.sessionmaker, app.state.task_queue, resolved.outbox_interval_s)
         relay.start()

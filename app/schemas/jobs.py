@@ -127,6 +127,7 @@ class MetricHistory(BaseModel):
     job_id: str
     data: list[MetricPointRead]
     next_since_step: int | None = Field(description="Pass as since_step to continue when the page was full.")
+    bucket_steps: int = Field(1, description="Steps per bucket when max_points downsampled the history (1: raw).")
 
 
 class EventRead(BaseModel):

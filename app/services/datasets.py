@@ -5,13 +5,15 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Generator
+from itertools import islice
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.schemas.datasets import DatasetRead, DatasetSummary
+from app.schemas.datasets import DatasetPreview, DatasetRead, DatasetSummary
 from app.services import idempotency
 from core.auth import Principal
 from core.errors import PayloadTooLarge, ValidationFailed
@@ -19,7 +21,7 @@ from core.models import Dataset, new_id, utcnow
 from core.settings import Settings
 from core.store import datasets as store
 from core.store.paging import decode_cursor, split_page
-from core.tabular import bounded_stats, format_for, summarize_file
+from core.tabular import RowReader, bounded_stats, format_for, summarize_file
 
 NAME_RE = re.compile(r"^[\w .,()+-]{1,200}$")
 CHUNK = 1024 * 1024
@@ -122,3 +124,21 @@ def delete_dataset(session: Session, settings: Settings, principal: Principal, *
     dataset = store.delete_dataset(session, dataset_id=dataset_id, tenant=principal.scope)
     session.commit()
     (settings.home / dataset.path).unlink(missing_ok=True)
+
+
+PREVIEW_CELL_CHARS = 500  # a preview shows the start of long texts
+
+
+def preview_dataset(session: Session, settings: Settings, principal: Principal, *, dataset_id: str,
+                    rows: int) -> DatasetPreview:
+    """The first `rows` rows of a stored dataset, long cells cut short; reads only as far as it shows."""
+    dataset = store.get_dataset(session, dataset_id=dataset_id, tenant=principal.scope)
+    shown: list[dict[str, Any]] = []
+    with open(settings.home / dataset.path, "rb") as stream:
+        reader = cast(Generator[dict[str, Any], None, None], iter(RowReader(stream, dataset.format)))
+        try:
+            for row in islice(reader, rows):
+                shown.append({k: v[:PREVIEW_CELL_CHARS] if isinstance(v, str) else v for k, v in row.items()})
+        finally:
+            reader.close()  # detaches its text wrapper while the file is still open
+    return DatasetPreview(id=dataset.id, columns=dataset.columns, rows=shown, total_rows=dataset.rows)
