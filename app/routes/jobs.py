@@ -39,14 +39,14 @@ def list_jobs(session: SessionDep, principal: PrincipalDep, status: StatusFilter
               cursor: Annotated[str | None, Query(max_length=200)] = None) -> Page[JobRead]:
     """Jobs, newest first, optionally filtered by status."""
     rows, next_cursor = service.list_jobs(session, principal, limit=limit, status=status, cursor=cursor)
-    return Page[JobRead](data=[service.job_read(r) for r in rows], has_more=next_cursor is not None,
+    return Page[JobRead](data=service.read_jobs(session, rows), has_more=next_cursor is not None,
                          next_cursor=next_cursor)
 
 
 @router.get("/{job_id}", response_model=JobRead)
 def get_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> JobRead:
     """Status, progress, ETA and the latest metrics of a job."""
-    return service.job_read(service.get_job(session, principal, job_id=job_id))
+    return service.read_jobs(session, [service.get_job(session, principal, job_id=job_id)])[0]
 
 
 @router.get("/{job_id}/metrics", response_model=MetricHistory)

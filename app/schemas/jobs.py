@@ -102,6 +102,9 @@ class JobRead(BaseModel):
     progress: Progress
     eta_seconds: float | None
     metrics: dict[str, float]
+    best_metrics: dict[str, float] = Field(
+        default_factory=dict, description="Best eval_accuracy/eval_f1 (highest) and eval_loss/perplexity (lowest) "
+                                          "so far; in GET /jobs and GET /jobs/{id}.")
     device: str | None
     error: dict[str, Any] | None
     attempts: int

@@ -91,3 +91,22 @@ def points_after(session: Session, *, job_id: str, after_id: int, since_step: in
              .order_by(MetricPoint.id).limit(limit))
     return [_point(r) for r in session.scalars(query)]
 
+
+
+# Which way is better for each metric a dashboard ranks jobs by.
+HIGHER_IS_BETTER = ("eval_accuracy", "eval_f1")
+LOWER_IS_BETTER = ("eval_loss", "perplexity")
+
+
+def best_metrics(session: Session, *, job_ids: Sequence[str]) -> dict[str, dict[str, float]]:
+    """The best value each job reached of its evaluation metrics, in one grouped query for a page of jobs."""
+    if not job_ids:
+        return {}
+    query = (select(MetricPoint.job_id, MetricPoint.name, func.min(MetricPoint.value), func.max(MetricPoint.value))
+             .where(MetricPoint.job_id.in_(list(job_ids)),
+                    MetricPoint.name.in_([*HIGHER_IS_BETTER, *LOWER_IS_BETTER]))
+             .group_by(MetricPoint.job_id, MetricPoint.name))
+    best: dict[str, dict[str, float]] = {}
+    for job_id, name, low, high in session.execute(query):
+        best.setdefault(job_id, {})[name] = high if name in HIGHER_IS_BETTER else low
+    return best

@@ -69,6 +69,15 @@ def test_downsampling_keeps_each_buckets_min_and_max(client, factory, running_jo
     assert client.get(f"/jobs/{running_job}/metrics", params={"max_points": 5}).status_code == 422
 
 
+def test_jobs_carry_their_best_evaluation_metrics(client, factory, running_job):
+    _points(factory, running_job, [(10, 0.1, "eval_loss", 0.7), (20, 0.2, "eval_loss", 0.4),
+                                   (30, 0.3, "eval_loss", 0.5), (10, 0.1, "eval_accuracy", 0.6),
+                                   (20, 0.2, "eval_accuracy", 0.8), (30, 0.3, "eval_accuracy", 0.7)])
+    assert client.get(f"/jobs/{running_job}").json()["best_metrics"] == {"eval_loss": 0.4, "eval_accuracy": 0.8}
+    listed = client.get("/jobs").json()["data"]
+    assert [j["best_metrics"] for j in listed if j["id"] == running_job] == [{"eval_loss": 0.4, "eval_accuracy": 0.8}]
+
+
 def test_stream_sends_backlog_state_and_end_then_resumes_from_last_event_id(client, factory, running_job,
                                                                             settings):
     settings.event_stream_poll_s = 0.05
