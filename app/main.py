@@ -12,6 +12,7 @@ from app.access_log import install_access_log_redaction
 from app.errors import install_error_handlers
 from app.limits import BodyLimitMiddleware, UploadSlotsMiddleware
 from app.routes import classify, datasets, generation, health, jobs
+from app.routes.dashboard import mount_dashboard
 from app.services.generation import GenerationGateway
 from app.services.job_stream import StreamSlots
 from core.celery_app import make_celery
@@ -62,4 +63,5 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
     for router in (health.router, datasets.router, jobs.router, classify.router, generation.router):
         app.include_router(router)
+    mount_dashboard(app)
     return app
