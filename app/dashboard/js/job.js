@@ -62,7 +62,7 @@ export async function renderJob(root, jobId, signal) {
       h("span.grow"), ["queued", "running"].includes(job.status) && !job.cancel_requested ? cancel : null,
       job.cancel_requested && !["cancelled", "failed", "succeeded"].includes(job.status)
         ? h("span.muted", {}, "cancel requested") : null),
-    job.error ? h("p.error", {}, `${job.error.code}: ${job.error.message}`) : null,
+    ...(job.error ? [h("p.error", {}, `${job.error.code}: ${job.error.message}`)] : []),
     h("div.row.muted", {}, Object.entries(job.metrics || {}).map(([k, v]) => h("span", {}, `${k} ${num(v)}`))));
   };
   const renderDetails = () => {

@@ -15,7 +15,10 @@ export async function renderJobs(root, params, signal) {
   const body = h("tbody");
   const error = h("div");
   root.append(h("div.row", {}, h("h1.grow", {}, "Jobs"), filter, compare,
-    h("button", { id: "new-job-toggle", onclick: () => form.hidden = !form.hidden }, "New job")));
+    h("button", { id: "new-job-toggle", onclick: () => {
+      form.hidden = !form.hidden;
+      if (!form.hidden) form.loadDatasets();
+    } }, "New job")));
   const form = newJobForm(signal);
   form.hidden = true;
   root.append(form, error, h("div.card", {}, table(
@@ -38,7 +41,7 @@ export async function renderJobs(root, params, signal) {
     try {
       const page = await api(`/jobs?limit=100${status ? `&status=${status}` : ""}`, { signal });
       body.replaceChildren(...page.data.map(row));
-      if (!page.data.length) body.append(h("tr", {}, h("td", { colspan: 8 }, h("span.muted", {}, "No jobs yet."))));
+      if (!page.data.length) body.append(h("tr", {}, h("td", { colSpan: 8 }, h("span.muted", {}, "No jobs yet."))));
       error.replaceChildren();
     } catch (e) {
       if (signal.aborted) return;
@@ -84,7 +87,7 @@ function newJobForm(signal) {
   h("label.wide", {}, "model_config (JSON, causal-lm from scratch)",
     h("textarea", { name: "model_config", rows: 1, placeholder: '{"n_layer": 4, "n_embd": 128, "n_head": 4}' })),
   h("div.wide.row", {}, h("button", { type: "submit" }, "Start job"), error));
-  api("/datasets?limit=100", { signal }).then((page) => {
+  form.loadDatasets = () => api("/datasets?limit=100", { signal }).then((page) => {
     datasets.replaceChildren(...page.data.map((d) => h("option", { value: d.id }, `${d.name} (${d.id})`)));
     evalSets.replaceChildren(h("option", { value: "" }, "none"),
       ...page.data.map((d) => h("option", { value: d.id }, `${d.name} (${d.id})`)));
