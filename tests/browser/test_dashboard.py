@@ -4,6 +4,8 @@ when clients disconnect. The job page and compare screenshots in docs/ come from
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import httpx
 import pytest
 
@@ -131,11 +133,9 @@ def test_event_stream_slots_come_back_when_clients_disconnect(service):
         with httpx.Client(timeout=10) as client, client.stream("GET", url, headers=headers) as response:
             assert response.status_code == 200
             next(response.iter_lines())
-    with httpx.Client(timeout=10) as client:
-        streams = [client.stream("GET", url, headers=headers).__enter__() for _ in range(3)]
+    with httpx.Client(timeout=10) as client, ExitStack() as open_streams:
+        streams = [open_streams.enter_context(client.stream("GET", url, headers=headers)) for _ in range(3)]
         assert all(r.status_code == 200 for r in streams)
         refused = client.get(url, headers=headers)
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_streams"
-        for r in streams:
-            r.close()
     service.api.post(f"/jobs/{job_id}/cancel")
