@@ -93,7 +93,7 @@ def read_once(make_session: sessionmaker[Session], *, job_id: str, cursor: Curso
         job = store.get_job(session, job_id=job_id)
         state = {"status": job.status, "step": job.step, "total_steps": job.total_steps, "epoch": job.epoch,
                  "eta_seconds": None if job.is_terminal else job.eta_seconds, "metrics": job.metrics or {},
-                 "error": job.error, "attempts": job.attempts}
+                 "error": job.error, "attempts": job.attempts, "device": job.device}
         events = store.list_events(session, job_id=job_id, after_id=cursor.event_id, limit=EVENT_BATCH)
         points = history.points_after(session, job_id=job_id, after_id=cursor.point_id, since_step=since_step,
                                       limit=POINT_BATCH)

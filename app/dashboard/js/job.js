@@ -94,7 +94,7 @@ export async function renderJob(root, jobId, signal) {
     state: (state) => {
       const finished = state.status !== job.status && ["succeeded", "failed", "cancelled"].includes(state.status);
       job = { ...job, status: state.status, eta_seconds: state.eta_seconds, metrics: state.metrics,
-        error: state.error, attempts: state.attempts,
+        error: state.error, attempts: state.attempts, device: state.device,
         progress: { ...job.progress, step: state.step, total_steps: state.total_steps, epoch: state.epoch,
           fraction: state.status === "succeeded" ? 1 : state.total_steps ? Math.min(state.step / state.total_steps, 1) : 0 } };
       renderHeader();
