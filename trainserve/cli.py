@@ -1,4 +1,4 @@
-"""The `trainserve` command: up, api, worker, migrate, keys."""
+"""The `trainserve` command: up, api, worker, migrate, keys, health."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import os
 import socket
 import sys
 from pathlib import Path
+
+from core.tasks import QUEUE_GENERATE, QUEUE_INFERENCE, QUEUE_TRAIN
 
 
 def _api(args: argparse.Namespace) -> int:
@@ -17,27 +19,49 @@ def _api(args: argparse.Namespace) -> int:
     return 0
 
 
-def _worker(args: argparse.Namespace) -> int:
-    device = args.device
-    # Pin the process to one GPU before anything can initialise CUDA; inside it, that GPU is cuda:0.
+QUEUES = (QUEUE_TRAIN, QUEUE_INFERENCE, QUEUE_GENERATE)
+
+
+def device_arg(value: str) -> str:
+    """`--device`: cpu, auto or cuda:N (argparse type, so a bad value fails at parse time)."""
+    if value in ("cpu", "auto") or (value.startswith("cuda:") and value[5:].isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"must be cpu, auto or cuda:N, not {value!r}")
+
+
+def queues_arg(value: str) -> str:
+    """`--queues`: known queue names, comma-separated; generation runs alone (it needs the thread pool)."""
+    names = [q.strip() for q in value.split(",")]
+    unknown = [q for q in names if q not in QUEUES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown queue {unknown[0]!r}; choose from {', '.join(QUEUES)}")
+    if QUEUE_GENERATE in names and len(names) > 1:
+        raise argparse.ArgumentTypeError("generation cannot share a worker with other queues")
+    return ",".join(names)
+
+
+def pin_device(device: str) -> None:
+    """Pin this process to `device` before anything can initialise CUDA; inside it, cuda:N is cuda:0."""
     if device.startswith("cuda:"):
         os.environ["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
         os.environ["TRAINSERVE_WORKER_DEVICE"] = "cuda:0"
     elif device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.environ["TRAINSERVE_WORKER_DEVICE"] = "cpu"
-    elif device == "auto":
-        os.environ["TRAINSERVE_WORKER_DEVICE"] = "auto"
     else:
-        print(f"--device must be cpu, auto or cuda:N, not {device!r}", file=sys.stderr)
-        return 2
+        os.environ["TRAINSERVE_WORKER_DEVICE"] = "auto"
+
+
+def _worker(args: argparse.Namespace) -> int:
+    device = args.device
+    pin_device(device)
     os.environ["TRAINSERVE_WORKER_QUEUES"] = args.queues
     from worker.app import celery
 
     name = f"{args.queues.replace(',', '+')}-{device.replace(':', '')}-{os.getpid()}@{socket.gethostname()}"
     # Solo pool: the task runs in the worker's main process, so a shutdown signal reaches the training loop,
     # which checkpoints and requeues its job instead of losing it.
-    if args.queues == "generation":
+    if args.queues == QUEUE_GENERATE:
         # Generation tasks mostly wait on the engine's batch: many threads keep many requests in flight.
         from core.settings import get_settings
 
@@ -82,6 +106,39 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health(args: argparse.Namespace) -> int:
+    """Container health check: the API's /health (--url), else the broker and database a worker needs."""
+    if args.url:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(args.url, timeout=args.timeout) as response:  # noqa: S310 - our own URL
+                ok = response.status == 200
+        except OSError as exc:
+            print(f"unhealthy: {args.url}: {exc}", file=sys.stderr)
+            return 1
+        return 0 if ok else 1
+    from sqlalchemy import text
+
+    from core.db import make_engine
+    from core.redis_client import redis_from_url
+    from core.settings import get_settings
+
+    settings = get_settings()
+    try:
+        client = redis_from_url(settings.resolved_redis_url, socket_timeout=args.timeout)
+        client.ping()
+        client.close()
+        engine = make_engine(settings.resolved_database_url)
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+        engine.dispose()
+    except Exception as exc:  # noqa: BLE001 - any failure to reach either means unhealthy
+        print(f"unhealthy: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _up(args: argparse.Namespace) -> int:
     from trainserve.supervisor import run_up
 
@@ -105,8 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--port", type=int, default=8000)
     api.set_defaults(func=_api)
     worker = sub.add_parser("worker", help="run a Celery worker pinned to one device")
-    worker.add_argument("--device", default="auto", help="cpu, cuda:N or auto")
-    worker.add_argument("--queues", default="training",
+    worker.add_argument("--device", default="auto", type=device_arg, help="cpu, cuda:N or auto")
+    worker.add_argument("--queues", default="training", type=queues_arg,
                         help="training, inference or generation (training and inference may be combined)")
     worker.add_argument("--loglevel", default="INFO")
     worker.set_defaults(func=_worker)
@@ -122,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     keys.set_defaults(func=_keys)
     migrate = sub.add_parser("migrate", help="apply database migrations")
     migrate.set_defaults(func=_migrate)
+    health = sub.add_parser("health", help="exit 0 when healthy (container HEALTHCHECK)")
+    health.add_argument("--url", default=None, help="check this /health URL (the API); default: the worker's "
+                        "broker and database from TRAINSERVE_REDIS_URL and TRAINSERVE_DATABASE_URL")
+    health.add_argument("--timeout", type=float, default=5.0)
+    health.set_defaults(func=_health)
     return parser
 
 
