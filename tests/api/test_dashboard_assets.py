@@ -25,3 +25,15 @@ def test_no_asset_is_fetched_from_another_origin_and_every_module_import_exists(
         assert not re.search(r"(src|href|import)[^\n]*https?://", text), path
         for module in re.findall(r'from "\./([\w.]+)"', text):
             assert (DASHBOARD_DIR / "js" / module).is_file(), (path, module)
+
+
+def test_every_dashboard_file_is_package_data():
+    import fnmatch
+    import tomllib
+
+    from tests.conftest import ROOT
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["app"]
+    files = [p.relative_to(DASHBOARD_DIR.parent).as_posix() for p in DASHBOARD_DIR.rglob("*") if p.is_file()]
+    missing = [f for f in files if not any(fnmatch.fnmatch(f, pattern) for pattern in patterns)]
+    assert files and not missing, f"not shipped in the wheel: {missing}"
