@@ -15,6 +15,7 @@ from core.relay import deliver_now
 from core.store import jobs as store
 from worker.context import WorkerContext
 from worker.engines.device import release_memory, resolve_device
+from worker.engines.launch import train_on_devices
 from worker.engines.lm_training import LMTrainConfig, train_lm
 from worker.engines.training import TrainResult, train
 from worker.recovery import Heartbeat
@@ -39,6 +40,10 @@ def run_training_job(ctx: WorkerContext, job_id: str) -> str:
             states.move(session, job, JobStatus.CANCELLED, attempt=attempt,
                         message="cancelled before training started")
             return JobStatus.CANCELLED
+        if job.devices > settings.worker_devices:  # routed by queue, so only a hand-made consumer gets here
+            states.move(session, job, JobStatus.FAILED, code="does_not_fit", attempt=attempt,
+                        message=f"the job asks for {job.devices} devices; this worker owns {settings.worker_devices}")
+            return JobStatus.FAILED
         try:
             config = config_for(settings, session, job, settings.worker_device)
         except ValueError as exc:
@@ -51,7 +56,7 @@ def run_training_job(ctx: WorkerContext, job_id: str) -> str:
     reporter = JobReporter(ctx.sessions, settings, job_id, attempt, lost=heartbeat.lost, shutdown=ctx.shutdown)
     try:
         with heartbeat:
-            result = train_lm(config, reporter) if isinstance(config, LMTrainConfig) else train(config, reporter)
+            result = run_engine(config, reporter)
     except Exception as exc:  # noqa: BLE001 - any failure ends the job with a recorded reason
         log.exception("job %s failed", job_id)
         # Engines name a specific failure (oom, ...) with a `code` attribute on the exception.
@@ -68,6 +73,13 @@ def run_training_job(ctx: WorkerContext, job_id: str) -> str:
     except StaleAttempt:
         log.warning("job %s attempt %d lost its claim before recording its result", job_id, attempt)
         return LOST
+
+
+def run_engine(config: EngineConfig, reporter: JobReporter) -> TrainResult:
+    """The engine for the job: in this process on one device, under torchrun (rank 0 reporting) on several."""
+    if config.devices > 1:
+        return train_on_devices(config, reporter)
+    return train_lm(config, reporter) if isinstance(config, LMTrainConfig) else train(config, reporter)
 
 
 def release_memory_of(config: EngineConfig) -> None:
