@@ -86,7 +86,7 @@ def get_events(job_id: str, request: Request, session: SessionDep, principal: Pr
     if stream:
         cursor = job_stream.Cursor.parse(last_event_id) if last_event_id else job_stream.Cursor(after, 0)
         slots: job_stream.StreamSlots = request.app.state.event_streams
-        slots.acquire(principal.tenant_id)
+        slots.check(principal.tenant_id)
         session.close()  # the stream reads with short sessions of its own; it holds no connection while idle
         feed = job_stream.job_feed(request.app.state.sessionmaker, request.app.state.settings, slots,
                                    tenant=principal.tenant_id, job_id=job_id, cursor=cursor, since_step=since_step,

@@ -60,11 +60,15 @@ class StreamSlots:
         self.per_tenant = per_tenant
         self.open: dict[str, int] = {}
 
-    def acquire(self, tenant: str) -> None:
-        """Take a slot or raise 429 too_many_streams."""
+    def check(self, tenant: str) -> None:
+        """Raise 429 too_many_streams when the tenant has no slot left (the route answers it before streaming)."""
         if self.open.get(tenant, 0) >= self.per_tenant:
             raise TooManyRequests(f"{self.per_tenant} event streams are already open for this tenant; close one "
                                   "or poll /jobs/{id}/events", retry_after=5, code=ErrorCode.TOO_MANY_STREAMS)
+
+    def acquire(self, tenant: str) -> None:
+        """Take a slot or raise 429 too_many_streams."""
+        self.check(tenant)
         self.open[tenant] = self.open.get(tenant, 0) + 1
 
     def release(self, tenant: str) -> None:
@@ -129,7 +133,13 @@ def messages(poll: Poll, cursor: Cursor, last_state: dict[str, Any] | None) -> l
 async def job_feed(make_session: sessionmaker[Session], settings: Settings, slots: StreamSlots, *, tenant: str,
                    job_id: str, cursor: Cursor, since_step: int,
                    disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[str]:
-    """The SSE body; the caller has taken a slot for `tenant`, which this releases however the stream ends."""
+    """The SSE body. It takes one of the tenant's slots when it starts and gives it back however it ends (a body
+    the server never started, because the client left first, holds none)."""
+    try:
+        slots.acquire(tenant)
+    except TooManyRequests as exc:  # another stream took the last slot since the route checked
+        yield message("error", exc.envelope(), cursor)
+        return
     try:
         last_state: dict[str, Any] | None = None
         yield "retry: 2000\n\n"  # EventSource clients reconnect after 2 s, with Last-Event-ID

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 
@@ -146,3 +147,20 @@ def test_dataset_preview_shows_the_first_rows(client):
     assert [(r["sentence"], r["label"]) for r in body["rows"]] == [(t, str(y)) for t, y in rows[:3]]  # as parsed
     assert client.get(f"/datasets/{dataset['id']}/preview", params={"rows": 0}).status_code == 422
     assert client.get("/datasets/ds_nope/preview").status_code == 404
+
+
+def test_a_feed_that_finds_no_free_slot_when_it_starts_sends_an_error_and_ends(settings):
+    slots = job_stream.StreamSlots(1)
+    slots.acquire("tenant-a")  # taken between the route's check and the body's start
+
+    async def never() -> bool:
+        return False
+
+    async def collect():
+        return [m async for m in job_stream.job_feed(None, settings, slots, tenant="tenant-a", job_id="job_x",
+                                                     cursor=job_stream.Cursor(), since_step=0, disconnected=never)]
+
+    messages = asyncio.run(collect())
+    assert len(messages) == 1 and messages[0].startswith("id: 0-0\nevent: error\n")
+    assert json.loads(messages[0].split("data: ", 1)[1])["error"]["code"] == "too_many_streams"
+    assert slots.open == {"tenant-a": 1}  # the slot it did not get is not given back either
