@@ -140,7 +140,7 @@ def test_event_stream_slots_come_back_when_clients_disconnect(service):
             next(response.iter_lines())
     with httpx.Client(timeout=10) as client, ExitStack() as open_streams:
         streams = [open_streams.enter_context(client.stream("GET", url, headers=headers)) for _ in range(3)]
-        assert all(r.status_code == 200 for r in streams)
+        assert all(r.status_code == 200 and next(r.iter_lines()) == "retry: 2000" for r in streams)  # slots held
         refused = client.get(url, headers=headers)
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_streams"
     service.api.post(f"/jobs/{job_id}/cancel")
