@@ -11,7 +11,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from app.access_log import install_access_log_redaction
 from app.errors import install_error_handlers
 from app.limits import BodyLimitMiddleware, UploadSlotsMiddleware
-from app.routes import classify, datasets, generation, health, jobs
+from app.routes import classify, datasets, generation, health, jobs, sweeps
 from app.routes.dashboard import mount_dashboard
 from app.services.generation import GenerationGateway
 from app.services.job_stream import StreamSlots
@@ -21,6 +21,7 @@ from core.queue import CeleryTaskQueue, TaskQueue
 from core.redis_client import async_redis_from_url
 from core.relay import relay_thread
 from core.settings import Settings, get_settings
+from core.storage import open_storage
 
 
 def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = None) -> FastAPI:
@@ -32,6 +33,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
         engine = make_engine(resolved.resolved_database_url)
         celery = None if task_queue is not None else make_celery(resolved)
         app.state.settings = resolved
+        app.state.storage = open_storage(resolved)
         app.state.engine = engine
         app.state.sessionmaker = make_sessionmaker(engine)
         app.state.task_queue = task_queue or CeleryTaskQueue(celery)  # type: ignore[arg-type]
@@ -61,7 +63,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     origins = [o.strip() for o in (settings or get_settings()).cors_origins.split(",") if o.strip()]
     if origins:
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
-    for router in (health.router, datasets.router, jobs.router, classify.router, generation.router):
+    for router in (health.router, datasets.router, jobs.router, sweeps.router, classify.router, generation.router):
         app.include_router(router)
     mount_dashboard(app)
     return app

@@ -8,13 +8,23 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import FileResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from app.deps import IdempotencyKeyDep, PrincipalDep, QueueDep, SessionDep, SettingsDep
+from app.deps import IdempotencyKeyDep, PrincipalDep, QueueDep, SessionDep, SettingsDep, StorageDep
 from app.errors import ERROR_RESPONSES
 from app.routes.generation import SSE_HEADERS, STREAM_DOC
 from app.schemas.common import Page
-from app.schemas.jobs import INT32_MAX, EventList, EventRead, JobCreate, JobRead, MetricHistory, MetricPointRead
+from app.schemas.jobs import (
+    INT32_MAX,
+    CheckpointList,
+    EventList,
+    EventRead,
+    JobCreate,
+    JobRead,
+    MetricHistory,
+    MetricPointRead,
+)
 from app.services import artifacts as artifact_service
 from app.services import job_stream
+from app.services import checkpoints as checkpoint_service
 from app.services import jobs as service
 from core.store import history
 from core.store import jobs as store
@@ -96,6 +106,14 @@ def get_events(job_id: str, request: Request, session: SessionDep, principal: Pr
     return EventList(job_id=job_id, data=[EventRead.model_validate(e) for e in events])
 
 
+@router.get("/{job_id}/checkpoints", response_model=CheckpointList)
+def list_checkpoints(job_id: str, session: SessionDep, principal: PrincipalDep,
+                     since_step: Annotated[int, Query(ge=0, le=INT32_MAX)] = 0,
+                     limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> CheckpointList:
+    """Every evaluation with its metrics, which one is best (the served model) and what can be downloaded."""
+    return checkpoint_service.list_checkpoints(session, principal, job_id=job_id, since_step=since_step, limit=limit)
+
+
 @router.post("/{job_id}/cancel", response_model=JobRead)
 def cancel_job(job_id: str, session: SessionDep, queue: QueueDep, principal: PrincipalDep) -> JobRead:
     """Cancel: queued jobs end at once; running ones stop after the current optimizer step."""
@@ -104,10 +122,10 @@ def cancel_job(job_id: str, session: SessionDep, queue: QueueDep, principal: Pri
 
 @router.get("/{job_id}/artifacts/{artifact_id}/download", response_class=FileResponse,
             responses={200: {"content": {"application/x-tar": {}}}})
-def download_artifact(job_id: str, artifact_id: str, session: SessionDep, settings: SettingsDep,
+def download_artifact(job_id: str, artifact_id: str, session: SessionDep, storage: StorageDep,
                       principal: PrincipalDep) -> FileResponse:
-    """A model or checkpoint folder as a tar archive."""
-    path, filename = artifact_service.pack_artifact(session, settings, principal, job_id=job_id,
+    """A model or checkpoint folder as a tar archive, from the artifact store."""
+    path, filename = artifact_service.pack_artifact(session, storage, principal, job_id=job_id,
                                                     artifact_id=artifact_id)
     return FileResponse(path, media_type="application/x-tar", filename=filename,
                         background=BackgroundTask(path.unlink, missing_ok=True))

@@ -18,17 +18,23 @@ import safetensors.torch
 import torch
 import transformers
 
+from core.paths import MANIFEST_NAME
 from worker.engines.device import DevicePlan
 
-MANIFEST = "manifest.json"
-KEEP_CHECKPOINTS = 2
+MANIFEST = MANIFEST_NAME
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-_STATE = "state.json"  # written last inside a checkpoint: its presence marks a complete one
+STATE = "state.json"  # written last inside a checkpoint: its presence marks a complete one
 
 
 def checkpoint_path(checkpoint_dir: Path, step: int) -> Path:
     """Folder of the checkpoint taken after optimizer step `step`."""
     return Path(checkpoint_dir) / f"checkpoint-{step}"
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint folder's name (checkpoint-<step>), or None for any other name."""
+    match = _CHECKPOINT.match(name)
+    return int(match.group(1)) if match else None
 
 
 def list_checkpoints(checkpoint_dir: Path) -> list[Path]:
@@ -38,9 +44,9 @@ def list_checkpoints(checkpoint_dir: Path) -> list[Path]:
         return []
     found = []
     for child in root.iterdir():
-        match = _CHECKPOINT.match(child.name)
-        if match and (child / _STATE).is_file():
-            found.append((int(match.group(1)), child))
+        step = checkpoint_step(child.name)
+        if step is not None and (child / STATE).is_file():
+            found.append((step, child))
     return [path for _, path in sorted(found)]
 
 
@@ -51,8 +57,9 @@ def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
 
 
 def save_checkpoint(checkpoint_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scaler: torch.amp.GradScaler, plan: DevicePlan, state: dict[str, Any]) -> Path:
-    """Write weights, optimizer/scaler/RNG state and loop state atomically; keep the last few."""
+                    scaler: torch.amp.GradScaler, plan: DevicePlan, state: dict[str, Any],
+                    keep_steps: set[int] | frozenset[int] = frozenset()) -> Path:
+    """Write weights, optimizer/scaler/RNG state and loop state atomically; prune all but it and `keep_steps`."""
     root = Path(checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(root, step)
@@ -65,26 +72,33 @@ def save_checkpoint(checkpoint_dir: Path, step: int, model: torch.nn.Module, opt
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scaler.state_dict(), tmp / "scaler.pt")
     torch.save(_rng_state(plan), tmp / "rng.pt")
-    (tmp / _STATE).write_text(json.dumps(dict(state, step=step), indent=2))
+    (tmp / STATE).write_text(json.dumps(dict(state, step=step), indent=2))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)  # a rename within one folder: readers see all of it or none
-    for old in list_checkpoints(root)[:-KEEP_CHECKPOINTS]:
-        shutil.rmtree(old, ignore_errors=True)
+    # The new one is complete before anything goes: a crash mid-prune leaves extra folders, never none.
+    for old in list_checkpoints(root):
+        if old != final and checkpoint_step(old.name) not in keep_steps:
+            shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def load_weights(path: Path, model: torch.nn.Module, plan: DevicePlan) -> None:
+    """Load only a checkpoint's model weights (the best evaluation's, to be saved as the final model)."""
+    safetensors.torch.load_model(model, str(Path(path) / "model.safetensors"), strict=True, device=plan.device)
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler, plan: DevicePlan) -> dict[str, Any]:
     """Restore a checkpoint into model/optimizer/scaler and the RNGs; return the loop state."""
     path = Path(path)
-    safetensors.torch.load_model(model, str(path / "model.safetensors"), strict=True, device=plan.device)
+    load_weights(path, model, plan)
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=plan.device, weights_only=True))
     scaler_state = torch.load(path / "scaler.pt", weights_only=True)
     if scaler_state:
         scaler.load_state_dict(scaler_state)
     _set_rng_state(torch.load(path / "rng.pt", weights_only=True), plan)
-    return json.loads((path / _STATE).read_text())
+    return json.loads((path / STATE).read_text())
 
 
 def _rng_state(plan: DevicePlan) -> dict[str, Any]:

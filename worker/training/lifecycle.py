@@ -1,10 +1,12 @@
-"""A training job's lifecycle: claim the row, run the engine, record how it ended; every move via core.states."""
+"""A training job's lifecycle: claim the row, fetch its inputs, run the engine, store the model, record how it
+ended; every move via core.states."""
 
 from __future__ import annotations
 
 import logging
 from datetime import timedelta
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core import states
@@ -13,13 +15,15 @@ from core.errors import NotFound, StaleAttempt
 from core.models import Job, JobStatus, utcnow
 from core.relay import deliver_now
 from core.store import jobs as store
+from core.sweeps import advance_and_send
 from worker.context import WorkerContext
 from worker.engines.device import release_memory, resolve_device
 from worker.engines.launch import train_on_devices
 from worker.engines.lm_training import LMTrainConfig, train_lm
 from worker.engines.training import TrainResult, train
 from worker.recovery import Heartbeat
-from worker.training.config import EngineConfig, config_for
+from worker.sync import clear_work, pull_checkpoint, push_model, storage_errors
+from worker.training.config import EngineConfig, JobInputs, config_for, job_inputs
 from worker.training.reporter import JobReporter, artifact_row
 
 log = logging.getLogger(__name__)
@@ -29,7 +33,23 @@ LOST = "lost"  # the attempt stopped holding the job while it ran: its writes we
 
 
 def run_training_job(ctx: WorkerContext, job_id: str) -> str:
-    """Claim and run a job; returns the status it ended in, 'skipped' or 'lost'."""
+    """Claim and run a job; returns the status it ended in, 'skipped' or 'lost'. A sweep's child, once ended,
+    lets its sweep create the next children."""
+    status = _run(ctx, job_id)
+    if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED):
+        clear_work(ctx.storage, ctx.settings, job_id)  # the store has all that is kept; no host hoards copies
+    if status not in (SKIPPED, LOST, JobStatus.QUEUED):
+        with ctx.sessions() as session:
+            sweep_id = session.scalar(select(Job.sweep_id).where(Job.id == job_id))
+        if sweep_id is not None:
+            try:
+                advance_and_send(ctx.sessions, ctx.queue, sweep_id=sweep_id)
+            except Exception:  # noqa: BLE001 - the periodic sweep round creates them instead
+                log.warning("sweep %s: could not advance after job %s ended", sweep_id, job_id, exc_info=True)
+    return status
+
+
+def _run(ctx: WorkerContext, job_id: str) -> str:
     settings = ctx.settings
     with session_scope(ctx.sessions) as session:
         job = _claim(ctx, session, job_id)
@@ -45,25 +65,32 @@ def run_training_job(ctx: WorkerContext, job_id: str) -> str:
                         message=f"the job asks for {job.devices} devices; this worker owns {settings.worker_devices}")
             return JobStatus.FAILED
         try:
-            config = config_for(settings, session, job, settings.worker_device)
+            inputs = job_inputs(session, job)
         except ValueError as exc:
             states.move(session, job, JobStatus.FAILED, code="dataset_missing", message=str(exc), attempt=attempt)
             return JobStatus.FAILED
         store.add_event(session, job_id=job_id, kind="claimed", message=f"attempt {attempt} claimed by a worker",
                         attempt=attempt)
+        sweep_id = job.sweep_id
 
     heartbeat = Heartbeat(ctx.sessions, settings, job_id, attempt)
-    reporter = JobReporter(ctx.sessions, settings, job_id, attempt, lost=heartbeat.lost, shutdown=ctx.shutdown)
+    reporter = JobReporter(ctx.sessions, settings, job_id, attempt, lost=heartbeat.lost, shutdown=ctx.shutdown,
+                           storage=ctx.storage, sweep_id=sweep_id)
+    config: EngineConfig | None = None
     try:
-        with heartbeat:
+        with heartbeat:  # downloads and uploads count as the attempt's work: the reaper leaves it alone meanwhile
+            config = _prepare(ctx, job, inputs)
             result = run_engine(config, reporter)
+            if result.status == "completed" and result.model_dir is not None and not heartbeat.lost.is_set():
+                push_model(ctx.storage, job_id, result.model_dir)
     except Exception as exc:  # noqa: BLE001 - any failure ends the job with a recorded reason
         log.exception("job %s failed", job_id)
         # Engines name a specific failure (oom, ...) with a `code` attribute on the exception.
         code = str(getattr(exc, "code", "training_error"))
         return _end(ctx, job_id, attempt, JobStatus.FAILED, f"{type(exc).__name__}: {exc}", code=code)
     finally:
-        release_memory_of(config)
+        if config is not None:
+            release_memory_of(config)
     if heartbeat.lost.is_set():
         log.warning("job %s attempt %d lost its claim; leaving the row to the newer attempt", job_id, attempt)
         return LOST
@@ -80,6 +107,14 @@ def run_engine(config: EngineConfig, reporter: JobReporter) -> TrainResult:
     if config.devices > 1:
         return train_on_devices(config, reporter)
     return train_lm(config, reporter) if isinstance(config, LMTrainConfig) else train(config, reporter)
+
+
+def _prepare(ctx: WorkerContext, job: Job, inputs: JobInputs) -> EngineConfig:
+    """Fetch the datasets and the newest stored checkpoint to this host, then build the engine's config."""
+    with storage_errors(f"fetch the inputs of {job.id} from {ctx.storage.url}"):
+        config = config_for(ctx.settings, ctx.storage, job, inputs, ctx.settings.worker_device)
+    pull_checkpoint(ctx.storage, ctx.settings, job.id)
+    return config
 
 
 def release_memory_of(config: EngineConfig) -> None:
@@ -117,10 +152,16 @@ def _record_result(ctx: WorkerContext, job_id: str, attempt: int, result: TrainR
         job.metrics = {**(job.metrics or {}), **result.metrics}
         job.step = result.global_step
         if result.status == "completed" and result.model_dir is not None:
-            model = artifact_row(ctx.settings, job_id, "model", result.model_dir, result.global_step)
+            job.best, job.stop_reason = result.best, result.stop_reason
+            # The model folder holds the best evaluation's weights: the artifact carries that step.
+            model_step = result.best["step"] if result.best else result.global_step
+            model = artifact_row(ctx.settings, job_id, "model", result.model_dir, model_step)
             store.add_artifact(session, artifact=model, attempt=attempt)
+            how = {"completed": "finished"}.get(result.stop_reason or "completed", f"ended ({result.stop_reason})")
+            best = f"; model from step {model_step}" if result.best else ""
             states.move(session, job, JobStatus.SUCCEEDED, attempt=attempt,
-                        message=f"finished after {result.global_step} steps")
+                        message=f"{how} after {result.global_step} steps{best}",
+                        data={"stop_reason": result.stop_reason, "best": result.best})
         elif job.cancel_requested_at is None and ctx.shutdown.is_set():
             # The worker is stopping, not the user: checkpointed, so back to the queue (with its outbox message).
             states.move(session, job, JobStatus.QUEUED, kind="preempted", attempt=attempt,
