@@ -23,8 +23,8 @@ from app.schemas.jobs import (
     MetricPointRead,
 )
 from app.services import artifacts as artifact_service
-from app.services import job_stream
 from app.services import checkpoints as checkpoint_service
+from app.services import job_stream
 from app.services import jobs as service
 from core.store import history
 from core.store import jobs as store

@@ -145,7 +145,7 @@ def preview_dataset(session: Session, storage: ArtifactStore, principal: Princip
     dataset = store.get_dataset(session, dataset_id=dataset_id, tenant=principal.scope)
     shown: list[dict[str, Any]] = []
     with storage.open(dataset.path) as stream:
-        reader = cast(Generator[dict[str, Any], None, None], iter(RowReader(stream, dataset.format)))
+        reader = cast(Generator[dict[str, Any], None, None], iter(RowReader(cast(BinaryIO, stream), dataset.format)))
         try:
             for row in islice(reader, rows):
                 shown.append({k: v[:PREVIEW_CELL_CHARS] if isinstance(v, str) else v for k, v in row.items()})
