@@ -16,7 +16,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[worker,local,dev]"
 	touch $@
 
-setup: $(VENV)/.installed
+# The browser tests drive Debian's chromium (never a browser Playwright downloads); installed here when missing.
+CHROMIUM ?= /usr/bin/chromium
+$(CHROMIUM):
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -q && apt-get install -y -q chromium; \
+	else \
+		echo "warning: $(CHROMIUM) is missing and this is not root: 'sudo apt-get install -y chromium'," \
+		     "or tests/browser fails" >&2; \
+	fi
+
+setup: $(VENV)/.installed $(CHROMIUM)
 
 run: setup
 	$(VENV)/bin/trainserve up

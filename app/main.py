@@ -14,7 +14,9 @@ from app.errors import install_error_handlers
 from app.limits import BodyLimitMiddleware, UploadSlotsMiddleware
 from app.observability import HttpMetrics, ObservabilityMiddleware
 from app.routes import classify, datasets, generation, health, jobs, metrics, sweeps
+from app.routes.dashboard import mount_dashboard
 from app.services.generation import GenerationGateway
+from app.services.job_stream import StreamSlots
 from core.celery_app import make_celery
 from core.db import make_engine, make_sessionmaker
 from core.queue import CeleryTaskQueue, TaskQueue
@@ -40,6 +42,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
         redis = async_redis_from_url(resolved.resolved_redis_url, socket_timeout=10)
         app.state.redis = redis
         app.state.generation = GenerationGateway(redis, app.state.task_queue, resolved)
+        app.state.event_streams = StreamSlots(resolved.event_streams_per_tenant)
         # Sends task messages whose fast path found the broker refusing (the job stays queued meanwhile).
         relay = relay_thread(app.state.sessionmaker, app.state.task_queue, resolved.outbox_interval_s)
         relay.start()
@@ -68,4 +71,5 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     for router in (health.router, datasets.router, jobs.router, sweeps.router, classify.router, generation.router,
                    metrics.router):
         app.include_router(router)
+    mount_dashboard(app)
     return app

@@ -33,6 +33,7 @@ class ErrorCode(StrEnum):
     RATE_LIMITED = "rate_limited"
     QUOTA_EXCEEDED = "quota_exceeded"
     TOO_MANY_UPLOADS = "too_many_uploads"
+    TOO_MANY_STREAMS = "too_many_streams"
     OVERLOADED = "overloaded"
     IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
     BROKER_UNAVAILABLE = "broker_unavailable"

@@ -63,6 +63,13 @@ class Settings(BaseSettings):
     generation_memory_budget_mb: float = Field(
         8192.0, gt=0, description="Model weights one generation worker keeps warm; least recently used idle "
         "models are unloaded beyond it.")
+    event_streams_per_tenant: int = Field(
+        8, ge=1, description="Job event streams (GET /jobs/{id}/events?stream=true) one API process keeps open "
+        "per tenant (429 beyond).")
+    event_stream_poll_s: float = Field(1.0, gt=0, description="How often an open job event stream reads the "
+                                       "database for new events and metric points.")
+    event_stream_heartbeat_s: float = Field(15.0, gt=0, description="Idle seconds before an event stream sends "
+                                            "a keep-alive comment.")
     cors_origins: str = Field("", description="Comma-separated origins allowed by CORS (empty: none).")
     capacity_ttl_s: float = Field(60.0, description="Lifetime of a training worker's device-capacity report in "
                                   "Redis; workers refresh it every third of this.")

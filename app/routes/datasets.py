@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 from app.deps import IdempotencyKeyDep, PrincipalDep, SessionDep, SettingsDep, StorageDep
 from app.errors import ERROR_RESPONSES
 from app.schemas.common import Page
-from app.schemas.datasets import DatasetRead, DatasetSummary
+from app.schemas.datasets import DatasetPreview, DatasetRead, DatasetSummary
 from app.services import datasets as service
 
 router = APIRouter(prefix="/datasets", tags=["datasets"], responses=ERROR_RESPONSES)
@@ -41,6 +41,13 @@ def list_datasets(session: SessionDep, principal: PrincipalDep, limit: Annotated
 def get_dataset(session: SessionDep, settings: SettingsDep, principal: PrincipalDep, dataset_id: str) -> DatasetRead:
     """One dataset, with bounded per-column stats."""
     return service.dataset_read(settings, service.get_dataset(session, principal, dataset_id=dataset_id))
+
+
+@router.get("/{dataset_id}/preview", response_model=DatasetPreview)
+def preview_dataset(session: SessionDep, storage: StorageDep, principal: PrincipalDep, dataset_id: str,
+                    rows: Annotated[int, Query(ge=1, le=100)] = 20) -> DatasetPreview:
+    """The first rows of a dataset, as training will read them."""
+    return service.preview_dataset(session, storage, principal, dataset_id=dataset_id, rows=rows)
 
 
 @router.delete("/{dataset_id}", status_code=204)

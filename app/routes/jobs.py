@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
-from fastapi.responses import FileResponse
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import FileResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from app.deps import IdempotencyKeyDep, PrincipalDep, QueueDep, SessionDep, SettingsDep, StorageDep
 from app.errors import ERROR_RESPONSES
+from app.routes.generation import SSE_HEADERS, STREAM_DOC
 from app.schemas.common import Page
 from app.schemas.jobs import (
     INT32_MAX,
@@ -23,7 +24,9 @@ from app.schemas.jobs import (
 )
 from app.services import artifacts as artifact_service
 from app.services import checkpoints as checkpoint_service
+from app.services import job_stream
 from app.services import jobs as service
+from core.store import history
 from core.store import jobs as store
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
@@ -46,35 +49,59 @@ def list_jobs(session: SessionDep, principal: PrincipalDep, status: StatusFilter
               cursor: Annotated[str | None, Query(max_length=200)] = None) -> Page[JobRead]:
     """Jobs, newest first, optionally filtered by status."""
     rows, next_cursor = service.list_jobs(session, principal, limit=limit, status=status, cursor=cursor)
-    return Page[JobRead](data=[service.job_read(r) for r in rows], has_more=next_cursor is not None,
+    return Page[JobRead](data=service.read_jobs(session, rows), has_more=next_cursor is not None,
                          next_cursor=next_cursor)
 
 
 @router.get("/{job_id}", response_model=JobRead)
 def get_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> JobRead:
     """Status, progress, ETA and the latest metrics of a job."""
-    return service.job_read(service.get_job(session, principal, job_id=job_id))
+    return service.read_jobs(session, [service.get_job(session, principal, job_id=job_id)])[0]
 
 
 @router.get("/{job_id}/metrics", response_model=MetricHistory)
 def get_metrics(job_id: str, session: SessionDep, principal: PrincipalDep,
                 since_step: Annotated[int, Query(ge=0, le=INT32_MAX)] = 0,
                 name: Annotated[list[str] | None, Query(max_length=20)] = None,
-                limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000) -> MetricHistory:
+                limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+                max_points: Annotated[int | None, Query(ge=10, le=10_000, description=(
+                    "Downsample: at most this many points per metric over the whole history from since_step, "
+                    "the lowest and highest value of each bucket of steps (limit does not apply)."))] = None,
+                ) -> MetricHistory:
     """Per-step metric history (train_loss, learning_rate, eval_*...) for charts."""
     service.get_job(session, principal, job_id=job_id)
+    if max_points is not None:
+        reduced, width = history.downsampled_points(session, job_id=job_id, since_step=since_step,
+                                                    max_points=max_points, names=name)
+        return MetricHistory(job_id=job_id, data=[MetricPointRead.model_validate(p) for p in reduced],
+                             next_since_step=None, bucket_steps=width)
     points = store.list_metric_points(session, job_id=job_id, since_step=since_step, names=name, limit=limit)
     next_step = points[-1].step if len(points) == limit else None
     return MetricHistory(job_id=job_id, data=[MetricPointRead.model_validate(p) for p in points],
                          next_since_step=next_step)
 
 
-@router.get("/{job_id}/events", response_model=EventList)
-def get_events(job_id: str, session: SessionDep, principal: PrincipalDep,
+@router.get("/{job_id}/events", response_model=EventList, responses=STREAM_DOC)
+def get_events(job_id: str, request: Request, session: SessionDep, principal: PrincipalDep,
                after: Annotated[int, Query(ge=0, le=INT32_MAX)] = 0,
-               limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> EventList:
-    """The job's event log, oldest first; pass the last id as ?after= to poll for new ones."""
+               limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+               stream: Annotated[bool, Query(description="Server-sent events: state, job_event, metrics, end; "
+                                                         "resume with Last-Event-ID.")] = False,
+               since_step: Annotated[int, Query(ge=0, le=INT32_MAX, description=(
+                   "stream only: send metric points from this step (default: all)"))] = 0,
+               last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=40)] = None,
+               ) -> Any:
+    """The job's event log, oldest first; pass the last id as ?after= to poll for new ones, or ?stream=true."""
     service.get_job(session, principal, job_id=job_id)
+    if stream:
+        cursor = job_stream.Cursor.parse(last_event_id) if last_event_id else job_stream.Cursor(after, 0)
+        slots: job_stream.StreamSlots = request.app.state.event_streams
+        slots.check(principal.tenant_id)
+        session.close()  # the stream reads with short sessions of its own; it holds no connection while idle
+        feed = job_stream.job_feed(request.app.state.sessionmaker, request.app.state.settings, slots,
+                                   tenant=principal.tenant_id, job_id=job_id, cursor=cursor, since_step=since_step,
+                                   disconnected=request.is_disconnected)
+        return StreamingResponse(feed, media_type="text/event-stream", headers=SSE_HEADERS)
     events = store.list_events(session, job_id=job_id, after_id=after, limit=limit)
     return EventList(job_id=job_id, data=[EventRead.model_validate(e) for e in events])
 

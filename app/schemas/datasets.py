@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,3 +35,12 @@ class DatasetRead(DatasetSummary):
     """One dataset, with the (bounded) stats job submission checks label and text columns against."""
 
     column_stats: dict[str, ColumnStats] = Field(default_factory=dict)
+
+
+class DatasetPreview(BaseModel):
+    """The first rows of a dataset as parsed for training (cells over 500 characters cut short)."""
+
+    id: str
+    columns: list[str]
+    rows: list[dict[str, Any]]
+    total_rows: int

@@ -116,6 +116,9 @@ class JobRead(BaseModel):
     progress: Progress
     eta_seconds: float | None
     metrics: dict[str, float]
+    best_metrics: dict[str, float] = Field(
+        default_factory=dict, description="Best eval_accuracy/eval_f1 (highest) and eval_loss/perplexity (lowest) "
+                                          "so far; in GET /jobs and GET /jobs/{id}.")
     device: str | None
     error: dict[str, Any] | None
     attempts: int
@@ -145,6 +148,7 @@ class MetricHistory(BaseModel):
     job_id: str
     data: list[MetricPointRead]
     next_since_step: int | None = Field(description="Pass as since_step to continue when the page was full.")
+    bucket_steps: int = Field(1, description="Steps per bucket when max_points downsampled the history (1: raw).")
 
 
 class EventRead(BaseModel):

@@ -5,13 +5,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+from collections.abc import Generator
+from itertools import islice
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.schemas.datasets import DatasetRead, DatasetSummary
+from app.schemas.datasets import DatasetPreview, DatasetRead, DatasetSummary
 from app.services import idempotency
 from core.auth import Principal
 from core.errors import PayloadTooLarge, ValidationFailed
@@ -21,7 +23,7 @@ from core.settings import Settings
 from core.storage import ArtifactStore
 from core.store import datasets as store
 from core.store.paging import decode_cursor, split_page
-from core.tabular import bounded_stats, format_for, summarize_file
+from core.tabular import RowReader, bounded_stats, format_for, summarize_file
 
 log = logging.getLogger(__name__)
 NAME_RE = re.compile(r"^[\w .,()+-]{1,200}$")
@@ -132,3 +134,21 @@ def _discard(storage: ArtifactStore, key: str) -> None:
         storage.delete(key)
     except Exception:  # noqa: BLE001 - the row is already gone or never was; the client's answer stands
         log.warning("could not delete %s from %s; it is left behind", key, storage.url, exc_info=True)
+
+
+PREVIEW_CELL_CHARS = 500  # a preview shows the start of long texts
+
+
+def preview_dataset(session: Session, storage: ArtifactStore, principal: Principal, *, dataset_id: str,
+                    rows: int) -> DatasetPreview:
+    """The first `rows` rows of a stored dataset, long cells cut short; reads only as far as it shows."""
+    dataset = store.get_dataset(session, dataset_id=dataset_id, tenant=principal.scope)
+    shown: list[dict[str, Any]] = []
+    with storage.open(dataset.path) as stream:
+        reader = cast(Generator[dict[str, Any], None, None], iter(RowReader(cast(BinaryIO, stream), dataset.format)))
+        try:
+            for row in islice(reader, rows):
+                shown.append({k: v[:PREVIEW_CELL_CHARS] if isinstance(v, str) else v for k, v in row.items()})
+        finally:
+            reader.close()  # detaches its text wrapper while the file is still open
+    return DatasetPreview(id=dataset.id, columns=dataset.columns, rows=shown, total_rows=dataset.rows)

@@ -27,6 +27,7 @@ from core.queue import TaskQueue
 from core.relay import deliver_now
 from core.settings import Settings
 from core.store import datasets as dataset_store
+from core.store import history
 from core.store import jobs as store
 from core.store.paging import decode_cursor, split_page
 from core.tabular import MAX_LABEL_CHARS, MAX_TRACKED_VALUES, label_space, name_list, short, to_label
@@ -279,6 +280,12 @@ def get_job(session: Session, principal: Principal, *, job_id: str) -> Job:
     return store.get_job(session, job_id=job_id, tenant=principal.scope)
 
 
+def read_jobs(session: Session, jobs: list[Job]) -> list[JobRead]:
+    """Public job objects with their best evaluation metrics (one query for all of them)."""
+    best = history.best_metrics(session, job_ids=[j.id for j in jobs])
+    return [job_read(j, best.get(j.id)) for j in jobs]
+
+
 def list_jobs(session: Session, principal: Principal, *, limit: int, status: str | None, cursor: str | None
               ) -> tuple[list[Job], str | None]:
     """A page of jobs and the cursor of the next one."""
@@ -311,8 +318,8 @@ def request_cancel(session: Session, job: Job, *, why: str = "") -> None:
                         message=f"cancel requested{why}; the worker stops after the current step")
 
 
-def job_read(job: Job) -> JobRead:
-    """Build the public job object from a row."""
+def job_read(job: Job, best: dict[str, float] | None = None) -> JobRead:
+    """Build the public job object from a row (with the best evaluation metrics when the caller read them)."""
     total = job.total_steps
     fraction = 1.0 if job.status == JobStatus.SUCCEEDED else (min(job.step / total, 1.0) if total else 0.0)
     return JobRead(
@@ -323,7 +330,7 @@ def job_read(job: Job) -> JobRead:
         hyperparameters=job.hyperparameters, devices=job.devices,
         progress=Progress(step=job.step, total_steps=total, epoch=round(job.epoch, 4), fraction=round(fraction, 4)),
         eta_seconds=None if job.is_terminal else job.eta_seconds,
-        metrics=job.metrics or {}, device=job.device, error=job.error, attempts=job.attempts,
+        metrics=job.metrics or {}, best_metrics=best or {}, device=job.device, error=job.error, attempts=job.attempts,
         cancel_requested=job.cancel_requested_at is not None,
         best=BestRead(**job.best) if job.best else None, stop_reason=job.stop_reason, sweep_id=job.sweep_id,
         artifacts=[ArtifactRead(id=a.id, kind=a.kind, step=a.step, size_bytes=a.size_bytes, files=a.files,
