@@ -56,7 +56,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "sst2",
                         help="folder with GLUE SST-2 train.tsv (67,349 rows) and dev.tsv (872 rows)")
-    parser.add_argument("--epochs", type=float, default=2.0)
+    parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--warmup-ratio", type=float, default=0.06)
@@ -65,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-steps", type=int, default=None, help="stop early (smoke runs)")
     parser.add_argument("--log-every", type=int, default=100, help="print the loss every N steps")
+    parser.add_argument("--eval-every", type=int, default=500, help="evaluate on dev every N steps (and at the end)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (1 wastes least on a shared, overloaded CPU)")
     return parser.parse_args()
 
 
@@ -77,6 +80,8 @@ def main() -> None:
 
     args = parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     train_file, dev_file = args.data / "train.tsv", args.data / "dev.tsv"
     for path in (train_file, dev_file):
         if not path.is_file():
@@ -95,7 +100,7 @@ def main() -> None:
             checkpoint_dir=Path(tmp) / "checkpoints", epochs=args.epochs, max_steps=args.max_steps,
             batch_size=args.batch_size, learning_rate=args.learning_rate, warmup_ratio=args.warmup_ratio,
             weight_decay=0.01, max_length=args.max_length, precision=args.precision, seed=42,
-            device=args.device, eval_steps=steps_per_epoch, base_model_name="minilm-l6",
+            device=args.device, eval_steps=args.eval_every, base_model_name="minilm-l6",
         )
         result = train(config, printer)
     wall = time.perf_counter() - started

@@ -1,5 +1,8 @@
 """Generation on a worker: engines kept warm under a memory budget, events to Redis streams as tokens come.
 
+Token events go through the process's EventPump (worker/events.py), so the engine's scheduler thread never
+waits on Redis; a request's last event is written after all its tokens.
+
 The process's `GenerationService` comes from `ctx.service("generation", GenerationService.build)`; it owns
 the engine registry and the Redis client, and maps engine outcomes to wire events in one place (`_error`).
 """
@@ -20,8 +23,9 @@ from redis.exceptions import RedisError
 
 from core.protocol import AcceptedEvent, ChoiceOut, DoneEvent, ErrorCode, ErrorEvent, GenerateTask, TokenEvent, Usage
 from core.settings import Settings
-from core.tasks import cancel_key, stream_key
+from core.tasks import cancel_key
 from worker.context import WorkerContext
+from worker.events import EventPump, EventWriter
 
 log = logging.getLogger(__name__)
 MB = 1024 * 1024
@@ -125,27 +129,13 @@ def _footprint(engine: Any) -> int:
     return int(engine.weight_bytes)
 
 
-class EventWriter:
-    """Appends a request's events to its stream; the stream expires once the API no longer needs it."""
-
-    def __init__(self, client: Any, request_id: str, ttl_s: int) -> None:
-        self.client = client
-        self.key = stream_key(request_id)
-        self.ttl_s = ttl_s
-
-    def emit(self, event: BaseModel) -> None:
-        """Append one event (a protocol model)."""
-        self.client.xadd(self.key, {"data": event.model_dump_json()})
-        if not isinstance(event, TokenEvent):
-            self.client.expire(self.key, self.ttl_s)
-
-
 class GenerationService:
     """One per generation worker process: the engine registry, Redis, and the request flow."""
 
     def __init__(self, settings: Settings, redis: Any) -> None:
         self.settings = settings
         self.redis = redis
+        self.events = EventPump(redis)
         self.registry = EngineRegistry(self._load, int(settings.generation_memory_budget_mb * MB), _footprint)
 
     @classmethod
@@ -176,7 +166,7 @@ class GenerationService:
         except ValidationError:
             log.exception("dropping a malformed generation task")
             return
-        writer = EventWriter(self.redis, task.request_id,
+        writer = EventWriter(self.events, task.request_id,
                              int(self.settings.generation_wait_s + self.settings.generation_timeout_s))
         remaining = task.remaining()
         if remaining <= 0:  # waited in the broker too long: drop it before it reaches the model
@@ -199,7 +189,7 @@ class GenerationService:
                                  f"max_new_tokens {max_new} that exceeds the model's context of "
                                  f"{engine.context_length}", "max_new_tokens")
         future = engine.submit(prompt_ids, task.params, request_id=task.request_id,
-                               on_token=lambda index, text: writer.emit(TokenEvent(index=index, text=text)),
+                               on_token=lambda index, text: writer.token(TokenEvent(index=index, text=text)),
                                deadline=time.monotonic() + remaining)
         writer.emit(AcceptedEvent(prompt_tokens=len(prompt_ids)))
         result = future.result(timeout=self.settings.generation_timeout_s)

@@ -33,7 +33,8 @@ from worker.engines.batch import (
     prompt_ids,
 )
 from worker.engines.device import DevicePlan, resolve_device
-from worker.engines.lm_loading import Gpt2Runner, eos_ids, load_causal_lm, load_tokenizer, token_bytes
+from worker.engines.gpt2_weights import load_gpt2
+from worker.engines.lm_loading import Gpt2Runner, load_tokenizer, token_bytes
 from worker.engines.sampling import RowParams, next_tokens
 
 __all__ = ["DeadlineExceeded", "EngineClosed", "GenerationEngine", "GenerationResult", "QueueFull", "SamplingParams"]
@@ -60,18 +61,18 @@ class GenerationEngine:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.plan: DevicePlan = resolve_device(device, precision)
         self.tokenizer = load_tokenizer(model)
-        self.model = load_causal_lm(model, self.plan)
-        config = self.model.config
-        self.context_length: int = config.n_positions
-        self.vocab_size: int = config.vocab_size
-        self.eos_token_ids = eos_ids(self.model)
+        weights = load_gpt2(model, self.plan)
+        self.config = weights.config
+        self.context_length: int = self.config.n_positions
+        self.vocab_size: int = self.config.vocab_size
+        self.eos_token_ids = weights.eos_token_ids
         self.max_batch_size = max_batch_size
         self.max_tokens_in_flight = max_tokens_in_flight
         self.max_queue = max_queue
         # Given the ids of all waiting and running requests, those to drop: one call per loop (raising fails the batch).
         self._cancelled_ids = cancelled_ids
         self._table = token_bytes(self.tokenizer, self.vocab_size)
-        self._runner = Gpt2Runner(self.model, self.plan, max_rows=max_batch_size, source=Path(model))
+        self._runner = Gpt2Runner(weights, self.plan, max_rows=max_batch_size)
         self._device = torch.device(self.plan.device)
         self._encode_lock = threading.Lock()  # HF fast tokenizers are not safe to call from many threads
         self._lock = threading.RLock()
