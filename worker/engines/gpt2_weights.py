@@ -11,14 +11,11 @@ from __future__ import annotations
 import json
 import mmap
 import struct
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from worker.engines.device import DevicePlan
@@ -40,13 +37,13 @@ class Gpt2Weights:
 
     `tensors` are lazily mapped from the checkpoint file on the CPU in its own dtype (a page becomes resident
     when read: of the embedding table, only the rows looked up), or copies on the plan's device and dtype.
-    `files` lists the safetensors files, for packing the projections without touching the mapped pages.
+    `regions` says where each tensor lies in its file's mapping, so pages read once (for packing) can be dropped.
     """
 
     config: PretrainedConfig
     eos_token_ids: frozenset[int]
     tensors: dict[str, torch.Tensor]
-    files: list[Path]
+    regions: dict[str, tuple[mmap.mmap, int, int]]  # name -> (mapping, first byte, end byte)
     tied: bool  # the LM head is the token embedding
 
     @property
@@ -75,11 +72,12 @@ def load_gpt2(model: str | Path, plan: DevicePlan) -> Gpt2Weights:
         raise ValueError(f"{model}: GPT-2 with cross-attention is not supported")
     if config.activation_function not in ACTIVATIONS:
         raise ValueError(f"{model}: activation {config.activation_function!r} is not supported")
-    files = _safetensors_files(folder)
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        for name, tensor in _map_tensors(file).items():
+    regions: dict[str, tuple[mmap.mmap, int, int]] = {}
+    for file in _safetensors_files(folder):
+        for name, (tensor, region) in _map_tensors(file).items():
             tensors[name.removeprefix("transformer.")] = tensor
+            regions[name.removeprefix("transformer.")] = region
     expected = ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"] + [
         f"h.{i}.{part}.{kind}" for i in range(config.n_layer)
         for part in ("ln_1", "ln_2", *PROJECTIONS) for kind in ("weight", "bias")]
@@ -92,42 +90,48 @@ def load_gpt2(model: str | Path, plan: DevicePlan) -> Gpt2Weights:
     # For inference the weights themselves are cast (no autocast): half the memory and no per-op casts.
     dtype = plan.autocast_dtype or torch.float32
     tensors = {name: t.to(device=plan.device, dtype=dtype) for name, t in tensors.items()}
-    return Gpt2Weights(config, _eos_ids(folder, config), tensors, files, tied)
+    return Gpt2Weights(config, _eos_ids(folder, config), tensors, regions, tied)
 
 
 def pack_weights(weights: Gpt2Weights) -> list[tuple[torch.Tensor, ...]] | None:
     """oneDNN-packed [out, in] copies of every projection and of the LM head; None without oneDNN.
 
-    Read through a safetensors mapping closed after each tensor, so the engine's own mapped pages of these
-    weights are never touched and the packed copy is the only resident one. The mapped originals are
-    dropped from `weights.tensors` once packing succeeded.
+    Each weight is read from the mapping and its pages dropped right after it is packed, so the packed copy is
+    the only resident one and loading never holds more than one layer's weights twice. The mapped originals
+    of the projections (and of an untied LM head) leave `weights.tensors` once packing succeeded.
     """
-    config = weights.config
+    config, tensors = weights.config, weights.tensors
     names = [[f"h.{i}.{part}.weight" for part in PROJECTIONS] for i in range(config.n_layer)]
     head = "wte.weight" if weights.tied else "lm_head.weight"
     try:
-        with torch.inference_mode(), _reader(weights.files) as read:
+        with torch.inference_mode():
             def pack(name: str, transposed: bool) -> torch.Tensor:
-                weight = read(name, weights.tensors[name])
-                weight = weight.t() if transposed else weight
-                return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+                weight = tensors[name].t() if transposed else tensors[name]
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+                _drop_pages(*weights.regions[name])  # a tied embedding's lookups page their rows back in
+                return packed
 
-            layers = [tuple(pack(name, True) for name in group) for group in names]
-            layers.append((pack(head, False),))
             # Probe once: a build without these ops, or one that computes differently, keeps plain matmuls.
             probe = torch.randn(4, config.n_embd)
-            first, bias = read(names[0][0], weights.tensors[names[0][0]]), weights.tensors["h.0.attn.c_attn.bias"]
+            first, bias = names[0][0], tensors["h.0.attn.c_attn.bias"]
+            expected = probe @ tensors[first] + bias
+            layers = [tuple(pack(name, True) for name in group) for group in names]
+            layers.append((pack(head, False),))
             got = torch.ops.mkldnn._linear_pointwise(probe, layers[0][0], bias, "none", [], "")
-            if not torch.allclose(got, probe @ first + bias, rtol=1e-4, atol=1e-4):
+            if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
                 return None
     except (AttributeError, RuntimeError, NotImplementedError):
         return None
-    for group in names:
-        for name in group:
-            del weights.tensors[name]  # the packed copy is the only one now
-    if not weights.tied:
-        del weights.tensors["lm_head.weight"]
+    for name in [n for group in names for n in group] + ([] if weights.tied else ["lm_head.weight"]):
+        del tensors[name]  # the packed copy is the only one now
     return layers
+
+
+def _drop_pages(mapping: mmap.mmap, begin: int, end: int) -> None:
+    """Release the resident pages of a read-only stretch of a private file mapping (a later read refaults them)."""
+    start = begin - begin % mmap.PAGESIZE
+    if end > start and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -140,7 +144,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
     raise OSError(f"{folder}: no safetensors weights ({WEIGHTS_FILE}); other formats are not loaded (no unpickling)")
 
 
-def _map_tensors(file: Path) -> dict[str, torch.Tensor]:
+def _map_tensors(file: Path) -> dict[str, tuple[torch.Tensor, tuple[mmap.mmap, int, int]]]:
     """Every tensor of a safetensors file as a view of a private (copy-on-write) mapping: read lazily, by page."""
     with file.open("rb") as handle:
         (header_size,) = struct.unpack("<Q", handle.read(8))
@@ -158,28 +162,8 @@ def _map_tensors(file: Path) -> dict[str, torch.Tensor]:
         count = (end - begin) // dtype.itemsize
         flat = torch.frombuffer(mapping, dtype=dtype, count=count, offset=start + begin) if count else \
             torch.empty(0, dtype=dtype)
-        tensors[name] = flat.view(entry["shape"])
+        tensors[name] = (flat.view(entry["shape"]), (mapping, start + begin, start + end))
     return tensors
-
-
-@contextmanager
-def _reader(files: list[Path]) -> Iterator:
-    """read(name, fallback): the fp32 tensor `name` copied out of the checkpoint, else the fallback."""
-    handles = [safe_open(str(file), framework="pt") for file in files]
-    try:
-        where = {key: handle for handle in handles for key in handle.keys()}
-
-        def read(name: str, fallback: torch.Tensor) -> torch.Tensor:
-            for key in (name, f"transformer.{name}"):
-                if key in where:
-                    tensor = where[key].get_tensor(key)
-                    if tensor.dtype == torch.float32 and tensor.shape == fallback.shape:
-                        return tensor
-            return fallback
-
-        yield read
-    finally:
-        del handles  # safe_open handles unmap their file when collected
 
 
 def _eos_ids(folder: Path, config: PretrainedConfig) -> frozenset[int]:
