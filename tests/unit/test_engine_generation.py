@@ -357,3 +357,22 @@ def test_the_engine_does_not_import_hf_modeling_code(model_dir) -> None:
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["2", "[]"]
+
+
+def test_a_decode_step_and_a_prefill_in_one_pass_equal_both_apart(model_dir, engine) -> None:
+    # The engine prefills newly admitted prompts inside the running rows' decode step (one weight read).
+    together = Gpt2Runner(load_gpt2(model_dir, engine.plan), engine.plan, max_rows=8)
+    apart = Gpt2Runner(load_gpt2(model_dir, engine.plan), engine.plan, max_rows=8)
+    tokens, positions = torch.tensor([464, 3290, 318]), torch.tensor([3, 9, 1])
+    prompts, rows = [[11, 12, 13, 14], [15, 16]], [[3, 4], [5]]
+    with torch.inference_mode():
+        for each in (together, apart):
+            each.reserve(6, 16)
+            torch.manual_seed(0)
+            each.keys.normal_()
+            each.values.normal_()
+        both = together.forward((tokens, positions, 10), (prompts, rows))
+        step, first = apart.decode(tokens, positions, 10), apart.prefill(prompts, rows)
+    torch.testing.assert_close(both, torch.cat([step, first]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(together.keys, apart.keys, rtol=1e-4, atol=1e-5)  # same cache writes
+    torch.testing.assert_close(together.values, apart.values, rtol=1e-4, atol=1e-5)

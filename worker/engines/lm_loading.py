@@ -174,13 +174,9 @@ class Gpt2Runner:
         return F.linear(final, head).float()
 
     def _block(self, index: int, hidden: torch.Tensor, attend) -> torch.Tensor:
-        """One transformer block; attend(index, query, key, value) -> attended [B, T, H, D] does the cache part."""
-        batch, width = hidden.shape[:2]
-        query, key, value = self._proj(index, 0, self._norm(f"h.{index}.ln_1", hidden)).split(self.n_embd, dim=2)
-        shape = (batch, width, self.n_head, self.head_dim)
-        attended = attend(index, query.view(shape).transpose(1, 2), key.view(shape).transpose(1, 2),
-                          value.view(shape).transpose(1, 2))
-        hidden = self._proj(index, 1, attended.transpose(1, 2).reshape(batch, width, -1)) + hidden
+        """One transformer block over flat tokens [N, E]; attend(index, q, k, v) -> [N, E] does the cache part."""
+        query, key, value = self._proj(index, 0, self._norm(f"h.{index}.ln_1", hidden)).split(self.n_embd, dim=1)
+        hidden = self._proj(index, 1, attend(index, query, key, value)) + hidden
         ln_2 = self._norm(f"h.{index}.ln_2", hidden)
         if self.packed is not None and self.fused_gelu:  # the tanh GELU runs fused in the c_fc matmul
             inner = self._proj(index, 2, ln_2, "gelu", "tanh")
@@ -189,58 +185,84 @@ class Gpt2Runner:
         return hidden + self._proj(index, 3, inner)
 
     def prefill(self, prompts: list[list[int]], rows: list[list[int]]) -> torch.Tensor:
-        """Run whole prompts (right-padded), store their keys/values in the given rows, return last logits [R, V].
+        """Run whole prompts, store their keys/values in the given rows, return each prompt's last logits [P, V].
 
         rows[i] lists the cache rows that start from prompt i (n choices share one prefill).
         """
-        keys, values = self.keys, self.values
-        assert keys is not None and values is not None
-        lengths = [len(prompt) for prompt in prompts]
-        width = max(lengths)
-        # Right padding needs no mask: with causal attention a real position never sees a later pad.
-        ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
-        target = torch.tensor([row for group in rows for row in group], dtype=torch.long, device=self.device)
-        source = torch.tensor([i for i, group in enumerate(rows) for _ in group], dtype=torch.long, device=self.device)
-        positions = torch.arange(width, device=self.device)
-        hidden = F.embedding(ids, self.tensors["wte.weight"]) + F.embedding(positions, self.tensors["wpe.weight"])[None]
-
-        def attend(index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-            keys[index, target, :, :width] = key.index_select(0, source)
-            values[index, target, :, :width] = value.index_select(0, source)
-            return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=self.scales[index])
-
-        for index in range(self.n_layer):
-            hidden = self._block(index, hidden, attend)
-        last = torch.tensor([length - 1 for length in lengths], device=self.device)
-        # Only the last position's logits are needed: the LM head is the largest matmul of the model.
-        return self._logits(hidden[torch.arange(len(prompts), device=self.device), last])
+        return self.forward(None, (prompts, rows))
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         """One step for rows 0..B-1: token b sits at positions[b]; attention covers positions < span. Logits [B, V]."""
+        return self.forward((tokens, positions, span), None)
+
+    def forward(self, decode: tuple[torch.Tensor, torch.Tensor, int] | None,
+                prefill: tuple[list[list[int]], list[list[int]]] | None) -> torch.Tensor:
+        """A decode step for rows 0..B-1 and the prefill of new prompts in one pass: logits [B + P, V].
+
+        One pass reads every weight once for both (a separate prefill costs a whole weight read while the
+        running rows wait). All tokens go through the projections as one flat [N, E] matrix; only attention
+        is done per part: decode rows against the cache, prompts causally among themselves.
+        """
         keys, values = self.keys, self.values
         assert keys is not None and values is not None
-        batch = tokens.shape[0]
-        # Where each row's new key/value vectors go in a layer's cache seen as [rows * head * position, head_dim]:
-        # one index_copy_ per layer instead of an index_put with two advanced indices (several times slower).
-        length = keys.shape[3]
-        heads = torch.arange(self.n_head, device=self.device)
-        rows = torch.arange(batch, device=self.device)
-        slots = ((rows[:, None] * self.n_head + heads[None]) * length + positions[:, None]).reshape(-1)
-        hidden = (F.embedding(tokens, self.tensors["wte.weight"]) + F.embedding(positions, self.tensors["wpe.weight"]))
-        # Row b may see its own positions 0..positions[b]; later slots hold stale or padding keys.
-        mask = (torch.arange(span, device=self.device)[None] <= positions[:, None])[:, None, None]
+        wte, wpe = self.tensors["wte.weight"], self.tensors["wpe.weight"]
+        parts: list[torch.Tensor] = []
+        batch = 0
+        if decode is not None:
+            tokens, positions, span = decode
+            batch = tokens.shape[0]
+            # Where each row's new key/value vectors go in a layer's cache seen as [rows * head * position,
+            # head_dim]: one index_copy_ per layer instead of an index_put with two advanced indices (slower).
+            length = keys.shape[3]
+            heads = torch.arange(self.n_head, device=self.device)
+            rows = torch.arange(batch, device=self.device)
+            slots = ((rows[:, None] * self.n_head + heads[None]) * length + positions[:, None]).reshape(-1)
+            # Row b may see its own positions 0..positions[b]; later slots hold stale or padding keys.
+            mask = (torch.arange(span, device=self.device)[None] <= positions[:, None])[:, None, None]
+            parts.append(F.embedding(tokens, wte) + F.embedding(positions, wpe))
+        prompts_n, width = 0, 0
+        if prefill is not None:
+            prompts, groups = prefill
+            prompts_n = len(prompts)
+            lengths = [len(prompt) for prompt in prompts]
+            width = max(lengths)
+            # Right padding needs no mask: with causal attention a real position never sees a later pad.
+            ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
+            target = torch.tensor([row for group in groups for row in group], dtype=torch.long, device=self.device)
+            source = torch.tensor([i for i, group in enumerate(groups) for _ in group], dtype=torch.long,
+                                  device=self.device)
+            prompt_positions = torch.arange(width, device=self.device)
+            parts.append((F.embedding(ids, wte) + F.embedding(prompt_positions, wpe)[None]).view(-1, self.n_embd))
+        hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
 
         def attend(index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-            layer_keys, layer_values = keys[index], values[index]
-            layer_keys.view(-1, self.head_dim).index_copy_(0, slots, key.reshape(-1, self.head_dim))
-            layer_values.view(-1, self.head_dim).index_copy_(0, slots, value.reshape(-1, self.head_dim))
-            return F.scaled_dot_product_attention(query, layer_keys[:batch, :, :span], layer_values[:batch, :, :span],
-                                                  attn_mask=mask, scale=self.scales[index])
+            out = []
+            if decode is not None:
+                layer_keys, layer_values = keys[index], values[index]
+                layer_keys.view(-1, self.head_dim).index_copy_(0, slots, key[:batch].reshape(-1, self.head_dim))
+                layer_values.view(-1, self.head_dim).index_copy_(0, slots, value[:batch].reshape(-1, self.head_dim))
+                q = query[:batch].view(batch, self.n_head, 1, self.head_dim)
+                attended = F.scaled_dot_product_attention(
+                    q, layer_keys[:batch, :, :span], layer_values[:batch, :, :span], attn_mask=mask,
+                    scale=self.scales[index])
+                out.append(attended.reshape(batch, self.n_embd))
+            if prefill is not None:
+                shape = (prompts_n, width, self.n_head, self.head_dim)
+                q, k, v = (t[batch:].view(shape).transpose(1, 2) for t in (query, key, value))
+                keys[index, target, :, :width] = k.index_select(0, source)
+                values[index, target, :, :width] = v.index_select(0, source)
+                attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scales[index])
+                out.append(attended.transpose(1, 2).reshape(prompts_n * width, self.n_embd))
+            return out[0] if len(out) == 1 else torch.cat(out)
 
-        hidden = hidden[:, None]  # [B, 1, E]
         for index in range(self.n_layer):
             hidden = self._block(index, hidden, attend)
-        return self._logits(hidden[:, 0])
+        # Only the decode rows and each prompt's last position need logits: the LM head is the largest matmul.
+        if prefill is not None:
+            last = torch.tensor([batch + i * width + n - 1 for i, n in enumerate(lengths)], device=self.device)
+            picked = last if decode is None else torch.cat([torch.arange(batch, device=self.device), last])
+            hidden = hidden.index_select(0, picked)
+        return self._logits(hidden)
 
 
 def _trim_heap() -> None:
