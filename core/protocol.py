@@ -48,6 +48,7 @@ class ErrorCode(StrEnum):
     WORKER_LOST = "worker_lost"
     DATASET_MISSING = "dataset_missing"
     DOES_NOT_FIT = "does_not_fit"
+    STORAGE_UNAVAILABLE = "storage_unavailable"  # also a job failure: the artifact store could not be reached
 
 
 class ErrorBody(BaseModel):
@@ -142,7 +143,7 @@ class GenerateTask(BaseModel):
     """The broker message for one generation request (API -> generation worker)."""
 
     request_id: str
-    model: str  # the model's folder or hub id, as resolved by the API
+    model: str  # the model's folder, hub id, or a job id (fetched from the artifact store), as resolved by the API
     prompt: str
     params: SamplingParams
     deadline: float  # wall-clock time after which a worker drops the request unstarted
@@ -239,3 +240,24 @@ class ClassifyResult(BaseModel):
 
     predictions: list[Prediction] | None = None
     error: ErrorBody | None = None
+
+
+class RankMessage(BaseModel):
+    """What rank 0 of a multi-device training run tells the worker process that launched it (one per callback).
+
+    `kind` names the engine callback (start, log, eval, checkpoint, event, should_stop) or the end (result,
+    error); `name` is the event kind, the result's status or the error's code.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["start", "log", "eval", "checkpoint", "event", "should_stop", "result", "error"]
+    step: int = 0
+    epoch: float = 0.0
+    total_steps: int = 0
+    name: str = ""
+    message: str = ""
+    metrics: dict[str, float] = Field(default_factory=dict)
+    info: dict[str, Any] = Field(default_factory=dict)
+    manifest: dict[str, Any] = Field(default_factory=dict)
+    path: str | None = None  # a checkpoint folder, or the final model folder of a result

@@ -16,12 +16,17 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TRAINSERVE_", extra="ignore")
 
     home: Path = Field(Path("./var"), description="Folder for the SQLite file, datasets, artifacts, Redis socket.")
+    storage_url: str = Field(
+        "", description="Where datasets, checkpoints and models live: empty for <home> (one host), a folder "
+        "every host mounts, or s3://bucket/prefix (credentials and endpoint from the standard AWS_* variables).")
     database_url: str | None = Field(None, description="SQLAlchemy URL; default sqlite:///<home>/trainserve.db.")
     redis_url: str | None = Field(
         None, description="Broker and result backend; default: the embedded server's socket under <home>."
     )
     devices: str = Field("auto", description="Training devices of `trainserve up`: auto, cpu, cuda:0,cuda:1.")
     worker_device: str = Field("auto", description="This worker's device (set by `trainserve worker --device`).")
+    worker_devices: int = Field(1, ge=1, description="Devices this training worker owns (set by `trainserve worker "
+                                "--device cuda:0,cuda:1` or `--devices N`); it runs jobs asking for up to this many.")
     max_upload_bytes: int = Field(100 * 1024 * 1024, description="Largest accepted dataset file.")
     max_dataset_rows: int = Field(2_000_000, description="Most rows accepted in one dataset.")
     max_dataset_columns: int = Field(256, description="Most columns accepted in one dataset (413 beyond).")

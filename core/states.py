@@ -46,7 +46,7 @@ def create(session: Session, job: Job, *, message: str = "job created and queued
     session.add(job)
     session.flush()
     _event(session, job.id, kind="created", level="info", message=message, data=None, now=job.created_at)
-    outbox.add_train(session, job_id=job.id)
+    outbox.add_train(session, job_id=job.id, devices=job.devices)
     return job
 
 
@@ -87,7 +87,7 @@ def move(session: Session, job: Job, target: JobStatus, *, message: str, kind: s
     _event(session, job.id, kind=kind or str(target), level=level or _level(target), message=message,
            data=data, now=now)
     if target == JobStatus.QUEUED:
-        outbox.add_train(session, job_id=job.id)
+        outbox.add_train(session, job_id=job.id, devices=job.devices)
     return job
 
 
