@@ -7,11 +7,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from prometheus_client import CollectorRegistry
 
 from app.access_log import install_access_log_redaction
 from app.errors import install_error_handlers
 from app.limits import BodyLimitMiddleware, UploadSlotsMiddleware
-from app.routes import classify, datasets, generation, health, jobs
+from app.observability import HttpMetrics, ObservabilityMiddleware
+from app.routes import classify, datasets, generation, health, jobs, metrics, sweeps
 from app.services.generation import GenerationGateway
 from core.celery_app import make_celery
 from core.db import make_engine, make_sessionmaker
@@ -60,6 +62,10 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     origins = [o.strip() for o in (settings or get_settings()).cors_origins.split(",") if o.strip()]
     if origins:
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
-    for router in (health.router, datasets.router, jobs.router, classify.router, generation.router):
+    # Outermost: every answer (a 413 or a CORS refusal too) gets a request id and is counted.
+    app.state.metrics_registry = CollectorRegistry(auto_describe=True)
+    app.add_middleware(ObservabilityMiddleware, metrics=HttpMetrics(app.state.metrics_registry))
+    for router in (health.router, datasets.router, jobs.router, sweeps.router, classify.router, generation.router,
+                   metrics.router):
         app.include_router(router)
     return app

@@ -15,8 +15,8 @@ from core.errors import BrokerUnavailable
 class TaskQueue(Protocol):
     """What services need from the broker."""
 
-    def send(self, name: str, args: list[Any], *, queue: str) -> str:
-        """Enqueue task `name`; return its task id or raise BrokerUnavailable."""
+    def send(self, name: str, args: list[Any], *, queue: str, headers: dict[str, str] | None = None) -> str:
+        """Enqueue task `name` (with message `headers`); return its task id or raise BrokerUnavailable."""
         ...
 
     def revoke(self, task_id: str) -> None:
@@ -30,9 +30,9 @@ class CeleryTaskQueue:
     def __init__(self, celery: Celery) -> None:
         self.celery = celery
 
-    def send(self, name: str, args: list[Any], *, queue: str) -> str:
+    def send(self, name: str, args: list[Any], *, queue: str, headers: dict[str, str] | None = None) -> str:
         try:
-            result = self.celery.send_task(name, args=args, queue=queue, retry=False)
+            result = self.celery.send_task(name, args=args, queue=queue, retry=False, headers=headers)
         except Exception as exc:  # noqa: BLE001 - kombu raises many types for an unreachable broker
             raise BrokerUnavailable(f"task broker unavailable: {type(exc).__name__}") from exc
         return str(result.id)

@@ -32,7 +32,7 @@ def deliver(session: Session, queue: TaskQueue, *, job_id: str | None = None, li
                 store.mark_sent(session, message=message, task_id=None, now=utcnow())  # nothing left to run
                 continue
             try:
-                task_id = queue.send(message.task, list(message.args), queue=message.queue)
+                task_id = queue.send(message.task, list(message.args), queue=message.queue, headers=message.headers)
             except BrokerUnavailable as exc:
                 store.mark_refused(session, message=message, error=exc.message)
                 session.commit()

@@ -49,6 +49,9 @@ class Settings(BaseSettings):
     outbox_interval_s: float = Field(
         5.0, description="How often the outbox relay (API and training workers) retries unsent task messages; "
                          "it backs off to 30 s while the broker refuses.")
+    sweep_interval_s: float = Field(
+        10.0, description="How often training workers advance running sweeps (creating children a crash missed).")
+    max_sweep_trials: int = Field(100, description="Most trials one sweep may have (422 beyond).")
     cancel_grace_s: float = Field(60.0, description="Seconds a cancelled job may take to stop before its worker exits.")
     max_new_tokens: int = Field(1024, description="Upper bound of max_new_tokens / max_tokens.")
     generation_queue_per_model: int = Field(64, description="Generation requests in flight per model (429 beyond).")
@@ -65,6 +68,12 @@ class Settings(BaseSettings):
                                   "Redis; workers refresh it every third of this.")
     worker_memory_bytes: int = Field(0, ge=0, description="Memory this training worker reports and fits jobs "
                                      "into; 0: its GPU's total, or on a CPU the RAM (cgroup limit included).")
+    log_format: str = Field("text", pattern="^(text|json)$", description="Log lines as text, or one JSON object "
+                            "per line carrying request_id and job_id (API and workers).")
+    metrics_require_key: bool = Field(False, description="When true, the API's /metrics needs an admin API key; "
+                                      "by default it is open, like vLLM's (keep the port off the internet).")
+    worker_metrics_port: int = Field(0, ge=0, le=65535, description="Port a worker serves its own Prometheus "
+                                     "/metrics on; 0: none. `trainserve up` gives each worker its own.")
     assumed_device_bytes: int = Field(80 * 1024**3, ge=0, description="Device memory POST /jobs assumes while no "
                                       "live worker has reported one; 0: no estimate check until one reports.")
 

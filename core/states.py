@@ -18,6 +18,7 @@ from sqlalchemy import ColumnElement, func, update
 from sqlalchemy.orm import Session
 
 from core.errors import IllegalTransition, StaleAttempt
+from core.logs import task_headers
 from core.models import TERMINAL, Job, JobEvent, JobStatus, utcnow
 from core.store import outbox
 
@@ -46,7 +47,7 @@ def create(session: Session, job: Job, *, message: str = "job created and queued
     session.add(job)
     session.flush()
     _event(session, job.id, kind="created", level="info", message=message, data=None, now=job.created_at)
-    outbox.add_train(session, job_id=job.id, devices=job.devices)
+    outbox.add_train(session, job_id=job.id, devices=job.devices, headers=task_headers())
     return job
 
 
@@ -87,7 +88,8 @@ def move(session: Session, job: Job, target: JobStatus, *, message: str, kind: s
     _event(session, job.id, kind=kind or str(target), level=level or _level(target), message=message,
            data=data, now=now)
     if target == JobStatus.QUEUED:
-        outbox.add_train(session, job_id=job.id, devices=job.devices)
+        # a requeue keeps the request id
+        outbox.add_train(session, job_id=job.id, devices=job.devices, headers=task_headers())
     return job
 
 

@@ -100,15 +100,17 @@ class RecordingQueue:
     def __init__(self) -> None:
         self.sent: list[tuple[str, list[Any], str]] = []
         self.revoked: list[str] = []
+        self.headers: list[dict[str, str] | None] = []
         self.refuse = False
         self.handlers: dict[str, Any] = {}
 
-    def send(self, name: str, args: list[Any], *, queue: str) -> str:
+    def send(self, name: str, args: list[Any], *, queue: str, headers: dict[str, str] | None = None) -> str:
         from core.errors import BrokerUnavailable
 
         if self.refuse:
             raise BrokerUnavailable("task broker unavailable: ConnectionError")
         self.sent.append((name, args, queue))
+        self.headers.append(headers)
         handler = self.handlers.get(name)
         if handler is not None:  # a worker's task function, run as a worker would: in the background
             threading.Thread(target=handler, args=args, daemon=True).start()

@@ -14,8 +14,15 @@ from core.tasks import QUEUE_GENERATE, QUEUE_INFERENCE, QUEUE_TRAIN, train_queue
 def _api(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from core.logs import configure_logging
+    from core.settings import get_settings
+
+    # JSON lines replace uvicorn's own log config (its loggers then go through the root handler).
+    json_logs = get_settings().log_format == "json"
+    if json_logs:
+        configure_logging("json")
     uvicorn.run("app.main:create_app", factory=True, host=args.host, port=args.port, log_level="info",
-                proxy_headers=False)
+                proxy_headers=False, **({"log_config": None} if json_logs else {}))
     return 0
 
 

@@ -115,10 +115,16 @@ def run_up(*, host: str, port: int, home: Path, devices: str) -> int:
 
     cli = [sys.executable, "-m", "trainserve.cli"]
     children = [Child("api", [*cli, "api", "--host", host, "--port", str(port)], env)]
-    for device in worker_devices(devices):
-        children.append(Child(f"worker[{device}]", [*cli, "worker", "--device", device], env))
-    children.append(Child("worker[inference]", [*cli, "worker", "--device", "auto", "--queues", "inference"], env))
-    children.append(Child("worker[generation]", [*cli, "worker", "--device", "auto", "--queues", "generation"], env))
+    workers = [(f"worker[{device}]", ["--device", device]) for device in worker_devices(devices)]
+    workers += [("worker[inference]", ["--device", "auto", "--queues", "inference"]),
+                ("worker[generation]", ["--device", "auto", "--queues", "generation"])]
+    metrics_base = int(env.get("TRAINSERVE_WORKER_METRICS_PORT") or 0)
+    for index, (name, worker_args) in enumerate(workers):
+        # One host, several workers: each serves its metrics on the next port up from the configured one.
+        worker_env = dict(env, TRAINSERVE_WORKER_METRICS_PORT=str(metrics_base + index)) if metrics_base else env
+        children.append(Child(name, [*cli, "worker", *worker_args], worker_env))
+        if metrics_base:
+            _say(f"{name} metrics on http://{host}:{metrics_base + index}/metrics")
 
     stop = False
 

@@ -6,7 +6,7 @@ import os
 import threading
 from typing import Any
 
-from celery.signals import worker_ready, worker_shutting_down
+from celery.signals import setup_logging, task_postrun, task_prerun, worker_ready, worker_shutting_down
 
 from core.celery_app import make_celery
 from worker.capacity import start_reporting
@@ -42,15 +42,58 @@ def _on_shutdown(**_: Any) -> None:
 
 @worker_ready.connect
 def _start_background_threads(**_: Any) -> None:
-    """Training workers also watch for lost workers and a broker that lost its data, and relay the outbox."""
+    """Training workers also watch for lost workers and a lost broker, relay the outbox and advance sweeps."""
     if "training" not in os.environ.get("TRAINSERVE_WORKER_QUEUES", "training").split(","):
         return
     from core.relay import relay_thread
+    from core.sweeps import sweep_thread
     from worker.recovery import reaper_thread
 
     ctx = context()
     reaper_thread(ctx.sessions, ctx.settings, ctx.queue).start()
     relay_thread(ctx.sessions, ctx.queue, ctx.settings.outbox_interval_s).start()
+    sweep_thread(ctx.sessions, ctx.queue, ctx.settings.sweep_interval_s).start()
 
 
 worker_ready.connect(lambda **_: start_reporting(context()), weak=False)  # device capacity, for admission
+
+
+@worker_ready.connect
+def _serve_metrics(**_: Any) -> None:
+    """This worker's Prometheus /metrics on its own port (TRAINSERVE_WORKER_METRICS_PORT; 0: none)."""
+    port = context().settings.worker_metrics_port
+    if port:
+        from worker.metrics import serve_metrics
+
+        serve_metrics(port)
+
+
+@setup_logging.connect
+def _setup_logging(loglevel: Any = None, **_: Any) -> None:
+    # Connecting here replaces Celery's own logging setup: text or JSON lines as the settings say.
+    from core.logs import configure_logging
+    from core.settings import get_settings
+
+    configure_logging(get_settings().log_format, loglevel or "INFO")
+
+
+_bindings: dict[str, Any] = {}  # task id -> the context-variable tokens its prerun set
+
+
+@task_prerun.connect
+def _bind_request_id(task_id: str | None = None, task: Any = None, **_: Any) -> None:
+    """Log a task's lines under the request id the API sent in its headers (the job id is bound by the task)."""
+    from core.logs import REQUEST_ID_HEADER, request_id_var
+
+    request_id = getattr(task.request, REQUEST_ID_HEADER, None) if task is not None else None
+    if request_id and task_id:
+        _bindings[task_id] = request_id_var.set(str(request_id))
+
+
+@task_postrun.connect
+def _unbind_request_id(task_id: str | None = None, **_: Any) -> None:
+    from core.logs import request_id_var
+
+    token = _bindings.pop(task_id or "", None)
+    if token is not None:
+        request_id_var.reset(token)

@@ -26,6 +26,7 @@ from core.served_models import is_job_model
 from core.settings import Settings
 from core.storage import ArtifactStore
 from core.tasks import cancel_key
+from worker import metrics
 from worker.context import WorkerContext
 from worker.events import EventPump, EventWriter
 from worker.sync import fetch_model
@@ -154,7 +155,7 @@ class GenerationService:
             model = str(fetch_model(self.storage, model))
         return GenerationEngine(model, device=self.settings.worker_device, max_batch_size=self.settings.max_batch_size,
                                 max_queue=self.settings.generation_queue_per_model * 4,
-                                cancelled_ids=self.cancelled_ids)
+                                cancelled_ids=self.cancelled_ids, on_step=metrics.observe_batch)
 
     def cancelled_ids(self, request_ids: list[str]) -> set[str]:
         """The requests whose clients went away: one MGET per scheduler step for all of them."""
@@ -167,6 +168,13 @@ class GenerationService:
 
     def serve(self, payload: dict[str, Any]) -> None:
         """Run one request from the API end to end; every outcome is written to its event stream."""
+        metrics.GEN_IN_FLIGHT.inc()
+        try:
+            self._serve(payload)
+        finally:
+            metrics.GEN_IN_FLIGHT.dec()
+
+    def _serve(self, payload: dict[str, Any]) -> None:
         try:
             task = GenerateTask.model_validate(payload)
         except ValidationError:
@@ -178,12 +186,19 @@ class GenerationService:
         if remaining <= 0:  # waited in the broker too long: drop it before it reaches the model
             writer.emit(ErrorEvent.of(ErrorCode.QUEUE_TIMEOUT, "the request waited too long for a generation "
                                       "worker; retry"))
+            metrics.GEN_REQUESTS.labels(ErrorCode.QUEUE_TIMEOUT).inc()
             return
         try:
             with self.registry.use(task.model) as engine:
-                writer.emit(self._run(engine, task, writer, remaining))
+                outcome = self._run(engine, task, writer, remaining)
         except Exception as exc:  # noqa: BLE001 - model failed to load, etc.: the client gets a clear error event
-            writer.emit(_error(exc, task.request_id))
+            outcome = _error(exc, task.request_id)
+        writer.emit(outcome)
+        if isinstance(outcome, DoneEvent):
+            metrics.GEN_REQUESTS.labels("done").inc()
+            metrics.GEN_TOKENS.inc(outcome.usage.completion_tokens)
+        elif isinstance(outcome, ErrorEvent):
+            metrics.GEN_REQUESTS.labels(outcome.error.code).inc()
 
     def _run(self, engine: Any, task: GenerateTask, writer: EventWriter, remaining: float) -> BaseModel:
         prompt_ids = engine.encode(task.prompt)
@@ -194,10 +209,16 @@ class GenerationService:
             return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, f"the prompt has {len(prompt_ids)} tokens; with "
                                  f"max_new_tokens {max_new} that exceeds the model's context of "
                                  f"{engine.context_length}", "max_new_tokens")
-        future = engine.submit(prompt_ids, task.params, request_id=task.request_id,
-                               on_token=lambda index, text: writer.token(TokenEvent(index=index, text=text)),
+        clock = metrics.TokenClock()
+
+        def on_token(index: int, text: str) -> None:
+            clock.tick(index)
+            writer.token(TokenEvent(index=index, text=text))
+
+        future = engine.submit(prompt_ids, task.params, request_id=task.request_id, on_token=on_token,
                                deadline=time.monotonic() + remaining)
         writer.emit(AcceptedEvent(prompt_tokens=len(prompt_ids)))
+        metrics.GEN_PROMPT_TOKENS.inc(len(prompt_ids))
         result = future.result(timeout=self.settings.generation_timeout_s)
         return DoneEvent(choices=[ChoiceOut(index=c.index, text=c.text, finish_reason=c.finish_reason)
                                   for c in result.choices],

@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from app.errors import from_wire
 from core.auth import Principal
 from core.errors import BrokerUnavailable, ClientGone, NotFound, ValidationFailed, WorkerTimeout
+from core.logs import task_headers
 from core.models import JobStatus, TaskKind
 from core.protocol import ClassifyResult, ClassifyTask, Prediction
 from core.queue import TaskQueue
@@ -58,7 +59,7 @@ async def classify(session: Session, settings: Settings, queue: TaskQueue, redis
     task = ClassifyTask(request_id=f"cls-{uuid.uuid4().hex}", job_id=model, texts=texts,
                         deadline=time.time() + timeout)
     task_id = await run_in_threadpool(queue.send, TASK_CLASSIFY, [task.model_dump(mode="json")],
-                                      queue=QUEUE_INFERENCE)
+                                      queue=QUEUE_INFERENCE, headers=task_headers())
     reply: bytes | None = None
     try:
         reply = await _wait(redis, classify_reply_key(task.request_id), time.monotonic() + timeout, disconnected)

@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from app.schemas.generation import ModelCard, ModelList
 from core.auth import Principal
 from core.errors import BrokerUnavailable, TooManyRequests, ValidationFailed
+from core.logs import task_headers
 from core.protocol import ErrorCode, ErrorEvent, GenerateTask, GenerationEvent, SamplingParams, parse_event
 from core.queue import TaskQueue
 from core.served_models import ServedModel, list_served_models, resolve_served_model
@@ -76,7 +77,8 @@ class GenerationGateway:
         """Hand the request to a generation worker; it must start before the wait deadline."""
         task = GenerateTask(request_id=request_id, model=model.path, prompt=prompt, params=params,
                             deadline=time.time() + self.settings.generation_wait_s)
-        await run_in_threadpool(self.queue.send, TASK_GENERATE, [task.model_dump(mode="json")], queue=QUEUE_GENERATE)
+        await run_in_threadpool(self.queue.send, TASK_GENERATE, [task.model_dump(mode="json")], queue=QUEUE_GENERATE,
+                                headers=task_headers())
 
     async def events(self, request_id: str) -> AsyncIterator[GenerationEvent]:
         """The worker's events for this request, in order, until `done` or `error` (or the lifetime ends)."""

@@ -178,3 +178,14 @@ def update_progress(session: Session, *, job_id: str, attempt: int, values: dict
                              .execution_options(synchronize_session=False))
     if not result.rowcount:  # type: ignore[attr-defined]
         raise StaleAttempt(f"attempt {attempt} no longer holds job {job_id}; progress refused")
+
+
+def status_counts(session: Session) -> dict[str, int]:
+    """How many jobs are in each status, over every tenant (for the operators' metrics)."""
+    query = select(Job.status, func.count()).group_by(Job.status)
+    return {str(status): int(count) for status, count in session.execute(query).tuples()}
+
+
+def oldest_queued_at(session: Session) -> datetime | None:
+    """When the oldest job still queued was created (None when none is)."""
+    return session.scalar(select(func.min(Job.created_at)).where(Job.status == JobStatus.QUEUED))

@@ -12,17 +12,27 @@ from core.models import Job, OutboxMessage, utcnow
 from core.tasks import TASK_TRAIN, train_queue
 
 
-def add(session: Session, *, job_id: str, task: str, args: list[Any], queue: str) -> OutboxMessage:
+def add(session: Session, *, job_id: str, task: str, args: list[Any], queue: str,
+        headers: dict[str, str] | None = None) -> OutboxMessage:
     """Write a message to send once the caller's transaction commits."""
-    message = OutboxMessage(job_id=job_id, task=task, args=args, queue=queue, created_at=utcnow(), attempts=0)
+    message = OutboxMessage(job_id=job_id, task=task, args=args, queue=queue, headers=headers, created_at=utcnow(),
+                            attempts=0)
     session.add(message)
     session.flush()
     return message
 
 
-def add_train(session: Session, *, job_id: str, devices: int) -> OutboxMessage:
-    """The training task message that runs (or resumes) a queued job, on the queue of its device count."""
-    return add(session, job_id=job_id, task=TASK_TRAIN, args=[job_id], queue=train_queue(devices))
+def add_train(session: Session, *, job_id: str, devices: int, headers: dict[str, str] | None = None
+              ) -> OutboxMessage:
+    """The training task message that runs (or resumes) a queued job, on the queue of its device count.
+
+    Without headers (a requeue by the reaper, outside any request) it takes the job's last ones, so the job
+    keeps its request id.
+    """
+    if headers is None:
+        headers = session.scalar(select(OutboxMessage.headers).where(OutboxMessage.job_id == job_id)
+                                 .order_by(OutboxMessage.id.desc()).limit(1))
+    return add(session, job_id=job_id, task=TASK_TRAIN, args=[job_id], queue=train_queue(devices), headers=headers)
 
 
 def take_unsent(session: Session, *, job_id: str | None = None, limit: int = 100) -> list[tuple[OutboxMessage, str]]:

@@ -44,11 +44,12 @@ def worker_env(settings, redis_url) -> dict[str, str]:
 def start_worker(worker_env, tmp_path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(queues: str = "training", device: str = "cpu", devices: int = 1, **env: str) -> subprocess.Popen[bytes]:
+    def start(queues: str = "training", device: str = "cpu", devices: int = 1, env: dict[str, str] | None = None,
+              **more_env: str) -> subprocess.Popen[bytes]:
         log = open(tmp_path / f"worker-{queues}-{len(started)}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen([sys.executable, "-m", "trainserve.cli", "worker", "--device", device,
-                                 "--devices", str(devices), "--queues", queues], env={**worker_env, **env},
-                                stdout=log, stderr=subprocess.STDOUT)
+                                 "--devices", str(devices), "--queues", queues],
+                                env={**worker_env, **(env or {}), **more_env}, stdout=log, stderr=subprocess.STDOUT)
         started.append(proc)
         return proc
 
@@ -90,6 +91,39 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
             return value
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture()
+def start_api(worker_env, tmp_path) -> Iterator[Callable[..., str]]:
+    """`trainserve api` (uvicorn) in its own process on a free port; start(**env) returns its base URL."""
+    import httpx
+
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(**env: str) -> str:
+        port = _free_port()
+        log = open(tmp_path / "api.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen([sys.executable, "-m", "trainserve.cli", "api", "--port", str(port)],
+                                env=dict(worker_env, **env), stdout=log, stderr=subprocess.STDOUT)
+        started.append(proc)
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"{url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 60, "the API to answer /health")
+        return url
+
+    yield start
+    for proc in started:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 @pytest.fixture(scope="session")

@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
@@ -48,38 +44,12 @@ class Api:
         return {"Authorization": f"Bearer {self.key}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture()
-def api(worker_env, settings, tmp_path: Path) -> Iterator[Api]:
+def api(start_api, settings) -> Api:
     """`trainserve api` (uvicorn) in its own process, with a short /classify timeout."""
     build_tiny_gpt2(settings.home / "models" / "tiny", n_positions=ASKED + 64)
-    port = _free_port()
-    log = open(tmp_path / "api.log", "wb")  # noqa: SIM115
-    env = dict(worker_env, TRAINSERVE_CLASSIFY_TIMEOUT_S=str(CLASSIFY_TIMEOUT_S), TRAINSERVE_MAX_NEW_TOKENS=str(ASKED))
-    proc = subprocess.Popen([sys.executable, "-m", "trainserve.cli", "api", "--port", str(port)], env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(f"{url}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_for(up, 60, "the API to answer /health")
-        yield Api(url, port, make_key(settings.resolved_database_url, tenant=TENANT))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    url = start_api(TRAINSERVE_CLASSIFY_TIMEOUT_S=str(CLASSIFY_TIMEOUT_S), TRAINSERVE_MAX_NEW_TOKENS=str(ASKED))
+    return Api(url, int(url.rsplit(":", 1)[1]), make_key(settings.resolved_database_url, tenant=TENANT))
 
 
 @pytest.fixture()

@@ -133,6 +133,7 @@ def test_out_of_memory_at_one_example_fails_the_job_with_code_oom(client, runner
     assert runner.run_training_job(job_id) == "failed"
     job = client.get(f"/jobs/{job_id}").json()
     assert job["error"]["code"] == "oom" and "one example" in job["error"]["message"]
+    assert "tensorboard" in [a["kind"] for a in job["artifacts"]]  # a failed run's curves stay downloadable
     assert "oom" in [e["kind"] for e in client.get(f"/jobs/{job_id}/events").json()["data"]]
 
 

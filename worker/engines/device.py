@@ -198,3 +198,14 @@ def host_memory() -> int:
         if text.isdigit():  # cgroup v2 says "max" when unlimited
             total = min(total, int(text))
     return int(total)
+
+
+def memory_in_use(device: str) -> int:
+    """Bytes this process holds on `device`: allocated tensors on a GPU, resident memory on a CPU."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return int(torch.cuda.memory_allocated(torch.device(device)))
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")

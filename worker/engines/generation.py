@@ -54,6 +54,7 @@ class GenerationEngine:
         self, model: str | Path, *, device: str = "auto", precision: str = "auto", max_batch_size: int = 32,
         max_tokens_in_flight: int = 16384, max_queue: int = 256,
         cancelled_ids: Callable[[list[str]], Collection[str]] | None = None,
+        on_step: Callable[[int], None] | None = None,
     ) -> None:
         for name, value in (("max_batch_size", max_batch_size), ("max_tokens_in_flight", max_tokens_in_flight),
                             ("max_queue", max_queue)):
@@ -71,6 +72,8 @@ class GenerationEngine:
         self.max_queue = max_queue
         # Given the ids of all waiting and running requests, those to drop: one call per loop (raising fails the batch).
         self._cancelled_ids = cancelled_ids
+        # Told the batch size of every decode step (the worker's metrics); runs on the scheduler thread.
+        self._on_step = on_step
         self._table = token_bytes(self.tokenizer, self.vocab_size)
         self._runner = Gpt2Runner(weights, self.plan, max_rows=max_batch_size)
         self._device = torch.device(self.plan.device)
@@ -313,6 +316,8 @@ class GenerationEngine:
         if step is not None:
             with self._lock:
                 self._counters["steps"] += 1
+            if self._on_step is not None:
+                self._on_step(len(self._rows))
         self._accept(first, new)
 
     def _open(self, fresh: list[Request]) -> None:

@@ -4,25 +4,33 @@ ended; every move via core.states."""
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core import states
 from core.db import session_scope
 from core.errors import NotFound, StaleAttempt
+from core.logs import bound
 from core.models import Job, JobStatus, utcnow
+from core.paths import relative_to_home
 from core.relay import deliver_now
 from core.store import jobs as store
+from core.sweeps import advance_and_send
 from worker.context import WorkerContext
 from worker.engines.device import release_memory, resolve_device
 from worker.engines.launch import train_on_devices
 from worker.engines.lm_training import LMTrainConfig, train_lm
 from worker.engines.training import TrainResult, train
+from worker.metrics import JOB_DURATION, JOB_QUEUE_WAIT
 from worker.recovery import Heartbeat
 from worker.sync import clear_work, pull_checkpoint, push_model, storage_errors
 from worker.training.config import EngineConfig, JobInputs, config_for, job_inputs
+from worker.training.prometheus import TrainingMetrics
 from worker.training.reporter import JobReporter, artifact_row
+from worker.training.tensorboard import TensorBoardSink, tensorboard_dir
 
 log = logging.getLogger(__name__)
 
@@ -31,20 +39,33 @@ LOST = "lost"  # the attempt stopped holding the job while it ran: its writes we
 
 
 def run_training_job(ctx: WorkerContext, job_id: str) -> str:
-    """Claim and run a job; returns the status it ended in, 'skipped' or 'lost'."""
-    status = _run(ctx, job_id)
+    """Claim and run a job; returns the status it ended in, 'skipped' or 'lost'. Its log lines carry its id.
+    A sweep's child, once ended, lets its sweep create the next children."""
+    with bound(job_id=job_id):
+        status = _run(ctx, job_id)
     if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED):
         clear_work(ctx.storage, ctx.settings, job_id)  # the store has all that is kept; no host hoards copies
+    if status not in (SKIPPED, LOST, JobStatus.QUEUED):
+        with ctx.sessions() as session:
+            sweep_id = session.scalar(select(Job.sweep_id).where(Job.id == job_id))
+        if sweep_id is not None:
+            try:
+                advance_and_send(ctx.sessions, ctx.queue, sweep_id=sweep_id)
+            except Exception:  # noqa: BLE001 - the periodic sweep round creates them instead
+                log.warning("sweep %s: could not advance after job %s ended", sweep_id, job_id, exc_info=True)
     return status
 
 
 def _run(ctx: WorkerContext, job_id: str) -> str:
     settings = ctx.settings
+    started = time.monotonic()
     with session_scope(ctx.sessions) as session:
         job = _claim(ctx, session, job_id)
         if job is None:
             return SKIPPED
-        attempt = job.attempts
+        attempt, task, hyperparameters = job.attempts, str(job.task), dict(job.hyperparameters)
+        if attempt == 1:  # a resumed attempt's wait started at its requeue, which the row does not keep
+            JOB_QUEUE_WAIT.labels(task).observe(max((utcnow() - job.created_at).total_seconds(), 0.0))
         if job.cancel_requested_at is not None:
             states.move(session, job, JobStatus.CANCELLED, attempt=attempt,
                         message="cancelled before training started")
@@ -60,10 +81,22 @@ def _run(ctx: WorkerContext, job_id: str) -> str:
             return JobStatus.FAILED
         store.add_event(session, job_id=job_id, kind="claimed", message=f"attempt {attempt} claimed by a worker",
                         attempt=attempt)
+        sweep_id = job.sweep_id
+    log.info("job %s attempt %d claimed", job_id, attempt)
+    status = _train(ctx, job, attempt, inputs, hyperparameters, sweep_id)
+    log.info("job %s attempt %d ended: %s", job_id, attempt, status)
+    JOB_DURATION.labels(task, status).observe(time.monotonic() - started)
+    return status
 
+
+def _train(ctx: WorkerContext, job: Job, attempt: int, inputs: JobInputs, hyperparameters: dict,
+           sweep_id: str | None) -> str:
+    settings, job_id = ctx.settings, job.id
     heartbeat = Heartbeat(ctx.sessions, settings, job_id, attempt)
+    sinks = [TrainingMetrics(settings.worker_device),
+             TensorBoardSink(tensorboard_dir(settings, job_id), hyperparameters)]
     reporter = JobReporter(ctx.sessions, settings, job_id, attempt, lost=heartbeat.lost, shutdown=ctx.shutdown,
-                           storage=ctx.storage)
+                           storage=ctx.storage, sweep_id=sweep_id, sinks=sinks)
     config: EngineConfig | None = None
     try:
         with heartbeat:  # downloads and uploads count as the attempt's work: the reaper leaves it alone meanwhile
@@ -75,8 +108,10 @@ def _run(ctx: WorkerContext, job_id: str) -> str:
         log.exception("job %s failed", job_id)
         # Engines name a specific failure (oom, ...) with a `code` attribute on the exception.
         code = str(getattr(exc, "code", "training_error"))
+        reporter.close()  # the event file complete before its artifact row is written
         return _end(ctx, job_id, attempt, JobStatus.FAILED, f"{type(exc).__name__}: {exc}", code=code)
     finally:
+        reporter.close()
         if config is not None:
             release_memory_of(config)
     if heartbeat.lost.is_set():
@@ -125,6 +160,7 @@ def _end(ctx: WorkerContext, job_id: str, attempt: int, status: JobStatus, messa
     """Move the job to a terminal status if this attempt still holds it."""
     try:
         with session_scope(ctx.sessions) as session:
+            _record_tensorboard(ctx, session, job_id, attempt)  # fenced: while the attempt still holds the job
             states.move(session, store.get_job(session, job_id=job_id), status, message=message, code=code,
                         attempt=attempt)
     except StaleAttempt:
@@ -139,11 +175,18 @@ def _record_result(ctx: WorkerContext, job_id: str, attempt: int, result: TrainR
         job = store.get_job(session, job_id=job_id)
         job.metrics = {**(job.metrics or {}), **result.metrics}
         job.step = result.global_step
+        _record_tensorboard(ctx, session, job_id, attempt)
         if result.status == "completed" and result.model_dir is not None:
-            model = artifact_row(ctx.settings, job_id, "model", result.model_dir, result.global_step)
+            job.best, job.stop_reason = result.best, result.stop_reason
+            # The model folder holds the best evaluation's weights: the artifact carries that step.
+            model_step = result.best["step"] if result.best else result.global_step
+            model = artifact_row(ctx.settings, job_id, "model", result.model_dir, model_step)
             store.add_artifact(session, artifact=model, attempt=attempt)
+            how = {"completed": "finished"}.get(result.stop_reason or "completed", f"ended ({result.stop_reason})")
+            best = f"; model from step {model_step}" if result.best else ""
             states.move(session, job, JobStatus.SUCCEEDED, attempt=attempt,
-                        message=f"finished after {result.global_step} steps")
+                        message=f"{how} after {result.global_step} steps{best}",
+                        data={"stop_reason": result.stop_reason, "best": result.best})
         elif job.cancel_requested_at is None and ctx.shutdown.is_set():
             # The worker is stopping, not the user: checkpointed, so back to the queue (with its outbox message).
             states.move(session, job, JobStatus.QUEUED, kind="preempted", attempt=attempt,
@@ -156,3 +199,20 @@ def _record_result(ctx: WorkerContext, job_id: str, attempt: int, result: TrainR
         with ctx.sessions() as session:
             deliver_now(session, ctx.queue, job_id=job_id)
     return status
+
+
+def _record_tensorboard(ctx: WorkerContext, session: Session, job_id: str, attempt: int) -> None:
+    """Record (or refresh) the job's TensorBoard folder as an artifact, downloadable like the model."""
+    folder = tensorboard_dir(ctx.settings, job_id)
+    files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
+    if not files:
+        return
+    with storage_errors(f"upload the TensorBoard files of {job_id} to {ctx.storage.url}"):
+        # Any one file serves as the marker: the folder is only ever read whole, after the job ended.
+        marker = files[0].relative_to(folder).as_posix()
+        ctx.storage.upload_dir(folder, relative_to_home(ctx.settings, folder), marker=marker)
+    job = store.get_job(session, job_id=job_id)
+    for old in [a for a in job.artifacts if a.kind == "tensorboard"]:
+        session.delete(old)
+    store.add_artifact(session, artifact=artifact_row(ctx.settings, job_id, "tensorboard", folder, None),
+                       attempt=attempt)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from core.paths import relative_to_home
 from core.settings import Settings
 from core.storage import ArtifactStore, open_storage
 from core.store import jobs as store
+from core.sweeps import prune_reason
 from worker.engines.training import TrainCallbacks
 from worker.sync import push_checkpoint
 
@@ -44,8 +45,12 @@ class JobReporter(TrainCallbacks):
 
     def __init__(self, factory: sessionmaker[Session], settings: Settings, job_id: str, attempt: int, *,
                  lost: threading.Event | None = None, shutdown: threading.Event | None = None,
-                 storage: ArtifactStore | None = None) -> None:
+                 storage: ArtifactStore | None = None, sweep_id: str | None = None,
+                 sinks: Sequence[TrainCallbacks] = ()) -> None:
         self.factory = factory
+        self.sweep_id = sweep_id  # a sweep's child asks the sweep's pruning rule after each evaluation
+        self.last_eval_step: int | None = None
+        self.prune_detail: str | None = None
         self.settings = settings
         self.storage = storage or open_storage(settings)
         self.job_id = job_id
@@ -61,6 +66,8 @@ class JobReporter(TrainCallbacks):
         self.started = time.monotonic()
         self.first_step: int | None = None
         self.last_flush = 0.0
+        # Observers of the same callbacks (metrics exporter, TensorBoard); their failures never stop training.
+        self.sinks = list(sinks)
 
     def on_start(self, info: dict[str, Any]) -> None:
         self.total_steps = int(info["total_steps"])
@@ -76,11 +83,13 @@ class JobReporter(TrainCallbacks):
                 "total_steps": self.total_steps, "step": resumed, "device": info.get("device")})
             store.add_event(session, job_id=self.job_id, kind="started", message=message, attempt=self.attempt,
                             data={k: v for k, v in info.items() if isinstance(v, (int, float, str))})
+        self._notify("on_start", info)
 
     def on_log(self, step: int, epoch: float, metrics: dict[str, float]) -> None:
         self.points.extend((step, epoch, name, float(value)) for name, value in metrics.items())
         self.latest.update(metrics)
         self.progress = {"step": step, "epoch": epoch, "eta_seconds": self._eta(step)}
+        self._notify("on_log", step, epoch, metrics)
         # The engine logs step N before it checkpoints step N: flushing here means a checkpoint never
         # gets ahead of the stored history, so a resume after a crash leaves no gap in it.
         checkpoint_next = self.checkpoint_steps is not None and step % self.checkpoint_steps == 0
@@ -90,6 +99,8 @@ class JobReporter(TrainCallbacks):
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
         self.points.extend((step, self.progress.get("epoch", 0.0), name, float(v)) for name, v in metrics.items())
         self.latest.update(metrics)
+        self.last_eval_step = step
+        self._notify("on_eval", step, metrics)
         self.try_flush()
         summary = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
         self._event("eval", f"step {step}: {summary}", data=dict(metrics))
@@ -115,7 +126,27 @@ class JobReporter(TrainCallbacks):
             store.add_event(session, job_id=self.job_id, kind="checkpoint", message=f"checkpoint at step {step}",
                             attempt=self.attempt)
 
+    def on_best(self, step: int, best: dict[str, Any]) -> None:
+        try:
+            with self._fenced() as session:
+                store.update_progress(session, job_id=self.job_id, attempt=self.attempt, values={"best": best})
+        except OperationalError:
+            log.warning("job %s: database unavailable, best checkpoint recorded at the end", self.job_id)
+
+    def stop_reason(self) -> str | None:
+        if self.sweep_id is None or self.last_eval_step is None:
+            return None
+        try:
+            with self.factory() as session:
+                self.prune_detail = prune_reason(session, job_id=self.job_id, sweep_id=self.sweep_id,
+                                                 step=self.last_eval_step)
+        except OperationalError:
+            return None  # database briefly away: keep training; the next evaluation asks again
+        return "pruned" if self.prune_detail else None
+
     def on_event(self, kind: str, message: str) -> None:
+        if kind == "pruned" and self.prune_detail:
+            message = f"{self.prune_detail}; {message}"
         self._event(kind, message)
 
     def should_stop(self) -> bool:
@@ -126,6 +157,17 @@ class JobReporter(TrainCallbacks):
                 return store.cancel_requested(session, job_id=self.job_id)
         except OperationalError:
             return False  # database briefly away: keep training; the next step asks again
+
+    def close(self) -> None:
+        """Close the sinks (the run ended, however it ended)."""
+        self._notify("close")
+
+    def _notify(self, method: str, *args: Any) -> None:
+        for sink in self.sinks:
+            try:
+                getattr(sink, method)(*args)
+            except Exception:  # noqa: BLE001 - an observer's failure must not fail the job
+                log.warning("job %s: %s.%s failed", self.job_id, type(sink).__name__, method, exc_info=True)
 
     def try_flush(self) -> None:
         """Flush, but ride out a database outage: the points stay buffered for the next attempt."""
