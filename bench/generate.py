@@ -146,7 +146,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def generation_worker_rss(up: int, field: str = "VmRSS") -> int:
-    """Resident bytes of `trainserve up`'s generation worker from /proc (VmRSS now, VmHWM peak), 0 if not found."""
+    """Resident bytes of `trainserve up`'s generation worker from /proc (VmRSS now, VmHWM peak, RssAnon, RssFile)."""
     for entry in Path("/proc").iterdir():
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -203,7 +203,9 @@ def main() -> None:
                     for result in served:
                         latencies["ttft"].append(result["times"][0] if result["times"] else 0.0)
                         latencies["itl"] += [b - a for a, b in zip(result["times"], result["times"][1:], strict=False)]
+            time.sleep(1.0)  # the engine releases its cache once idle
             rss, peak = generation_worker_rss(proc.pid), generation_worker_rss(proc.pid, "VmHWM")
+            anon, mapped = generation_worker_rss(proc.pid, "RssAnon"), generation_worker_rss(proc.pid, "RssFile")
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(120)
@@ -232,7 +234,8 @@ def main() -> None:
           f"{same_sequential}/{len(sequential)} vs hf-sequential")
     print(f"generation worker RSS after the rounds (idle) {rss / MB:.0f} MiB, peak {peak / MB:.0f} MiB; weights "
           f"{weights / MB:.0f} MiB: {rss / weights:.2f}x idle, {peak / weights:.2f}x peak "
-          f"(before its first request, no torch imported yet: {idle_rss / MB:.0f} MiB)")
+          f"(before its first request, no torch imported yet: {idle_rss / MB:.0f} MiB); idle RSS is {anon / MB:.0f} "
+          f"MiB anonymous + {mapped / MB:.0f} MiB file-backed (shared libraries, mapped checkpoint pages)")
 
 
 MB = 1024 * 1024

@@ -1,5 +1,8 @@
 """Generation on a worker: engines kept warm under a memory budget, events to Redis streams as tokens come.
 
+Token events go through the process's EventPump (worker/events.py), so the engine's scheduler thread never
+waits on Redis; a request's last event is written after all its tokens.
+
 The process's `GenerationService` comes from `ctx.service("generation", GenerationService.build)`; it owns
 the engine registry and the Redis client, and maps engine outcomes to wire events in one place (`_error`).
 """
@@ -22,9 +25,10 @@ from core.protocol import AcceptedEvent, ChoiceOut, DoneEvent, ErrorCode, ErrorE
 from core.served_models import is_job_model
 from core.settings import Settings
 from core.storage import ArtifactStore
-from core.tasks import cancel_key, stream_key
+from core.tasks import cancel_key
 from worker import metrics
 from worker.context import WorkerContext
+from worker.events import EventPump, EventWriter
 from worker.sync import fetch_model
 
 log = logging.getLogger(__name__)
@@ -129,21 +133,6 @@ def _footprint(engine: Any) -> int:
     return int(engine.weight_bytes)
 
 
-class EventWriter:
-    """Appends a request's events to its stream; the stream expires once the API no longer needs it."""
-
-    def __init__(self, client: Any, request_id: str, ttl_s: int) -> None:
-        self.client = client
-        self.key = stream_key(request_id)
-        self.ttl_s = ttl_s
-
-    def emit(self, event: BaseModel) -> None:
-        """Append one event (a protocol model)."""
-        self.client.xadd(self.key, {"data": event.model_dump_json()})
-        if not isinstance(event, TokenEvent):
-            self.client.expire(self.key, self.ttl_s)
-
-
 class GenerationService:
     """One per generation worker process: the engine registry, Redis, and the request flow."""
 
@@ -151,6 +140,7 @@ class GenerationService:
         self.settings = settings
         self.redis = redis
         self.storage = storage
+        self.events = EventPump(redis)
         self.registry = EngineRegistry(self._load, int(settings.generation_memory_budget_mb * MB), _footprint)
 
     @classmethod
@@ -190,7 +180,7 @@ class GenerationService:
         except ValidationError:
             log.exception("dropping a malformed generation task")
             return
-        writer = EventWriter(self.redis, task.request_id,
+        writer = EventWriter(self.events, task.request_id,
                              int(self.settings.generation_wait_s + self.settings.generation_timeout_s))
         remaining = task.remaining()
         if remaining <= 0:  # waited in the broker too long: drop it before it reaches the model
@@ -223,7 +213,7 @@ class GenerationService:
 
         def on_token(index: int, text: str) -> None:
             clock.tick(index)
-            writer.emit(TokenEvent(index=index, text=text))
+            writer.token(TokenEvent(index=index, text=text))
 
         future = engine.submit(prompt_ids, task.params, request_id=task.request_id, on_token=on_token,
                                deadline=time.monotonic() + remaining)

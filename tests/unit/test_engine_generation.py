@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -20,7 +22,8 @@ from worker.engines.generation import (
     QueueFull,
     SamplingParams,
 )
-from worker.engines.lm_loading import Gpt2Runner, load_causal_lm
+from worker.engines.gpt2_weights import load_gpt2
+from worker.engines.lm_loading import Gpt2Runner
 
 PROMPTS = [
     "Hello",
@@ -311,10 +314,10 @@ def test_close_fails_pending_requests(model_dir) -> None:
 
 
 def test_packed_and_plain_decode_steps_agree(model_dir, engine) -> None:
-    runner = Gpt2Runner(load_causal_lm(model_dir, engine.plan), engine.plan, max_rows=8)  # its own model and cache
+    runner = Gpt2Runner(load_gpt2(model_dir, engine.plan), engine.plan, max_rows=8)  # its own weights and cache
     if runner.packed is None:
         pytest.skip("oneDNN packed weights are not available in this torch build")
-    plain_runner = Gpt2Runner(load_causal_lm(model_dir, engine.plan), engine.plan, max_rows=8, pack=False)
+    plain_runner = Gpt2Runner(load_gpt2(model_dir, engine.plan), engine.plan, max_rows=8, pack=False)
     positions = torch.tensor([3, 9, 1, 4, 7, 2])
     tokens = torch.tensor([464, 3290, 318, 11, 13, 262])
     with torch.inference_mode():
@@ -330,16 +333,46 @@ def test_packed_and_plain_decode_steps_agree(model_dir, engine) -> None:
     assert torch.equal(packed.argmax(-1), plain.argmax(-1))
 
 
-def test_packed_weights_replace_the_originals(model_dir, engine) -> None:
-    # The weights are held once: the packed projections and LM head replace the modules' own weights.
+def test_packed_weights_replace_the_originals(model_dir, engine, hf) -> None:
+    # The weights are held once: the packed projections and LM head replace the mapped originals.
     if engine._runner.packed is None:
         pytest.skip("oneDNN packed weights are not available in this torch build")
-    reference = load_causal_lm(model_dir, engine.plan)
-    size = sum(p.numel() * p.element_size() for p in reference.parameters())  # tied embedding counted once
-    wte = reference.transformer.wte.weight
+    size = sum(p.numel() * p.element_size() for p in hf.parameters())  # tied embedding counted once
+    wte = hf.transformer.wte.weight
     # A tied embedding also stays for row lookups (mapped from the checkpoint, only looked-up rows resident).
-    tied = wte.numel() * wte.element_size() if reference.lm_head.weight is wte else 0
+    tied = wte.numel() * wte.element_size() if hf.lm_head.weight is wte else 0
     assert engine.weight_bytes == size + tied
-    for block in engine.model.transformer.h:
-        for conv in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
-            assert conv.weight.numel() == 0
+    held = engine._runner.tensors
+    assert not [name for name in held if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))]
+    assert "lm_head.weight" not in held
+
+
+def test_the_engine_does_not_import_hf_modeling_code(model_dir) -> None:
+    # HF's modeling imports pull scikit-learn, pandas and accelerate into the worker: ~200 MiB resident.
+    code = ("import sys; from worker.engines.generation import GenerationEngine; "
+            f"e = GenerationEngine({str(model_dir)!r}, device='cpu', max_batch_size=2); "
+            "print(e.generate('Hi', __import__('core.protocol').protocol.SamplingParams(max_new_tokens=2, "
+            "temperature=0)).completion_tokens); e.close(); "
+            "print(sorted(m for m in ('sklearn', 'pandas', 'accelerate', 'transformers.modeling_utils') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["2", "[]"]
+
+
+def test_a_decode_step_and_a_prefill_in_one_pass_equal_both_apart(model_dir, engine) -> None:
+    # The engine prefills newly admitted prompts inside the running rows' decode step (one weight read).
+    together = Gpt2Runner(load_gpt2(model_dir, engine.plan), engine.plan, max_rows=8)
+    apart = Gpt2Runner(load_gpt2(model_dir, engine.plan), engine.plan, max_rows=8)
+    tokens, positions = torch.tensor([464, 3290, 318]), torch.tensor([3, 9, 1])
+    prompts, rows = [[11, 12, 13, 14], [15, 16]], [[3, 4], [5]]
+    with torch.inference_mode():
+        for each in (together, apart):
+            each.reserve(6, 16)
+            torch.manual_seed(0)
+            each.keys.normal_()
+            each.values.normal_()
+        both = together.forward((tokens, positions, 10), (prompts, rows))
+        step, first = apart.decode(tokens, positions, 10), apart.prefill(prompts, rows)
+    torch.testing.assert_close(both, torch.cat([step, first]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(together.keys, apart.keys, rtol=1e-4, atol=1e-5)  # same cache writes
+    torch.testing.assert_close(together.values, apart.values, rtol=1e-4, atol=1e-5)

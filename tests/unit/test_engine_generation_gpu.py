@@ -36,7 +36,7 @@ def test_fp32_greedy_on_cuda_matches_hf(model_dir: Path) -> None:
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_half_precision_runs_in_that_dtype(model_dir: Path, precision: str) -> None:
     with GenerationEngine(model_dir, device="cuda", precision=precision) as engine:
-        assert engine.model.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+        assert engine._runner.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
         params = SamplingParams(max_new_tokens=12, top_p=0.9, seed=3, n=2, repetition_penalty=1.2)
         first, again = engine.generate(PROMPTS[1], params), engine.generate(PROMPTS[1], params)
     assert [len(c.token_ids) for c in first.choices] == [12, 12]

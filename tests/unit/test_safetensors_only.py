@@ -7,6 +7,7 @@ from transformers import GPT2LMHeadModel
 
 from tests.tiny_lm import build_tiny_gpt2
 from worker.engines.device import resolve_device
+from worker.engines.gpt2_weights import load_gpt2
 from worker.engines.lm_loading import load_causal_lm
 
 
@@ -18,3 +19,5 @@ def test_a_bin_only_checkpoint_is_not_loaded(tmp_path):
     assert not list(pickled.glob("*.safetensors")) and list(pickled.glob("*.bin"))
     with pytest.raises(OSError, match="safetensors"):
         load_causal_lm(pickled, resolve_device("cpu"))
+    with pytest.raises(OSError, match="safetensors"):  # the serving loader, too
+        load_gpt2(pickled, resolve_device("cpu"))

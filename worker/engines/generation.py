@@ -33,7 +33,8 @@ from worker.engines.batch import (
     prompt_ids,
 )
 from worker.engines.device import DevicePlan, resolve_device
-from worker.engines.lm_loading import Gpt2Runner, eos_ids, load_causal_lm, load_tokenizer, token_bytes
+from worker.engines.gpt2_weights import load_gpt2
+from worker.engines.lm_loading import Gpt2Runner, load_tokenizer, token_bytes
 from worker.engines.sampling import RowParams, next_tokens
 
 __all__ = ["DeadlineExceeded", "EngineClosed", "GenerationEngine", "GenerationResult", "QueueFull", "SamplingParams"]
@@ -61,11 +62,11 @@ class GenerationEngine:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.plan: DevicePlan = resolve_device(device, precision)
         self.tokenizer = load_tokenizer(model)
-        self.model = load_causal_lm(model, self.plan)
-        config = self.model.config
-        self.context_length: int = config.n_positions
-        self.vocab_size: int = config.vocab_size
-        self.eos_token_ids = eos_ids(self.model)
+        weights = load_gpt2(model, self.plan)
+        self.config = weights.config
+        self.context_length: int = self.config.n_positions
+        self.vocab_size: int = self.config.vocab_size
+        self.eos_token_ids = weights.eos_token_ids
         self.max_batch_size = max_batch_size
         self.max_tokens_in_flight = max_tokens_in_flight
         self.max_queue = max_queue
@@ -74,7 +75,7 @@ class GenerationEngine:
         # Told the batch size of every decode step (the worker's metrics); runs on the scheduler thread.
         self._on_step = on_step
         self._table = token_bytes(self.tokenizer, self.vocab_size)
-        self._runner = Gpt2Runner(self.model, self.plan, max_rows=max_batch_size, source=Path(model))
+        self._runner = Gpt2Runner(weights, self.plan, max_rows=max_batch_size)
         self._device = torch.device(self.plan.device)
         self._encode_lock = threading.Lock()  # HF fast tokenizers are not safe to call from many threads
         self._lock = threading.RLock()
@@ -163,12 +164,10 @@ class GenerationEngine:
             while self._wait_for_work():
                 try:
                     flagged = self._flagged()
-                    admitted = self._admit(flagged)
-                    if admitted:
-                        self._start(admitted)
+                    fresh = self._start(self._admit(flagged))
                     self._poll_cancelled(flagged)
-                    if self._rows:
-                        self._step()
+                    if self._rows or fresh:
+                        self._step(fresh)
                 except Exception as error:  # noqa: BLE001 - a failed forward fails its batch, not the engine
                     self._reset(error)
         self._shutdown()
@@ -223,8 +222,11 @@ class GenerationEngine:
                 request.future.set_result(request.result())
         return admitted
 
-    def _start(self, admitted: list[Request]) -> None:
-        """Prefill admitted requests (in chunks) into new rows and sample their first tokens."""
+    def _start(self, admitted: list[Request]) -> list[Request]:
+        """Split admitted requests into prefill chunks; all but the first are prefilled now, the first is returned.
+
+        The first chunk is prefilled inside the next decode step (one pass over the weights for both).
+        """
         ready = []
         for request in admitted:
             if request.future.set_running_or_notify_cancel():
@@ -232,73 +234,111 @@ class GenerationEngine:
             else:
                 with self._lock:
                     self._tokens_in_flight -= request.cost
-        chunk: list[Request] = []
+        chunks: list[list[Request]] = []
         width = 0
         for request in ready:
             width = max(width, len(request.prompt))
-            if chunk and (len(chunk) + 1) * width > PREFILL_TOKENS:
-                self._prefill_or_abort(chunk)
-                chunk, width = [], len(request.prompt)
-            chunk.append(request)
-        if chunk:
+            if not chunks or (len(chunks[-1]) + 1) * width > PREFILL_TOKENS:
+                chunks.append([])
+                width = len(request.prompt)
+            chunks[-1].append(request)
+        for chunk in chunks[1:]:  # a burst of long prompts: prefill the rest on their own, bounded activations
             self._prefill_or_abort(chunk)
+        return chunks[0] if chunks else []
 
     def _prefill_or_abort(self, requests: list[Request]) -> None:
         try:
-            self._prefill(requests)
+            self._step(requests, decode=False)
         except Exception as error:  # noqa: BLE001 - fail these requests; rows already running are intact
-            for request in requests:
-                self._fail(request, error)
-                if not request.sequences:
-                    with self._lock:
-                        self._tokens_in_flight -= request.cost
-            try:
-                self._sweep()
-            except Exception:  # noqa: BLE001
-                self._reset(error)
+            self._abort(requests, error)
 
-    def _prefill(self, requests: list[Request]) -> None:
-        first = len(self._rows)
-        groups: list[list[int]] = []
+    def _abort(self, requests: list[Request], error: BaseException) -> None:
         for request in requests:
-            sequences = request.open(self._table)
-            groups.append(list(range(len(self._rows), len(self._rows) + len(sequences))))
-            self._rows.extend(sequences)
-        new_rows = self._rows[first:]
-        self._runner.reserve(len(self._rows), max(len(s.request.prompt) + s.request.params.max_new_tokens
-                                                  for s in self._rows))
-        logits = self._runner.prefill([r.prompt for r in requests], groups)
-        source = torch.tensor([i for i, g in enumerate(groups) for _ in g], dtype=torch.long, device=self._device)
-        for row, sequence in enumerate(new_rows, start=first):
-            if sequence.request.params.repetition_penalty != 1.0:
-                self._seen[row].zero_()
-                self._seen[row, torch.tensor(sequence.request.prompt, device=self._device)] = True
-        params = RowParams([s.request.params for s in new_rows], self._device, seeds=[s.seed for s in new_rows])
-        seen = self._seen[first:len(self._rows)]
-        tokens = next_tokens(logits.index_select(0, source), params, seen)
-        with self._lock:
-            self._counters["prefills"] += 1
-            self._counters["prompt_tokens"] += sum(len(r.prompt) for r in requests)
-            self._counters["peak_running_sequences"] = max(self._counters["peak_running_sequences"], len(self._rows))
-        self._row_params = None
-        self._accept(first, tokens)
+            self._fail(request, error)
+            if not request.sequences:
+                with self._lock:
+                    self._tokens_in_flight -= request.cost
+        try:
+            self._sweep()
+        except Exception:  # noqa: BLE001
+            self._reset(error)
 
-    def _step(self) -> None:
-        """One decode step for every running row."""
-        if self._row_params is None:
+    def _step(self, fresh: list[Request], *, decode: bool = True) -> None:
+        """One decode step for every running row, with the prefill of `fresh` requests into new rows (one pass)."""
+        first = len(self._rows) if decode else 0
+        if fresh and decode:
+            try:
+                self._open(fresh)
+            except Exception as error:  # noqa: BLE001 - e.g. the cache could not grow: fail only these
+                self._abort(fresh, error)
+                fresh = []
+        elif fresh:
+            first = len(self._rows)
+            self._open(fresh)
+        if not fresh and not decode:
+            return
+        if self._row_params is None or fresh:
             rows = self._rows
             self._row_params = RowParams([s.request.params for s in rows], self._device,
                                          seeds=[s.seed for s in rows], counters=[len(s.tokens) for s in rows])
-        positions = [s.position for s in self._rows]
-        tokens = torch.tensor([s.tokens[-1] for s in self._rows], dtype=torch.long, device=self._device)
-        logits = self._runner.decode(tokens, torch.tensor(positions, device=self._device), max(positions) + 1)
-        seen = self._seen[: len(self._rows)] if self._row_params.penalty is not None else None
-        new = next_tokens(logits, self._row_params, seen)
-        with self._lock:
-            self._counters["steps"] += 1
-        if self._on_step is not None:
-            self._on_step(len(self._rows))
-        self._accept(0, new)
+        step = None
+        if decode and first:
+            positions = [s.position for s in self._rows[:first]]
+            tokens = torch.tensor([s.tokens[-1] for s in self._rows[:first]], dtype=torch.long, device=self._device)
+            step = (tokens, torch.tensor(positions, device=self._device), max(positions) + 1)
+        prefill = ([r.prompt for r in fresh], self._groups(fresh, first)) if fresh else None
+        try:
+            logits = self._runner.forward(step, prefill)
+        except Exception as error:
+            if not fresh or not decode:
+                raise
+            self._abort(fresh, error)  # their rows go; the running rows step again on their own
+            self._row_params = None
+            return
+        if prefill is not None:
+            source = [i for i, group in enumerate(prefill[1]) for _ in group]
+            prompts = logits[len(logits) - len(prefill[0]):]
+            rows = prompts.index_select(0, torch.tensor(source, dtype=torch.long, device=self._device))
+            logits = rows if step is None else torch.cat([logits[:first], rows])
+            with self._lock:
+                self._counters["prefills"] += 1
+                self._counters["prompt_tokens"] += sum(len(r.prompt) for r in fresh)
+                self._counters["peak_running_sequences"] = max(self._counters["peak_running_sequences"],
+                                                               len(self._rows))
+        if step is None and first:  # a prefill alone: only the new rows draw
+            params = RowParams([s.request.params for s in self._rows[first:]], self._device,
+                               seeds=[s.seed for s in self._rows[first:]])
+            self._row_params = None
+        else:
+            params, first = self._row_params, 0
+        seen = self._seen[first:len(self._rows)] if params.penalty is not None else None
+        new = next_tokens(logits, params, seen)
+        if step is not None:
+            with self._lock:
+                self._counters["steps"] += 1
+            if self._on_step is not None:
+                self._on_step(len(self._rows))
+        self._accept(first, new)
+
+    def _open(self, fresh: list[Request]) -> None:
+        """New rows for the fresh requests' sequences (their prompts marked as seen), the cache grown to fit."""
+        start = len(self._rows)
+        for request in fresh:
+            self._rows.extend(request.open(self._table))
+        self._runner.reserve(len(self._rows), max(len(s.request.prompt) + s.request.params.max_new_tokens
+                                                  for s in self._rows))
+        for row, sequence in enumerate(self._rows[start:], start=start):
+            if sequence.request.params.repetition_penalty != 1.0:
+                self._seen[row].zero_()
+                self._seen[row, torch.tensor(sequence.request.prompt, device=self._device)] = True
+
+    def _groups(self, fresh: list[Request], first: int) -> list[list[int]]:
+        """Cache rows of each fresh request's sequences (rows first.. in order)."""
+        groups, row = [], first
+        for request in fresh:
+            groups.append(list(range(row, row + len(request.sequences))))
+            row += len(request.sequences)
+        return groups
 
     def _accept(self, first: int, tokens: torch.Tensor) -> None:
         """Append sampled tokens to rows first.., stream their text, finish and remove what is done."""

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GPT2TokenizerFast, PreTrainedTokenizerBase
 from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
 
 from core.paths import GPT2_TOKENIZER_DIR
 from worker.engines.device import DevicePlan
+from worker.engines.gpt2_weights import ACTIVATIONS, PROJECTIONS, Gpt2Weights, pack_weights, resolve_folder
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ASSETS_TOKENIZER = GPT2_TOKENIZER_DIR
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
@@ -22,19 +24,21 @@ _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
 # repacks the weight on every call, which dominates at 4-64 rows (the LM head of a 16-row decode step: 35 ms
 # packed, 60 ms plain on a 2-core EPYC) and costs nothing extra at one row. The packed layout replaces the
 # original (which is then dropped), so the weights are held once.
-PROBE_ROWS = 4
 
 
 def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
     """The checkpoint's own tokenizer, or the bundled GPT-2 BPE when its folder has no tokenizer files."""
-    folder = Path(model)
-    if folder.is_dir() and not any((folder / name).exists() for name in _TOKENIZER_FILES):
-        return AutoTokenizer.from_pretrained(ASSETS_TOKENIZER)
-    return AutoTokenizer.from_pretrained(model)
+    # GPT2TokenizerFast, not AutoTokenizer: the auto class imports HF's modeling code (see gpt2_weights).
+    folder = resolve_folder(model)
+    if not any((folder / name).exists() for name in _TOKENIZER_FILES):
+        return GPT2TokenizerFast.from_pretrained(ASSETS_TOKENIZER)
+    return GPT2TokenizerFast.from_pretrained(folder)
 
 
 def load_causal_lm(model: str | Path, plan: DevicePlan) -> PreTrainedModel:
-    """A GPT-2 causal LM from safetensors, on the plan's device, in the plan's dtype, in eval mode."""
+    """A GPT-2 HF model from safetensors, on the plan's device and dtype, in eval mode (tests compare with it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     config = AutoConfig.from_pretrained(model, trust_remote_code=False)  # checked before any weight is read
     if config.model_type != "gpt2":
         raise ValueError(f"{model}: model_type {config.model_type!r} is not supported; the engine serves GPT-2 only")
@@ -43,16 +47,6 @@ def load_causal_lm(model: str | Path, plan: DevicePlan) -> PreTrainedModel:
     lm = AutoModelForCausalLM.from_pretrained(model, config=config, use_safetensors=True, trust_remote_code=False)
     # For inference the weights themselves are cast (no autocast): half the memory and no per-op casts.
     return lm.to(device=plan.device, dtype=plan.autocast_dtype or torch.float32).eval()
-
-
-def eos_ids(model: PreTrainedModel) -> frozenset[int]:
-    """The ids that end a choice: generation_config's eos, else the model config's."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = model.config.eos_token_id
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
 
 
 def token_bytes(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[bytes]:
@@ -83,24 +77,22 @@ class Gpt2Runner:
 
     Row r holds positions 0..len-1 of one sequence, so sequences of any length share a batch without
     padding or shifting: a decode step writes each row's new key/value at its own position and masks
-    the positions past it. The HF modules (layer norms, Conv1D projections, MLP) are reused as they are;
-    only attention and the cache are ours. On the CPU in fp32 the projections' and the LM head's weights
-    are packed (read from `source`, the checkpoint's folder or safetensors file, when given: see `_pack_weights`) and
-    the modules' own weights are dropped, so the model is no longer usable as an HF module.
+    the positions past it. The forward pass reads plain tensors (Gpt2Weights, no HF modules); on the CPU in
+    fp32 the projections' and the LM head's weights are packed for oneDNN and the mapped originals dropped.
     """
 
-    def __init__(self, lm: PreTrainedModel, plan: DevicePlan, *, max_rows: int, source: Path | None = None,
-                 pack: bool = True) -> None:
-        config = lm.config
+    def __init__(self, weights: Gpt2Weights, plan: DevicePlan, *, max_rows: int, pack: bool = True) -> None:
+        config = weights.config
+        self.weights = weights
+        self.tensors = weights.tensors
         self.device = torch.device(plan.device)
-        self.dtype = lm.transformer.wte.weight.dtype
-        self.wte = lm.transformer.wte
-        self.wpe = lm.transformer.wpe
-        self.blocks = list(lm.transformer.h)
-        self.ln_f = lm.transformer.ln_f
-        self.lm_head = lm.lm_head
+        self.dtype = weights.dtype
+        self.n_layer = config.n_layer
         self.n_head = config.n_head
+        self.n_embd = config.n_embd
         self.head_dim = config.n_embd // config.n_head
+        self.eps = config.layer_norm_epsilon
+        self.act = ACTIVATIONS[config.activation_function]
         self.max_rows = max_rows
         self.max_length = config.n_positions
         # Eager GPT-2 semantics: 1/sqrt(d) unless scale_attn_weights is off, further divided by the layer
@@ -115,22 +107,17 @@ class Gpt2Runner:
         self.keys: torch.Tensor | None = None  # [layer, row, head, position, head_dim]
         self.values: torch.Tensor | None = None
         cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
-        self.packed = _pack_weights(lm, source) if pack and cpu_fp32 else None
+        self.packed = pack_weights(weights) if pack and cpu_fp32 else None
         _trim_heap()  # packing's transposed temporaries came from the heap: give them back
         # oneDNN's gelu_tanh post-op computes HF's gelu_new (within float rounding: a few 1e-7).
         self.fused_gelu = config.activation_function in ("gelu_new", "gelu_pytorch_tanh")
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the weights the runner holds: parameters still in the model plus the packed copies."""
-        params = {p.data_ptr(): p.numel() * p.element_size() for p in self.lm_parameters() if p.numel()}
-        packed = sum(t.numel() * t.element_size() for layer in self.packed or [] for t in layer if t is not None)
-        return sum(params.values()) + packed
-
-    def lm_parameters(self) -> list[torch.Tensor]:
-        """The model's parameters the runner reads (the tied embedding counted once by its data pointer)."""
-        modules = [self.wte, self.wpe, self.ln_f, self.lm_head, *self.blocks]
-        return [p for m in modules for p in m.parameters()]
+        """Bytes of the weights the runner holds: the tensors (mapped or copied) plus the packed copies."""
+        held = sum(t.numel() * t.element_size() for t in self.tensors.values())
+        packed = sum(t.numel() * t.element_size() for layer in self.packed or [] for t in layer)
+        return held + packed
 
     @property
     def capacity(self) -> tuple[int, int]:
@@ -144,7 +131,7 @@ class Gpt2Runner:
             return
         new_rows = min(self.max_rows, max(have_rows, _next_pow2(rows)))
         new_length = min(self.max_length, max(have_length, _next_pow2(length)))
-        shape = (len(self.blocks), new_rows, self.n_head, new_length, self.head_dim)
+        shape = (self.n_layer, new_rows, self.n_head, new_length, self.head_dim)
         # Zeros, not empty: masked positions still meet V in the P@V product and 0 * NaN would be NaN.
         keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         values = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -165,132 +152,117 @@ class Gpt2Runner:
         self.keys[:, target, :, :length] = self.keys[:, source, :, :length]
         self.values[:, target, :, :length] = self.values[:, source, :, :length]
 
-    def _mlp_in(self, block: torch.nn.Module, packed: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-        # GPT2MLP's first half without its no-op dropout; packed, the tanh GELU runs fused in the matmul.
-        if packed is None or not self.fused_gelu:
-            return block.mlp.act(_linear(block.mlp.c_fc, packed, x))
-        return _linear(block.mlp.c_fc, packed, x, "gelu", "tanh")
+    def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (self.n_embd,), self.tensors[f"{name}.weight"], self.tensors[f"{name}.bias"], self.eps)
+
+    def _proj(self, layer: int, part: int, x: torch.Tensor, post: str = "none", algorithm: str = "") -> torch.Tensor:
+        """Projection PROJECTIONS[part] of a layer (a Conv1D: x @ W[in, out] + b), packed when it can be."""
+        name = f"h.{layer}.{PROJECTIONS[part]}"
+        bias = self.tensors[f"{name}.bias"]
+        flat = x.reshape(-1, x.shape[-1])
+        if self.packed is not None:
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed[layer][part], bias, post, [], algorithm)
+        else:
+            out = torch.addmm(bias, flat, self.tensors[f"{name}.weight"])
+        return out.view(*x.shape[:-1], -1)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        final = self._norm("ln_f", hidden)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(final, self.packed[-1][0], None, "none", [], "").float()
+        head = self.tensors["wte.weight" if self.weights.tied else "lm_head.weight"]
+        return F.linear(final, head).float()
+
+    def _block(self, index: int, hidden: torch.Tensor, attend) -> torch.Tensor:
+        """One transformer block over flat tokens [N, E]; attend(index, q, k, v) -> [N, E] does the cache part."""
+        query, key, value = self._proj(index, 0, self._norm(f"h.{index}.ln_1", hidden)).split(self.n_embd, dim=1)
+        hidden = self._proj(index, 1, attend(index, query, key, value)) + hidden
+        ln_2 = self._norm(f"h.{index}.ln_2", hidden)
+        if self.packed is not None and self.fused_gelu:  # the tanh GELU runs fused in the c_fc matmul
+            inner = self._proj(index, 2, ln_2, "gelu", "tanh")
+        else:
+            inner = self.act(self._proj(index, 2, ln_2))
+        return hidden + self._proj(index, 3, inner)
 
     def prefill(self, prompts: list[list[int]], rows: list[list[int]]) -> torch.Tensor:
-        """Run whole prompts (right-padded), store their keys/values in the given rows, return last logits [R, V].
+        """Run whole prompts, store their keys/values in the given rows, return each prompt's last logits [P, V].
 
         rows[i] lists the cache rows that start from prompt i (n choices share one prefill).
         """
-        assert self.keys is not None and self.values is not None
-        lengths = [len(prompt) for prompt in prompts]
-        width = max(lengths)
-        # Right padding needs no mask: with causal attention a real position never sees a later pad.
-        ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
-        target = torch.tensor([row for group in rows for row in group], dtype=torch.long, device=self.device)
-        source = torch.tensor([i for i, group in enumerate(rows) for _ in group], dtype=torch.long, device=self.device)
-        positions = torch.arange(width, device=self.device)
-        hidden = self.wte(ids) + self.wpe(positions)[None]
-        batch = len(prompts)
-        packed = self.packed
-        for index, block in enumerate(self.blocks):
-            attn, proj, fc, out = packed[index] if packed else _UNPACKED
-            query, key, value = _linear(block.attn.c_attn, attn, block.ln_1(hidden)).split(hidden.shape[-1], dim=2)
-            query = query.view(batch, width, self.n_head, self.head_dim).transpose(1, 2)
-            key = key.view(batch, width, self.n_head, self.head_dim).transpose(1, 2)
-            value = value.view(batch, width, self.n_head, self.head_dim).transpose(1, 2)
-            layer_keys, layer_values = self.keys[index], self.values[index]
-            layer_keys[target, :, :width] = key.index_select(0, source)
-            layer_values[target, :, :width] = value.index_select(0, source)
-            attended = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=self.scales[index])
-            hidden = _linear(block.attn.c_proj, proj, attended.transpose(1, 2).reshape(batch, width, -1)) + hidden
-            hidden = hidden + _linear(block.mlp.c_proj, out, self._mlp_in(block, fc, block.ln_2(hidden)))
-        last = torch.tensor([length - 1 for length in lengths], device=self.device)
-        # Only the last position's logits are needed: the LM head is the largest matmul of the model.
-        final = self.ln_f(hidden[torch.arange(batch, device=self.device), last])
-        return _linear(self.lm_head, packed[-1][0] if packed else None, final).float()
+        return self.forward(None, (prompts, rows))
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         """One step for rows 0..B-1: token b sits at positions[b]; attention covers positions < span. Logits [B, V]."""
-        assert self.keys is not None and self.values is not None
-        batch = tokens.shape[0]
-        packed = self.packed
-        # Where each row's new key/value vectors go in a layer's cache seen as [rows * head * position, head_dim]:
-        # one index_copy_ per layer instead of an index_put with two advanced indices (several times slower).
-        length = self.keys.shape[3]
-        heads = torch.arange(self.n_head, device=self.device)
-        rows = torch.arange(batch, device=self.device)
-        slots = ((rows[:, None] * self.n_head + heads[None]) * length + positions[:, None]).reshape(-1)
-        hidden = (self.wte(tokens) + self.wpe(positions))[:, None]  # [B, 1, E]
-        # Row b may see its own positions 0..positions[b]; later slots hold stale or padding keys.
-        mask = (torch.arange(span, device=self.device)[None] <= positions[:, None])[:, None, None]
-        for index, block in enumerate(self.blocks):
-            attn, proj, fc, out = packed[index] if packed else _UNPACKED
-            query, key, value = _linear(block.attn.c_attn, attn, block.ln_1(hidden)).split(hidden.shape[-1], dim=2)
-            query = query.view(batch, 1, self.n_head, self.head_dim).transpose(1, 2)
-            layer_keys, layer_values = self.keys[index], self.values[index]
-            layer_keys.view(-1, self.head_dim).index_copy_(0, slots, key.reshape(-1, self.head_dim))
-            layer_values.view(-1, self.head_dim).index_copy_(0, slots, value.reshape(-1, self.head_dim))
-            attended = F.scaled_dot_product_attention(
-                query, layer_keys[:batch, :, :span], layer_values[:batch, :, :span],
-                attn_mask=mask, scale=self.scales[index],
-            )
-            hidden = _linear(block.attn.c_proj, proj, attended.transpose(1, 2).reshape(batch, 1, -1)) + hidden
-            hidden = hidden + _linear(block.mlp.c_proj, out, self._mlp_in(block, fc, block.ln_2(hidden)))
-        return _linear(self.lm_head, packed[-1][0] if packed else None, self.ln_f(hidden[:, 0])).float()
+        return self.forward((tokens, positions, span), None)
 
+    def forward(self, decode: tuple[torch.Tensor, torch.Tensor, int] | None,
+                prefill: tuple[list[list[int]], list[list[int]]] | None) -> torch.Tensor:
+        """A decode step for rows 0..B-1 and the prefill of new prompts in one pass: logits [B + P, V].
 
-_UNPACKED = (None, None, None, None)
+        One pass reads every weight once for both (a separate prefill costs a whole weight read while the
+        running rows wait). All tokens go through the projections as one flat [N, E] matrix; only attention
+        is done per part: decode rows against the cache, prompts causally among themselves.
+        """
+        keys, values = self.keys, self.values
+        assert keys is not None and values is not None
+        wte, wpe = self.tensors["wte.weight"], self.tensors["wpe.weight"]
+        parts: list[torch.Tensor] = []
+        batch = 0
+        if decode is not None:
+            tokens, positions, span = decode
+            batch = tokens.shape[0]
+            # Where each row's new key/value vectors go in a layer's cache seen as [rows * head * position,
+            # head_dim]: one index_copy_ per layer instead of an index_put with two advanced indices (slower).
+            length = keys.shape[3]
+            heads = torch.arange(self.n_head, device=self.device)
+            rows = torch.arange(batch, device=self.device)
+            slots = ((rows[:, None] * self.n_head + heads[None]) * length + positions[:, None]).reshape(-1)
+            # Row b may see its own positions 0..positions[b]; later slots hold stale or padding keys.
+            mask = (torch.arange(span, device=self.device)[None] <= positions[:, None])[:, None, None]
+            parts.append(F.embedding(tokens, wte) + F.embedding(positions, wpe))
+        prompts_n, width = 0, 0
+        if prefill is not None:
+            prompts, groups = prefill
+            prompts_n = len(prompts)
+            lengths = [len(prompt) for prompt in prompts]
+            width = max(lengths)
+            # Right padding needs no mask: with causal attention a real position never sees a later pad.
+            ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
+            target = torch.tensor([row for group in groups for row in group], dtype=torch.long, device=self.device)
+            source = torch.tensor([i for i, group in enumerate(groups) for _ in group], dtype=torch.long,
+                                  device=self.device)
+            prompt_positions = torch.arange(width, device=self.device)
+            parts.append((F.embedding(ids, wte) + F.embedding(prompt_positions, wpe)[None]).view(-1, self.n_embd))
+        hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
 
+        def attend(index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+            out = []
+            if decode is not None:
+                layer_keys, layer_values = keys[index], values[index]
+                layer_keys.view(-1, self.head_dim).index_copy_(0, slots, key[:batch].reshape(-1, self.head_dim))
+                layer_values.view(-1, self.head_dim).index_copy_(0, slots, value[:batch].reshape(-1, self.head_dim))
+                q = query[:batch].view(batch, self.n_head, 1, self.head_dim)
+                attended = F.scaled_dot_product_attention(
+                    q, layer_keys[:batch, :, :span], layer_values[:batch, :, :span], attn_mask=mask,
+                    scale=self.scales[index])
+                out.append(attended.reshape(batch, self.n_embd))
+            if prefill is not None:
+                shape = (prompts_n, width, self.n_head, self.head_dim)
+                q, k, v = (t[batch:].view(shape).transpose(1, 2) for t in (query, key, value))
+                keys[index, target, :, :width] = k.index_select(0, source)
+                values[index, target, :, :width] = v.index_select(0, source)
+                attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scales[index])
+                out.append(attended.transpose(1, 2).reshape(prompts_n * width, self.n_embd))
+            return out[0] if len(out) == 1 else torch.cat(out)
 
-def _pack_weights(lm: PreTrainedModel, source: Path | None) -> list[tuple[torch.Tensor | None, ...]] | None:
-    """oneDNN-packed [out, in] copies of every projection and the LM head, the originals dropped; None without oneDNN.
-
-    Weights are read from `source` (a safetensors file, through a mapping freed after each tensor) when it
-    holds them in fp32, so the model's own mapped pages are never touched: with HF's lazily mapped
-    checkpoints only the embedding rows actually looked up become resident. Otherwise from the modules.
-    """
-    convs = [(b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj) for b in lm.transformer.h]
-    names = {id(p): n for n, p in lm.named_parameters(remove_duplicate=False)}
-    tied = lm.lm_head.weight is lm.transformer.wte.weight
-    try:
-        with torch.inference_mode(), _weights_from(source) as read:
-            def pack(module: torch.nn.Module, transposed: bool) -> torch.Tensor:
-                name = "transformer.wte.weight" if module is lm.lm_head and tied else names[id(module.weight)]
-                weight = read(name, module.weight)
-                weight = weight.t() if transposed else weight
-                return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-
-            layers: list[tuple[torch.Tensor | None, ...]] = [tuple(pack(c, True) for c in group) for group in convs]
-            layers.append((pack(lm.lm_head, False), None, None, None))
-            # Probe once: a build without these ops, or one that computes differently, keeps the HF modules.
-            probe = torch.randn(PROBE_ROWS, lm.config.n_embd)
-            conv = convs[0][0]
-            expected = probe @ read(names[id(conv.weight)], conv.weight) + conv.bias
-            if not torch.allclose(_linear(conv, layers[0][0], probe), expected, rtol=1e-4, atol=1e-4):
-                return None
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return None
-    empty = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-    for module in [c for group in convs for c in group] + ([] if tied else [lm.lm_head]):
-        module.weight = empty  # the packed copy is the only one now
-    return layers
-
-
-@contextmanager
-def _weights_from(source: Path | None) -> Iterator[Callable[[str, torch.Tensor], torch.Tensor]]:
-    """read(name, fallback): the fp32 tensor `name` from the checkpoint's safetensors file, else the fallback."""
-    if source is not None and source.is_dir():
-        source = source / "model.safetensors"  # a sharded checkpoint has none: the modules' weights are used
-    if source is None or not source.is_file():
-        yield lambda name, fallback: fallback
-        return
-    with safe_open(str(source), framework="pt") as handle:
-        keys = set(handle.keys())
-
-        def read(name: str, fallback: torch.Tensor) -> torch.Tensor:
-            for key in (name, name.removeprefix("transformer.")):  # checkpoints saved with or without the prefix
-                if key in keys:
-                    tensor = handle.get_tensor(key)
-                    if tensor.dtype == torch.float32 and tensor.shape == fallback.shape:
-                        return tensor
-            return fallback
-
-        yield read
+        for index in range(self.n_layer):
+            hidden = self._block(index, hidden, attend)
+        # Only the decode rows and each prompt's last position need logits: the LM head is the largest matmul.
+        if prefill is not None:
+            last = torch.tensor([batch + i * width + n - 1 for i, n in enumerate(lengths)], device=self.device)
+            picked = last if decode is None else torch.cat([torch.arange(batch, device=self.device), last])
+            hidden = hidden.index_select(0, picked)
+        return self._logits(hidden)
 
 
 def _trim_heap() -> None:
@@ -300,13 +272,3 @@ def _trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def _linear(module: torch.nn.Module, packed: torch.Tensor | None, x: torch.Tensor, post: str = "none",
-            algorithm: str = "") -> torch.Tensor:
-    """module(x) (a Conv1D or Linear), through its packed weight when there is one, with an optional post-op."""
-    if packed is None:
-        return module(x)
-    flat = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(flat, packed, module.bias, post, [], algorithm)
-    return out.view(*x.shape[:-1], -1)
