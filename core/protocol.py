@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -239,3 +240,11 @@ class ClassifyResult(BaseModel):
 
     predictions: list[Prediction] | None = None
     error: ErrorBody | None = None
+
+
+class WebhookPayload(BaseModel):
+    """The body of every webhook delivery (Standard Webhooks shape: type, timestamp, data)."""
+
+    type: str
+    timestamp: datetime
+    data: dict[str, Any]

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from app.schemas.jobs import ArtifactRead, JobCreate, JobRead, Progress
 from app.services import idempotency
-from core import states
+from core import scheduler, states
 from core.auth import Principal
 from core.base_models import resolve_base_model
 from core.capacity import largest_device
@@ -34,14 +34,15 @@ MAX_HINT_COLUMNS = 1000  # columns searched for a "did you mean" hint
 
 
 def create_job(session: Session, settings: Settings, queue: TaskQueue, principal: Principal, *, spec: JobCreate,
-               idempotency_key: str | None = None) -> Job:
+               idempotency_key: str | None = None, route: str = ROUTE, rerun_of: str | None = None) -> Job:
     """Validate a fine-tune request against its datasets, store the job and its task message, then send it.
 
     The message commits with the row: if the broker refuses, the job stays queued and the outbox relay
     sends it once the broker is back.
     """
-    request_hash = idempotency.fingerprint(spec.model_dump(mode="json"))
-    replayed = idempotency.replayed_id(session, principal, route=ROUTE, key=idempotency_key,
+    body = spec.model_dump(mode="json")
+    request_hash = idempotency.fingerprint({**body, "rerun_of": rerun_of} if rerun_of else body)
+    replayed = idempotency.replayed_id(session, principal, route=route, key=idempotency_key,
                                        request_hash=request_hash)
     if replayed is not None:
         return store.get_job(session, job_id=replayed)
@@ -62,16 +63,17 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, principal
         fields = _classification_fields(settings, spec, train, evaluation)
     job = Job(id=new_id("job"), tenant_id=principal.tenant_id, status=JobStatus.QUEUED, task=spec.task,
               base_model=spec.base_model, train_dataset_id=train.id, eval_dataset_id=spec.eval_dataset,
-              text_column=spec.text_column, metadata_=spec.metadata, metrics={}, created_at=utcnow(), **fields)
+              text_column=spec.text_column, metadata_=spec.metadata, metrics={}, created_at=utcnow(),
+              priority=spec.priority, rerun_of=rerun_of, **fields)
     try:
         states.create(session, job)  # the row, its `created` event and its outbox message
-        idempotency.remember(session, principal, route=ROUTE, key=idempotency_key, request_hash=request_hash,
+        idempotency.remember(session, principal, route=route, key=idempotency_key, request_hash=request_hash,
                              resource_id=job.id)
         session.commit()
     except IntegrityError:
         # A concurrent request with the same Idempotency-Key committed first: answer with its job.
         session.rollback()
-        replayed = idempotency.replayed_id(session, principal, route=ROUTE, key=idempotency_key,
+        replayed = idempotency.replayed_id(session, principal, route=route, key=idempotency_key,
                                            request_hash=request_hash)
         if replayed is not None:
             return store.get_job(session, job_id=replayed)
@@ -229,6 +231,11 @@ def get_job(session: Session, principal: Principal, *, job_id: str) -> Job:
     return store.get_job(session, job_id=job_id, tenant=principal.scope)
 
 
+def job_detail(session: Session, settings: Settings, job: Job) -> JobRead:
+    """The job object with, while it is queued, its place in the queue and why it waits."""
+    return job_read(job, placement=scheduler.place(session, settings, job, now=utcnow()))
+
+
 def list_jobs(session: Session, principal: Principal, *, limit: int, status: str | None, cursor: str | None
               ) -> tuple[list[Job], str | None]:
     """A page of jobs and the cursor of the next one."""
@@ -256,8 +263,8 @@ def cancel_job(session: Session, queue: TaskQueue, principal: Principal, *, job_
     return job
 
 
-def job_read(job: Job) -> JobRead:
-    """Build the public job object from a row."""
+def job_read(job: Job, *, placement: tuple[int, str] | None = None) -> JobRead:
+    """Build the public job object from a row (`placement`: queue position and reason, from core.scheduler)."""
     total = job.total_steps
     fraction = 1.0 if job.status == JobStatus.SUCCEEDED else (min(job.step / total, 1.0) if total else 0.0)
     return JobRead(
@@ -275,5 +282,6 @@ def job_read(job: Job) -> JobRead:
                                 download_url=f"/jobs/{job.id}/artifacts/{a.id}/download")
                    for a in job.artifacts],
         created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
-        metadata=job.metadata_ or {},
+        metadata=job.metadata_ or {}, priority=job.priority, receipt=job.receipt, rerun_of=job.rerun_of,
+        queue_position=placement[0] if placement else None, waiting_reason=placement[1] if placement else None,
     )

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 from sqlalchemy.orm import Session
 
-from core import states
+from core import scheduler, states
 from core.db import session_scope
 from core.errors import NotFound, StaleAttempt
 from core.models import Job, JobStatus, utcnow
@@ -19,6 +19,7 @@ from worker.engines.lm_training import LMTrainConfig, train_lm
 from worker.engines.training import TrainResult, train
 from worker.recovery import Heartbeat
 from worker.training.config import EngineConfig, config_for
+from worker.training.receipt import base_receipt
 from worker.training.reporter import JobReporter, artifact_row
 
 log = logging.getLogger(__name__)
@@ -28,13 +29,14 @@ LOST = "lost"  # the attempt stopped holding the job while it ran: its writes we
 
 
 def run_training_job(ctx: WorkerContext, job_id: str) -> str:
-    """Claim and run a job; returns the status it ended in, 'skipped' or 'lost'."""
+    """Claim the job whose turn it is (core.scheduler; `job_id`, the message's job, only if it was running on a
+    worker that went silent) and run it; returns the status it ended in, 'skipped' or 'lost'."""
     settings = ctx.settings
     with session_scope(ctx.sessions) as session:
         job = _claim(ctx, session, job_id)
         if job is None:
             return SKIPPED
-        attempt = job.attempts
+        job_id, attempt = job.id, job.attempts
         if job.cancel_requested_at is not None:
             states.move(session, job, JobStatus.CANCELLED, attempt=attempt,
                         message="cancelled before training started")
@@ -46,9 +48,11 @@ def run_training_job(ctx: WorkerContext, job_id: str) -> str:
             return JobStatus.FAILED
         store.add_event(session, job_id=job_id, kind="claimed", message=f"attempt {attempt} claimed by a worker",
                         attempt=attempt)
+        receipt = base_receipt(job, config)
 
     heartbeat = Heartbeat(ctx.sessions, settings, job_id, attempt)
-    reporter = JobReporter(ctx.sessions, settings, job_id, attempt, lost=heartbeat.lost, shutdown=ctx.shutdown)
+    reporter = JobReporter(ctx.sessions, settings, job_id, attempt, lost=heartbeat.lost, shutdown=ctx.shutdown,
+                           receipt=receipt)
     try:
         with heartbeat:
             result = train_lm(config, reporter) if isinstance(config, LMTrainConfig) else train(config, reporter)
@@ -77,8 +81,12 @@ def release_memory_of(config: EngineConfig) -> None:
 
 def _claim(ctx: WorkerContext, session: Session, job_id: str) -> Job | None:
     now = utcnow()
+    device = ctx.settings.worker_device
+    job = scheduler.claim_next(session, ctx.settings, device=device, now=now)
+    if job is not None:
+        return job
     try:
-        return store.claim_job(session, job_id=job_id, device=ctx.settings.worker_device, now=now,
+        return store.claim_job(session, job_id=job_id, device=device, now=now, include_queued=False,
                                stale_before=now - timedelta(seconds=ctx.settings.heartbeat_timeout_s))
     except NotFound:
         log.warning("job %s does not exist; dropping its task", job_id)

@@ -19,10 +19,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import session_scope
 from core.errors import StaleAttempt
-from core.models import Artifact, new_id, utcnow
+from core.models import Artifact, WebhookEventType, new_id, utcnow
 from core.paths import from_home, relative_to_home
 from core.settings import Settings
 from core.store import jobs as store
+from core.store import webhooks
 from worker.engines.training import TrainCallbacks
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ class JobReporter(TrainCallbacks):
     """Engine callbacks that write progress, metric points and events of one attempt to the job row."""
 
     def __init__(self, factory: sessionmaker[Session], settings: Settings, job_id: str, attempt: int, *,
-                 lost: threading.Event | None = None, shutdown: threading.Event | None = None) -> None:
+                 lost: threading.Event | None = None, shutdown: threading.Event | None = None,
+                 receipt: dict[str, Any] | None = None) -> None:
         self.factory = factory
         self.settings = settings
         self.job_id = job_id
@@ -49,6 +51,7 @@ class JobReporter(TrainCallbacks):
         self.flush_s = settings.metrics_flush_s
         self.lost = lost or threading.Event()
         self.shutdown = shutdown or threading.Event()
+        self.receipt = receipt  # completed with the device and precision the engine chose, in on_start
         self.points: list[tuple[int, float, str, float]] = []
         self.latest: dict[str, float] = {}
         self.progress: dict[str, Any] = {}
@@ -66,9 +69,11 @@ class JobReporter(TrainCallbacks):
                    f"{info.get('num_eval')} eval rows, {self.total_steps} steps")
         if resumed:
             message += f", resumed from checkpoint at step {resumed}"
+        values: dict[str, Any] = {"total_steps": self.total_steps, "step": resumed, "device": info.get("device")}
+        if self.receipt is not None:
+            values["receipt"] = {**self.receipt, "device": info.get("device"), "precision": info.get("precision")}
         with self._fenced() as session:
-            store.update_progress(session, job_id=self.job_id, attempt=self.attempt, values={
-                "total_steps": self.total_steps, "step": resumed, "device": info.get("device")})
+            store.update_progress(session, job_id=self.job_id, attempt=self.attempt, values=values)
             store.add_event(session, job_id=self.job_id, kind="started", message=message, attempt=self.attempt,
                             data={k: v for k, v in info.items() if isinstance(v, (int, float, str))})
 
@@ -100,6 +105,8 @@ class JobReporter(TrainCallbacks):
                                attempt=self.attempt)
             store.add_event(session, job_id=self.job_id, kind="checkpoint", message=f"checkpoint at step {step}",
                             attempt=self.attempt)
+            webhooks.emit(session, tenant_id=job.tenant_id, type=WebhookEventType.JOB_CHECKPOINT,
+                          data=webhooks.job_data(job, checkpoint_step=step))
 
     def on_event(self, kind: str, message: str) -> None:
         self._event(kind, message)
