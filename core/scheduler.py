@@ -122,8 +122,8 @@ def place(session: Session, settings: Settings, job: Job, *, now: datetime) -> t
     if job.status != JobStatus.QUEUED:
         return None
     standing = shares(session, settings, now=now)
-    counts = dict(session.execute(select(Job.tenant_id, func.count()).where(Job.status == JobStatus.QUEUED)
-                                  .group_by(Job.tenant_id)).tuples())
+    per_tenant = select(Job.tenant_id, func.count()).where(Job.status == JobStatus.QUEUED).group_by(Job.tenant_id)
+    counts = {tenant: int(n) for tenant, n in session.execute(per_tenant).tuples()}
     own = ahead_in_tenant(session, job)
     order = [s.tenant for s in standing]
     mine = next(s for s in standing if s.tenant == job.tenant_id)
