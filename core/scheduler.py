@@ -140,7 +140,7 @@ def place(session: Session, settings: Settings, job: Job, *, now: datetime) -> t
         if others:
             reason += f" and {others} of other teams taking turns"
     elif others:
-        reason = f"behind {others} job{'s' if others != 1 else ''} of teams with less recent device time"
+        reason = f"behind {others} job{'s' if others != 1 else ''} of teams whose turn comes first"
     else:
         reason = "next in line; waiting for a free worker"
     return 1 + own + others, reason
