@@ -81,7 +81,8 @@ class Settings(BaseSettings):
                                       "cannot take every slot).")
     webhook_interval_s: float = Field(1.0, gt=0, description="How often the webhook sender looks for due deliveries.")
     webhook_backoff_s: float = Field(5.0, gt=0, description="First retry delay of a failed delivery; doubles per "
-                                     "attempt up to an hour.")
+                                     "attempt up to TRAINSERVE_WEBHOOK_MAX_BACKOFF_S.")
+    webhook_max_backoff_s: float = Field(3600.0, gt=0, description="Longest wait between two tries of a delivery.")
     webhook_retry_for_s: float = Field(24 * 3600.0, gt=0, description="A delivery still failing after this long "
                                        "is given up.")
     webhook_secret_grace_s: float = Field(24 * 3600.0, ge=0, description="After a secret rotation, deliveries are "

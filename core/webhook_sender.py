@@ -30,7 +30,6 @@ from core.store import webhooks as store
 
 log = logging.getLogger(__name__)
 
-MAX_DELAY_S = 3600.0  # retries settle at one an hour
 READ_LIMIT = 4096  # bytes of a response read (1000 characters are kept)
 PRUNE_EVERY = 600  # rounds between deletions of finished events older than a week
 
@@ -67,7 +66,7 @@ def retry_at(settings: Settings, *, event_created: datetime, attempts: int, now:
     """When to try again after `attempts` failed tries; None once the event is older than the retry period."""
     if now - event_created >= timedelta(seconds=settings.webhook_retry_for_s):
         return None
-    delay = min(settings.webhook_backoff_s * 2 ** max(attempts - 1, 0), MAX_DELAY_S)
+    delay = min(settings.webhook_backoff_s * 2 ** max(attempts - 1, 0), settings.webhook_max_backoff_s)
     return now + timedelta(seconds=delay)
 
 

@@ -125,7 +125,6 @@ def _record_result(ctx: WorkerContext, job_id: str, attempt: int, result: TrainR
             states.move(session, job, JobStatus.CANCELLED, attempt=attempt,
                         message=f"cancelled at step {result.global_step}")
         status = JobStatus(job.status)
-    if status == JobStatus.QUEUED:
-        with ctx.sessions() as session:
-            deliver_now(session, ctx.queue, job_id=job_id)
+    with ctx.sessions() as session:  # a requeue's message, or the wake-up for jobs a device limit held back
+        deliver_now(session, ctx.queue)
     return status
