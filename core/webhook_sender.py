@@ -174,5 +174,8 @@ class WebhookSender:
 
 def sender_thread(factory: sessionmaker[Session], settings: Settings) -> Periodic:
     """A daemon thread that runs the sender's rounds every `webhook_interval_s`."""
+    # httpx logs every request at INFO: one line per retry of every delivery would drown the worker's log
+    # (the attempts are in the database, GET /webhooks/{id}/deliveries).
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     sender = WebhookSender(factory, settings)
     return Periodic("webhook-sender", settings.webhook_interval_s, sender.round)

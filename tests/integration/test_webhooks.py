@@ -13,7 +13,7 @@ from tests.factories import sentiment_rows, tsv_bytes, upload
 from tests.integration.conftest import wait_for
 from tests.webhook_receiver import Receiver
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(360)]
 
 JOB_EVENTS = ["job.queued", "job.started", "job.checkpoint", "job.succeeded", "job.failed", "job.cancelled"]
 
@@ -31,7 +31,7 @@ def test_a_receiver_that_was_down_gets_every_event_once_signed(settings, worker_
             "base_model": str(tiny_bert_dir), "train_dataset": dataset, "text_column": "sentence",
             "hyperparameters": {"max_steps": 6, "batch_size": 8, "max_length": 16}}).json()["id"]
         start_worker()  # checkpoints every 5 steps (worker_env)
-        wait_for(lambda: api.get(f"/jobs/{job_id}").json()["status"] == "succeeded", 120, "the job to succeed")
+        wait_for(lambda: api.get(f"/jobs/{job_id}").json()["status"] == "succeeded", 180, "the job to succeed")
 
         def log() -> list[dict]:
             return api.get(f"/webhooks/{endpoint['id']}/deliveries", params={"limit": 100}).json()["data"]
