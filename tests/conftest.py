@@ -61,6 +61,16 @@ def settings(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, clean_db:
                     model_roots=str(tmp_path_factory.getbasetemp()))
 
 
+@pytest.fixture()
+def factory(settings: Settings) -> Iterator[Any]:
+    """A session factory on the test database (for data-access calls made directly)."""
+    from core.db import make_engine, make_sessionmaker
+
+    engine = make_engine(settings.resolved_database_url)
+    yield make_sessionmaker(engine)
+    engine.dispose()
+
+
 def make_key(url: str, *, name: str = "test", tenant: str | None = None, admin: bool = False) -> str:
     """Create an API key directly in the database and return the raw key."""
     from core.auth import create_key

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from core.models import WebhookEventType
 
@@ -19,6 +19,13 @@ class WebhookCreate(BaseModel):
     event_types: list[WebhookEventType] = Field(min_length=1, max_length=len(WebhookEventType),
                                                 description="Which events to send.")
     description: str = Field("", max_length=200)
+
+    @field_validator("url", "description")
+    @classmethod
+    def _printable(cls, value: str) -> str:
+        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise ValueError("control characters are not allowed")
+        return value
 
 
 class RotateSecret(BaseModel):

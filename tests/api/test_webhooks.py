@@ -9,7 +9,6 @@ import pytest
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
-from core.db import make_engine, make_sessionmaker
 from core.models import utcnow
 from core.webhook_sender import WebhookSender, retry_at
 from tests.conftest import make_key
@@ -17,13 +16,6 @@ from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 from tests.webhook_receiver import Receiver
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture()
-def factory(settings):
-    engine = make_engine(settings.resolved_database_url)
-    yield make_sessionmaker(engine)
-    engine.dispose()
 
 
 @pytest.fixture()

@@ -4,19 +4,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-import pytest
-
 from core import scheduler, states
-from core.db import make_engine, make_sessionmaker, session_scope
+from core.db import session_scope
 from core.models import Job, JobStatus, OutboxMessage, new_id, utcnow
 from core.store import jobs as store
-
-
-@pytest.fixture()
-def factory(settings):
-    engine = make_engine(settings.resolved_database_url)
-    yield make_sessionmaker(engine)
-    engine.dispose()
 
 
 def _job(factory, tenant: str, *, priority: int = 0, age_s: float = 0.0) -> str:
