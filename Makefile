@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch before the rest: 2.13.0 resolves to the local CPU wheel; any other version is a multi-GB download.
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[worker,local,dev]"
 	touch $@
 
 setup: $(VENV)/.installed

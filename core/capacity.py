@@ -19,7 +19,8 @@ class DeviceCapacity(BaseModel):
 
     worker: str  # host and process id: one key per worker process
     device: str  # "cuda:0" or "cpu"
-    total_bytes: int
+    total_bytes: int  # per device
+    devices: int = 1  # devices the worker owns: the most a job on it may train on
 
     @property
     def is_cuda(self) -> bool:
@@ -52,15 +53,20 @@ def reported(client: redis.Redis) -> list[DeviceCapacity]:
     return found
 
 
-def largest_device(redis_url: str) -> DeviceCapacity | None:
-    """The live worker device with the most memory; None when none has reported or Redis cannot be read."""
+def live_workers(redis_url: str) -> list[DeviceCapacity] | None:
+    """Every live training worker's report; None when Redis cannot be read."""
     client = redis_from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
     try:
-        devices = reported(client)
+        return reported(client)
     except redis.RedisError as exc:
         # Admission then falls back to the configured cap; the enqueue right after reports the broker.
         log.warning("capacity reports unreadable (%s); using the configured cap", exc)
         return None
     finally:
         client.close()
-    return max(devices, key=lambda d: d.total_bytes, default=None)
+
+
+def largest_device(redis_url: str, *, devices: int = 1) -> DeviceCapacity | None:
+    """The live worker device with the most memory among workers owning `devices` or more; None if none."""
+    workers = [w for w in live_workers(redis_url) or [] if w.devices >= devices]
+    return max(workers, key=lambda d: d.total_bytes, default=None)

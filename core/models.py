@@ -164,6 +164,8 @@ class Job(Base):
     eta_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
     metrics: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
     device: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    # Devices the job trains on (one DDP process each); a checkpoint resumes only at the same world size.
+    devices: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     task_id: Mapped[str | None] = mapped_column(String(64), nullable=True)

@@ -242,6 +242,27 @@ class ClassifyResult(BaseModel):
     error: ErrorBody | None = None
 
 
+class RankMessage(BaseModel):
+    """What rank 0 of a multi-device training run tells the worker process that launched it (one per callback).
+
+    `kind` names the engine callback (start, log, eval, checkpoint, event, should_stop) or the end (result,
+    error); `name` is the event kind, the result's status or the error's code.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["start", "log", "eval", "checkpoint", "event", "should_stop", "result", "error"]
+    step: int = 0
+    epoch: float = 0.0
+    total_steps: int = 0
+    name: str = ""
+    message: str = ""
+    metrics: dict[str, float] = Field(default_factory=dict)
+    info: dict[str, Any] = Field(default_factory=dict)
+    manifest: dict[str, Any] = Field(default_factory=dict)
+    path: str | None = None  # a checkpoint folder, or the final model folder of a result
+
+
 class WebhookPayload(BaseModel):
     """The body of every webhook delivery (Standard Webhooks shape: type, timestamp, data)."""
 

@@ -22,6 +22,8 @@ class Settings(BaseSettings):
     )
     devices: str = Field("auto", description="Training devices of `trainserve up`: auto, cpu, cuda:0,cuda:1.")
     worker_device: str = Field("auto", description="This worker's device (set by `trainserve worker --device`).")
+    worker_devices: int = Field(1, ge=1, description="Devices this training worker owns (set by `trainserve worker "
+                                "--device cuda:0,cuda:1` or `--devices N`); it runs jobs asking for up to this many.")
     max_upload_bytes: int = Field(100 * 1024 * 1024, description="Largest accepted dataset file.")
     max_dataset_rows: int = Field(2_000_000, description="Most rows accepted in one dataset.")
     max_dataset_columns: int = Field(256, description="Most columns accepted in one dataset (413 beyond).")

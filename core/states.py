@@ -58,7 +58,7 @@ def create(session: Session, job: Job, *, message: str = "job created and queued
     session.add(job)
     session.flush()
     _event(session, job.id, kind="created", level="info", message=message, data=None, now=job.created_at)
-    outbox.add_train(session, job_id=job.id)
+    outbox.add_train(session, job_id=job.id, devices=job.devices)
     webhooks.emit(session, tenant_id=job.tenant_id, type=WebhookEventType.JOB_QUEUED, data=webhooks.job_data(job),
                   now=job.created_at)
     return job
@@ -105,11 +105,11 @@ def move(session: Session, job: Job, target: JobStatus, *, message: str, kind: s
     _event(session, job.id, kind=kind or str(target), level=level or _level(target), message=message,
            data=data, now=now)
     if target == JobStatus.QUEUED:
-        outbox.add_train(session, job_id=job.id)
+        outbox.add_train(session, job_id=job.id, devices=job.devices)
     elif source == JobStatus.RUNNING:
         waiting = scheduler.oldest_queued(session, tenant=job.tenant_id)
         if waiting is not None:
-            outbox.add_train(session, job_id=waiting)
+            outbox.add_train(session, job_id=waiting.id, devices=waiting.devices)
     webhooks.emit(session, tenant_id=job.tenant_id, type=WEBHOOK_EVENT[target], data=webhooks.job_data(job), now=now)
     return job
 

@@ -7,6 +7,17 @@ QUEUE_TRAIN = "training"
 QUEUE_INFERENCE = "inference"
 TASK_GENERATE = "worker.tasks.generate"
 QUEUE_GENERATE = "generation"
+MAX_JOB_DEVICES = 64  # most devices one job may ask for (one host's GPUs; torchrun runs it on one node)
+
+
+def train_queue(devices: int) -> str:
+    """The training queue of a job on `devices` devices: "training", or "training.N" only workers owning N consume."""
+    return QUEUE_TRAIN if devices <= 1 else f"{QUEUE_TRAIN}.{devices}"
+
+
+def train_queues(owned: int) -> list[str]:
+    """The training queues a worker owning `owned` devices consumes: every job size it can run."""
+    return [train_queue(n) for n in range(1, owned + 1)]
 
 
 def stream_key(request_id: str) -> str:

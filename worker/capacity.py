@@ -22,8 +22,10 @@ def measure(ctx: WorkerContext) -> capacity.DeviceCapacity:
 
     plan = resolve_device(ctx.settings.worker_device)
     total = ctx.settings.worker_memory_bytes or device_memory(plan)
+    if not plan.is_cuda:  # N processes on one CPU share its RAM; N GPUs have their own memory each
+        total //= ctx.settings.worker_devices
     return capacity.DeviceCapacity(worker=f"{socket.gethostname()}:{os.getpid()}", device=plan.device,
-                                   total_bytes=total)
+                                   total_bytes=total, devices=ctx.settings.worker_devices)
 
 
 class CapacityReporter(threading.Thread):
@@ -58,5 +60,6 @@ def start_reporting(ctx: WorkerContext) -> CapacityReporter | None:
         return None
     reporter = CapacityReporter(ctx, measure(ctx))
     reporter.start()
-    log.info("reporting %s with %d bytes for admission", reporter.report.device, reporter.report.total_bytes)
+    log.info("reporting %d x %s with %d bytes each for admission", reporter.report.devices, reporter.report.device,
+             reporter.report.total_bytes)
     return reporter

@@ -120,9 +120,10 @@ def recover_broker(factory: sessionmaker[Session], settings: Settings, queue: Ta
             # One outbox message per queued job, committed together; duplicates of surviving messages are
             # harmless because claiming is conditional.
             with session_scope(factory) as session:
-                queued = [job.id for job in store.jobs_in(session, statuses=[JobStatus.QUEUED])]
-                for job_id in queued:
-                    outbox.add_train(session, job_id=job_id)
+                jobs = store.jobs_in(session, statuses=[JobStatus.QUEUED])
+                for job in jobs:
+                    outbox.add_train(session, job_id=job.id, devices=job.devices)
+                queued = [job.id for job in jobs]
         except Exception:
             client.delete(BROKER_SENTINEL)  # the next round (here or in another worker) tries again
             raise

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from core.models import JobStatus, TaskKind
+from core.tasks import MAX_JOB_DEVICES
 
 INT32_MAX = 2**31 - 1  # steps, event ids and model_config values are 32-bit integer columns or smaller
 MAX_NESTING = 16  # deeper JSON in a free-form field cannot be a valid value; refused before it is serialized
@@ -45,6 +46,10 @@ class JobCreate(BaseModel):
     hyperparameters: dict[str, Any] = Field(
         default_factory=dict,
         description="Validated per task: see Hyperparameters (text-classification) and LMHyperparameters.")
+    devices: int = Field(
+        1, ge=1, le=MAX_JOB_DEVICES,
+        description="Devices to train on (DistributedDataParallel, one process each) on one worker that owns at "
+                    "least this many; hyperparameters keep their meaning: batch_size is split across them.")
     metadata: dict[str, str] = Field(default_factory=dict, description="Up to 16 string pairs for your own use.")
     priority: int = Field(0, ge=-100, le=100, description="Higher runs first among your team's queued jobs.")
 
@@ -100,6 +105,7 @@ class JobRead(BaseModel):
     label_column: str | None
     labels: list[Any]
     hyperparameters: dict[str, Any]
+    devices: int
     progress: Progress
     eta_seconds: float | None
     metrics: dict[str, float]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 from typing import Any
 
 from pydantic import BaseModel
@@ -15,7 +16,7 @@ from app.services import idempotency
 from core import scheduler, states
 from core.auth import Principal
 from core.base_models import resolve_base_model
-from core.capacity import largest_device
+from core.capacity import largest_device, live_workers
 from core.errors import Conflict, NotFound, TooManyRequests, ValidationFailed
 from core.estimate import Head, architecture, format_bytes, load_model_config, training_memory
 from core.hyperparams import Hyperparameters, LMHyperparameters
@@ -57,6 +58,7 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, principal
     if evaluation is not None:
         _require_column(evaluation, spec.text_column, "eval_dataset")
         _require_text(evaluation, spec.text_column, "eval_dataset")
+    _require_devices(settings, spec.devices)
     if spec.task == TaskKind.CAUSAL_LM:
         fields = _causal_lm_fields(settings, spec)
     else:
@@ -64,7 +66,7 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, principal
     job = Job(id=new_id("job"), tenant_id=principal.tenant_id, status=JobStatus.QUEUED, task=spec.task,
               base_model=spec.base_model, train_dataset_id=train.id, eval_dataset_id=spec.eval_dataset,
               text_column=spec.text_column, metadata_=spec.metadata, metrics={}, created_at=utcnow(),
-              priority=spec.priority, rerun_of=rerun_of, **fields)
+              devices=spec.devices, priority=spec.priority, rerun_of=rerun_of, **fields)
     try:
         states.create(session, job)  # the row, its `created` event and its outbox message
         idempotency.remember(session, principal, route=route, key=idempotency_key, request_hash=request_hash,
@@ -124,7 +126,7 @@ def _classification_fields(settings: Settings, spec: JobCreate, train: Dataset, 
         if unseen:
             raise ValidationFailed("eval_dataset", f"labels not present in the training data: {unseen[:10]}")
     _require_fit(settings, load_model_config(base_path), "base_model", head="classifier", hp=hp,
-                 seq_len=hp["max_length"], num_labels=len(labels))
+                 seq_len=hp["max_length"], num_labels=len(labels), devices=spec.devices)
     return {"base_model_path": base_path, "label_column": label_column, "labels": labels, "hyperparameters": hp}
 
 
@@ -142,7 +144,7 @@ def _causal_lm_fields(settings: Settings, spec: JobCreate) -> dict[str, Any]:
         context = base_config.get("max_position_embeddings") or base_config.get("n_positions")
         default_block = min(context, DEFAULT_BLOCK_SIZE) if isinstance(context, int) else DEFAULT_BLOCK_SIZE
         _require_fit(settings, base_config, "base_model", head="causal-lm", hp=hp,
-                     seq_len=hp["block_size"] or default_block)
+                     seq_len=hp["block_size"] or default_block, devices=spec.devices)
         return {"base_model_path": base_path, "hyperparameters": hp, "labels": []}
     try:
         architecture = validate_model_config(spec.architecture or {})
@@ -153,18 +155,33 @@ def _causal_lm_fields(settings: Settings, spec: JobCreate) -> dict[str, Any]:
         raise ValidationFailed("hyperparameters.block_size",
                                f"must not exceed model_config.n_positions ({architecture['n_positions']})")
     _require_fit(settings, {**architecture, "vocab_size": GPT2_VOCAB_SIZE, "model_type": "gpt2"}, "model_config",
-                 head="causal-lm", hp=hp, seq_len=resolve_block_size(hp["block_size"], architecture["n_positions"]))
+                 head="causal-lm", hp=hp, seq_len=resolve_block_size(hp["block_size"], architecture["n_positions"]),
+                 devices=spec.devices)
     return {"base_model_path": None, "model_config_": architecture, "hyperparameters": hp, "labels": []}
 
 
+def _require_devices(settings: Settings, devices: int) -> None:
+    """Refuse (422 does_not_fit) a job asking for more devices than any live training worker owns."""
+    if devices == 1:
+        return
+    workers = live_workers(settings.resolved_redis_url)
+    if not workers:
+        return  # none has reported yet (or Redis is unreadable): the job waits for a worker that owns enough
+    most = max(workers, key=lambda w: w.devices)
+    if devices > most.devices:
+        raise ValidationFailed("devices", f"devices={devices}, but the live training workers own at most "
+                               f"{most.devices} ({most.device} on {most.worker}); ask for at most {most.devices}",
+                               code="does_not_fit")
+
+
 def _require_fit(settings: Settings, model_config: dict[str, Any] | None, model_field: str, *, head: Head,
-                 hp: dict[str, Any], seq_len: int, num_labels: int = 2) -> None:
+                 hp: dict[str, Any], seq_len: int, num_labels: int = 2, devices: int = 1) -> None:
     """Refuse (422 does_not_fit) a job whose estimated peak memory exceeds the largest device a live worker
     reported, or TRAINSERVE_ASSUMED_DEVICE_BYTES while none has; without a config to estimate from, admit."""
     arch = architecture(model_config) if model_config else None
     if arch is None:
         return  # e.g. a hub id not in the local cache: the worker estimates once it has the config
-    device = largest_device(settings.resolved_redis_url)
+    device = largest_device(settings.resolved_redis_url, devices=devices)
     limit = device.total_bytes if device is not None else settings.assumed_device_bytes
     if not limit:
         return
@@ -173,7 +190,9 @@ def _require_fit(settings: Settings, model_config: dict[str, Any] | None, model_
     if precision == "auto":
         precision = "fp32" if device is not None and not device.is_cuda else "bf16"
     # GPUs run attention fused (no seq_len^2 scores); a CPU keeps the scores.
-    estimate = training_memory(arch, head=head, batch_size=hp["batch_size"], seq_len=seq_len, precision=precision,
+    # On N devices each one runs a share of every micro-batch (the job's batch_size is the global one).
+    estimate = training_memory(arch, head=head, batch_size=math.ceil(hp["batch_size"] / devices), seq_len=seq_len,
+                               precision=precision,
                                fused_attention=device is None or device.is_cuda, num_labels=num_labels)
     if estimate.total_bytes <= limit:
         return
@@ -272,7 +291,7 @@ def job_read(job: Job, *, placement: tuple[int, str] | None = None) -> JobRead:
         architecture=job.model_config_,
         train_dataset=job.train_dataset_id, eval_dataset=job.eval_dataset_id,
         text_column=job.text_column, label_column=job.label_column, labels=job.labels,
-        hyperparameters=job.hyperparameters,
+        hyperparameters=job.hyperparameters, devices=job.devices,
         progress=Progress(step=job.step, total_steps=total, epoch=round(job.epoch, 4), fraction=round(fraction, 4)),
         eta_seconds=None if job.is_terminal else job.eta_seconds,
         metrics=job.metrics or {}, device=job.device, error=job.error, attempts=job.attempts,

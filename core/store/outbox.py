@@ -9,7 +9,7 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from core.models import Job, JobStatus, OutboxMessage, utcnow
-from core.tasks import QUEUE_TRAIN, TASK_TRAIN
+from core.tasks import TASK_TRAIN, train_queue
 
 
 def add(session: Session, *, job_id: str, task: str, args: list[Any], queue: str) -> OutboxMessage:
@@ -20,9 +20,9 @@ def add(session: Session, *, job_id: str, task: str, args: list[Any], queue: str
     return message
 
 
-def add_train(session: Session, *, job_id: str) -> OutboxMessage:
-    """The training task message that runs (or resumes) a queued job."""
-    return add(session, job_id=job_id, task=TASK_TRAIN, args=[job_id], queue=QUEUE_TRAIN)
+def add_train(session: Session, *, job_id: str, devices: int) -> OutboxMessage:
+    """The training task message that runs (or resumes) a queued job, on the queue of its device count."""
+    return add(session, job_id=job_id, task=TASK_TRAIN, args=[job_id], queue=train_queue(devices))
 
 
 def take_unsent(session: Session, *, job_id: str | None = None, limit: int = 100) -> list[tuple[OutboxMessage, str]]:

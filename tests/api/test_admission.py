@@ -83,3 +83,20 @@ def test_the_largest_reported_device_is_the_limit(client, queue, board, corpus_i
 
     capacity.withdraw(board, "gpu:2")
     assert client.post("/jobs", json=default).status_code == 422
+
+
+def test_devices_beyond_every_live_worker_are_refused_and_others_go_to_their_size_queue(client, queue, board):
+    train = upload(client, tsv_bytes(sentiment_rows())).json()["id"]
+    two = job_body(train, devices=2)
+    assert client.post("/jobs", json=two).status_code == 201  # no worker has reported yet: it waits for one
+    capacity.publish(board, capacity.DeviceCapacity(worker="one:1", device="cuda:0", total_bytes=40 * GB), ttl_s=60)
+    capacity.publish(board, capacity.DeviceCapacity(worker="pair:2", device="cuda:0", total_bytes=40 * GB,
+                                                    devices=2), ttl_s=60)
+    message = _refused(client.post("/jobs", json=job_body(train, devices=3)), "devices")
+    assert "at most 2 (cuda:0 on pair:2)" in message
+    response = client.post("/jobs", json=two)
+    assert response.status_code == 201 and response.json()["devices"] == 2
+    assert [sent[2] for sent in queue.sent] == ["training.2", "training.2"]  # only 2-device workers consume it
+    for bad in (0, 65, "two"):
+        response = client.post("/jobs", json=job_body(train, devices=bad))
+        assert response.status_code == 422 and response.json()["error"]["field"] == "devices", response.text

@@ -15,8 +15,11 @@ from typing import Any
 
 import pytest
 import redis as redis_lib
+from fastapi.testclient import TestClient
 
-from tests.conftest import REDIS_URL
+from app.main import create_app
+from tests.conftest import REDIS_URL, make_key
+from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 
 INTEGRATION_REDIS = os.environ.get("TRAINSERVE_TEST_INTEGRATION_REDIS_URL", REDIS_URL.rsplit("/", 1)[0] + "/7")
 
@@ -41,10 +44,11 @@ def worker_env(settings, redis_url) -> dict[str, str]:
 def start_worker(worker_env, tmp_path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(queues: str = "training", device: str = "cpu") -> subprocess.Popen[bytes]:
+    def start(queues: str = "training", device: str = "cpu", devices: int = 1) -> subprocess.Popen[bytes]:
         log = open(tmp_path / f"worker-{queues}-{len(started)}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen([sys.executable, "-m", "trainserve.cli", "worker", "--device", device,
-                                 "--queues", queues], env=worker_env, stdout=log, stderr=subprocess.STDOUT)
+                                 "--devices", str(devices), "--queues", queues], env=worker_env, stdout=log,
+                                stderr=subprocess.STDOUT)
         started.append(proc)
         return proc
 
@@ -56,6 +60,25 @@ def start_worker(worker_env, tmp_path) -> Iterator[Callable[..., subprocess.Pope
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+@pytest.fixture()
+def live_client(settings, redis_url):
+    """An API client on the real Celery task queue (workers started by start_worker consume it)."""
+    settings.redis_url = redis_url
+    with TestClient(create_app(settings=settings)) as client:
+        client.headers["Authorization"] = f"Bearer {make_key(settings.resolved_database_url)}"
+        yield client
+
+
+def submit_job(client, tiny_bert_dir, devices: int = 1, **hp) -> str:
+    """POST a small sentiment job on the tiny BERT; returns its id."""
+    train = upload(client, tsv_bytes(sentiment_rows(4))).json()["id"]
+    hyper = {"epochs": 6, "batch_size": 8, "learning_rate": 1e-2, "max_length": 32, **hp}
+    response = client.post("/jobs", json=job_body(train, train, base_model=str(tiny_bert_dir), hyperparameters=hyper,
+                                                  devices=devices))
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:

@@ -6,36 +6,16 @@ import signal
 from collections import Counter
 
 import pytest
-from fastapi.testclient import TestClient
 
-from app.main import create_app
-from tests.conftest import make_key
-from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import submit_job, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-@pytest.fixture()
-def live_client(settings, redis_url):
-    settings.redis_url = redis_url
-    with TestClient(create_app(settings=settings)) as client:  # the real Celery task queue
-        client.headers["Authorization"] = f"Bearer {make_key(settings.resolved_database_url)}"
-        yield client
-
-
-def _job(client, tiny_bert_dir, **hp):
-    train = upload(client, tsv_bytes(sentiment_rows(4))).json()["id"]
-    hyper = {"epochs": 6, "batch_size": 8, "learning_rate": 1e-2, "max_length": 32, **hp}
-    response = client.post("/jobs", json=job_body(train, train, base_model=str(tiny_bert_dir), hyperparameters=hyper))
-    assert response.status_code == 201, response.text
-    return response.json()["id"]
 
 
 def test_job_succeeds_on_a_real_worker_and_serves_predictions(live_client, start_worker, tiny_bert_dir):
     start_worker("training")
     start_worker("inference", device="auto")
-    job_id = _job(live_client, tiny_bert_dir)
+    job_id = submit_job(live_client, tiny_bert_dir)
     seen_steps = set()
 
     def finished():
@@ -55,7 +35,7 @@ def test_job_succeeds_on_a_real_worker_and_serves_predictions(live_client, start
 
 def test_worker_shutdown_requeues_and_the_next_worker_resumes(live_client, start_worker, tiny_bert_dir):
     worker = start_worker("training")
-    job_id = _job(live_client, tiny_bert_dir, epochs=1, max_steps=150, eval_steps=None)
+    job_id = submit_job(live_client, tiny_bert_dir, epochs=1, max_steps=150, eval_steps=None)
     wait_for(lambda: live_client.get(f"/jobs/{job_id}").json()["progress"]["step"] >= 7, 120, "a few steps")
     worker.send_signal(signal.SIGTERM)  # warm shutdown: checkpoint, requeue, exit
     assert worker.wait(60) == 0

@@ -44,10 +44,10 @@ model.train()
 optimizer = build_adamw(model, learning_rate=1e-3, weight_decay=0.1, betas=(0.9, 0.95), plan=plan)
 
 class Task:
-    def loss(self, rows):
+    def loss(self, forward, rows):
         if kind == "causal-lm":
-            return next_token_loss(model, inputs[rows, :-1], inputs[rows, 1:])
-        return model(input_ids=inputs[rows, :-1], labels=labels[rows]).loss
+            return next_token_loss(forward, inputs[rows, :-1], inputs[rows, 1:])
+        return forward(input_ids=inputs[rows, :-1], labels=labels[rows]).loss
 
 for _ in range(2):
     train_step(model, optimizer, plan.grad_scaler(), plan, Task(), [list(range(batch))], 1e-3)

@@ -52,6 +52,22 @@ class DevicePlan:
         """A GradScaler that is active only for fp16 on CUDA (a pass-through otherwise)."""
         return torch.amp.GradScaler(self.device_type, enabled=self.use_grad_scaler)
 
+    @property
+    def backend(self) -> str:
+        """The torch.distributed backend for processes on this kind of device: NCCL on GPUs, gloo on CPUs."""
+        return "nccl" if self.is_cuda else "gloo"
+
+
+def rank_device(device: str, local_rank: int) -> str:
+    """The device of one process of a multi-device run: cuda:<local rank> on a GPU worker, else the CPU.
+
+    A worker owning N GPUs sees them (through CUDA_VISIBLE_DEVICES) as cuda:0..N-1, one per local rank.
+    """
+    name = device.strip().lower()
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    return f"cuda:{local_rank}"
+
 
 def resolve_device(device: str = "auto", precision: str = "auto", *, training: bool = False) -> DevicePlan:
     """Resolve "auto"/"cpu"/"cuda[:N]" and "auto"/"fp32"/"fp16"/"bf16" into a DevicePlan.

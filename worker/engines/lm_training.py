@@ -108,10 +108,10 @@ class CausalLMTask:
         return lm_data.epoch_steps(len(self.train_set), config.batch_size, config.gradient_accumulation_steps,
                                    config.seed, epoch)
 
-    def loss(self, micro_batch: np.ndarray) -> torch.Tensor:
+    def loss(self, model: torch.nn.Module, micro_batch: np.ndarray) -> torch.Tensor:
         """Mean next-token loss over the blocks (all hold block_size targets, so the mean is per token)."""
         inputs, targets = (t.to(self.plan.device) for t in self.train_set.batch(micro_batch))
-        return next_token_loss(self.model, inputs, targets)
+        return next_token_loss(model, inputs, targets)
 
     def evaluate(self) -> dict[str, float]:
         """Mean next-token loss over the chosen validation blocks and its perplexity."""

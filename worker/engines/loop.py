@@ -4,11 +4,14 @@ run(config, task) reads top to bottom: resolve the device, seed, build the task'
 resume from the latest checkpoint, then per optimizer step: learning rate from a pure schedule, forward
 and backward over the step's micro-batches (halving them after an out-of-memory error), clip, step,
 log; evaluate and checkpoint every N steps; stop (after a checkpoint) when asked. At the end evaluate
-once more and let the task save the model with its manifest.
+once more and let the task save the model with its manifest. On several devices (`dist`, one process each)
+the same loop runs on every rank with its share of each step (see worker.engines.distributed); rank 0 alone
+reports, evaluates and saves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -24,6 +27,7 @@ from core.estimate import MemoryEstimate, format_bytes
 from worker.engines import artifacts
 from worker.engines.data import steps_per_epoch
 from worker.engines.device import DevicePlan, device_memory, is_out_of_memory, release_memory, resolve_device
+from worker.engines.distributed import Dist, Replica, join
 
 MAX_GRAD_NORM = 1.0
 
@@ -48,6 +52,7 @@ class RunConfig:
     eval_steps: int | None = None
     checkpoint_steps: int | None = None
     device: str = "auto"
+    devices: int = 1  # processes (one per device) of a data-parallel run; more than one runs under torchrun
     memory_limit_bytes: int | None = None  # memory this run may use; None: the device's total (RAM on a CPU)
     base_model_name: str = ""
     dataset_hashes: Mapping[str, str] = field(default_factory=dict)
@@ -124,8 +129,8 @@ class Task(Protocol):
     def epoch_steps(self, epoch: int) -> Sequence[Sequence[Any]]:
         """One epoch as optimizer steps of micro-batches; a pure function of the epoch, so a resume can skip."""
 
-    def loss(self, micro_batch: Any) -> torch.Tensor:
-        """Mean training loss of one micro-batch (called in train mode, under autocast)."""
+    def loss(self, model: torch.nn.Module, micro_batch: Any) -> torch.Tensor:
+        """Mean training loss of one micro-batch through `model` (the built one or its DDP wrapper), under autocast."""
 
     def evaluate(self) -> dict[str, float] | None:
         """Eval metrics over the held-out data (called in eval mode, under inference_mode); None without any."""
@@ -159,15 +164,22 @@ class Progress:
         return {"loss_sum": self.loss_sum, self.unit: self.units, "runtime": self.runtime}
 
 
-def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None) -> TrainResult:
-    """Run (or resume) a training job to completion or cancellation."""
+def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None, dist: Dist | None = None
+        ) -> TrainResult:
+    """Run (or resume) a training job to completion or cancellation; `dist` when this process is one rank of many."""
     callbacks = callbacks or TrainCallbacks()
     check_config(config)
-    plan = resolve_device(config.device, config.precision, training=True)
-    seed_everything(config.seed)
+    plan = (resolve_device(config.device, config.precision, training=True) if dist is None
+            else join(dist, config.device, config.precision))
+    main = dist is None or dist.is_main
+    world = 1 if dist is None else dist.world_size
+    seed_everything(config.seed)  # the same on every rank: the same head init and the same step plan
 
     setup = task.build(plan)
     model = setup.model
+    replica = None if dist is None else Replica(dist, model, plan)
+    # A checkpoint resumes only at the world size it was written with (the runs' RNG streams differ).
+    identity = dict(setup.identity, world_size=world) if world > 1 else setup.identity
     optimizer = build_adamw(model, learning_rate=config.learning_rate, weight_decay=config.weight_decay,
                             betas=task.adam_betas, plan=plan)
     scaler = plan.grad_scaler()
@@ -179,25 +191,34 @@ def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None) 
     progress, resumed_from = Progress(task.unit), None
     checkpoint = artifacts.latest_checkpoint(config.checkpoint_dir)
     if checkpoint is not None:
-        state = artifacts.resume_state(checkpoint, model, optimizer, scaler, plan, setup.identity)
+        state = artifacts.resume_state(checkpoint, model, optimizer, scaler, plan, identity)
+        if state.get("world_size", 1) != world:
+            raise ValueError(f"{checkpoint} was written by a run on {state.get('world_size', 1)} device(s), this "
+                             f"one has {world}; resume it with the same number of devices")
         progress = Progress(task.unit, step=state["step"], loss_sum=state["loss_sum"], units=state[task.unit],
                             runtime=state["runtime"])
         resumed_from = progress.step
         callbacks.on_event("resumed", f"resumed from {checkpoint.name} at step {progress.step}")
     callbacks.on_start({"total_steps": total_steps, "steps_per_epoch": per_epoch, "warmup_steps": warmup_steps,
-                        **setup.info, "device": plan.device, "precision": plan.precision,
-                        "resumed_from_step": resumed_from})
+                        **setup.info, "device": plan.device if world == 1 else f"{plan.device_type} x{world}",
+                        "world_size": world, "precision": plan.precision, "resumed_from_step": resumed_from})
 
     def save_checkpoint() -> None:
-        state = dict(setup.identity, **progress.state())
+        if not main:  # every rank holds the same weights and optimizer state: one writes them
+            return
+        state = dict(identity, **progress.state())
         path = artifacts.save_checkpoint(config.checkpoint_dir, progress.step, model, optimizer, scaler, plan, state)
         callbacks.on_checkpoint(progress.step, path)
+
+    def should_stop() -> bool:
+        stop = callbacks.should_stop()
+        return stop if replica is None else replica.agree(stop)
 
     def cancelled() -> TrainResult:
         callbacks.on_event("cancelled", f"stopped at step {progress.step} of {total_steps}")
         return TrainResult("cancelled", progress.step, total_steps, progress.metrics(), None, {})
 
-    if callbacks.should_stop():  # cancelled while loading: nothing new to checkpoint
+    if should_stop():  # cancelled while loading: nothing new to checkpoint
         return cancelled()
 
     planned_epoch, steps = -1, list[Sequence[Any]]()
@@ -213,11 +234,14 @@ def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None) 
         while True:
             try:
                 loss, grad_norm, examples = train_step(model, optimizer, scaler, plan, task,
-                                                       split_micro_batches(list(steps[index]), split), lr)
+                                                       split_micro_batches(list(steps[index]), split), lr, replica)
                 break
             except Exception as exc:
                 if not is_out_of_memory(exc):
                     raise
+                if replica is not None:  # ranks cannot change their micro-batches apart: the peers would wait
+                    raise OutOfMemory(f"out of memory on {plan.device} in a run on {world} devices; lower "
+                                      "batch_size (and raise gradient_accumulation_steps)") from exc
                 split = _back_off(exc, list(steps[index]), split, optimizer, plan, callbacks)
         progress.runtime += time.perf_counter() - started
         progress.step += 1
@@ -228,19 +252,22 @@ def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None) 
             f"{task.unit}_per_second": progress.rate,
         })
 
-        if config.eval_steps is not None and progress.step < total_steps and progress.step % config.eval_steps == 0:
+        if (main and config.eval_steps is not None and progress.step < total_steps
+                and progress.step % config.eval_steps == 0):
             eval_metrics = evaluate(task, model, plan)
             if eval_metrics is not None:
                 callbacks.on_eval(progress.step, eval_metrics)
         checkpointed = config.checkpoint_steps is not None and progress.step % config.checkpoint_steps == 0
         if checkpointed:
             save_checkpoint()
-        if callbacks.should_stop():
+        if should_stop():
             if not checkpointed:
                 save_checkpoint()
             return cancelled()
 
     metrics = progress.metrics()
+    if not main:  # rank 0 evaluates and saves the one model
+        return TrainResult("completed", progress.step, total_steps, metrics, None, {})
     eval_metrics = evaluate(task, model, plan)
     if eval_metrics is not None:
         callbacks.on_eval(progress.step, eval_metrics)
@@ -252,7 +279,8 @@ def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None) 
         "lr_schedule": "linear", "warmup_ratio": config.warmup_ratio, "warmup_steps": warmup_steps,
         "weight_decay": config.weight_decay, "optimizer": "adamw", "adam_betas": list(task.adam_betas),
         "max_grad_norm": MAX_GRAD_NORM, "precision": plan.precision, "seed": config.seed,
-        "eval_steps": config.eval_steps, "checkpoint_steps": config.checkpoint_steps, **setup.hyperparameters,
+        "eval_steps": config.eval_steps, "checkpoint_steps": config.checkpoint_steps, "world_size": world,
+        **setup.hyperparameters,
     }
     manifest = task.save(metrics, hyperparameters, plan)
     callbacks.on_event("saved", f"model saved to {config.output_dir}")
@@ -260,20 +288,28 @@ def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None) 
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-               plan: DevicePlan, task: Task, micro_batches: list[Any], lr: float) -> tuple[float, float, int]:
-    """One optimizer step over its micro-batches; returns (mean loss, grad norm, examples)."""
+               plan: DevicePlan, task: Task, micro_batches: list[Any], lr: float, replica: Replica | None = None
+               ) -> tuple[float, float, int]:
+    """One optimizer step over its micro-batches (a rank's share of them); returns (mean loss, grad norm, examples)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     examples = sum(len(micro_batch) for micro_batch in micro_batches)
+    # Weighting by the micro-batch's share of examples makes the step's gradient the mean over all
+    # of them, exactly what one large batch would give (the last step of an epoch may be short).
+    if replica is None:
+        parts, weights, forward, scale = micro_batches, [len(m) / examples for m in micro_batches], model, 1.0
+    else:
+        (parts, weights), forward, scale = replica.share(micro_batches), replica.module, replica.gradient_scale
     step_loss = torch.zeros((), device=plan.device)
-    for micro_batch in micro_batches:
-        with plan.autocast():
-            loss = task.loss(micro_batch)
-        # Weighting by the micro-batch's share of examples makes the step's gradient the mean over all
-        # of them, exactly what one large batch would give (the last step of an epoch may be short).
-        share = loss * (len(micro_batch) / examples)
-        scaler.scale(share).backward()
+    for i, (part, weight) in enumerate(zip(parts, weights, strict=True)):
+        with contextlib.nullcontext() if replica is None else replica.sync_unless(last=i == len(parts) - 1):
+            with plan.autocast():
+                loss = task.loss(forward, part)
+            share = loss * weight
+            scaler.scale(share * scale if scale != 1.0 else share).backward()
         step_loss += share.detach().float()
+    if replica is not None:
+        step_loss = replica.total(step_loss)
     scaler.unscale_(optimizer)
     # foreach: one multi-tensor norm and scale over all parameters instead of one kernel per tensor.
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],

@@ -95,10 +95,10 @@ class ClassifierTask:
         return data.epoch_steps(self.train_set.lengths, config.batch_size, config.gradient_accumulation_steps,
                                 config.seed, epoch)
 
-    def loss(self, micro_batch: list[int]) -> torch.Tensor:
+    def loss(self, model: torch.nn.Module, micro_batch: list[int]) -> torch.Tensor:
         """The model's own cross-entropy over the rows, padded to the longest of them."""
         batch = data.collate(self.train_set, micro_batch)
-        return self.model(**{name: tensor.to(self.plan.device) for name, tensor in batch.items()}).loss
+        return model(**{name: tensor.to(self.plan.device) for name, tensor in batch.items()}).loss
 
     def evaluate(self) -> dict[str, float] | None:
         """Loss, accuracy and F1 over the whole eval set (see classification_metrics for which F1)."""

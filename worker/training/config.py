@@ -28,7 +28,7 @@ def build_config(settings: Settings, job: Job, train_path: Path, eval_path: Path
         "learning_rate": hp["learning_rate"], "warmup_ratio": hp["warmup_ratio"],
         "weight_decay": hp["weight_decay"], "gradient_accumulation_steps": hp["gradient_accumulation_steps"],
         "precision": hp["precision"], "seed": hp["seed"], "eval_steps": hp["eval_steps"],
-        "checkpoint_steps": settings.checkpoint_steps, "device": device,
+        "checkpoint_steps": settings.checkpoint_steps, "device": device, "devices": job.devices,
         "memory_limit_bytes": settings.worker_memory_bytes or None,
         "base_model_name": job.base_model or "", "dataset_hashes": hashes}
     if job.task == TaskKind.CAUSAL_LM:

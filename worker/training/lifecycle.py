@@ -10,11 +10,12 @@ from sqlalchemy.orm import Session
 from core import scheduler, states
 from core.db import session_scope
 from core.errors import NotFound, StaleAttempt
-from core.models import Job, JobStatus, utcnow
+from core.models import Job, JobStatus, is_valid_id, utcnow
 from core.relay import deliver_now
 from core.store import jobs as store
 from worker.context import WorkerContext
 from worker.engines.device import release_memory, resolve_device
+from worker.engines.launch import train_on_devices
 from worker.engines.lm_training import LMTrainConfig, train_lm
 from worker.engines.training import TrainResult, train
 from worker.recovery import Heartbeat
@@ -41,6 +42,10 @@ def run_training_job(ctx: WorkerContext, job_id: str) -> str:
             states.move(session, job, JobStatus.CANCELLED, attempt=attempt,
                         message="cancelled before training started")
             return JobStatus.CANCELLED
+        if job.devices > settings.worker_devices:  # routed by queue, so only a hand-made consumer gets here
+            states.move(session, job, JobStatus.FAILED, code="does_not_fit", attempt=attempt,
+                        message=f"the job asks for {job.devices} devices; this worker owns {settings.worker_devices}")
+            return JobStatus.FAILED
         try:
             config = config_for(settings, session, job, settings.worker_device)
         except ValueError as exc:
@@ -55,7 +60,7 @@ def run_training_job(ctx: WorkerContext, job_id: str) -> str:
                            receipt=receipt)
     try:
         with heartbeat:
-            result = train_lm(config, reporter) if isinstance(config, LMTrainConfig) else train(config, reporter)
+            result = run_engine(config, reporter)
     except Exception as exc:  # noqa: BLE001 - any failure ends the job with a recorded reason
         log.exception("job %s failed", job_id)
         # Engines name a specific failure (oom, ...) with a `code` attribute on the exception.
@@ -74,6 +79,13 @@ def run_training_job(ctx: WorkerContext, job_id: str) -> str:
         return LOST
 
 
+def run_engine(config: EngineConfig, reporter: JobReporter) -> TrainResult:
+    """The engine for the job: in this process on one device, under torchrun (rank 0 reporting) on several."""
+    if config.devices > 1:
+        return train_on_devices(config, reporter)
+    return train_lm(config, reporter) if isinstance(config, LMTrainConfig) else train(config, reporter)
+
+
 def release_memory_of(config: EngineConfig) -> None:
     """Give the device's cached memory back once a job ends, however it ended."""
     release_memory(resolve_device(config.device, config.precision, training=True))
@@ -82,7 +94,9 @@ def release_memory_of(config: EngineConfig) -> None:
 def _claim(ctx: WorkerContext, session: Session, job_id: str) -> Job | None:
     now = utcnow()
     device = ctx.settings.worker_device
-    job = scheduler.claim_next(session, ctx.settings, device=device, now=now)
+    named = session.get(Job, job_id) if is_valid_id(job_id) else None
+    # The message came on its job's size queue: claim among jobs of that size, whichever's turn it is.
+    job = scheduler.claim_next(session, ctx.settings, device=device, now=now, devices=named.devices if named else 1)
     if job is not None:
         return job
     try:

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# GPU check (issue 9, item 6), one prepared run sized for under 8 minutes on one lent GPU:
+#   1. the fine-tuning engine vs HF Trainer (group_by_length, fused AdamW, the same precision) on a BERT-base
+#      shaped model (BertConfig defaults, random weights) at sequence length 128, bf16 and fp16, with model
+#      FLOPs utilisation against the GPU's dense peak;
+#   2. generation tokens/s at 1, 32 and 128 concurrent requests: the engine vs sequential and batched
+#      `model.generate` (GPT-2 small shape, bf16), with the engine's time to first token;
+#   3. `trainserve worker --device cuda:N` sees exactly that GPU (and --device cpu none).
+# Prints one table; writes it and the details (JSON, the full log) under $OUT when set.
+#
+#   bash bench/gpu_check.sh           # on the GPU; carry .whl made by bench/gpu_wheels.sh (see bench/README.md)
+#   bash bench/gpu_check.sh --smoke   # or GPU_CHECK_SMOKE=1: everything shrunk, on the CPU, proves the script
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 1
+SMOKE=${GPU_CHECK_SMOKE:-0}
+[[ "${1:-}" == "--smoke" ]] && SMOKE=1
+DEST=${OUT:-$(mktemp -d /tmp/gpu-check.XXXXXX)}
+WORK=$(mktemp -d /tmp/gpu-check-work.XXXXXX)
+mkdir -p "$DEST"
+LOG="$DEST/log.txt"
+# The repo's venv where there is one (make setup), else python3 (the device image's, which holds CUDA torch).
+PY=${PYTHON:-python3}
+[[ -z "${PYTHON:-}" && -x .venv/bin/python ]] && PY=.venv/bin/python
+
+# The device image has torch but not this project's pins (transformers 4.x, huggingface-hub < 1) nor
+# datasets and pydantic: bench/gpu_wheels.sh downloads them here as .whl/, installed without the network.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
+    .whl/*.whl || exit 1
+  export PYTHONPATH="$WORK/site"
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+VOCAB=()
+[[ -f .whl/vocab.txt ]] && VOCAB=(--vocab .whl/vocab.txt)
+
+if [[ $SMOKE == 1 ]]; then
+  DEVICE=cpu PRECISIONS="bf16" CONCURRENCY="1 2 4" SEQUENTIAL=2
+  FINETUNE=(--model-config bert-mini --rows 64 --max-steps 2 --repeats 1 --max-length 32 --batch-size 8
+            --concat-rows 4 --dev "$WORK/dev.tsv")
+  GENERATE=(--layers 1 --max-new-tokens 4 --precision fp32)
+  head -n 65 examples/data/sst2_dev.tsv > "$WORK/dev.tsv"
+else
+  DEVICE=cuda PRECISIONS="bf16 fp16" CONCURRENCY="1 32 128" SEQUENTIAL=8
+  FINETUNE=(--model-config bert-base --rows 4000 --repeats 3 --max-length 128 --batch-size 64 --concat-rows 10)
+  GENERATE=(--layers 12 --max-new-tokens 64 --precision bf16)
+fi
+
+{
+  echo "gpu check $(date -u +%Y-%m-%dT%H:%MZ)$([[ $SMOKE == 1 ]] && echo ' (smoke: CPU, shrunk)')"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+  "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'transformers', transformers.__version__)"
+} > "$WORK/env.txt" 2>&1
+cat "$WORK/env.txt" | tee "$LOG"
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1)
+# Dense (no sparsity) bf16/fp16 tensor-core peaks from the datasheets; 0 leaves MFU out.
+case "$GPU_NAME" in
+  *H100*|*H200*) PEAK=989.4 ;;
+  *A100*) PEAK=312 ;;
+  *L40S*) PEAK=362 ;;
+  *) PEAK=0 ;;
+esac
+FAILED=()
+step() {  # step NAME COMMAND...: run it, append its output to the log, remember a failure and go on
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$LOG"
+  "$@" 2>&1 | grep --line-buffered -v -e "it/s\]" -e "examples/s\]" | tee -a "$LOG"
+  [[ ${PIPESTATUS[0]} == 0 ]] || FAILED+=("$name")
+}
+
+step device-pin "$PY" bench/device_pin_check.py --json "$DEST/device_pin.json"
+for precision in $PRECISIONS; do
+  step "finetune-$precision" "$PY" bench/finetune.py "${FINETUNE[@]}" "${VOCAB[@]}" --device "$DEVICE" \
+    --precision "$precision" --baseline-precision match --sides engine,hf-trainer-grouped --peak-tflops "$PEAK" \
+    --json "$DEST/finetune-$precision.json"
+done
+for c in $CONCURRENCY; do
+  extra=(--sequential -1)
+  [[ $c == 1 ]] && extra=(--sequential "$SEQUENTIAL")  # one prompt at a time does not depend on concurrency
+  step "generate-c$c" "$PY" bench/generate_engine.py "${GENERATE[@]}" --device "$DEVICE" --concurrency "$c" \
+    --requests $((c > 4 ? 2 * c : 8)) --max-batch-size $((c > 32 ? c : 32)) --batched "${extra[@]}" \
+    --text examples/data/tinyshakespeare.txt --json "$DEST/generate-c$c.json"
+done
+
+echo | tee -a "$LOG"
+"$PY" bench/gpu_report.py "$DEST" --env "$WORK/env.txt"
+rm -rf "$WORK"
+if (( ${#FAILED[@]} )); then
+  echo "FAILED: ${FAILED[*]} (see $LOG)"
+  exit 1
+fi
+echo "details in $DEST"

