@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 from core.auth import Principal, authenticate, refuse_query_credentials
 from core.queue import TaskQueue
 from core.settings import Settings
+from core.storage import ArtifactStore
 
 
 def get_session(request: Request) -> Iterator[Session]:
@@ -33,6 +34,12 @@ def get_task_queue(request: Request) -> TaskQueue:
     """The broker client the app was built with."""
     queue: TaskQueue = request.app.state.task_queue
     return queue
+
+
+def get_storage(request: Request) -> ArtifactStore:
+    """The artifact store the app was built with (datasets in, model archives out)."""
+    storage: ArtifactStore = request.app.state.storage
+    return storage
 
 
 # auto_error=False: a missing key is reported through the error envelope (401), not FastAPI's 403.
@@ -58,4 +65,5 @@ SessionDep = Annotated[Session, Depends(get_session)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 IdempotencyKeyDep = Annotated[str | None, Depends(get_idempotency_key)]
 SettingsDep = Annotated[Settings, Depends(get_app_settings)]
+StorageDep = Annotated[ArtifactStore, Depends(get_storage)]
 QueueDep = Annotated[TaskQueue, Depends(get_task_queue)]

@@ -21,6 +21,7 @@ from core.errors import (
     NotFound,
     PayloadTooLarge,
     QueueTimeout,
+    StorageUnavailable,
     TooManyRequests,
     UpstreamFailed,
     ValidationFailed,
@@ -39,6 +40,7 @@ STATUS_FOR: dict[type[DomainError], int] = {
     PayloadTooLarge: 413,
     BrokerUnavailable: 503,
     QueueTimeout: 503,
+    StorageUnavailable: 503,
     UpstreamFailed: 502,
     WorkerTimeout: 504,
 }

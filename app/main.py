@@ -19,6 +19,7 @@ from core.queue import CeleryTaskQueue, TaskQueue
 from core.redis_client import async_redis_from_url
 from core.relay import relay_thread
 from core.settings import Settings, get_settings
+from core.storage import open_storage
 
 
 def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = None) -> FastAPI:
@@ -30,6 +31,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
         engine = make_engine(resolved.resolved_database_url)
         celery = None if task_queue is not None else make_celery(resolved)
         app.state.settings = resolved
+        app.state.storage = open_storage(resolved)
         app.state.engine = engine
         app.state.sessionmaker = make_sessionmaker(engine)
         app.state.task_queue = task_queue or CeleryTaskQueue(celery)  # type: ignore[arg-type]

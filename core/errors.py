@@ -77,6 +77,12 @@ class BrokerUnavailable(DomainError):
     code: str = ErrorCode.BROKER_UNAVAILABLE
 
 
+class StorageUnavailable(DomainError):
+    """The artifact store (the storage folder or S3) refused or could not be reached."""
+
+    code: str = ErrorCode.STORAGE_UNAVAILABLE
+
+
 class WorkerTimeout(DomainError):
     """A worker did not answer a synchronous request in time."""
 

@@ -49,6 +49,7 @@ class ErrorCode(StrEnum):
     WORKER_LOST = "worker_lost"
     DATASET_MISSING = "dataset_missing"
     DOES_NOT_FIT = "does_not_fit"
+    STORAGE_UNAVAILABLE = "storage_unavailable"  # also a job failure: the artifact store could not be reached
 
 
 class ErrorBody(BaseModel):
@@ -143,7 +144,7 @@ class GenerateTask(BaseModel):
     """The broker message for one generation request (API -> generation worker)."""
 
     request_id: str
-    model: str  # the model's folder or hub id, as resolved by the API
+    model: str  # the model's folder, hub id, or a job id (fetched from the artifact store), as resolved by the API
     prompt: str
     params: SamplingParams
     deadline: float  # wall-clock time after which a worker drops the request unstarted

@@ -1,4 +1,7 @@
-"""Causal LMs that /generate can serve: <home>/models/<name>, finished causal-lm jobs, hub ids when online."""
+"""Causal LMs that /generate can serve: <home>/models/<name>, finished causal-lm jobs, hub ids when online.
+
+A job's model is named to the worker by its job id: the worker fetches it from the artifact store.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +16,6 @@ from sqlalchemy.orm import Session
 from core.base_models import HUB_ID, hub_model_available
 from core.errors import NotFound
 from core.models import Job, JobStatus, TaskKind, is_valid_id
-from core.paths import job_model_dir
 from core.settings import Settings
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -24,7 +26,7 @@ class ServedModel:
     """A model name clients use and where the worker loads it from."""
 
     id: str
-    path: str
+    path: str  # a folder on the worker's host, a hub id, or a job id (fetched from the artifact store)
     owned_by: str
     created: int
 
@@ -38,6 +40,11 @@ def _is_causal_lm(folder: Path) -> bool:
     has_weights = any(folder.glob("*.safetensors"))
     return has_weights and (any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in architectures)
                             or config.get("model_type") == "gpt2")
+
+
+def is_job_model(path: str) -> bool:
+    """Whether a ServedModel path names a trained job rather than a folder or a hub id."""
+    return path.startswith("job_") and is_valid_id(path)
 
 
 def local_models(settings: Settings) -> list[ServedModel]:
@@ -59,8 +66,7 @@ def job_models(session: Session, *, tenant: str | None) -> list[Job]:
 
 def list_served_models(session: Session, settings: Settings, *, tenant: str | None) -> list[ServedModel]:
     """Everything the caller can generate with (hub models are not enumerated)."""
-    jobs = [ServedModel(id=job.id, path=str(job_model_dir(settings, job.id).resolve()),
-                        owned_by=job.tenant_id, created=int(job.created_at.timestamp()))
+    jobs = [ServedModel(id=job.id, path=job.id, owned_by=job.tenant_id, created=int(job.created_at.timestamp()))
             for job in job_models(session, tenant=tenant)]
     return local_models(settings) + jobs
 
@@ -73,8 +79,7 @@ def resolve_served_model(session: Session, settings: Settings, *, name: str, ten
             raise NotFound(f"model {name!r} not found", field="model")
         if job.task != TaskKind.CAUSAL_LM or job.status != JobStatus.SUCCEEDED:
             raise NotFound(f"job {name!r} is not a finished causal-lm job", field="model")
-        return ServedModel(id=job.id, path=str(job_model_dir(settings, job.id).resolve()),
-                           owned_by=job.tenant_id, created=int(job.created_at.timestamp()))
+        return ServedModel(id=job.id, path=job.id, owned_by=job.tenant_id, created=int(job.created_at.timestamp()))
     if NAME_RE.match(name):
         folder = settings.home / "models" / name  # NAME_RE admits no separators, so this stays under models/
         if folder.is_dir() and _is_causal_lm(folder):

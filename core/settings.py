@@ -16,6 +16,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TRAINSERVE_", extra="ignore")
 
     home: Path = Field(Path("./var"), description="Folder for the SQLite file, datasets, artifacts, Redis socket.")
+    storage_url: str = Field(
+        "", description="Where datasets, checkpoints and models live: empty for <home> (one host), a folder "
+        "every host mounts, or s3://bucket/prefix (credentials and endpoint from the standard AWS_* variables).")
     database_url: str | None = Field(None, description="SQLAlchemy URL; default sqlite:///<home>/trainserve.db.")
     redis_url: str | None = Field(
         None, description="Broker and result backend; default: the embedded server's socket under <home>."

@@ -71,6 +71,24 @@ def factory(settings: Settings) -> Iterator[Any]:
     engine.dispose()
 
 
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One moto S3 server for the session (a real HTTP S3 API in its own process)."""
+    from tests.s3_server import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3") / "moto.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def s3_url(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A TRAINSERVE_STORAGE_URL on a fresh bucket; this process's AWS_* variables point at the test server."""
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    return f"s3://{s3_server.new_bucket()}/trainserve"
+
+
 def make_key(url: str, *, name: str = "test", tenant: str | None = None, admin: bool = False) -> str:
     """Create an API key directly in the database and return the raw key."""
     from core.auth import create_key

@@ -12,10 +12,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from core.paths import MANIFEST_NAME, job_model_dir
 from core.protocol import ClassifyResult, ClassifyTask, ErrorBody, ErrorCode, Prediction
 from core.tasks import abandoned_key, classify_reply_key
 from worker.context import WorkerContext
+from worker.sync import fetch_model
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +27,8 @@ def _classifiers(ctx: WorkerContext) -> Any:
 
 
 def classify_texts(ctx: WorkerContext, job_id: str, texts: list[str]) -> list[dict[str, Any]]:
-    """Predictions from a finished job's model; the model stays loaded in this process."""
-    model_dir = job_model_dir(ctx.settings, job_id)
-    if not (model_dir / MANIFEST_NAME).is_file():
-        raise FileNotFoundError(f"model of job {job_id} is not on this worker's disk")
+    """Predictions from a finished job's model: fetched from the store once per host, loaded once per process."""
+    model_dir = fetch_model(ctx.storage, job_id)
     result: list[dict[str, Any]] = ctx.service("classifiers", _classifiers).get(model_dir).predict(texts)
     return result
 

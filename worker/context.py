@@ -16,13 +16,14 @@ from core.db import make_engine, make_sessionmaker
 from core.queue import TaskQueue
 from core.redis_client import redis_from_url
 from core.settings import Settings
+from core.storage import ArtifactStore, open_storage
 
 T = TypeVar("T")
 
 
 @dataclass
 class WorkerContext:
-    """Settings, database sessions, the task queue, Redis and lazily built per-process services.
+    """Settings, database sessions, the task queue, Redis, the artifact store and lazily built per-process services.
 
     Tasks receive it from `worker.app` (which builds one after the fork); tests build their own with
     `WorkerContext(settings, queue=RecordingQueue())` and pass it in, so no module global needs resetting.
@@ -49,6 +50,11 @@ class WorkerContext:
     def redis(self) -> redis.Redis:
         """One Redis client (with its pool) per process, shared by task threads."""
         return redis_from_url(self.settings.resolved_redis_url, socket_timeout=10)
+
+    @cached_property
+    def storage(self) -> ArtifactStore:
+        """The artifact store: datasets and checkpoints come from it, checkpoints and models go to it."""
+        return open_storage(self.settings)
 
     def service(self, name: str, build: Callable[[WorkerContext], T]) -> T:
         """The process's instance of a long-lived service (model caches, servers), built on first use."""

@@ -19,9 +19,12 @@ from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 
 from core.protocol import AcceptedEvent, ChoiceOut, DoneEvent, ErrorCode, ErrorEvent, GenerateTask, TokenEvent, Usage
+from core.served_models import is_job_model
 from core.settings import Settings
+from core.storage import ArtifactStore
 from core.tasks import cancel_key, stream_key
 from worker.context import WorkerContext
+from worker.sync import fetch_model
 
 log = logging.getLogger(__name__)
 MB = 1024 * 1024
@@ -143,19 +146,22 @@ class EventWriter:
 class GenerationService:
     """One per generation worker process: the engine registry, Redis, and the request flow."""
 
-    def __init__(self, settings: Settings, redis: Any) -> None:
+    def __init__(self, settings: Settings, redis: Any, storage: ArtifactStore) -> None:
         self.settings = settings
         self.redis = redis
+        self.storage = storage
         self.registry = EngineRegistry(self._load, int(settings.generation_memory_budget_mb * MB), _footprint)
 
     @classmethod
     def build(cls, ctx: WorkerContext) -> GenerationService:
         """The factory for `ctx.service("generation", ...)`."""
-        return cls(ctx.settings, ctx.redis)
+        return cls(ctx.settings, ctx.redis, ctx.storage)
 
     def _load(self, model: str) -> Any:
         from worker.engines.generation import GenerationEngine
 
+        if is_job_model(model):  # a trained job's model: from the artifact store, cached on this host
+            model = str(fetch_model(self.storage, model))
         return GenerationEngine(model, device=self.settings.worker_device, max_batch_size=self.settings.max_batch_size,
                                 max_queue=self.settings.generation_queue_per_model * 4,
                                 cancelled_ids=self.cancelled_ids)

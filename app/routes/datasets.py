@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from starlette.concurrency import run_in_threadpool
 
-from app.deps import IdempotencyKeyDep, PrincipalDep, SessionDep, SettingsDep
+from app.deps import IdempotencyKeyDep, PrincipalDep, SessionDep, SettingsDep, StorageDep
 from app.errors import ERROR_RESPONSES
 from app.schemas.common import Page
 from app.schemas.datasets import DatasetRead, DatasetSummary
@@ -17,12 +17,12 @@ router = APIRouter(prefix="/datasets", tags=["datasets"], responses=ERROR_RESPON
 
 
 @router.post("", status_code=201, response_model=DatasetRead)
-async def create_dataset(session: SessionDep, settings: SettingsDep, principal: PrincipalDep,
+async def create_dataset(session: SessionDep, settings: SettingsDep, storage: StorageDep, principal: PrincipalDep,
                          idempotency_key: IdempotencyKeyDep,
                          file: Annotated[UploadFile, File(description="CSV, TSV, JSONL or TXT, by extension.")],
                          name: Annotated[str | None, Form(max_length=200)] = None) -> DatasetRead:
     """Upload a dataset; it is parsed and validated row by row before anything is stored."""
-    dataset = await run_in_threadpool(service.create_dataset, session, settings, principal,
+    dataset = await run_in_threadpool(service.create_dataset, session, settings, storage, principal,
                                       filename=file.filename or "", stream=file.file, name=name,
                                       idempotency_key=idempotency_key)
     return service.dataset_read(settings, dataset)
@@ -44,6 +44,6 @@ def get_dataset(session: SessionDep, settings: SettingsDep, principal: Principal
 
 
 @router.delete("/{dataset_id}", status_code=204)
-def delete_dataset(session: SessionDep, settings: SettingsDep, principal: PrincipalDep, dataset_id: str) -> None:
+def delete_dataset(session: SessionDep, storage: StorageDep, principal: PrincipalDep, dataset_id: str) -> None:
     """Delete a dataset that no unfinished job needs."""
-    service.delete_dataset(session, settings, principal, dataset_id=dataset_id)
+    service.delete_dataset(session, storage, principal, dataset_id=dataset_id)

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
-from app.deps import IdempotencyKeyDep, PrincipalDep, QueueDep, SessionDep, SettingsDep
+from app.deps import IdempotencyKeyDep, PrincipalDep, QueueDep, SessionDep, SettingsDep, StorageDep
 from app.errors import ERROR_RESPONSES
 from app.schemas.common import Page
 from app.schemas.jobs import (
@@ -103,10 +103,10 @@ def cancel_job(job_id: str, session: SessionDep, queue: QueueDep, principal: Pri
 
 @router.get("/{job_id}/artifacts/{artifact_id}/download", response_class=FileResponse,
             responses={200: {"content": {"application/x-tar": {}}}})
-def download_artifact(job_id: str, artifact_id: str, session: SessionDep, settings: SettingsDep,
+def download_artifact(job_id: str, artifact_id: str, session: SessionDep, storage: StorageDep,
                       principal: PrincipalDep) -> FileResponse:
-    """A model or checkpoint folder as a tar archive."""
-    path, filename = artifact_service.pack_artifact(session, settings, principal, job_id=job_id,
+    """A model or checkpoint folder as a tar archive, from the artifact store."""
+    path, filename = artifact_service.pack_artifact(session, storage, principal, job_id=job_id,
                                                     artifact_id=artifact_id)
     return FileResponse(path, media_type="application/x-tar", filename=filename,
                         background=BackgroundTask(path.unlink, missing_ok=True))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import os
+import logging
 import re
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -16,11 +16,14 @@ from app.services import idempotency
 from core.auth import Principal
 from core.errors import PayloadTooLarge, ValidationFailed
 from core.models import Dataset, new_id, utcnow
+from core.paths import dataset_key
 from core.settings import Settings
+from core.storage import ArtifactStore
 from core.store import datasets as store
 from core.store.paging import decode_cursor, split_page
 from core.tabular import bounded_stats, format_for, summarize_file
 
+log = logging.getLogger(__name__)
 NAME_RE = re.compile(r"^[\w .,()+-]{1,200}$")
 CHUNK = 1024 * 1024
 ROUTE = "POST /datasets"
@@ -40,9 +43,9 @@ def spool_limited(stream: BinaryIO, target: Path, limit: int) -> tuple[str, int]
     return digest.hexdigest(), size
 
 
-def create_dataset(session: Session, settings: Settings, principal: Principal, *, filename: str,
-                   stream: BinaryIO, name: str | None, idempotency_key: str | None = None) -> Dataset:
-    """Spool an upload to disk, parse and validate it row by row, then move it under a server-chosen path
+def create_dataset(session: Session, settings: Settings, storage: ArtifactStore, principal: Principal, *,
+                   filename: str, stream: BinaryIO, name: str | None, idempotency_key: str | None = None) -> Dataset:
+    """Spool an upload to disk, parse and validate it row by row, then store it under a server-chosen key
     and commit the row."""
     filename = Path(filename or "").name  # never trust a client path
     if not filename:
@@ -54,10 +57,9 @@ def create_dataset(session: Session, settings: Settings, principal: Principal, *
         raise ValidationFailed("name", "use 1-200 letters, digits, spaces and . , ( ) + - _")
     dataset_id = new_id("ds")
     # Server-chosen name; the (validated) extension is kept because readers pick the format by it.
-    relative = Path("datasets") / f"{dataset_id}{Path(filename).suffix.lower()}"
-    target = settings.home / relative
-    target.parent.mkdir(parents=True, exist_ok=True)
-    part = target.with_suffix(".part")
+    key = dataset_key(f"{dataset_id}{Path(filename).suffix.lower()}")
+    part = storage.work_path(key).with_suffix(".part")
+    part.parent.mkdir(parents=True, exist_ok=True)
     try:
         sha256, size = spool_limited(stream, part, settings.max_upload_bytes)
         request_hash = idempotency.fingerprint(sha256 + "\0" + filename + "\0" + (name or ""))
@@ -68,14 +70,14 @@ def create_dataset(session: Session, settings: Settings, principal: Principal, *
             return store.get_dataset(session, dataset_id=replayed)
         summary = summarize_file(part, fmt, max_rows=settings.max_dataset_rows,
                                  max_columns=settings.max_dataset_columns)
-        os.replace(part, target)  # readers never see a half-written file
+        storage.move_in(part, key)  # a rename, or an upload: readers never see a half-written file
     except BaseException:
         part.unlink(missing_ok=True)
         raise
     dataset = Dataset(
         id=dataset_id, tenant_id=principal.tenant_id, name=name or filename, filename=filename, format=fmt,
         rows=summary.rows, columns=summary.columns, column_stats=summary.stats, sha256=sha256,
-        size_bytes=size, path=str(relative), created_at=utcnow(),
+        size_bytes=size, path=key, created_at=utcnow(),
     )
     try:
         store.add_dataset(session, dataset=dataset)
@@ -85,7 +87,7 @@ def create_dataset(session: Session, settings: Settings, principal: Principal, *
     except IntegrityError:
         # A concurrent request with the same Idempotency-Key won the race: answer with its dataset.
         session.rollback()
-        target.unlink(missing_ok=True)
+        _discard(storage, key)
         replayed = idempotency.replayed_id(session, principal, route=ROUTE, key=idempotency_key,
                                            request_hash=request_hash)
         if replayed is None:
@@ -93,7 +95,7 @@ def create_dataset(session: Session, settings: Settings, principal: Principal, *
         return store.get_dataset(session, dataset_id=replayed)
     except BaseException:
         session.rollback()
-        target.unlink(missing_ok=True)
+        _discard(storage, key)
         raise
     return dataset
 
@@ -117,8 +119,16 @@ def list_datasets(session: Session, principal: Principal, *, limit: int, cursor:
     return split_page(store.list_datasets(session, limit=limit + 1, tenant=principal.scope, after=after), limit)
 
 
-def delete_dataset(session: Session, settings: Settings, principal: Principal, *, dataset_id: str) -> None:
-    """Delete the row, commit, then remove the file."""
+def delete_dataset(session: Session, storage: ArtifactStore, principal: Principal, *, dataset_id: str) -> None:
+    """Delete the row, commit, then remove the stored file."""
     dataset = store.delete_dataset(session, dataset_id=dataset_id, tenant=principal.scope)
     session.commit()
-    (settings.home / dataset.path).unlink(missing_ok=True)
+    _discard(storage, dataset.path)
+
+
+def _discard(storage: ArtifactStore, key: str) -> None:
+    """Remove a stored file nothing refers to any more; a store that fails here leaves an orphan, not an error."""
+    try:
+        storage.delete(key)
+    except Exception:  # noqa: BLE001 - the row is already gone or never was; the client's answer stands
+        log.warning("could not delete %s from %s; it is left behind", key, storage.url, exc_info=True)

@@ -44,11 +44,11 @@ def worker_env(settings, redis_url) -> dict[str, str]:
 def start_worker(worker_env, tmp_path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(queues: str = "training", device: str = "cpu", devices: int = 1) -> subprocess.Popen[bytes]:
+    def start(queues: str = "training", device: str = "cpu", devices: int = 1, **env: str) -> subprocess.Popen[bytes]:
         log = open(tmp_path / f"worker-{queues}-{len(started)}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen([sys.executable, "-m", "trainserve.cli", "worker", "--device", device,
-                                 "--devices", str(devices), "--queues", queues], env=worker_env, stdout=log,
-                                stderr=subprocess.STDOUT)
+                                 "--devices", str(devices), "--queues", queues], env={**worker_env, **env},
+                                stdout=log, stderr=subprocess.STDOUT)
         started.append(proc)
         return proc
 

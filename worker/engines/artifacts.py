@@ -18,17 +18,24 @@ import safetensors.torch
 import torch
 import transformers
 
+from core.paths import MANIFEST_NAME
 from worker.engines.device import DevicePlan
 
-MANIFEST = "manifest.json"
+MANIFEST = MANIFEST_NAME
 KEEP_CHECKPOINTS = 2
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-_STATE = "state.json"  # written last inside a checkpoint: its presence marks a complete one
+STATE = "state.json"  # written last inside a checkpoint: its presence marks a complete one
 
 
 def checkpoint_path(checkpoint_dir: Path, step: int) -> Path:
     """Folder of the checkpoint taken after optimizer step `step`."""
     return Path(checkpoint_dir) / f"checkpoint-{step}"
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint folder's name (checkpoint-<step>), or None for any other name."""
+    match = _CHECKPOINT.match(name)
+    return int(match.group(1)) if match else None
 
 
 def list_checkpoints(checkpoint_dir: Path) -> list[Path]:
@@ -38,9 +45,9 @@ def list_checkpoints(checkpoint_dir: Path) -> list[Path]:
         return []
     found = []
     for child in root.iterdir():
-        match = _CHECKPOINT.match(child.name)
-        if match and (child / _STATE).is_file():
-            found.append((int(match.group(1)), child))
+        step = checkpoint_step(child.name)
+        if step is not None and (child / STATE).is_file():
+            found.append((step, child))
     return [path for _, path in sorted(found)]
 
 
@@ -65,7 +72,7 @@ def save_checkpoint(checkpoint_dir: Path, step: int, model: torch.nn.Module, opt
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scaler.state_dict(), tmp / "scaler.pt")
     torch.save(_rng_state(plan), tmp / "rng.pt")
-    (tmp / _STATE).write_text(json.dumps(dict(state, step=step), indent=2))
+    (tmp / STATE).write_text(json.dumps(dict(state, step=step), indent=2))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)  # a rename within one folder: readers see all of it or none
@@ -84,7 +91,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     if scaler_state:
         scaler.load_state_dict(scaler_state)
     _set_rng_state(torch.load(path / "rng.pt", weights_only=True), plan)
-    return json.loads((path / _STATE).read_text())
+    return json.loads((path / STATE).read_text())
 
 
 def _rng_state(plan: DevicePlan) -> dict[str, Any]:

@@ -1,15 +1,18 @@
-"""The engine's frozen config, built from a job row and its datasets."""
+"""The engine's frozen config, built from a job row and its datasets (fetched from the artifact store)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session
 
 from core.models import Job, TaskKind
-from core.paths import from_home, job_checkpoints_dir, job_model_dir
+from core.paths import job_checkpoints_dir, job_model_dir
+from core.protocol import ErrorCode
 from core.settings import Settings
+from core.storage import ArtifactStore
 from core.store import datasets as dataset_store
 from worker.engines.lm_training import LMTrainConfig
 from worker.engines.training import TrainConfig
@@ -40,15 +43,40 @@ def build_config(settings: Settings, job: Job, train_path: Path, eval_path: Path
                        freeze_word_embeddings=hp.get("freeze_word_embeddings", False))  # absent on older jobs
 
 
-def config_for(settings: Settings, session: Session, job: Job, device: str) -> EngineConfig:
-    """Resolve the job's datasets and build its config; ValueError when the training dataset is gone."""
+class DatasetMissing(ValueError):
+    """A job's dataset row or its stored file is gone."""
+
+    code = ErrorCode.DATASET_MISSING
+
+
+@dataclass(frozen=True)
+class JobInputs:
+    """The stored datasets a job trains on: their storage keys and content hashes."""
+
+    train: str
+    eval: str | None
+    hashes: dict[str, str]
+
+
+def job_inputs(session: Session, job: Job) -> JobInputs:
+    """Read the job's dataset rows; DatasetMissing when the training dataset was deleted."""
     if job.train_dataset_id is None:
-        raise ValueError("the training dataset was deleted")
+        raise DatasetMissing("the training dataset was deleted")
     train_ds = dataset_store.get_dataset(session, dataset_id=job.train_dataset_id)
     hashes = {"train": train_ds.sha256}
-    eval_path = None
+    eval_key = None
     if job.eval_dataset_id is not None:
         eval_ds = dataset_store.get_dataset(session, dataset_id=job.eval_dataset_id)
-        eval_path = from_home(settings, eval_ds.path)
+        eval_key = eval_ds.path
         hashes["eval"] = eval_ds.sha256
-    return build_config(settings, job, from_home(settings, train_ds.path), eval_path, hashes, device)
+    return JobInputs(train=train_ds.path, eval=eval_key, hashes=hashes)
+
+
+def config_for(settings: Settings, storage: ArtifactStore, job: Job, inputs: JobInputs, device: str) -> EngineConfig:
+    """Fetch the datasets (cached on this host) and build the job's config; DatasetMissing if one is not stored."""
+    try:
+        train_path = storage.fetch_file(inputs.train)
+        eval_path = storage.fetch_file(inputs.eval) if inputs.eval is not None else None
+    except FileNotFoundError as exc:
+        raise DatasetMissing(str(exc)) from exc
+    return build_config(settings, job, train_path, eval_path, inputs.hashes, device)

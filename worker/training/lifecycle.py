@@ -1,4 +1,5 @@
-"""A training job's lifecycle: claim the row, run the engine, record how it ended; every move via core.states."""
+"""A training job's lifecycle: claim the row, fetch its inputs, run the engine, store the model, record how it
+ended; every move via core.states."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from worker.engines.launch import train_on_devices
 from worker.engines.lm_training import LMTrainConfig, train_lm
 from worker.engines.training import TrainResult, train
 from worker.recovery import Heartbeat
-from worker.training.config import EngineConfig, config_for
+from worker.sync import clear_work, pull_checkpoint, push_model, storage_errors
+from worker.training.config import EngineConfig, JobInputs, config_for, job_inputs
 from worker.training.receipt import base_receipt
 from worker.training.reporter import JobReporter, artifact_row
 
@@ -32,12 +34,22 @@ LOST = "lost"  # the attempt stopped holding the job while it ran: its writes we
 def run_training_job(ctx: WorkerContext, job_id: str) -> str:
     """Claim the job whose turn it is (core.scheduler; `job_id`, the message's job, only if it was running on a
     worker that went silent) and run it; returns the status it ended in, 'skipped' or 'lost'."""
+    ran: list[str] = []
+    status = _run(ctx, job_id, ran)
+    if ran and status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED):
+        clear_work(ctx.storage, ctx.settings, ran[0])  # the store has all that is kept; no host hoards copies
+    return status
+
+
+def _run(ctx: WorkerContext, job_id: str, ran: list[str]) -> str:
+    """Claim, run and record one job; appends the id of the job it claimed to `ran`."""
     settings = ctx.settings
     with session_scope(ctx.sessions) as session:
         job = _claim(ctx, session, job_id)
         if job is None:
             return SKIPPED
         job_id, attempt = job.id, job.attempts
+        ran.append(job_id)
         if job.cancel_requested_at is not None:
             states.move(session, job, JobStatus.CANCELLED, attempt=attempt,
                         message="cancelled before training started")
@@ -47,27 +59,32 @@ def run_training_job(ctx: WorkerContext, job_id: str) -> str:
                         message=f"the job asks for {job.devices} devices; this worker owns {settings.worker_devices}")
             return JobStatus.FAILED
         try:
-            config = config_for(settings, session, job, settings.worker_device)
+            inputs = job_inputs(session, job)
         except ValueError as exc:
             states.move(session, job, JobStatus.FAILED, code="dataset_missing", message=str(exc), attempt=attempt)
             return JobStatus.FAILED
         store.add_event(session, job_id=job_id, kind="claimed", message=f"attempt {attempt} claimed by a worker",
                         attempt=attempt)
-        receipt = base_receipt(job, config)
 
     heartbeat = Heartbeat(ctx.sessions, settings, job_id, attempt)
     reporter = JobReporter(ctx.sessions, settings, job_id, attempt, lost=heartbeat.lost, shutdown=ctx.shutdown,
-                           receipt=receipt)
+                           storage=ctx.storage)
+    config: EngineConfig | None = None
     try:
-        with heartbeat:
+        with heartbeat:  # downloads and uploads count as the attempt's work: the reaper leaves it alone meanwhile
+            config = _prepare(ctx, job, inputs)
+            reporter.receipt = base_receipt(job, config)
             result = run_engine(config, reporter)
+            if result.status == "completed" and result.model_dir is not None and not heartbeat.lost.is_set():
+                push_model(ctx.storage, job_id, result.model_dir)
     except Exception as exc:  # noqa: BLE001 - any failure ends the job with a recorded reason
         log.exception("job %s failed", job_id)
         # Engines name a specific failure (oom, ...) with a `code` attribute on the exception.
         code = str(getattr(exc, "code", "training_error"))
         return _end(ctx, job_id, attempt, JobStatus.FAILED, f"{type(exc).__name__}: {exc}", code=code)
     finally:
-        release_memory_of(config)
+        if config is not None:
+            release_memory_of(config)
     if heartbeat.lost.is_set():
         log.warning("job %s attempt %d lost its claim; leaving the row to the newer attempt", job_id, attempt)
         return LOST
@@ -84,6 +101,14 @@ def run_engine(config: EngineConfig, reporter: JobReporter) -> TrainResult:
     if config.devices > 1:
         return train_on_devices(config, reporter)
     return train_lm(config, reporter) if isinstance(config, LMTrainConfig) else train(config, reporter)
+
+
+def _prepare(ctx: WorkerContext, job: Job, inputs: JobInputs) -> EngineConfig:
+    """Fetch the datasets and the newest stored checkpoint to this host, then build the engine's config."""
+    with storage_errors(f"fetch the inputs of {job.id} from {ctx.storage.url}"):
+        config = config_for(ctx.settings, ctx.storage, job, inputs, ctx.settings.worker_device)
+    pull_checkpoint(ctx.storage, ctx.settings, job.id)
+    return config
 
 
 def release_memory_of(config: EngineConfig) -> None:

@@ -1,4 +1,5 @@
-"""JobReporter: the engine's callbacks, writing progress, metric points, events and checkpoints to the row.
+"""JobReporter: the engine's callbacks, writing progress, metric points, events and checkpoints to the row
+(each checkpoint uploaded to the artifact store before its row is written).
 
 Every write carries the attempt number: once the attempt no longer holds the job (the reaper requeued it
 and another worker claimed it) the store refuses the write, and the reporter tells the engine to stop.
@@ -20,17 +21,19 @@ from sqlalchemy.orm import Session, sessionmaker
 from core.db import session_scope
 from core.errors import StaleAttempt
 from core.models import Artifact, WebhookEventType, new_id, utcnow
-from core.paths import from_home, relative_to_home
+from core.paths import relative_to_home
 from core.settings import Settings
+from core.storage import ArtifactStore, open_storage
 from core.store import jobs as store
 from core.store import webhooks
 from worker.engines.training import TrainCallbacks
+from worker.sync import push_checkpoint
 
 log = logging.getLogger(__name__)
 
 
 def artifact_row(settings: Settings, job_id: str, kind: str, path: Path, step: int | None) -> Artifact:
-    """An artifact row for a folder the engine wrote under home."""
+    """An artifact row for a folder the engine wrote under home (its path relative to home is its storage key)."""
     files = [p for p in path.rglob("*") if p.is_file()]
     return Artifact(id=new_id("art"), job_id=job_id, kind=kind, path=relative_to_home(settings, path), step=step,
                     size_bytes=sum(p.stat().st_size for p in files),
@@ -42,9 +45,10 @@ class JobReporter(TrainCallbacks):
 
     def __init__(self, factory: sessionmaker[Session], settings: Settings, job_id: str, attempt: int, *,
                  lost: threading.Event | None = None, shutdown: threading.Event | None = None,
-                 receipt: dict[str, Any] | None = None) -> None:
+                 storage: ArtifactStore | None = None, receipt: dict[str, Any] | None = None) -> None:
         self.factory = factory
         self.settings = settings
+        self.storage = storage or open_storage(settings)
         self.job_id = job_id
         self.attempt = attempt
         self.checkpoint_steps = settings.checkpoint_steps
@@ -95,11 +99,20 @@ class JobReporter(TrainCallbacks):
         self._event("eval", f"step {step}: {summary}", data=dict(metrics))
 
     def on_checkpoint(self, step: int, path: Path) -> None:
+        if self.lost.is_set():
+            return  # a newer attempt holds the job: its checkpoints in the store are not ours to replace
+        try:
+            push_checkpoint(self.storage, self.job_id, path)
+        except Exception as exc:  # noqa: BLE001 - training goes on; the next checkpoint is uploaded again
+            log.warning("job %s: checkpoint at step %d not stored", self.job_id, step, exc_info=True)
+            self._event("checkpoint_not_stored", f"checkpoint at step {step} could not be stored ({exc}); "
+                        "training goes on and the next one is tried", level="warning")
+            return
         with self._fenced() as session:
             store.fence(session, job_id=self.job_id, attempt=self.attempt)
             job = store.get_job(session, job_id=self.job_id)
             for old in [a for a in job.artifacts if a.kind == "checkpoint"]:
-                if not from_home(self.settings, old.path).exists():  # rotated away by the engine
+                if not self.storage.exists(old.path):  # rotated away
                     session.delete(old)
             store.add_artifact(session, artifact=artifact_row(self.settings, self.job_id, "checkpoint", path, step),
                                attempt=self.attempt)
