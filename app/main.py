@@ -11,7 +11,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from app.access_log import install_access_log_redaction
 from app.errors import install_error_handlers
 from app.limits import BodyLimitMiddleware, UploadSlotsMiddleware
-from app.routes import classify, datasets, generation, health, jobs, webhooks
+from app.routes import classify, datasets, generation, health, jobs, sweeps, webhooks
 from app.services.generation import GenerationGateway
 from core.celery_app import make_celery
 from core.db import make_engine, make_sessionmaker
@@ -60,7 +60,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     origins = [o.strip() for o in (settings or get_settings()).cors_origins.split(",") if o.strip()]
     if origins:
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
-    for router in (health.router, datasets.router, jobs.router, classify.router, generation.router,
+    for router in (health.router, datasets.router, jobs.router, sweeps.router, classify.router, generation.router,
                    webhooks.router):
         app.include_router(router)
     return app

@@ -8,6 +8,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 Precision = Literal["auto", "fp16", "bf16", "fp32"]
 
+# The eval metrics each task kind reports, and whether greater is better (metric_for_best is checked here).
+EVAL_METRICS: dict[str, dict[str, bool]] = {
+    "text-classification": {"eval_loss": False, "eval_accuracy": True, "eval_f1": True},
+    "causal-lm": {"eval_loss": False, "perplexity": False},
+}
+
+
+def greater_is_better(task: str, metric: str) -> bool:
+    """Direction of one of a task kind's eval metrics (KeyError for a metric the kind does not report)."""
+    return EVAL_METRICS[task][metric]
+
 
 def _learning_rate(default: float) -> Any:
     return Field(default, gt=0, le=1, description="Peak AdamW learning rate.")
@@ -28,6 +39,13 @@ class TrainingHyperparameters(BaseModel):
     precision: Precision = Field(
         "auto", description="auto: bf16/fp16 on CUDA by capability; CPU bf16 autocast if calibrated faster, else fp32.")
     eval_steps: int | None = Field(None, ge=1, le=10_000_000, description="Evaluate every N steps (and at the end).")
+    metric_for_best: str = Field(
+        "eval_loss", min_length=1, max_length=64,
+        description="Eval metric that picks the best evaluation, whose weights become the job's model.")
+    early_stopping_patience: int | None = Field(
+        None, ge=1, le=10_000, description="Stop after this many evaluations without improvement; null: never.")
+    early_stopping_threshold: float = Field(
+        0.0, ge=0, le=1e6, description="An improvement must exceed this to count for early stopping.")
 
 
 class Hyperparameters(TrainingHyperparameters):

@@ -135,9 +135,43 @@ class Dataset(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
 
 
+class SweepStatus(enum.StrEnum):
+    """A sweep runs until every trial has ended (succeeded) or it is cancelled."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    CANCELLED = "cancelled"
+
+
+class Sweep(Base):
+    """A search over hyperparameters: its trials are fixed at creation, its child jobs are created as slots free."""
+
+    __tablename__ = "sweeps"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    status: Mapped[str] = mapped_column(String(16), default=SweepStatus.RUNNING, index=True)
+    method: Mapped[str] = mapped_column(String(16))
+    parameters: Mapped[dict[str, Any]] = mapped_column(JSON)  # the search space as submitted
+    job_spec: Mapped[dict[str, Any]] = mapped_column(JSON)  # the base job as submitted
+    template: Mapped[dict[str, Any]] = mapped_column(JSON)  # validated job columns every child shares
+    trials: Mapped[list[dict[str, Any]]] = mapped_column(JSON)  # per trial: params and resolved hyperparameters
+    parallelism: Mapped[int] = mapped_column(Integer)
+    metric: Mapped[str] = mapped_column(String(64))
+    greater_is_better: Mapped[bool] = mapped_column(Boolean)
+    pruning: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    best_job_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+    children: Mapped[list[Job]] = relationship(back_populates="sweep", order_by="Job.sweep_index")
+
+
 class Job(Base):
     __tablename__ = "jobs"
-    __table_args__ = (Index("ix_jobs_status_tenant_id", "status", "tenant_id"),)  # the scheduler's lookups
+    # One child per trial: a second advancer creating the same trial fails on this, never duplicates it.
+    __table_args__ = (UniqueConstraint("sweep_id", "sweep_index", name="uq_jobs_sweep_id_sweep_index"),
+                      Index("ix_jobs_status_tenant_id", "status", "tenant_id"))  # the scheduler's lookups
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(String(64), index=True, default=DEFAULT_TENANT,
@@ -180,7 +214,13 @@ class Job(Base):
     run_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
     receipt: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     rerun_of: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    best: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # {step, metric, value}
+    stop_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    sweep_id: Mapped[str | None] = mapped_column(ForeignKey("sweeps.id", ondelete="SET NULL"), nullable=True,
+                                                 index=True)
+    sweep_index: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
+    sweep: Mapped[Sweep | None] = relationship(back_populates="children")
     artifacts: Mapped[list[Artifact]] = relationship(
         back_populates="job", order_by="Artifact.created_at", cascade="all, delete-orphan"
     )

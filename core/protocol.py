@@ -246,13 +246,15 @@ class ClassifyResult(BaseModel):
 class RankMessage(BaseModel):
     """What rank 0 of a multi-device training run tells the worker process that launched it (one per callback).
 
-    `kind` names the engine callback (start, log, eval, checkpoint, event, should_stop) or the end (result,
-    error); `name` is the event kind, the result's status or the error's code.
+    `kind` names the engine callback (start, log, eval, checkpoint, best, event, should_stop, stop_reason) or
+    the end (result, error); `name` is the event kind, the result's status or the error's code. A result's
+    `message` is its stop reason and `info` its best evaluation; a best's `info` is {step, metric, value}.
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["start", "log", "eval", "checkpoint", "event", "should_stop", "result", "error"]
+    kind: Literal["start", "log", "eval", "checkpoint", "best", "event", "should_stop", "stop_reason", "result",
+                  "error"]
     step: int = 0
     epoch: float = 0.0
     total_steps: int = 0

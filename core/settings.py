@@ -49,6 +49,9 @@ class Settings(BaseSettings):
     outbox_interval_s: float = Field(
         5.0, description="How often the outbox relay (API and training workers) retries unsent task messages; "
                          "it backs off to 30 s while the broker refuses.")
+    sweep_interval_s: float = Field(
+        10.0, description="How often training workers advance running sweeps (creating children a crash missed).")
+    max_sweep_trials: int = Field(100, description="Most trials one sweep may have (422 beyond).")
     cancel_grace_s: float = Field(60.0, description="Seconds a cancelled job may take to stop before its worker exits.")
     max_new_tokens: int = Field(1024, description="Upper bound of max_new_tokens / max_tokens.")
     generation_queue_per_model: int = Field(64, description="Generation requests in flight per model (429 beyond).")

@@ -19,7 +19,7 @@ from core.errors import DomainError, StorageUnavailable
 from core.paths import MANIFEST_NAME, job_checkpoints_dir, job_checkpoints_key, job_dir, job_model_key
 from core.settings import Settings
 from core.storage import ArtifactStore
-from worker.engines.artifacts import KEEP_CHECKPOINTS, STATE, checkpoint_step, latest_checkpoint
+from worker.engines.artifacts import STATE, checkpoint_step, latest_checkpoint, list_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -43,31 +43,38 @@ def stored_checkpoints(storage: ArtifactStore, job_id: str) -> list[int]:
 
 
 def pull_checkpoint(storage: ArtifactStore, settings: Settings, job_id: str) -> int | None:
-    """Download the newest stored checkpoint when this host has none as recent; its step, or None."""
+    """Download the stored checkpoints when this host has none as recent; the newest step, or None.
+
+    The store holds what the engine keeps (the latest and the best): both come, since the loop restores the
+    best weights at the end of the run.
+    """
     if storage.is_home:
         return None
     with storage_errors(f"list the checkpoints of {job_id} in {storage.url}"):
         steps = stored_checkpoints(storage, job_id)
         if not steps:
             return None
-        local = latest_checkpoint(job_checkpoints_dir(settings, job_id))
+        root = job_checkpoints_dir(settings, job_id)
+        local = latest_checkpoint(root)
         if local is not None and (checkpoint_step(local.name) or 0) >= steps[-1]:
             return None
-        name = f"checkpoint-{steps[-1]}"
-        storage.download_dir(f"{job_checkpoints_key(job_id)}/{name}", job_checkpoints_dir(settings, job_id) / name,
-                             marker=STATE)
-    log.info("job %s: downloaded %s from %s", job_id, name, storage.url)
+        have = {checkpoint_step(p.name) for p in list_checkpoints(root)}
+        for step in steps:
+            if step not in have:
+                storage.download_dir(f"{job_checkpoints_key(job_id)}/checkpoint-{step}", root / f"checkpoint-{step}",
+                                     marker=STATE)
+    log.info("job %s: downloaded checkpoints up to %d from %s", job_id, steps[-1], storage.url)
     return steps[-1]
 
 
 def push_checkpoint(storage: ArtifactStore, job_id: str, path: Path) -> None:
-    """Upload a checkpoint folder (state.json last), then drop stored ones older than the last few."""
+    """Upload a checkpoint folder (state.json last), then drop the older stored ones the engine no longer keeps."""
     if storage.is_home:
         return  # the engine wrote it in place and rotated the old ones
     key = job_checkpoints_key(job_id)
     with storage_errors(f"upload {path.name} of {job_id} to {storage.url}"):
         storage.upload_dir(path, f"{key}/{path.name}", marker=STATE)
-        keep = set(stored_checkpoints(storage, job_id)[-KEEP_CHECKPOINTS:])
+        keep = {checkpoint_step(p.name) for p in list_checkpoints(path.parent)}  # the latest and the best
         current = checkpoint_step(path.name) or 0
         for name in storage.children(key):
             step = checkpoint_step(name)

@@ -13,6 +13,7 @@ from app.errors import ERROR_RESPONSES
 from app.schemas.common import Page
 from app.schemas.jobs import (
     INT32_MAX,
+    CheckpointList,
     EventList,
     EventRead,
     JobComparison,
@@ -22,6 +23,7 @@ from app.schemas.jobs import (
     MetricPointRead,
 )
 from app.services import artifacts as artifact_service
+from app.services import checkpoints as checkpoint_service
 from app.services import jobs as service
 from app.services import reruns
 from core.store import jobs as store
@@ -93,6 +95,14 @@ def get_events(job_id: str, session: SessionDep, principal: PrincipalDep,
     service.get_job(session, principal, job_id=job_id)
     events = store.list_events(session, job_id=job_id, after_id=after, limit=limit)
     return EventList(job_id=job_id, data=[EventRead.model_validate(e) for e in events])
+
+
+@router.get("/{job_id}/checkpoints", response_model=CheckpointList)
+def list_checkpoints(job_id: str, session: SessionDep, principal: PrincipalDep,
+                     since_step: Annotated[int, Query(ge=0, le=INT32_MAX)] = 0,
+                     limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> CheckpointList:
+    """Every evaluation with its metrics, which one is best (the served model) and what can be downloaded."""
+    return checkpoint_service.list_checkpoints(session, principal, job_id=job_id, since_step=since_step, limit=limit)
 
 
 @router.post("/{job_id}/cancel", response_model=JobRead)

@@ -92,6 +92,14 @@ class ArtifactRead(BaseModel):
     download_url: str
 
 
+class BestRead(BaseModel):
+    """The evaluation whose weights are the job's model."""
+
+    step: int
+    metric: str
+    value: float
+
+
 class JobRead(BaseModel):
     id: str
     object: Literal["job"] = "job"
@@ -113,6 +121,10 @@ class JobRead(BaseModel):
     error: dict[str, Any] | None
     attempts: int
     cancel_requested: bool
+    best: BestRead | None = Field(None, description="The best evaluation of metric_for_best; the served model.")
+    stop_reason: str | None = Field(
+        None, description="Succeeded jobs: completed, early_stopping, or pruned (a sweep's median rule).")
+    sweep_id: str | None = None
     artifacts: list[ArtifactRead]
     created_at: datetime
     started_at: datetime | None
@@ -169,3 +181,22 @@ class EventRead(BaseModel):
 class EventList(BaseModel):
     job_id: str
     data: list[EventRead]
+
+
+class CheckpointRead(BaseModel):
+    """One evaluation of a job, with the checkpoint taken there while it is kept (the best and the latest)."""
+
+    id: str
+    object: Literal["checkpoint"] = "checkpoint"
+    step: int
+    metrics: dict[str, float]
+    is_best: bool
+    created_at: datetime
+    artifact_id: str | None = Field(description="Set while the weights of this step can be downloaded.")
+    download_url: str | None
+
+
+class CheckpointList(BaseModel):
+    job_id: str
+    best: BestRead | None
+    data: list[CheckpointRead]

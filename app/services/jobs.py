@@ -11,7 +11,7 @@ from pydantic import ValidationError as PydanticValidationError
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.schemas.jobs import ArtifactRead, JobCreate, JobRead, Progress
+from app.schemas.jobs import ArtifactRead, BestRead, JobCreate, JobRead, Progress
 from app.services import idempotency
 from core import scheduler, states
 from core.auth import Principal
@@ -19,7 +19,7 @@ from core.base_models import resolve_base_model
 from core.capacity import largest_device, live_workers
 from core.errors import Conflict, NotFound, TooManyRequests, ValidationFailed
 from core.estimate import Head, architecture, format_bytes, load_model_config, training_memory
-from core.hyperparams import Hyperparameters, LMHyperparameters
+from core.hyperparams import EVAL_METRICS, Hyperparameters, LMHyperparameters
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
 from core.models import ACTIVE, Dataset, Job, JobStatus, TaskKind, new_id, utcnow
 from core.queue import TaskQueue
@@ -47,26 +47,8 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, principal
                                        request_hash=request_hash)
     if replayed is not None:
         return store.get_job(session, job_id=replayed)
-    active = store.count_jobs(session, tenant=principal.tenant_id, statuses=sorted(ACTIVE))
-    if active >= settings.max_active_jobs_per_tenant:
-        raise TooManyRequests(f"{active} jobs are queued or running; the limit per tenant is "
-                              f"{settings.max_active_jobs_per_tenant}", retry_after=30, code="quota_exceeded")
-    train = _dataset(session, principal, spec.train_dataset, "train_dataset")
-    evaluation = _dataset(session, principal, spec.eval_dataset, "eval_dataset") if spec.eval_dataset else None
-    _require_column(train, spec.text_column, "text_column")
-    _require_text(train, spec.text_column, "train_dataset")
-    if evaluation is not None:
-        _require_column(evaluation, spec.text_column, "eval_dataset")
-        _require_text(evaluation, spec.text_column, "eval_dataset")
-    _require_devices(settings, spec.devices)
-    if spec.task == TaskKind.CAUSAL_LM:
-        fields = _causal_lm_fields(settings, spec)
-    else:
-        fields = _classification_fields(settings, spec, train, evaluation)
-    job = Job(id=new_id("job"), tenant_id=principal.tenant_id, status=JobStatus.QUEUED, task=spec.task,
-              base_model=spec.base_model, train_dataset_id=train.id, eval_dataset_id=spec.eval_dataset,
-              text_column=spec.text_column, metadata_=spec.metadata, metrics={}, created_at=utcnow(),
-              devices=spec.devices, priority=spec.priority, rerun_of=rerun_of, **fields)
+    require_quota(session, settings, principal)
+    job = prepare_job(session, settings, principal, spec=spec)
     try:
         states.create(session, job)  # the row, its `created` event and its outbox message
         idempotency.remember(session, principal, route=route, key=idempotency_key, request_hash=request_hash,
@@ -90,6 +72,50 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, principal
         raise
     deliver_now(session, queue, job_id=job.id)
     return job
+
+
+def require_quota(session: Session, settings: Settings, principal: Principal, *, adding: int = 1) -> None:
+    """429 when `adding` more active jobs would exceed the tenant's limit."""
+    active = store.count_jobs(session, tenant=principal.tenant_id, statuses=sorted(ACTIVE))
+    if active + adding > settings.max_active_jobs_per_tenant:
+        raise TooManyRequests(f"{active} jobs are queued or running; the limit per tenant is "
+                              f"{settings.max_active_jobs_per_tenant}", retry_after=30, code="quota_exceeded")
+
+
+def prepare_job(session: Session, settings: Settings, principal: Principal, *, spec: JobCreate) -> Job:
+    """Validate a request against its datasets and the server's limits; the new (unsaved) queued job."""
+    train = _dataset(session, principal, spec.train_dataset, "train_dataset")
+    evaluation = _dataset(session, principal, spec.eval_dataset, "eval_dataset") if spec.eval_dataset else None
+    _require_column(train, spec.text_column, "text_column")
+    _require_text(train, spec.text_column, "train_dataset")
+    if evaluation is not None:
+        _require_column(evaluation, spec.text_column, "eval_dataset")
+        _require_text(evaluation, spec.text_column, "eval_dataset")
+    _require_devices(settings, spec.devices)
+    if spec.task == TaskKind.CAUSAL_LM:
+        fields = _causal_lm_fields(settings, spec)
+    else:
+        fields = _classification_fields(settings, spec, train, evaluation)
+    _require_best_metric(spec, fields["hyperparameters"], has_eval=evaluation is not None)
+    return Job(id=new_id("job"), tenant_id=principal.tenant_id, status=JobStatus.QUEUED, task=spec.task,
+               base_model=spec.base_model, train_dataset_id=train.id, eval_dataset_id=spec.eval_dataset,
+               text_column=spec.text_column, metadata_=spec.metadata, metrics={}, created_at=utcnow(),
+               devices=spec.devices, **fields)
+
+
+def _require_best_metric(spec: JobCreate, hp: dict[str, Any], *, has_eval: bool) -> None:
+    """metric_for_best must be one the task kind reports; early stopping needs evaluations during the run."""
+    reported = EVAL_METRICS[spec.task]
+    if hp["metric_for_best"] not in reported:
+        raise ValidationFailed("hyperparameters.metric_for_best",
+                               f"{spec.task} jobs report {', '.join(reported)}; got {short(hp['metric_for_best'])}")
+    if hp["early_stopping_patience"] is None:
+        return
+    if hp["eval_steps"] is None:
+        raise ValidationFailed("hyperparameters.eval_steps",
+                               "early_stopping_patience needs eval_steps: evaluations during the run")
+    if spec.task == TaskKind.TEXT_CLASSIFICATION and not has_eval:
+        raise ValidationFailed("eval_dataset", "early_stopping_patience needs an eval_dataset to evaluate on")
 
 
 def _hyperparameters(model: type[BaseModel], raw: dict[str, Any]) -> dict[str, Any]:
@@ -269,17 +295,22 @@ def cancel_job(session: Session, queue: TaskQueue, principal: Principal, *, job_
     if job.is_terminal:
         raise Conflict(f"job {job_id!r} has already {job.status}; only queued or running jobs can be cancelled",
                        field="status")
-    now = utcnow()
-    job.cancel_requested_at = job.cancel_requested_at or now
-    if job.status == JobStatus.QUEUED:
-        states.move(session, job, JobStatus.CANCELLED, message="cancelled before it started", now=now)
-    else:
-        store.add_event(session, job_id=job.id, kind="cancel_requested",
-                        message="cancel requested; the worker stops after the current step")
+    request_cancel(session, job)
     session.commit()
     if job.status == JobStatus.CANCELLED and job.task_id:
         queue.revoke(job.task_id)
     return job
+
+
+def request_cancel(session: Session, job: Job, *, why: str = "") -> None:
+    """Cancel a queued job now, or flag a running one to stop after its step; the caller commits and revokes."""
+    now = utcnow()
+    job.cancel_requested_at = job.cancel_requested_at or now
+    if job.status == JobStatus.QUEUED:
+        states.move(session, job, JobStatus.CANCELLED, message=f"cancelled before it started{why}", now=now)
+    else:
+        store.add_event(session, job_id=job.id, kind="cancel_requested",
+                        message=f"cancel requested{why}; the worker stops after the current step")
 
 
 def job_read(job: Job, *, placement: tuple[int, str] | None = None) -> JobRead:
@@ -296,6 +327,7 @@ def job_read(job: Job, *, placement: tuple[int, str] | None = None) -> JobRead:
         eta_seconds=None if job.is_terminal else job.eta_seconds,
         metrics=job.metrics or {}, device=job.device, error=job.error, attempts=job.attempts,
         cancel_requested=job.cancel_requested_at is not None,
+        best=BestRead(**job.best) if job.best else None, stop_reason=job.stop_reason, sweep_id=job.sweep_id,
         artifacts=[ArtifactRead(id=a.id, kind=a.kind, step=a.step, size_bytes=a.size_bytes, files=a.files,
                                 created_at=a.created_at,
                                 download_url=f"/jobs/{job.id}/artifacts/{a.id}/download")

@@ -8,6 +8,7 @@ from sqlalchemy.orm import Session, defer
 from core.errors import Conflict, NotFound
 from core.models import ACTIVE, Dataset, Job, is_valid_id
 from core.store.paging import before_cursor
+from core.store.sweeps import running_sweep_using
 
 
 def add_dataset(session: Session, *, dataset: Dataset) -> Dataset:
@@ -51,6 +52,9 @@ def delete_dataset(session: Session, *, dataset_id: str, tenant: str | None = No
     )
     if busy is not None:
         raise Conflict(f"dataset {dataset_id!r} is used by unfinished job {busy!r}")
+    sweep = running_sweep_using(session, dataset_id=dataset_id)
+    if sweep is not None:
+        raise Conflict(f"dataset {dataset_id!r} is used by running sweep {sweep!r}")
     session.delete(dataset)
     session.flush()
     return dataset

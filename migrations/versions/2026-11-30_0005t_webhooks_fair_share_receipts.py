@@ -1,7 +1,7 @@
 """webhooks, fair-share scheduling columns and reproducibility receipts
 
 Revision ID: 0005t
-Revises: 0005p
+Revises: 0005e
 Create Date: 2026-11-30 06:20:00.000000
 """
 from collections.abc import Sequence
@@ -12,7 +12,7 @@ from alembic import op
 import core.models
 
 revision: str = '0005t'
-down_revision: str | None = '0005p'
+down_revision: str | None = '0005e'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

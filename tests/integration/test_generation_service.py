@@ -7,22 +7,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 
-from app.main import create_app
-from tests.conftest import make_key
 from tests.integration.conftest import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "data" / "tinyshakespeare_sample.txt"
-
-
-@pytest.fixture()
-def live_client(settings, redis_url):
-    settings.redis_url = redis_url
-    with TestClient(create_app(settings=settings)) as client:
-        client.headers["Authorization"] = f"Bearer {make_key(settings.resolved_database_url)}"
-        yield client
 
 
 def test_train_a_gpt2_then_generate_stream_and_burst(live_client, start_worker, settings):

@@ -178,12 +178,12 @@ def test_cancel_saves_a_checkpoint_and_resume_matches_an_uninterrupted_run(tmp_p
     assert resumed.metrics["train_loss"] == pytest.approx(reference.metrics["train_loss"], rel=1e-6)
 
 
-def test_periodic_checkpoints_keep_the_last_two(tmp_path, tiny_model):
+def test_periodic_checkpoints_keep_only_the_latest_without_a_best(tmp_path, tiny_model):
     recorder = Recorder()
     config = make_config(tmp_path, tiny_model, max_steps=4, checkpoint_steps=1, eval_file=None)
     result = train(config, recorder)
     assert [step for step, _ in recorder.checkpoints] == [1, 2, 3, 4]
-    assert sorted(p.name for p in config.checkpoint_dir.iterdir()) == ["checkpoint-3", "checkpoint-4"]
+    assert sorted(p.name for p in config.checkpoint_dir.iterdir()) == ["checkpoint-4"]  # no eval set, no best
     assert "eval_accuracy" not in result.metrics
     # A rerun finds the final checkpoint and only writes the model again.
     again = train(config, Recorder())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -34,8 +35,11 @@ def _checkpoint(settings: Settings, step: int) -> Path:
 def test_a_second_host_resumes_from_the_newest_complete_checkpoint(s3_url, tmp_path, monkeypatch):
     a_settings, a = _host(s3_url, tmp_path / "a")
     for step in (5, 10, 15):
-        push_checkpoint(a, JOB, _checkpoint(a_settings, step))
-    assert stored_checkpoints(a, JOB) == [10, 15]  # older ones are rotated out of the store too
+        path = _checkpoint(a_settings, step)
+        if step == 15:  # the engine keeps the latest and the best (say 10) and prunes the rest
+            shutil.rmtree(path.parent / "checkpoint-5")
+        push_checkpoint(a, JOB, path)
+    assert stored_checkpoints(a, JOB) == [10, 15]  # the store keeps what the engine keeps
     # Host A dies while uploading step 20: its weights are stored, its state.json is not.
     put = a._put
 

@@ -22,7 +22,6 @@ from core.paths import MANIFEST_NAME
 from worker.engines.device import DevicePlan
 
 MANIFEST = MANIFEST_NAME
-KEEP_CHECKPOINTS = 2
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 STATE = "state.json"  # written last inside a checkpoint: its presence marks a complete one
 
@@ -58,8 +57,9 @@ def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
 
 
 def save_checkpoint(checkpoint_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scaler: torch.amp.GradScaler, plan: DevicePlan, state: dict[str, Any]) -> Path:
-    """Write weights, optimizer/scaler/RNG state and loop state atomically; keep the last few."""
+                    scaler: torch.amp.GradScaler, plan: DevicePlan, state: dict[str, Any],
+                    keep_steps: set[int] | frozenset[int] = frozenset()) -> Path:
+    """Write weights, optimizer/scaler/RNG state and loop state atomically; prune all but it and `keep_steps`."""
     root = Path(checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(root, step)
@@ -76,16 +76,23 @@ def save_checkpoint(checkpoint_dir: Path, step: int, model: torch.nn.Module, opt
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)  # a rename within one folder: readers see all of it or none
-    for old in list_checkpoints(root)[:-KEEP_CHECKPOINTS]:
-        shutil.rmtree(old, ignore_errors=True)
+    # The new one is complete before anything goes: a crash mid-prune leaves extra folders, never none.
+    for old in list_checkpoints(root):
+        if old != final and checkpoint_step(old.name) not in keep_steps:
+            shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def load_weights(path: Path, model: torch.nn.Module, plan: DevicePlan) -> None:
+    """Load only a checkpoint's model weights (the best evaluation's, to be saved as the final model)."""
+    safetensors.torch.load_model(model, str(Path(path) / "model.safetensors"), strict=True, device=plan.device)
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler, plan: DevicePlan) -> dict[str, Any]:
     """Restore a checkpoint into model/optimizer/scaler and the RNGs; return the loop state."""
     path = Path(path)
-    safetensors.torch.load_model(model, str(path / "model.safetensors"), strict=True, device=plan.device)
+    load_weights(path, model, plan)
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=plan.device, weights_only=True))
     scaler_state = torch.load(path / "scaler.pt", weights_only=True)
     if scaler_state:

@@ -110,6 +110,10 @@ def _serve(connection: Connection, process: subprocess.Popen[bytes], callbacks: 
             raise LaunchFailed(f"rank 0 closed its channel without a result: {_tail(output)}") from None
         if message.kind == "should_stop":
             connection.send_bytes(b"1" if callbacks.should_stop() else b"0")
+        elif message.kind == "stop_reason":
+            connection.send_bytes((callbacks.stop_reason() or "").encode())
+        elif message.kind == "best":
+            callbacks.on_best(message.step, message.info)
         elif message.kind == "start":
             callbacks.on_start(message.info)
         elif message.kind == "log":
@@ -125,7 +129,8 @@ def _serve(connection: Connection, process: subprocess.Popen[bytes], callbacks: 
         else:
             process.wait(timeout=120)  # the other ranks end right after their last step
             return TrainResult(message.name, message.step, message.total_steps, message.metrics,
-                               Path(message.path) if message.path else None, message.manifest)
+                               Path(message.path) if message.path else None, message.manifest,
+                               stop_reason=message.message or None, best=message.info or None)
 
 
 def _end(process: subprocess.Popen[bytes]) -> None:
@@ -170,9 +175,16 @@ class RankZeroCallbacks(TrainCallbacks):
     def on_event(self, kind: str, message: str) -> None:
         self.send(kind="event", name=kind, message=message)
 
+    def on_best(self, step: int, best: dict[str, Any]) -> None:
+        self.send(kind="best", step=step, info=best)
+
     def should_stop(self) -> bool:
         self.send(kind="should_stop")
         return self.connection.recv_bytes() == b"1"
+
+    def stop_reason(self) -> str | None:
+        self.send(kind="stop_reason")
+        return self.connection.recv_bytes().decode() or None
 
 
 def main(argv: list[str]) -> int:
@@ -199,8 +211,8 @@ def main(argv: list[str]) -> int:
         leave()
     if reporter is not None:
         reporter.send(kind="result", name=result.status, step=result.global_step, total_steps=result.total_steps,
-                      metrics=result.metrics, manifest=result.manifest,
-                      path=str(result.model_dir) if result.model_dir else None)
+                      metrics=result.metrics, manifest=result.manifest, message=result.stop_reason or "",
+                      info=result.best or {}, path=str(result.model_dir) if result.model_dir else None)
     return 0
 
 

@@ -3,10 +3,12 @@
 run(config, task) reads top to bottom: resolve the device, seed, build the task's model and an AdamW,
 resume from the latest checkpoint, then per optimizer step: learning rate from a pure schedule, forward
 and backward over the step's micro-batches (halving them after an out-of-memory error), clip, step,
-log; evaluate and checkpoint every N steps; stop (after a checkpoint) when asked. At the end evaluate
-once more and let the task save the model with its manifest. On several devices (`dist`, one process each)
-the same loop runs on every rank with its share of each step (see worker.engines.distributed); rank 0 alone
-reports, evaluates and saves.
+log; evaluate every N steps (a new best of `metric_for_best` is checkpointed at once; `early_stopping_patience`
+evaluations without one, or a callback's stop reason, end the run early), checkpoint every M steps (pruning all
+but the latest and the best); stop (after a checkpoint) when asked. At the end evaluate once more, put the best
+evaluation's weights back and let the task save the model with its manifest. On several devices (`dist`, one
+process each) the same loop runs on every rank with its share of each step (see worker.engines.distributed);
+rank 0 alone reports, evaluates, decides an early stop (the others follow it) and saves.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from core.estimate import MemoryEstimate, format_bytes
 from worker.engines import artifacts
+from worker.engines.best import BestTracker
 from worker.engines.data import steps_per_epoch
 from worker.engines.device import DevicePlan, device_memory, is_out_of_memory, release_memory, resolve_device
 from worker.engines.distributed import Dist, Replica, join
@@ -51,6 +54,10 @@ class RunConfig:
     seed: int = 42
     eval_steps: int | None = None
     checkpoint_steps: int | None = None
+    metric_for_best: str | None = None  # None: the final model is the last one, nothing tracked
+    greater_is_better: bool = False
+    early_stopping_patience: int | None = None  # evaluations without improvement before stopping; None: never
+    early_stopping_threshold: float = 0.0  # an improvement must exceed this to reset the patience
     device: str = "auto"
     devices: int = 1  # processes (one per device) of a data-parallel run; more than one runs under torchrun
     memory_limit_bytes: int | None = None  # memory this run may use; None: the device's total (RAM on a CPU)
@@ -73,6 +80,13 @@ class TrainCallbacks:
     def on_checkpoint(self, step: int, path: Path) -> None:
         """Called after a checkpoint folder is complete."""
 
+    def on_best(self, step: int, best: dict[str, Any]) -> None:
+        """Called when an evaluation is the new best ({step, metric, value}), after its checkpoint is written."""
+
+    def stop_reason(self) -> str | None:
+        """Return a reason (e.g. "pruned") to end the run early as completed; checked after each evaluation."""
+        return None
+
     def on_event(self, kind: str, message: str) -> None:
         """Called for notable moments (resumed, oom, cancelled, saved) with a human message."""
 
@@ -91,6 +105,8 @@ class TrainResult:
     metrics: dict[str, float]
     model_dir: Path | None
     manifest: dict[str, Any]
+    stop_reason: str | None = None  # completed runs: "completed", "early_stopping" or the callbacks' reason
+    best: dict[str, Any] | None = None  # {step, metric, value} of the evaluation whose weights were saved
 
 
 class OutOfMemory(RuntimeError):
@@ -189,6 +205,9 @@ def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None, 
     warmup_steps = math.ceil(config.warmup_ratio * total_steps)
 
     progress, resumed_from = Progress(task.unit), None
+    tracker = None if config.metric_for_best is None else BestTracker(
+        config.metric_for_best, config.greater_is_better, config.early_stopping_patience,
+        config.early_stopping_threshold)
     checkpoint = artifacts.latest_checkpoint(config.checkpoint_dir)
     if checkpoint is not None:
         state = artifacts.resume_state(checkpoint, model, optimizer, scaler, plan, identity)
@@ -197,6 +216,8 @@ def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None, 
                              f"one has {world}; resume it with the same number of devices")
         progress = Progress(task.unit, step=state["step"], loss_sum=state["loss_sum"], units=state[task.unit],
                             runtime=state["runtime"])
+        if tracker is not None:
+            tracker.restore(state.get("best"))
         resumed_from = progress.step
         callbacks.on_event("resumed", f"resumed from {checkpoint.name} at step {progress.step}")
     callbacks.on_start({"total_steps": total_steps, "steps_per_epoch": per_epoch, "warmup_steps": warmup_steps,
@@ -206,13 +227,20 @@ def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None, 
     def save_checkpoint() -> None:
         if not main:  # every rank holds the same weights and optimizer state: one writes them
             return
-        state = dict(identity, **progress.state())
-        path = artifacts.save_checkpoint(config.checkpoint_dir, progress.step, model, optimizer, scaler, plan, state)
+        state = dict(identity, **progress.state(), best=tracker.state() if tracker else None)
+        keep = {tracker.step} if tracker is not None and tracker.step is not None else set()
+        path = artifacts.save_checkpoint(config.checkpoint_dir, progress.step, model, optimizer, scaler, plan, state,
+                                         keep_steps=keep)
         callbacks.on_checkpoint(progress.step, path)
 
     def should_stop() -> bool:
         stop = callbacks.should_stop()
         return stop if replica is None else replica.agree(stop)
+
+    def evaluated(eval_metrics: dict[str, float]) -> bool:
+        """Report an evaluation; True when it is the new best (the caller checkpoints it)."""
+        callbacks.on_eval(progress.step, eval_metrics)
+        return tracker is not None and tracker.update(progress.step, eval_metrics)
 
     def cancelled() -> TrainResult:
         callbacks.on_event("cancelled", f"stopped at step {progress.step} of {total_steps}")
@@ -222,6 +250,7 @@ def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None, 
         return cancelled()
 
     planned_epoch, steps = -1, list[Sequence[Any]]()
+    stop_reason = "completed"
     split = 1  # each planned micro-batch runs as this many smaller ones after an out-of-memory error
     model.train()
     while progress.step < total_steps:
@@ -252,14 +281,30 @@ def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None, 
             f"{task.unit}_per_second": progress.rate,
         })
 
-        if (main and config.eval_steps is not None and progress.step < total_steps
-                and progress.step % config.eval_steps == 0):
+        eval_due = (config.eval_steps is not None and progress.step < total_steps
+                    and progress.step % config.eval_steps == 0)
+        eval_metrics, improved = None, False
+        if main and eval_due:
             eval_metrics = evaluate(task, model, plan)
-            if eval_metrics is not None:
-                callbacks.on_eval(progress.step, eval_metrics)
-        checkpointed = config.checkpoint_steps is not None and progress.step % config.checkpoint_steps == 0
+            improved = eval_metrics is not None and evaluated(eval_metrics)
+        # A new best is checkpointed at once: it is what the job will serve, so a resume must find it.
+        periodic = config.checkpoint_steps is not None and progress.step % config.checkpoint_steps == 0
+        checkpointed = improved or periodic
         if checkpointed:
             save_checkpoint()
+        if improved and tracker is not None:
+            callbacks.on_best(progress.step, tracker.best() or {})
+        if eval_due:
+            reason = None
+            if eval_metrics is not None:
+                reason = "early_stopping" if tracker is not None and tracker.exhausted else callbacks.stop_reason()
+            if replica is not None and replica.agree(reason is not None) and reason is None:
+                reason = "stopped_by_rank_0"  # the other ranks follow rank 0's early stop
+            if reason is not None:
+                stop_reason = reason
+                if main:
+                    callbacks.on_event(reason, _stop_message(reason, progress.step, tracker))
+                break
         if should_stop():
             if not checkpointed:
                 save_checkpoint()
@@ -267,11 +312,17 @@ def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None, 
 
     metrics = progress.metrics()
     if not main:  # rank 0 evaluates and saves the one model
-        return TrainResult("completed", progress.step, total_steps, metrics, None, {})
-    eval_metrics = evaluate(task, model, plan)
+        return TrainResult("completed", progress.step, total_steps, metrics, None, {}, stop_reason=stop_reason)
+    eval_metrics = evaluate(task, model, plan) if stop_reason == "completed" else None
     if eval_metrics is not None:
-        callbacks.on_eval(progress.step, eval_metrics)
+        evaluated(eval_metrics)
         metrics.update(eval_metrics)
+    if tracker is not None and tracker.step is not None:
+        if tracker.step != progress.step:
+            artifacts.load_weights(artifacts.checkpoint_path(config.checkpoint_dir, tracker.step), model, plan)
+            callbacks.on_event("best_restored", f"the model is the best evaluation's: step {tracker.step}, "
+                                                f"{tracker.metric}={tracker.value:.4f}")
+        metrics.update(tracker.metrics)
     hyperparameters = {
         "epochs": total_steps / per_epoch, "max_steps": config.max_steps, "total_steps": total_steps,
         "steps_per_epoch": per_epoch, "batch_size": config.batch_size,
@@ -280,11 +331,25 @@ def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None, 
         "weight_decay": config.weight_decay, "optimizer": "adamw", "adam_betas": list(task.adam_betas),
         "max_grad_norm": MAX_GRAD_NORM, "precision": plan.precision, "seed": config.seed,
         "eval_steps": config.eval_steps, "checkpoint_steps": config.checkpoint_steps, "world_size": world,
-        **setup.hyperparameters,
+        "metric_for_best": config.metric_for_best, "early_stopping_patience": config.early_stopping_patience,
+        "early_stopping_threshold": config.early_stopping_threshold, **setup.hyperparameters,
     }
+    best = tracker.best() if tracker is not None else None
     manifest = task.save(metrics, hyperparameters, plan)
+    manifest = dict(manifest, best=best, stop_reason=stop_reason, stopped_at_step=progress.step)
+    artifacts.write_manifest(config.output_dir, manifest)
     callbacks.on_event("saved", f"model saved to {config.output_dir}")
-    return TrainResult("completed", progress.step, total_steps, metrics, Path(config.output_dir), manifest)
+    return TrainResult("completed", progress.step, total_steps, metrics, Path(config.output_dir), manifest,
+                       stop_reason=stop_reason, best=best)
+
+
+def _stop_message(reason: str, step: int, tracker: BestTracker | None) -> str:
+    """The event text of an early end: why, and which evaluation the model will be."""
+    best = f"; keeping step {tracker.step} ({tracker.metric}={tracker.value:.4f})" if tracker and tracker.best() else ""
+    if reason == "early_stopping" and tracker is not None:
+        return (f"stopped early at step {step}: {tracker.bad_evaluations} evaluations without {tracker.metric} "
+                f"improving by more than {tracker.threshold:g}{best}")
+    return f"stopped at step {step}: {reason}{best}"
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
@@ -400,7 +465,8 @@ def check_config(config: RunConfig) -> None:
     at_least_one = {"batch_size": config.batch_size,
                     "gradient_accumulation_steps": config.gradient_accumulation_steps,
                     "max_steps": config.max_steps, "eval_steps": config.eval_steps,
-                    "checkpoint_steps": config.checkpoint_steps}
+                    "checkpoint_steps": config.checkpoint_steps,
+                    "early_stopping_patience": config.early_stopping_patience}
     for name, value in at_least_one.items():
         if value is not None and value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")

@@ -8,6 +8,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from core.hyperparams import greater_is_better
 from core.models import Job, TaskKind
 from core.paths import job_checkpoints_dir, job_model_dir
 from core.protocol import ErrorCode
@@ -33,7 +34,7 @@ def build_config(settings: Settings, job: Job, train_path: Path, eval_path: Path
         "precision": hp["precision"], "seed": hp["seed"], "eval_steps": hp["eval_steps"],
         "checkpoint_steps": settings.checkpoint_steps, "device": device, "devices": job.devices,
         "memory_limit_bytes": settings.worker_memory_bytes or None,
-        "base_model_name": job.base_model or "", "dataset_hashes": hashes}
+        "base_model_name": job.base_model or "", "dataset_hashes": hashes, **best_fields(job.task, hp)}
     if job.task == TaskKind.CAUSAL_LM:
         return LMTrainConfig(**common, base_model=job.base_model_path, model_config=job.model_config_,
                              val_fraction=hp["val_fraction"], block_size=hp["block_size"])
@@ -41,6 +42,17 @@ def build_config(settings: Settings, job: Job, train_path: Path, eval_path: Path
     return TrainConfig(**common, base_model=job.base_model_path, label_column=job.label_column,
                        max_length=hp["max_length"],
                        freeze_word_embeddings=hp.get("freeze_word_embeddings", False))  # absent on older jobs
+
+
+def best_fields(task: str, hp: dict[str, Any]) -> dict[str, Any]:
+    """Best-checkpoint and early-stopping settings (jobs from before them have none: their last model is kept)."""
+    metric = hp.get("metric_for_best")
+    if metric is None:
+        return {}
+    return {"metric_for_best": metric, "greater_is_better": greater_is_better(task, metric),
+            "early_stopping_patience": hp.get("early_stopping_patience"),
+            "early_stopping_threshold": hp.get("early_stopping_threshold", 0.0)}
+
 
 
 class DatasetMissing(ValueError):

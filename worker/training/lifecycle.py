@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core import scheduler, states
@@ -14,6 +15,7 @@ from core.errors import NotFound, StaleAttempt
 from core.models import Job, JobStatus, is_valid_id, utcnow
 from core.relay import deliver_now
 from core.store import jobs as store
+from core.sweeps import advance_and_send
 from worker.context import WorkerContext
 from worker.engines.device import release_memory, resolve_device
 from worker.engines.launch import train_on_devices
@@ -33,11 +35,20 @@ LOST = "lost"  # the attempt stopped holding the job while it ran: its writes we
 
 def run_training_job(ctx: WorkerContext, job_id: str) -> str:
     """Claim the job whose turn it is (core.scheduler; `job_id`, the message's job, only if it was running on a
-    worker that went silent) and run it; returns the status it ended in, 'skipped' or 'lost'."""
+    worker that went silent) and run it; returns the status it ended in, 'skipped' or 'lost'. A sweep's child,
+    once ended, lets its sweep create the next children."""
     ran: list[str] = []
     status = _run(ctx, job_id, ran)
     if ran and status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED):
         clear_work(ctx.storage, ctx.settings, ran[0])  # the store has all that is kept; no host hoards copies
+    if ran and status not in (SKIPPED, LOST, JobStatus.QUEUED):
+        with ctx.sessions() as session:
+            sweep_id = session.scalar(select(Job.sweep_id).where(Job.id == ran[0]))
+        if sweep_id is not None:
+            try:
+                advance_and_send(ctx.sessions, ctx.queue, sweep_id=sweep_id)
+            except Exception:  # noqa: BLE001 - the periodic sweep round creates them instead
+                log.warning("sweep %s: could not advance after job %s ended", sweep_id, ran[0], exc_info=True)
     return status
 
 
@@ -65,10 +76,11 @@ def _run(ctx: WorkerContext, job_id: str, ran: list[str]) -> str:
             return JobStatus.FAILED
         store.add_event(session, job_id=job_id, kind="claimed", message=f"attempt {attempt} claimed by a worker",
                         attempt=attempt)
+        sweep_id = job.sweep_id
 
     heartbeat = Heartbeat(ctx.sessions, settings, job_id, attempt)
     reporter = JobReporter(ctx.sessions, settings, job_id, attempt, lost=heartbeat.lost, shutdown=ctx.shutdown,
-                           storage=ctx.storage)
+                           storage=ctx.storage, sweep_id=sweep_id)
     config: EngineConfig | None = None
     try:
         with heartbeat:  # downloads and uploads count as the attempt's work: the reaper leaves it alone meanwhile
@@ -152,10 +164,16 @@ def _record_result(ctx: WorkerContext, job_id: str, attempt: int, result: TrainR
         job.metrics = {**(job.metrics or {}), **result.metrics}
         job.step = result.global_step
         if result.status == "completed" and result.model_dir is not None:
-            model = artifact_row(ctx.settings, job_id, "model", result.model_dir, result.global_step)
+            job.best, job.stop_reason = result.best, result.stop_reason
+            # The model folder holds the best evaluation's weights: the artifact carries that step.
+            model_step = result.best["step"] if result.best else result.global_step
+            model = artifact_row(ctx.settings, job_id, "model", result.model_dir, model_step)
             store.add_artifact(session, artifact=model, attempt=attempt)
+            how = {"completed": "finished"}.get(result.stop_reason or "completed", f"ended ({result.stop_reason})")
+            best = f"; model from step {model_step}" if result.best else ""
             states.move(session, job, JobStatus.SUCCEEDED, attempt=attempt,
-                        message=f"finished after {result.global_step} steps")
+                        message=f"{how} after {result.global_step} steps{best}",
+                        data={"stop_reason": result.stop_reason, "best": result.best})
         elif job.cancel_requested_at is None and ctx.shutdown.is_set():
             # The worker is stopping, not the user: checkpointed, so back to the queue (with its outbox message).
             states.move(session, job, JobStatus.QUEUED, kind="preempted", attempt=attempt,

@@ -26,6 +26,7 @@ from core.settings import Settings
 from core.storage import ArtifactStore, open_storage
 from core.store import jobs as store
 from core.store import webhooks
+from core.sweeps import prune_reason
 from worker.engines.training import TrainCallbacks
 from worker.sync import push_checkpoint
 
@@ -45,8 +46,12 @@ class JobReporter(TrainCallbacks):
 
     def __init__(self, factory: sessionmaker[Session], settings: Settings, job_id: str, attempt: int, *,
                  lost: threading.Event | None = None, shutdown: threading.Event | None = None,
-                 storage: ArtifactStore | None = None, receipt: dict[str, Any] | None = None) -> None:
+                 storage: ArtifactStore | None = None, sweep_id: str | None = None,
+                 receipt: dict[str, Any] | None = None) -> None:
         self.factory = factory
+        self.sweep_id = sweep_id  # a sweep's child asks the sweep's pruning rule after each evaluation
+        self.last_eval_step: int | None = None
+        self.prune_detail: str | None = None
         self.settings = settings
         self.storage = storage or open_storage(settings)
         self.job_id = job_id
@@ -94,6 +99,7 @@ class JobReporter(TrainCallbacks):
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
         self.points.extend((step, self.progress.get("epoch", 0.0), name, float(v)) for name, v in metrics.items())
         self.latest.update(metrics)
+        self.last_eval_step = step
         self.try_flush()
         summary = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
         self._event("eval", f"step {step}: {summary}", data=dict(metrics))
@@ -121,7 +127,27 @@ class JobReporter(TrainCallbacks):
             webhooks.emit(session, tenant_id=job.tenant_id, type=WebhookEventType.JOB_CHECKPOINT,
                           data=webhooks.job_data(job, checkpoint_step=step))
 
+    def on_best(self, step: int, best: dict[str, Any]) -> None:
+        try:
+            with self._fenced() as session:
+                store.update_progress(session, job_id=self.job_id, attempt=self.attempt, values={"best": best})
+        except OperationalError:
+            log.warning("job %s: database unavailable, best checkpoint recorded at the end", self.job_id)
+
+    def stop_reason(self) -> str | None:
+        if self.sweep_id is None or self.last_eval_step is None:
+            return None
+        try:
+            with self.factory() as session:
+                self.prune_detail = prune_reason(session, job_id=self.job_id, sweep_id=self.sweep_id,
+                                                 step=self.last_eval_step)
+        except OperationalError:
+            return None  # database briefly away: keep training; the next evaluation asks again
+        return "pruned" if self.prune_detail else None
+
     def on_event(self, kind: str, message: str) -> None:
+        if kind == "pruned" and self.prune_detail:
+            message = f"{self.prune_detail}; {message}"
         self._event(kind, message)
 
     def should_stop(self) -> bool:

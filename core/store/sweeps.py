@@ -1,0 +1,44 @@
+"""Data access for sweeps."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from core.errors import NotFound
+from core.models import Sweep, SweepStatus, is_valid_id
+from core.store.paging import before_cursor
+
+
+def get_sweep(session: Session, *, sweep_id: str, tenant: str | None = None, for_update: bool = False) -> Sweep:
+    """Fetch a sweep visible to `tenant` (None: any) or raise NotFound."""
+    if not is_valid_id(sweep_id):
+        raise NotFound(f"sweep {sweep_id!r} not found")
+    query = select(Sweep).where(Sweep.id == sweep_id)
+    if tenant is not None:
+        query = query.where(Sweep.tenant_id == tenant)
+    if for_update:
+        query = query.with_for_update()
+    sweep = session.scalars(query).first()
+    if sweep is None:
+        raise NotFound(f"sweep {sweep_id!r} not found")
+    return sweep
+
+
+def list_sweeps(session: Session, *, limit: int, tenant: str | None = None,
+                after: tuple[str, str] | None = None) -> list[Sweep]:
+    """Newest first."""
+    query = select(Sweep).order_by(Sweep.created_at.desc(), Sweep.id.desc()).limit(limit)
+    if tenant is not None:
+        query = query.where(Sweep.tenant_id == tenant)
+    if after is not None:
+        query = query.where(before_cursor(Sweep, after))
+    return list(session.scalars(query))
+
+
+def running_sweep_using(session: Session, *, dataset_id: str) -> str | None:
+    """A running sweep whose future children will train or evaluate on `dataset_id`, or None."""
+    for sweep in session.scalars(select(Sweep).where(Sweep.status == SweepStatus.RUNNING)):
+        if dataset_id in (sweep.template.get("train_dataset_id"), sweep.template.get("eval_dataset_id")):
+            return sweep.id
+    return None
