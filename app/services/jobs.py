@@ -49,6 +49,7 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, principal
         return store.get_job(session, job_id=replayed)
     require_quota(session, settings, principal)
     job = prepare_job(session, settings, principal, spec=spec)
+    job.rerun_of = rerun_of
     try:
         states.create(session, job)  # the row, its `created` event and its outbox message
         idempotency.remember(session, principal, route=route, key=idempotency_key, request_hash=request_hash,
@@ -100,7 +101,7 @@ def prepare_job(session: Session, settings: Settings, principal: Principal, *, s
     return Job(id=new_id("job"), tenant_id=principal.tenant_id, status=JobStatus.QUEUED, task=spec.task,
                base_model=spec.base_model, train_dataset_id=train.id, eval_dataset_id=spec.eval_dataset,
                text_column=spec.text_column, metadata_=spec.metadata, metrics={}, created_at=utcnow(),
-               devices=spec.devices, **fields)
+               devices=spec.devices, priority=spec.priority, **fields)
 
 
 def _require_best_metric(spec: JobCreate, hp: dict[str, Any], *, has_eval: bool) -> None:
