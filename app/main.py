@@ -13,7 +13,7 @@ from app.access_log import install_access_log_redaction
 from app.errors import install_error_handlers
 from app.limits import BodyLimitMiddleware, UploadSlotsMiddleware
 from app.observability import HttpMetrics, ObservabilityMiddleware
-from app.routes import classify, datasets, generation, health, jobs, metrics, sweeps
+from app.routes import classify, datasets, generation, health, jobs, metrics, sweeps, webhooks
 from app.routes.dashboard import mount_dashboard
 from app.services.generation import GenerationGateway
 from app.services.job_stream import StreamSlots
@@ -69,7 +69,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     app.state.metrics_registry = CollectorRegistry(auto_describe=True)
     app.add_middleware(ObservabilityMiddleware, metrics=HttpMetrics(app.state.metrics_registry))
     for router in (health.router, datasets.router, jobs.router, sweeps.router, classify.router, generation.router,
-                   metrics.router):
+                   webhooks.router, metrics.router):
         app.include_router(router)
     mount_dashboard(app)
     return app

@@ -93,6 +93,26 @@ DEFAULT_TENANT = "default"
 TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
 
 
+class WebhookEventType(enum.StrEnum):
+    """What a webhook endpoint can subscribe to."""
+
+    JOB_QUEUED = "job.queued"
+    JOB_STARTED = "job.started"
+    JOB_CHECKPOINT = "job.checkpoint"
+    JOB_SUCCEEDED = "job.succeeded"
+    JOB_FAILED = "job.failed"
+    JOB_CANCELLED = "job.cancelled"
+    SWEEP_FINISHED = "sweep.finished"
+
+
+class DeliveryStatus(enum.StrEnum):
+    """A webhook delivery: pending (retrying) until delivered or given up (failed)."""
+
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    FAILED = "failed"
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
 
@@ -150,7 +170,8 @@ class Sweep(Base):
 class Job(Base):
     __tablename__ = "jobs"
     # One child per trial: a second advancer creating the same trial fails on this, never duplicates it.
-    __table_args__ = (UniqueConstraint("sweep_id", "sweep_index", name="uq_jobs_sweep_id_sweep_index"),)
+    __table_args__ = (UniqueConstraint("sweep_id", "sweep_index", name="uq_jobs_sweep_id_sweep_index"),
+                      Index("ix_jobs_status_tenant_id", "status", "tenant_id"))  # the scheduler's lookups
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(String(64), index=True, default=DEFAULT_TENANT,
@@ -187,6 +208,12 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # Scheduling: higher priority first within a tenant; claimed_at and run_seconds measure device time.
+    priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    claimed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    run_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    receipt: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    rerun_of: Mapped[str | None] = mapped_column(String(40), nullable=True)
     best: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # {step, metric, value}
     stop_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
     sweep_id: Mapped[str | None] = mapped_column(ForeignKey("sweeps.id", ondelete="SET NULL"), nullable=True,
@@ -291,3 +318,66 @@ class IdempotencyRecord(Base):
     request_hash: Mapped[str] = mapped_column(String(64))
     resource_id: Mapped[str] = mapped_column(String(40))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class WebhookEndpoint(Base):
+    """A tenant's URL and the event types it receives; deliveries are signed with its secret."""
+
+    __tablename__ = "webhook_endpoints"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    url: Mapped[str] = mapped_column(String(2000))
+    description: Mapped[str] = mapped_column(String(200), default="")
+    event_types: Mapped[list[str]] = mapped_column(JSON)
+    secret: Mapped[str] = mapped_column(String(100))
+    # After a rotation the old secret signs too, until previous_secret_until (receivers switch over meanwhile).
+    previous_secret: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    previous_secret_until: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class WebhookEvent(Base):
+    """One state change worth telling endpoints about; its id is the webhook-id of every delivery of it."""
+
+    __tablename__ = "webhook_events"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    type: Mapped[str] = mapped_column(String(40))
+    payload: Mapped[str] = mapped_column(Text)  # the exact signed body, so every redelivery is byte-identical
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+
+
+class WebhookDelivery(Base):
+    """An event on its way to one endpoint: written with the event, retried with backoff by the sender."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (Index("ix_webhook_deliveries_status_next", "status", "next_attempt_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    event_id: Mapped[str] = mapped_column(ForeignKey("webhook_events.id", ondelete="CASCADE"), index=True)
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoints.id", ondelete="CASCADE"), index=True)
+    status: Mapped[str] = mapped_column(String(16), default=DeliveryStatus.PENDING)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+    event: Mapped[WebhookEvent] = relationship()
+    attempt_log: Mapped[list[WebhookAttempt]] = relationship(order_by="WebhookAttempt.id",
+                                                             cascade="all, delete-orphan")
+
+
+class WebhookAttempt(Base):
+    """One HTTP try of a delivery: what the endpoint answered, or why nothing came back."""
+
+    __tablename__ = "webhook_attempts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    delivery_id: Mapped[int] = mapped_column(ForeignKey("webhook_deliveries.id", ondelete="CASCADE"), index=True)
+    attempted_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    duration_ms: Mapped[float] = mapped_column(Float)
+    status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    response_body: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)

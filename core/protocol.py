@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -264,3 +265,11 @@ class RankMessage(BaseModel):
     info: dict[str, Any] = Field(default_factory=dict)
     manifest: dict[str, Any] = Field(default_factory=dict)
     path: str | None = None  # a checkpoint folder, or the final model folder of a result
+
+
+class WebhookPayload(BaseModel):
+    """The body of every webhook delivery (Standard Webhooks shape: type, timestamp, data)."""
+
+    type: str
+    timestamp: datetime
+    data: dict[str, Any]

@@ -26,11 +26,16 @@ def deliver(session: Session, queue: TaskQueue, *, job_id: str | None = None, li
     because claiming a job is conditional.
     """
     sent = 0
+    waiting: bool | None = None
     try:
         for message, status in store.take_unsent(session, job_id=job_id, limit=limit):
             if status != JobStatus.QUEUED:
-                store.mark_sent(session, message=message, task_id=None, now=utcnow())  # nothing left to run
-                continue
+                # A message only wakes a worker, which then claims whichever job's turn it is (core.scheduler):
+                # one for a job that no longer waits still stands in for another that does.
+                waiting = store.any_queued(session) if waiting is None else waiting
+                if not waiting:
+                    store.mark_sent(session, message=message, task_id=None, now=utcnow())  # nothing left to run
+                    continue
             try:
                 task_id = queue.send(message.task, list(message.args), queue=message.queue, headers=message.headers)
             except BrokerUnavailable as exc:

@@ -6,7 +6,7 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -84,6 +84,46 @@ class Settings(BaseSettings):
     assumed_device_bytes: int = Field(80 * 1024**3, ge=0, description="Device memory POST /jobs assumes while no "
                                       "live worker has reported one; 0: no estimate check until one reports.")
 
+    fair_share_window_s: float = Field(
+        24 * 3600.0, gt=0, description="Device time a tenant used within this window decides its turn in the queue.")
+    fair_share_quantum_s: float = Field(
+        60.0, gt=0, description="Tenants whose weighted recent device time is within the same quantum take turns "
+        "(the one whose last job started longest ago goes first).")
+    tenant_weights: str = Field("", description="Fair-share weights, e.g. `team-a=2,team-b=1` (default 1): a "
+                                "tenant with weight 2 may use twice the device time of one with weight 1.")
+    max_devices_per_tenant: int = Field(0, ge=0, description="Devices (one running job each) a tenant may hold "
+                                        "at once; 0: no limit. Per tenant: TRAINSERVE_TENANT_DEVICE_LIMITS.")
+    tenant_device_limits: str = Field("", description="Per-tenant device limits, e.g. `team-a=4,team-b=1`.")
+    webhook_allow_private: bool = Field(
+        False, description="Allow webhook URLs that resolve to private, loopback or link-local addresses.")
+    webhook_timeout_s: float = Field(10.0, gt=0, description="Connect/read timeout of one webhook delivery.")
+    webhook_concurrency: int = Field(8, ge=1, description="Webhook deliveries one sender makes at once.")
+    webhook_per_endpoint: int = Field(2, ge=1, description="Deliveries in flight to one endpoint (a slow endpoint "
+                                      "cannot take every slot).")
+    webhook_interval_s: float = Field(1.0, gt=0, description="How often the webhook sender looks for due deliveries.")
+    webhook_backoff_s: float = Field(5.0, gt=0, description="First retry delay of a failed delivery; doubles per "
+                                     "attempt up to TRAINSERVE_WEBHOOK_MAX_BACKOFF_S.")
+    webhook_max_backoff_s: float = Field(3600.0, gt=0, description="Longest wait between two tries of a delivery.")
+    webhook_retry_for_s: float = Field(24 * 3600.0, gt=0, description="A delivery still failing after this long "
+                                       "is given up.")
+    webhook_secret_grace_s: float = Field(24 * 3600.0, ge=0, description="After a secret rotation, deliveries are "
+                                          "also signed with the old secret for this long.")
+
+    @field_validator("tenant_weights", "tenant_device_limits")
+    @classmethod
+    def _tenant_map(cls, value: str) -> str:
+        parse_tenant_map(value)
+        return value
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Fair-share weight per tenant (absent: 1)."""
+        return {k: float(v) for k, v in parse_tenant_map(self.tenant_weights).items()}
+
+    def device_limit(self, tenant: str) -> int:
+        """Devices `tenant` may hold at once (0: no limit)."""
+        return int(parse_tenant_map(self.tenant_device_limits).get(tenant, self.max_devices_per_tenant))
+
     @property
     def resolved_database_url(self) -> str:
         """The database URL, defaulting to a SQLite file under home."""
@@ -118,6 +158,21 @@ class Settings(BaseSettings):
     def jobs_dir(self) -> Path:
         """Where job outputs (models, checkpoints) are stored."""
         return self.home / "jobs"
+
+
+def parse_tenant_map(value: str) -> dict[str, float]:
+    """`a=2,b=1` as {a: 2.0, b: 1.0}; ValueError for anything else (a typo must not pass silently)."""
+    result: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        name, sep, number = item.partition("=")
+        try:
+            parsed = float(number)
+        except ValueError:
+            parsed = -1.0
+        if not sep or not name.strip() or parsed <= 0:
+            raise ValueError(f"expected tenant=positive number, got {item!r}")
+        result[name.strip()] = parsed
+    return result
 
 
 _override: Settings | None = None

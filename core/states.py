@@ -6,7 +6,9 @@
     running -> queued      preempted (worker shutdown) or requeued by the reaper: an outbox message goes with it
     running -> succeeded | failed | cancelled
 Terminal statuses never change. `move` is one conditional UPDATE (from-status, and optionally the attempt
-number as a fencing token) plus the job event, plus an outbox message when the job goes back to the queue.
+number as a fencing token) plus the job event, plus an outbox message when the job goes back to the queue,
+plus the webhook event of the new status. Leaving `running` adds the run's device seconds to the job (fair
+share) and, when the tenant has jobs waiting, a wake-up message: a device limit may have held them back.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from typing import Any
 from sqlalchemy import ColumnElement, func, update
 from sqlalchemy.orm import Session
 
+from core import scheduler
 from core.errors import IllegalTransition, StaleAttempt
 from core.logs import task_headers
-from core.models import TERMINAL, Job, JobEvent, JobStatus, utcnow
-from core.store import outbox
+from core.models import TERMINAL, Job, JobEvent, JobStatus, WebhookEventType, utcnow
+from core.store import outbox, webhooks
 
 TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.QUEUED: frozenset({JobStatus.RUNNING, JobStatus.CANCELLED, JobStatus.FAILED}),
@@ -28,6 +31,15 @@ TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.SUCCEEDED: frozenset(),
     JobStatus.FAILED: frozenset(),
     JobStatus.CANCELLED: frozenset(),
+}
+
+
+WEBHOOK_EVENT: dict[JobStatus, WebhookEventType] = {
+    JobStatus.QUEUED: WebhookEventType.JOB_QUEUED,
+    JobStatus.RUNNING: WebhookEventType.JOB_STARTED,
+    JobStatus.SUCCEEDED: WebhookEventType.JOB_SUCCEEDED,
+    JobStatus.FAILED: WebhookEventType.JOB_FAILED,
+    JobStatus.CANCELLED: WebhookEventType.JOB_CANCELLED,
 }
 
 
@@ -48,6 +60,8 @@ def create(session: Session, job: Job, *, message: str = "job created and queued
     session.flush()
     _event(session, job.id, kind="created", level="info", message=message, data=None, now=job.created_at)
     outbox.add_train(session, job_id=job.id, devices=job.devices, headers=task_headers())
+    webhooks.emit(session, tenant_id=job.tenant_id, type=WebhookEventType.JOB_QUEUED, data=webhooks.job_data(job),
+                  now=job.created_at)
     return job
 
 
@@ -69,8 +83,12 @@ def move(session: Session, job: Job, target: JobStatus, *, message: str, kind: s
     values: dict[str, Any] = {"status": target}
     if target == JobStatus.RUNNING:
         values.update(started_at=func.coalesce(Job.started_at, now), heartbeat_at=now)
+    if target == JobStatus.RUNNING:
+        values["claimed_at"] = now
     if source == JobStatus.RUNNING:
         values["eta_seconds"] = None  # an ETA means something only while the job runs
+        if job.claimed_at is not None:
+            values["run_seconds"] = Job.run_seconds + max((now - job.claimed_at).total_seconds(), 0.0)
     if target in TERMINAL:
         values["finished_at"] = now
     if target == JobStatus.FAILED:
@@ -90,6 +108,11 @@ def move(session: Session, job: Job, target: JobStatus, *, message: str, kind: s
     if target == JobStatus.QUEUED:
         # a requeue keeps the request id
         outbox.add_train(session, job_id=job.id, devices=job.devices, headers=task_headers())
+    elif source == JobStatus.RUNNING:
+        waiting = scheduler.oldest_queued(session, tenant=job.tenant_id)
+        if waiting is not None:  # a wake-up for jobs a device limit held back (with that job's own request id)
+            outbox.add_train(session, job_id=waiting.id, devices=waiting.devices)
+    webhooks.emit(session, tenant_id=job.tenant_id, type=WEBHOOK_EVENT[target], data=webhooks.job_data(job), now=now)
     return job
 
 

@@ -23,10 +23,11 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core import states
-from core.models import ACTIVE, Job, JobStatus, MetricPoint, Sweep, SweepStatus, new_id, utcnow
+from core.models import ACTIVE, Job, JobStatus, MetricPoint, Sweep, SweepStatus, WebhookEventType, new_id, utcnow
 from core.periodic import Periodic
 from core.queue import TaskQueue
 from core.relay import deliver_now
+from core.store import webhooks
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ def advance(session: Session, *, sweep_id: str) -> list[str]:
         best = best_child(sweep, children)
         sweep.status, sweep.finished_at = SweepStatus.SUCCEEDED, utcnow()
         sweep.best_job_id = best.id if best is not None else None
+        webhooks.emit(session, tenant_id=sweep.tenant_id, type=WebhookEventType.SWEEP_FINISHED,
+                      data={"id": sweep.id, "object": "sweep", "status": sweep.status,
+                            "best_job_id": sweep.best_job_id})
     return created
 
 

@@ -61,6 +61,16 @@ def settings(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, clean_db:
                     model_roots=str(tmp_path_factory.getbasetemp()))
 
 
+@pytest.fixture()
+def factory(settings: Settings) -> Iterator[Any]:
+    """A session factory on the test database (for data-access calls made directly)."""
+    from core.db import make_engine, make_sessionmaker
+
+    engine = make_engine(settings.resolved_database_url)
+    yield make_sessionmaker(engine)
+    engine.dispose()
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One moto S3 server for the session (a real HTTP S3 API in its own process)."""

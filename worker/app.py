@@ -42,16 +42,19 @@ def _on_shutdown(**_: Any) -> None:
 
 @worker_ready.connect
 def _start_background_threads(**_: Any) -> None:
-    """Training workers also watch for lost workers and a lost broker, relay the outbox and advance sweeps."""
+    """Training workers also watch for lost workers and a lost broker, relay the outbox, advance sweeps and send
+    webhooks."""
     if "training" not in os.environ.get("TRAINSERVE_WORKER_QUEUES", "training").split(","):
         return
     from core.relay import relay_thread
     from core.sweeps import sweep_thread
+    from core.webhook_sender import sender_thread
     from worker.recovery import reaper_thread
 
     ctx = context()
     reaper_thread(ctx.sessions, ctx.settings, ctx.queue).start()
     relay_thread(ctx.sessions, ctx.queue, ctx.settings.outbox_interval_s).start()
+    sender_thread(ctx.sessions, ctx.settings).start()
     sweep_thread(ctx.sessions, ctx.queue, ctx.settings.sweep_interval_s).start()
 
 

@@ -10,7 +10,7 @@ from worker.app import celery, context
 
 @celery.task(name=TASK_TRAIN, ignore_result=True)
 def train(job_id: str) -> None:
-    """Run (or resume, or skip if already finished) the fine-tune recorded in row `job_id`."""
+    """Wake up: run (or resume) the queued job whose turn it is by fair share, which need not be `job_id`."""
     from worker.training.lifecycle import run_training_job
 
     run_training_job(context(), job_id)

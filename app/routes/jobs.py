@@ -17,6 +17,7 @@ from app.schemas.jobs import (
     CheckpointList,
     EventList,
     EventRead,
+    JobComparison,
     JobCreate,
     JobRead,
     MetricHistory,
@@ -24,7 +25,7 @@ from app.schemas.jobs import (
 )
 from app.services import artifacts as artifact_service
 from app.services import checkpoints as checkpoint_service
-from app.services import job_stream
+from app.services import job_stream, reruns
 from app.services import jobs as service
 from core.store import history
 from core.store import jobs as store
@@ -40,7 +41,7 @@ def create_job(spec: JobCreate, session: SessionDep, settings: SettingsDep, queu
     """Start a fine-tune; answers at once with the queued job. A retry with the same Idempotency-Key and
     body returns the first job."""
     job = service.create_job(session, settings, queue, principal, spec=spec, idempotency_key=idempotency_key)
-    return service.job_read(job)
+    return service.job_detail(session, settings, job)
 
 
 @router.get("", response_model=Page[JobRead])
@@ -53,10 +54,26 @@ def list_jobs(session: SessionDep, principal: PrincipalDep, status: StatusFilter
                          next_cursor=next_cursor)
 
 
+@router.get("/compare", response_model=JobComparison)
+def compare_jobs(session: SessionDep, principal: PrincipalDep,
+                 ids: Annotated[str, Query(min_length=3, max_length=500, description="Comma-separated job ids.")]
+                 ) -> JobComparison:
+    """What differs between jobs: settings and receipt fields (code, libraries, device, precision, data, seed)."""
+    return reruns.compare_jobs(session, principal, ids=ids.split(","))
+
+
 @router.get("/{job_id}", response_model=JobRead)
-def get_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> JobRead:
-    """Status, progress, ETA and the latest metrics of a job."""
-    return service.read_jobs(session, [service.get_job(session, principal, job_id=job_id)])[0]
+def get_job(job_id: str, session: SessionDep, settings: SettingsDep, principal: PrincipalDep) -> JobRead:
+    """Status, progress, ETA, latest metrics and receipt of a job; while queued, its position and why it waits."""
+    return service.job_detail(session, settings, service.get_job(session, principal, job_id=job_id))
+
+
+@router.post("/{job_id}/rerun", status_code=201, response_model=JobRead)
+def rerun_job(job_id: str, session: SessionDep, settings: SettingsDep, queue: QueueDep, principal: PrincipalDep,
+              idempotency_key: IdempotencyKeyDep) -> JobRead:
+    """Start an identical job: same resolved configuration, datasets and seed. Honors Idempotency-Key."""
+    job = reruns.rerun_job(session, settings, queue, principal, job_id=job_id, idempotency_key=idempotency_key)
+    return service.job_detail(session, settings, job)
 
 
 @router.get("/{job_id}/metrics", response_model=MetricHistory)

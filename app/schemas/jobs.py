@@ -51,6 +51,7 @@ class JobCreate(BaseModel):
         description="Devices to train on (DistributedDataParallel, one process each) on one worker that owns at "
                     "least this many; hyperparameters keep their meaning: batch_size is split across them.")
     metadata: dict[str, str] = Field(default_factory=dict, description="Up to 16 string pairs for your own use.")
+    priority: int = Field(0, ge=-100, le=100, description="Higher runs first among your team's queued jobs.")
 
     @field_validator("hyperparameters")
     @classmethod
@@ -132,6 +133,25 @@ class JobRead(BaseModel):
     started_at: datetime | None
     finished_at: datetime | None
     metadata: dict[str, Any]
+    priority: int
+    queue_position: int | None = Field(
+        None, description="While queued (on GET /jobs/{id}): 1 runs next, if teams keep taking turns.")
+    waiting_reason: str | None = Field(None, description="While queued: why it has not started yet.")
+    receipt: dict[str, Any] | None = Field(
+        None, description="What the job ran with: code and library versions, device, precision, dataset hashes, "
+                          "seed, resolved configuration (written when training starts).")
+    rerun_of: str | None = Field(None, description="The job this one repeats (POST /jobs/{id}/rerun).")
+
+
+class Difference(BaseModel):
+    field: str = Field(description="Dotted path, e.g. hyperparameters.learning_rate or receipt.libraries.torch.")
+    values: list[Any] = Field(description="One value per job, in the order asked (null: absent).")
+
+
+class JobComparison(BaseModel):
+    ids: list[str]
+    differences: list[Difference]
+    identical: int = Field(description="How many compared fields have the same value in every job.")
 
 
 class MetricPointRead(BaseModel):

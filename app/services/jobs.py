@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from app.schemas.jobs import ArtifactRead, BestRead, JobCreate, JobRead, Progress
 from app.services import idempotency
-from core import states
+from core import scheduler, states
 from core.auth import Principal
 from core.base_models import resolve_base_model
 from core.capacity import largest_device, live_workers
@@ -39,29 +39,31 @@ MAX_HINT_COLUMNS = 1000  # columns searched for a "did you mean" hint
 
 
 def create_job(session: Session, settings: Settings, queue: TaskQueue, principal: Principal, *, spec: JobCreate,
-               idempotency_key: str | None = None) -> Job:
+               idempotency_key: str | None = None, route: str = ROUTE, rerun_of: str | None = None) -> Job:
     """Validate a fine-tune request against its datasets, store the job and its task message, then send it.
 
     The message commits with the row: if the broker refuses, the job stays queued and the outbox relay
     sends it once the broker is back.
     """
-    request_hash = idempotency.fingerprint(spec.model_dump(mode="json"))
-    replayed = idempotency.replayed_id(session, principal, route=ROUTE, key=idempotency_key,
+    body = spec.model_dump(mode="json")
+    request_hash = idempotency.fingerprint({**body, "rerun_of": rerun_of} if rerun_of else body)
+    replayed = idempotency.replayed_id(session, principal, route=route, key=idempotency_key,
                                        request_hash=request_hash)
     if replayed is not None:
         return store.get_job(session, job_id=replayed)
     require_quota(session, settings, principal)
     job = prepare_job(session, settings, principal, spec=spec)
+    job.rerun_of = rerun_of
     try:
         states.create(session, job)  # the row, its `created` event and its outbox message
-        idempotency.remember(session, principal, route=ROUTE, key=idempotency_key, request_hash=request_hash,
+        idempotency.remember(session, principal, route=route, key=idempotency_key, request_hash=request_hash,
                              resource_id=job.id)
         session.commit()
         log.info("job %s created (%s, %s)", job.id, job.task, job.base_model or "fresh model", extra={"job_id": job.id})
     except IntegrityError:
         # A concurrent request with the same Idempotency-Key committed first: answer with its job.
         session.rollback()
-        replayed = idempotency.replayed_id(session, principal, route=ROUTE, key=idempotency_key,
+        replayed = idempotency.replayed_id(session, principal, route=route, key=idempotency_key,
                                            request_hash=request_hash)
         if replayed is not None:
             return store.get_job(session, job_id=replayed)
@@ -104,7 +106,7 @@ def prepare_job(session: Session, settings: Settings, principal: Principal, *, s
     return Job(id=new_id("job"), tenant_id=principal.tenant_id, status=JobStatus.QUEUED, task=spec.task,
                base_model=spec.base_model, train_dataset_id=train.id, eval_dataset_id=spec.eval_dataset,
                text_column=spec.text_column, metadata_=spec.metadata, metrics={}, created_at=utcnow(),
-               devices=spec.devices, **fields)
+               devices=spec.devices, priority=spec.priority, **fields)
 
 
 def _require_best_metric(spec: JobCreate, hp: dict[str, Any], *, has_eval: bool) -> None:
@@ -286,6 +288,12 @@ def read_jobs(session: Session, jobs: list[Job]) -> list[JobRead]:
     return [job_read(j, best.get(j.id)) for j in jobs]
 
 
+def job_detail(session: Session, settings: Settings, job: Job) -> JobRead:
+    """The job object with its best evaluation metrics and, while it is queued, its place in the queue and why."""
+    best = history.best_metrics(session, job_ids=[job.id]).get(job.id)
+    return job_read(job, best, placement=scheduler.place(session, settings, job, now=utcnow()))
+
+
 def list_jobs(session: Session, principal: Principal, *, limit: int, status: str | None, cursor: str | None
               ) -> tuple[list[Job], str | None]:
     """A page of jobs and the cursor of the next one."""
@@ -318,8 +326,10 @@ def request_cancel(session: Session, job: Job, *, why: str = "") -> None:
                         message=f"cancel requested{why}; the worker stops after the current step")
 
 
-def job_read(job: Job, best: dict[str, float] | None = None) -> JobRead:
-    """Build the public job object from a row (with the best evaluation metrics when the caller read them)."""
+def job_read(job: Job, best: dict[str, float] | None = None, *, placement: tuple[int, str] | None = None
+             ) -> JobRead:
+    """Build the public job object from a row (with the best evaluation metrics when the caller read them;
+    `placement`: queue position and reason, from core.scheduler)."""
     total = job.total_steps
     fraction = 1.0 if job.status == JobStatus.SUCCEEDED else (min(job.step / total, 1.0) if total else 0.0)
     return JobRead(
@@ -338,5 +348,6 @@ def job_read(job: Job, best: dict[str, float] | None = None) -> JobRead:
                                 download_url=f"/jobs/{job.id}/artifacts/{a.id}/download")
                    for a in job.artifacts],
         created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
-        metadata=job.metadata_ or {},
+        metadata=job.metadata_ or {}, priority=job.priority, receipt=job.receipt, rerun_of=job.rerun_of,
+        queue_position=placement[0] if placement else None, waiting_reason=placement[1] if placement else None,
     )

@@ -12,8 +12,9 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from core.errors import NotFound, StaleAttempt
-from core.models import Artifact, Job, JobEvent, JobStatus, MetricPoint, is_valid_id, utcnow
+from core.models import Artifact, Job, JobEvent, JobStatus, MetricPoint, WebhookEventType, is_valid_id, utcnow
 from core.states import sources
+from core.store import webhooks
 from core.store.paging import before_cursor
 
 
@@ -123,18 +124,21 @@ def count_jobs(session: Session, *, tenant: str, statuses: Sequence[str]) -> int
     return session.scalar(query) or 0
 
 
-def claim_job(session: Session, *, job_id: str, device: str, now: datetime, stale_before: datetime) -> Job | None:
+def claim_job(session: Session, *, job_id: str, device: str, now: datetime, stale_before: datetime,
+              include_queued: bool = True) -> Job | None:
     """Atomically move a queued job (or a running one whose worker went silent) to running.
 
     Returns None when the job is finished or another live worker holds it: a duplicate or redelivered
     task message is then harmless. One conditional UPDATE makes this safe on SQLite and PostgreSQL alike.
+    Workers pick queued jobs with core.scheduler.claim_next and pass include_queued=False here, to take
+    back only a silent running job named by a redelivered message.
     """
     # A silent running job is requeued and claimed in one step (running -> queued -> running).
-    claimable = or_(Job.status.in_(sources(JobStatus.RUNNING)),
-                    and_(Job.status.in_(sources(JobStatus.QUEUED)), silent(stale_before)))
+    silent_running = and_(Job.status.in_(sources(JobStatus.QUEUED)), silent(stale_before))
+    claimable = or_(Job.status.in_(sources(JobStatus.RUNNING)), silent_running) if include_queued else silent_running
     result = session.execute(
         update(Job).where(Job.id == job_id, claimable)
-        .values(status=JobStatus.RUNNING, device=device, attempts=Job.attempts + 1,
+        .values(status=JobStatus.RUNNING, device=device, attempts=Job.attempts + 1, claimed_at=now,
                 started_at=func.coalesce(Job.started_at, now), heartbeat_at=now)
         .execution_options(synchronize_session=False))
     if result.rowcount == 0:  # type: ignore[attr-defined]
@@ -142,6 +146,8 @@ def claim_job(session: Session, *, job_id: str, device: str, now: datetime, stal
         return None
     job = get_job(session, job_id=job_id)
     session.refresh(job)
+    webhooks.emit(session, tenant_id=job.tenant_id, type=WebhookEventType.JOB_STARTED, data=webhooks.job_data(job),
+                  now=now)
     return job
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from core.models import Job, OutboxMessage, utcnow
+from core.models import Job, JobStatus, OutboxMessage, utcnow
 from core.tasks import TASK_TRAIN, train_queue
 
 
@@ -43,6 +43,11 @@ def take_unsent(session: Session, *, job_id: str | None = None, limit: int = 100
     if job_id is not None:
         query = query.where(OutboxMessage.job_id == job_id)
     return [(message, status) for message, status in session.execute(query).tuples()]
+
+
+def any_queued(session: Session) -> bool:
+    """Whether any job waits in the queue."""
+    return session.scalar(select(Job.id).where(Job.status == JobStatus.QUEUED).limit(1)) is not None
 
 
 def mark_sent(session: Session, *, message: OutboxMessage, task_id: str | None, now: datetime) -> None:

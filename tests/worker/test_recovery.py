@@ -7,20 +7,13 @@ from datetime import timedelta
 import pytest
 import redis
 
-from core.db import make_engine, make_sessionmaker, session_scope
+from core.db import session_scope
 from core.models import Job, JobStatus, utcnow
 from core.store import jobs as store
 from core.tasks import QUEUE_TRAIN, TASK_TRAIN
 from tests.conftest import REDIS_URL, RecordingQueue
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 from worker.recovery import BROKER_SENTINEL, EXIT_CANCEL_TIMEOUT, Heartbeat, reap, recover_broker
-
-
-@pytest.fixture()
-def factory(settings):
-    engine = make_engine(settings.resolved_database_url)
-    yield make_sessionmaker(engine)
-    engine.dispose()
 
 
 @pytest.fixture()

@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 from app.services.jobs import cancel_job
 from core import states
 from core.auth import Principal
-from core.db import make_engine, make_sessionmaker, session_scope
+from core.db import session_scope
 from core.errors import Conflict, StaleAttempt
 from core.models import TERMINAL, Job, JobStatus, OutboxMessage, new_id, utcnow
 from core.store import jobs as store
@@ -21,13 +21,6 @@ from tests.conftest import RecordingQueue
 from worker.recovery import Heartbeat, reap
 
 ADMIN = Principal(key_id="key_test", tenant_id="default", is_admin=True)
-
-
-@pytest.fixture()
-def factory(settings):
-    engine = make_engine(settings.resolved_database_url)
-    yield make_sessionmaker(engine)
-    engine.dispose()
 
 
 def _new_job(factory) -> str:

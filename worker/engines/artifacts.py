@@ -143,16 +143,17 @@ def build_manifest(*, base_model: str | None, base_model_name: str, labels: list
         "hyperparameters": hyperparameters,
         "dataset_hashes": dict(dataset_hashes),
         "metrics": metrics,
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "datasets": datasets.__version__,
-            "python": platform.python_version(),
-        },
+        "versions": library_versions(),
         "device": plan.device,
         "precision": plan.precision,
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of what decides a run's numbers: the manifest and the job's receipt record them."""
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "datasets": datasets.__version__,
+            "python": platform.python_version()}
 
 
 def save_final(output_dir: Path, model: transformers.PreTrainedModel, tokenizer: Any,

@@ -10,11 +10,11 @@ from datetime import timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core import states
+from core import scheduler, states
 from core.db import session_scope
 from core.errors import NotFound, StaleAttempt
 from core.logs import bound
-from core.models import Job, JobStatus, utcnow
+from core.models import Job, JobStatus, is_valid_id, utcnow
 from core.paths import relative_to_home
 from core.relay import deliver_now
 from core.store import jobs as store
@@ -29,6 +29,7 @@ from worker.recovery import Heartbeat
 from worker.sync import clear_work, pull_checkpoint, push_model, storage_errors
 from worker.training.config import EngineConfig, JobInputs, config_for, job_inputs
 from worker.training.prometheus import TrainingMetrics
+from worker.training.receipt import base_receipt
 from worker.training.reporter import JobReporter, artifact_row
 from worker.training.tensorboard import TensorBoardSink, tensorboard_dir
 
@@ -39,31 +40,34 @@ LOST = "lost"  # the attempt stopped holding the job while it ran: its writes we
 
 
 def run_training_job(ctx: WorkerContext, job_id: str) -> str:
-    """Claim and run a job; returns the status it ended in, 'skipped' or 'lost'. Its log lines carry its id.
-    A sweep's child, once ended, lets its sweep create the next children."""
-    with bound(job_id=job_id):
-        status = _run(ctx, job_id)
-    if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED):
-        clear_work(ctx.storage, ctx.settings, job_id)  # the store has all that is kept; no host hoards copies
-    if status not in (SKIPPED, LOST, JobStatus.QUEUED):
+    """Claim the job whose turn it is (core.scheduler; `job_id`, the message's job, only if it was running on a
+    worker that went silent) and run it; returns the status it ended in, 'skipped' or 'lost'. A sweep's child,
+    once ended, lets its sweep create the next children."""
+    ran: list[str] = []
+    status = _run(ctx, job_id, ran)
+    if ran and status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED):
+        clear_work(ctx.storage, ctx.settings, ran[0])  # the store has all that is kept; no host hoards copies
+    if ran and status not in (SKIPPED, LOST, JobStatus.QUEUED):
         with ctx.sessions() as session:
-            sweep_id = session.scalar(select(Job.sweep_id).where(Job.id == job_id))
+            sweep_id = session.scalar(select(Job.sweep_id).where(Job.id == ran[0]))
         if sweep_id is not None:
             try:
                 advance_and_send(ctx.sessions, ctx.queue, sweep_id=sweep_id)
             except Exception:  # noqa: BLE001 - the periodic sweep round creates them instead
-                log.warning("sweep %s: could not advance after job %s ended", sweep_id, job_id, exc_info=True)
+                log.warning("sweep %s: could not advance after job %s ended", sweep_id, ran[0], exc_info=True)
     return status
 
 
-def _run(ctx: WorkerContext, job_id: str) -> str:
+def _run(ctx: WorkerContext, job_id: str, ran: list[str]) -> str:
+    """Claim, run and record one job; appends the id of the job it claimed to `ran`."""
     settings = ctx.settings
     started = time.monotonic()
     with session_scope(ctx.sessions) as session:
         job = _claim(ctx, session, job_id)
         if job is None:
             return SKIPPED
-        attempt, task, hyperparameters = job.attempts, str(job.task), dict(job.hyperparameters)
+        job_id, attempt, task, hyperparameters = job.id, job.attempts, str(job.task), dict(job.hyperparameters)
+        ran.append(job_id)
         if attempt == 1:  # a resumed attempt's wait started at its requeue, which the row does not keep
             JOB_QUEUE_WAIT.labels(task).observe(max((utcnow() - job.created_at).total_seconds(), 0.0))
         if job.cancel_requested_at is not None:
@@ -82,9 +86,10 @@ def _run(ctx: WorkerContext, job_id: str) -> str:
         store.add_event(session, job_id=job_id, kind="claimed", message=f"attempt {attempt} claimed by a worker",
                         attempt=attempt)
         sweep_id = job.sweep_id
-    log.info("job %s attempt %d claimed", job_id, attempt)
-    status = _train(ctx, job, attempt, inputs, hyperparameters, sweep_id)
-    log.info("job %s attempt %d ended: %s", job_id, attempt, status)
+    with bound(job_id=job_id):  # the job it claimed, which may not be the message's
+        log.info("job %s attempt %d claimed", job_id, attempt)
+        status = _train(ctx, job, attempt, inputs, hyperparameters, sweep_id)
+        log.info("job %s attempt %d ended: %s", job_id, attempt, status)
     JOB_DURATION.labels(task, status).observe(time.monotonic() - started)
     return status
 
@@ -101,6 +106,7 @@ def _train(ctx: WorkerContext, job: Job, attempt: int, inputs: JobInputs, hyperp
     try:
         with heartbeat:  # downloads and uploads count as the attempt's work: the reaper leaves it alone meanwhile
             config = _prepare(ctx, job, inputs)
+            reporter.receipt = base_receipt(job, config)
             result = run_engine(config, reporter)
             if result.status == "completed" and result.model_dir is not None and not heartbeat.lost.is_set():
                 push_model(ctx.storage, job_id, result.model_dir)
@@ -147,8 +153,14 @@ def release_memory_of(config: EngineConfig) -> None:
 
 def _claim(ctx: WorkerContext, session: Session, job_id: str) -> Job | None:
     now = utcnow()
+    device = ctx.settings.worker_device
+    named = session.get(Job, job_id) if is_valid_id(job_id) else None
+    # The message came on its job's size queue: claim among jobs of that size, whichever's turn it is.
+    job = scheduler.claim_next(session, ctx.settings, device=device, now=now, devices=named.devices if named else 1)
+    if job is not None:
+        return job
     try:
-        return store.claim_job(session, job_id=job_id, device=ctx.settings.worker_device, now=now,
+        return store.claim_job(session, job_id=job_id, device=device, now=now, include_queued=False,
                                stale_before=now - timedelta(seconds=ctx.settings.heartbeat_timeout_s))
     except NotFound:
         log.warning("job %s does not exist; dropping its task", job_id)
@@ -195,9 +207,8 @@ def _record_result(ctx: WorkerContext, job_id: str, attempt: int, result: TrainR
             states.move(session, job, JobStatus.CANCELLED, attempt=attempt,
                         message=f"cancelled at step {result.global_step}")
         status = JobStatus(job.status)
-    if status == JobStatus.QUEUED:
-        with ctx.sessions() as session:
-            deliver_now(session, ctx.queue, job_id=job_id)
+    with ctx.sessions() as session:  # a requeue's message, or the wake-up for jobs a device limit held back
+        deliver_now(session, ctx.queue)
     return status
 
 

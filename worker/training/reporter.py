@@ -20,11 +20,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import session_scope
 from core.errors import StaleAttempt
-from core.models import Artifact, new_id, utcnow
+from core.models import Artifact, WebhookEventType, new_id, utcnow
 from core.paths import relative_to_home
 from core.settings import Settings
 from core.storage import ArtifactStore, open_storage
 from core.store import jobs as store
+from core.store import webhooks
 from core.sweeps import prune_reason
 from worker.engines.training import TrainCallbacks
 from worker.sync import push_checkpoint
@@ -46,7 +47,7 @@ class JobReporter(TrainCallbacks):
     def __init__(self, factory: sessionmaker[Session], settings: Settings, job_id: str, attempt: int, *,
                  lost: threading.Event | None = None, shutdown: threading.Event | None = None,
                  storage: ArtifactStore | None = None, sweep_id: str | None = None,
-                 sinks: Sequence[TrainCallbacks] = ()) -> None:
+                 sinks: Sequence[TrainCallbacks] = (), receipt: dict[str, Any] | None = None) -> None:
         self.factory = factory
         self.sweep_id = sweep_id  # a sweep's child asks the sweep's pruning rule after each evaluation
         self.last_eval_step: int | None = None
@@ -59,6 +60,7 @@ class JobReporter(TrainCallbacks):
         self.flush_s = settings.metrics_flush_s
         self.lost = lost or threading.Event()
         self.shutdown = shutdown or threading.Event()
+        self.receipt = receipt  # completed with the device and precision the engine chose, in on_start
         self.points: list[tuple[int, float, str, float]] = []
         self.latest: dict[str, float] = {}
         self.progress: dict[str, Any] = {}
@@ -78,9 +80,11 @@ class JobReporter(TrainCallbacks):
                    f"{info.get('num_eval')} eval rows, {self.total_steps} steps")
         if resumed:
             message += f", resumed from checkpoint at step {resumed}"
+        values: dict[str, Any] = {"total_steps": self.total_steps, "step": resumed, "device": info.get("device")}
+        if self.receipt is not None:
+            values["receipt"] = {**self.receipt, "device": info.get("device"), "precision": info.get("precision")}
         with self._fenced() as session:
-            store.update_progress(session, job_id=self.job_id, attempt=self.attempt, values={
-                "total_steps": self.total_steps, "step": resumed, "device": info.get("device")})
+            store.update_progress(session, job_id=self.job_id, attempt=self.attempt, values=values)
             store.add_event(session, job_id=self.job_id, kind="started", message=message, attempt=self.attempt,
                             data={k: v for k, v in info.items() if isinstance(v, (int, float, str))})
         self._notify("on_start", info)
@@ -125,6 +129,8 @@ class JobReporter(TrainCallbacks):
                                attempt=self.attempt)
             store.add_event(session, job_id=self.job_id, kind="checkpoint", message=f"checkpoint at step {step}",
                             attempt=self.attempt)
+            webhooks.emit(session, tenant_id=job.tenant_id, type=WebhookEventType.JOB_CHECKPOINT,
+                          data=webhooks.job_data(job, checkpoint_step=step))
 
     def on_best(self, step: int, best: dict[str, Any]) -> None:
         try:
