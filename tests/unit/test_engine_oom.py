@@ -46,12 +46,12 @@ def _inject_oom(monkeypatch, largest_that_fits: int) -> list[int]:
     seen: list[int] = []
     real = loop.train_step
 
-    def step(model, optimizer, scaler, plan, task, micro_batches, lr):
+    def step(model, optimizer, scaler, plan, task, micro_batches, *rest, **kwargs):
         size = max(len(m) for m in micro_batches)
         seen.append(size)
         if size > largest_that_fits:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(model, optimizer, scaler, plan, task, micro_batches, lr)
+        return real(model, optimizer, scaler, plan, task, micro_batches, *rest, **kwargs)
 
     monkeypatch.setattr(loop, "train_step", step)
     return seen
