@@ -130,7 +130,9 @@ def place(session: Session, settings: Settings, job: Job, *, now: datetime) -> t
     counts = {tenant: int(n) for tenant, n in session.execute(per_tenant).tuples()}
     own = ahead_in_tenant(session, job)
     order = [s.tenant for s in standing]
-    mine = next(s for s in standing if s.tenant == job.tenant_id)
+    mine = next((s for s in standing if s.tenant == job.tenant_id), None)
+    if mine is None:  # the job left the queue (a worker claimed it) between reading the row and the standings
+        return None
     others = 0
     for share in standing:
         if share.tenant == job.tenant_id or share.blocks(job.devices):
