@@ -31,6 +31,8 @@ from worker.engines.best import BestTracker
 from worker.engines.data import steps_per_epoch
 from worker.engines.device import DevicePlan, device_memory, is_out_of_memory, release_memory, resolve_device
 from worker.engines.distributed import Dist, Replica, join
+from worker.engines.dropout import use_fast_dropout
+from worker.engines.sparse_rows import RowSparseAdamW, clip_gradients
 
 MAX_GRAD_NORM = 1.0
 
@@ -131,6 +133,9 @@ class Setup:
     identity: dict[str, Any]  # what a checkpoint must match to be resumed by this run
     info: dict[str, Any]  # task facts for on_start (sizes, labels, block size)
     hyperparameters: dict[str, Any]  # task-specific entries of the manifest's hyperparameters
+    # Embedding tables a batch looks up a few rows of: updated from sparse gradients where the loop can
+    # (one process on a CPU), with dense AdamW's result (worker.engines.sparse_rows).
+    sparse_tables: tuple[torch.nn.Embedding, ...] = ()
 
 
 class Task(Protocol):
@@ -193,6 +198,11 @@ def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None, 
 
     setup = task.build(plan)
     model = setup.model
+    if plan.device_type == "cpu":
+        use_fast_dropout(model)  # PyTorch's CPU dropout masks cost ~10% of a step (worker.engines.dropout)
+        if dist is None:  # looked-up rows only: see worker.engines.sparse_rows (DDP reduces dense gradients)
+            for table in setup.sparse_tables:
+                table.sparse = table.weight.requires_grad
     replica = None if dist is None else Replica(dist, model, plan)
     # A checkpoint resumes only at the world size it was written with (the runs' RNG streams differ).
     identity = dict(setup.identity, world_size=world) if world > 1 else setup.identity
@@ -332,7 +342,8 @@ def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None, 
         "max_grad_norm": MAX_GRAD_NORM, "precision": plan.precision, "seed": config.seed,
         "eval_steps": config.eval_steps, "checkpoint_steps": config.checkpoint_steps, "world_size": world,
         "metric_for_best": config.metric_for_best, "early_stopping_patience": config.early_stopping_patience,
-        "early_stopping_threshold": config.early_stopping_threshold, **setup.hyperparameters,
+        "early_stopping_threshold": config.early_stopping_threshold,
+        "sparse_embedding_rows": any(table.sparse for table in setup.sparse_tables), **setup.hyperparameters,
     }
     best = tracker.best() if tracker is not None else None
     manifest = task.save(metrics, hyperparameters, plan)
@@ -377,8 +388,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
         step_loss = replica.total(step_loss)
     scaler.unscale_(optimizer)
     # foreach: one multi-tensor norm and scale over all parameters instead of one kernel per tensor.
-    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                               MAX_GRAD_NORM, foreach=True)
+    # A sparse-row table's gradient counts its looked-up rows (see worker.engines.sparse_rows).
+    grad_norm = clip_gradients(model.parameters(), MAX_GRAD_NORM)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
@@ -419,9 +430,9 @@ def build_adamw(model: torch.nn.Module, *, learning_rate: float, weight_decay: f
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    # The fused kernel updates all parameters in one pass; it exists for CPU and CUDA.
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=1e-8,
-                             fused=plan.device_type in ("cpu", "cuda"))
+    # The fused kernel updates all parameters in one pass; it exists for CPU and CUDA. Tables with sparse
+    # gradients take RowSparseAdamW's row step, with the same result as dense AdamW.
+    return RowSparseAdamW(groups, lr=learning_rate, betas=betas, eps=1e-8, fused=plan.device_type in ("cpu", "cuda"))
 
 
 def require_fit(estimate: MemoryEstimate | None, plan: DevicePlan, limit: int | None) -> None:

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from core.estimate import architecture, training_memory
 from worker.engines import artifacts, data
 from worker.engines.device import DevicePlan
+from worker.engines.encoder import attention_implementation, last_layer_at_cls
 from worker.engines.loop import (
     OutOfMemory,
     RunConfig,
@@ -74,7 +75,8 @@ class ClassifierTask:
             arch, head="classifier", batch_size=config.batch_size, seq_len=longest, precision=plan.precision,
             fused_attention=plan.is_cuda, num_labels=len(self.labels))
         require_fit(estimate, plan, config.memory_limit_bytes)
-        self.model = _load_model(config.base_model, self.labels)
+        self.model = _load_model(config.base_model, self.labels, attention_implementation(plan))
+        cls_only = last_layer_at_cls(self.model)
         if config.freeze_word_embeddings:
             freeze_word_embeddings(self.model)
         self.model.to(plan.device)  # in place for modules
@@ -85,8 +87,10 @@ class ClassifierTask:
                       "gradient_accumulation_steps": config.gradient_accumulation_steps, "seed": config.seed,
                       "labels": self.labels},
             info={"num_train": len(self.train_set), "num_eval": num_eval, "labels": self.labels},
-            hyperparameters={"max_length": config.max_length, "length_grouped": True,
+            hyperparameters={"max_length": config.max_length, "length_grouped": True, "last_layer_at_cls": cls_only,
+                             "attention": self.model.config._attn_implementation,
                              "freeze_word_embeddings": config.freeze_word_embeddings},
+            sparse_tables=(self.model.get_input_embeddings(),),
         )
 
     def epoch_steps(self, epoch: int) -> list[list[list[int]]]:
@@ -165,11 +169,12 @@ def _prepare_data(config: TrainConfig, tokenizer) -> tuple[list[int | str], data
     return labels, train_set, eval_set
 
 
-def _load_model(base_model: str, labels: list[int | str]) -> PreTrainedModel:
+def _load_model(base_model: str, labels: list[int | str], attention: str | None) -> PreTrainedModel:
     # ignore_mismatched_sizes: a base that is itself a classifier with another label count gets a
-    # fresh head instead of a shape error. The attention default is SDPA where the model has it.
+    # fresh head instead of a shape error. `attention` is encoder.attention_implementation's choice.
     return AutoModelForSequenceClassification.from_pretrained(
-        base_model, num_labels=len(labels), id2label={i: str(label) for i, label in enumerate(labels)},
+        base_model, attn_implementation=attention, num_labels=len(labels),
+        id2label={i: str(label) for i, label in enumerate(labels)},
         label2id={str(label): i for i, label in enumerate(labels)}, ignore_mismatched_sizes=True,
         trust_remote_code=False, use_safetensors=True,  # never unpickle a .bin
     )
