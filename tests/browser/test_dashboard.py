@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # The README's screenshots are refreshed only on request, so that a test run leaves the checkout clean.
 DOCS = ROOT / "docs" if os.environ.get("TRAINSERVE_UPDATE_DOCS_SCREENSHOTS") == "1" else SCREENSHOTS
 # 36 steps of a 2-layer BERT on 48 rows: enough for the loss to visibly fall in the docs screenshot.
-HYPER = {"epochs": 6, "batch_size": 8, "learning_rate": 1e-2, "max_length": 32, "eval_steps": 6}
+HYPER = {"epochs": 6, "batch_size": 8, "learning_rate": 5e-3, "warmup_ratio": 0.1, "max_length": 32, "eval_steps": 6}
 state: dict[str, str] = {}
 
 

@@ -75,7 +75,8 @@ def live_client(settings, redis_url):
 def submit_job(client, tiny_bert_dir, devices: int = 1, **hp) -> str:
     """POST a small sentiment job on the tiny BERT; returns its id."""
     train = upload(client, tsv_bytes(sentiment_rows(4))).json()["id"]
-    hyper = {"epochs": 6, "batch_size": 8, "learning_rate": 1e-2, "max_length": 32, **hp}
+    # lr 5e-3 with 10% warmup: the tiny BERT reaches accuracy 1.0 on every seed tried (1-10, 42), fp32 and bf16
+    hyper = {"epochs": 6, "batch_size": 8, "learning_rate": 5e-3, "warmup_ratio": 0.1, "max_length": 32, **hp}
     response = client.post("/jobs", json=job_body(train, train, base_model=str(tiny_bert_dir), hyperparameters=hyper,
                                                   devices=devices))
     assert response.status_code == 201, response.text
