@@ -153,7 +153,8 @@ class GenerationService:
 
         if is_job_model(model):  # a trained job's model: from the artifact store, cached on this host
             model = str(fetch_model(self.storage, model))
-        return GenerationEngine(model, device=self.settings.worker_device, max_batch_size=self.settings.max_batch_size,
+        return GenerationEngine(model, device=self.settings.worker_device, precision=self.settings.generation_precision,
+                                max_batch_size=self.settings.max_batch_size,
                                 max_queue=self.settings.generation_queue_per_model * 4,
                                 cancelled_ids=self.cancelled_ids, on_step=metrics.observe_batch)
 
