@@ -119,8 +119,8 @@ def pack_weights(weights: Gpt2Weights) -> list[tuple[torch.Tensor, ...]] | None:
     try:
         with torch.inference_mode():
             def pack(name: str, transposed: bool) -> torch.Tensor:
-                weight = tensors[name].t() if transposed else tensors[name]
-                packed = pack_linear(weight.to(dtype))
+                weight = _cast(tensors[name], dtype, weights.regions[name])
+                packed = pack_linear(weight.t() if transposed else weight)
                 if not packed.is_mkldnn:
                     raise NotImplementedError("oneDNN cannot pack this weight")
                 _drop_pages(*weights.regions[name])  # a tied embedding's lookups page their rows back in
@@ -141,6 +141,23 @@ def pack_weights(weights: Gpt2Weights) -> list[tuple[torch.Tensor, ...]] | None:
     for name in [n for group in names for n in group] + ([] if weights.tied else ["lm_head.weight"]):
         del tensors[name]  # the packed copy is the only one now
     return layers
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype, region: tuple[mmap.mmap, int, int]) -> torch.Tensor:
+    """A mapped tensor in `dtype`, cast 16 MiB at a time with the pages read dropped as it goes.
+
+    Without this a tied bf16 LM head would briefly hold the whole fp32 table resident beside its bf16 copy.
+    """
+    if tensor.dtype == dtype:
+        return tensor
+    out = torch.empty(tensor.shape, dtype=dtype)
+    mapping, begin, end = region
+    row_bytes = tensor[0].numel() * tensor.element_size() if tensor.dim() > 1 else tensor.element_size()
+    rows = max(1, (16 << 20) // max(1, row_bytes))
+    for at in range(0, tensor.shape[0], rows):
+        out[at: at + rows] = tensor[at: at + rows]
+        _drop_pages(mapping, begin + at * row_bytes, min(end, begin + (at + rows) * row_bytes))
+    return out
 
 
 def _drop_pages(mapping: mmap.mmap, begin: int, end: int) -> None:
