@@ -71,3 +71,15 @@ def test_bf16_logits_are_close_to_hf_bf16(engine, hf_bf16, model_dir) -> None:
         theirs = torch.stack([hf_bf16(torch.tensor([ids])).logits[0, -1].float() for ids in prompts])
     torch.testing.assert_close(ours, theirs, rtol=0.05, atol=0.05)
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_a_mapped_weight_is_cast_chunk_by_chunk_to_the_same_values(model_dir) -> None:
+    # Packing casts 16 MiB at a time, dropping the fp32 pages read; chunks of a few rows here.
+    from worker.engines.device import resolve_device
+    from worker.engines.gpt2_weights import _cast, load_gpt2
+
+    weights = load_gpt2(model_dir, resolve_device("cpu", "bf16"))
+    table = weights.tensors["wte.weight"]  # still the fp32 mapping: cast rows as looked up
+    assert table.dtype == torch.float32 and weights.dtype == torch.bfloat16
+    cast = _cast(table, torch.bfloat16, weights.regions["wte.weight"], chunk_bytes=10_000)
+    assert torch.equal(cast, table.to(torch.bfloat16))

@@ -143,8 +143,9 @@ def pack_weights(weights: Gpt2Weights) -> list[tuple[torch.Tensor, ...]] | None:
     return layers
 
 
-def _cast(tensor: torch.Tensor, dtype: torch.dtype, region: tuple[mmap.mmap, int, int]) -> torch.Tensor:
-    """A mapped tensor in `dtype`, cast 16 MiB at a time with the pages read dropped as it goes.
+def _cast(tensor: torch.Tensor, dtype: torch.dtype, region: tuple[mmap.mmap, int, int],
+          chunk_bytes: int = 16 << 20) -> torch.Tensor:
+    """A mapped tensor in `dtype`, cast `chunk_bytes` of it at a time with the pages read dropped as it goes.
 
     Without this a tied bf16 LM head would briefly hold the whole fp32 table resident beside its bf16 copy.
     """
@@ -153,7 +154,7 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype, region: tuple[mmap.mmap, int
     out = torch.empty(tensor.shape, dtype=dtype)
     mapping, begin, end = region
     row_bytes = tensor[0].numel() * tensor.element_size() if tensor.dim() > 1 else tensor.element_size()
-    rows = max(1, (16 << 20) // max(1, row_bytes))
+    rows = max(1, chunk_bytes // max(1, row_bytes))
     for at in range(0, tensor.shape[0], rows):
         out[at: at + rows] = tensor[at: at + rows]
         _drop_pages(mapping, begin + at * row_bytes, min(end, begin + (at + rows) * row_bytes))
