@@ -90,7 +90,7 @@ class Gpt2Runner:
         self.dtype = weights.dtype
         # Attention's dtype. PyTorch's CPU flash attention is 2.4x slower in bf16 than in fp32 at decode shapes
         # (16 rows x 12 heads x 1 query x 48 keys: 530 us vs 217 us with the casts, on a 2-core EPYC with
-        # avx512_bf16), a fifth of a bf16 decode step; so on a CPU the cache stays in bf16 and attention reads
+        # avx512_bf16), a third of a bf16 decode step; so on a CPU the cache stays in bf16 and attention reads
         # it as fp32. Its inputs are the bf16 values; only its output is rounded. (An fp32 cache was no faster
         # for GPT-2 small at 16 rows: attention then reads twice the bytes from memory, and it is twice the size.)
         self.attention_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
