@@ -3,12 +3,16 @@
 All sides use the same GPT-2 (GPT-2-small shape by default, random weights from a fixed seed), the same
 prompts and the same number of new tokens per prompt, greedy, in one invocation, interleaved round by round
 (`--repeats` rounds; medians and spread printed). Baselines, in this process:
-- "hf-batched" (the headline baseline): one `model.generate` per `--concurrency` prompts, left padded;
-- "hf-sequential": `model.generate` one prompt at a time, over the first `--sequential` prompts only (it is
-  slow; tokens/s does not depend on how many prompts it runs).
-Candidate: the full service (API, Celery over Redis, the generation worker's continuous batcher), streaming.
+- "hf-batched fp32" and "hf-batched bf16" (the headline baselines): one `model.generate` per `--concurrency`
+  prompts, left padded, with the model loaded in fp32 and in bf16 (`dtype=torch.bfloat16`): the precision a
+  user would pick for the same comparison is the service's, so both are printed, with a ratio against each;
+- "hf-sequential": fp32 `model.generate` one prompt at a time, over the first `--sequential` prompts only (it
+  is slow; tokens/s does not depend on how many prompts it runs).
+Candidate: the full service (API, Celery over Redis, the generation worker's continuous batcher), streaming,
+at `--precision` (default auto: the worker's own calibration decides; the resolved one is printed).
 Also printed: time to first token and inter-token latency percentiles of the service, how many of its
-greedy outputs equal `generate`'s, and the generation worker's resident memory against the weights' size.
+greedy outputs equal `generate`'s at the same dtype, and the generation worker's resident memory against
+the fp32 checkpoint's size and against the weight bytes the worker holds.
 
     python bench/generate.py                      # GPT-2 small, 32 prompts x 64 tokens, 16 clients, 3 rounds
     python bench/generate.py --layers 2 --requests 8 --max-new-tokens 16 --repeats 1   # quick smoke run
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -59,12 +64,12 @@ def build_model(folder: Path, layers: int) -> None:
 
 
 class HfSide:
-    """The Hugging Face baselines over one loaded model."""
+    """The Hugging Face baselines over one loaded model, in the given dtype."""
 
-    def __init__(self, folder: Path, max_new_tokens: int) -> None:
+    def __init__(self, folder: Path, max_new_tokens: int, dtype: torch.dtype = torch.float32) -> None:
         self.tokenizer = GPT2TokenizerFast.from_pretrained(folder)
         self.tokenizer.pad_token = self.tokenizer.eos_token  # any id: padded positions are masked out
-        self.model = GPT2LMHeadModel.from_pretrained(folder).eval()
+        self.model = GPT2LMHeadModel.from_pretrained(folder, dtype=dtype).eval()
         self.max_new_tokens = max_new_tokens
         with torch.inference_mode():  # warm-up, not timed
             self.model.generate(**self.tokenizer(["warm up"], return_tensors="pt"), do_sample=False,
@@ -93,9 +98,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_service(home: Path, port: int) -> subprocess.Popen[bytes]:
+def start_service(home: Path, port: int, precision: str) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINSERVE_")}
-    env.update(HF_HUB_OFFLINE="1", TRAINSERVE_DEVICES="cpu")
+    env.update(HF_HUB_OFFLINE="1", TRAINSERVE_DEVICES="cpu", TRAINSERVE_GENERATION_PRECISION=precision)
     log = open(home / "up.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "trainserve.cli", "up", "--port", str(port), "--home", str(home)],
                             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -160,6 +165,13 @@ def generation_worker_rss(up: int, field: str = "VmRSS") -> int:
     return 0
 
 
+def served_precision(home: Path) -> str:
+    """The precision the generation worker resolved, from its log line when it loaded the model."""
+    log = (home / "up.log").read_text(errors="replace")
+    found = re.findall(r"generation engine loaded: .* in (fp32|bf16|fp16)", log)
+    return found[-1] if found else "unknown"
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
 
@@ -172,31 +184,38 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every side")
     parser.add_argument("--sequential", type=int, default=4, help="prompts the slow hf-sequential side runs")
+    parser.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
+                        help="the service's generation precision (TRAINSERVE_GENERATION_PRECISION)")
     args = parser.parse_args()
     texts = prompts(args.requests)
-    runs: dict[str, list[tuple[float, int, float]]] = {"hf-sequential": [], "hf-batched": [], "trainserve": []}
+    batched_sides = {"fp32": "hf-batched fp32", "bf16": "hf-batched bf16"}
+    sides = ["hf-sequential", *batched_sides.values(), "trainserve"]
+    runs: dict[str, list[tuple[float, int, float]]] = {side: [] for side in sides}
+    outputs: dict[str, list[list[int]]] = {}
     latencies: dict[str, list[float]] = {"ttft": [], "itl": []}
     with tempfile.TemporaryDirectory(prefix="trainserve-bench-") as tmp:
         home = Path(tmp)
         folder = home / "models" / "gpt2-bench"
         build_model(folder, args.layers)
-        hf = HfSide(folder, args.max_new_tokens)
-        weights = sum(p.numel() * p.element_size() for p in hf.model.parameters())  # tied embedding once
+        hf = {"fp32": HfSide(folder, args.max_new_tokens), "bf16": HfSide(folder, args.max_new_tokens, torch.bfloat16)}
+        parameters = sum(p.numel() for p in hf["fp32"].model.parameters())  # tied embedding once
         port = free_port()
-        proc = start_service(home, port)
+        proc = start_service(home, port, args.precision)
         try:
             key = (home / "admin.key").read_text().strip()
             headers = {"Authorization": f"Bearer {key}"}
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers) as client:
                 idle_rss = generation_worker_rss(proc.pid)
                 one_request(client, "gpt2-bench", "warm up", 4)  # loads the model into the generation worker
+                precision = served_precision(home)
                 for _ in range(args.repeats):
                     load = os.getloadavg()[0]
-                    seconds, sequential = hf.run(texts[: args.sequential], 1)
-                    runs["hf-sequential"].append((seconds, sum(map(len, sequential)), load))
-                    load = os.getloadavg()[0]
-                    seconds, batched = hf.run(texts, args.concurrency)
-                    runs["hf-batched"].append((seconds, sum(map(len, batched)), load))
+                    seconds, outputs["hf-sequential"] = hf["fp32"].run(texts[: args.sequential], 1)
+                    runs["hf-sequential"].append((seconds, sum(map(len, outputs["hf-sequential"])), load))
+                    for dtype, side in batched_sides.items():
+                        load = os.getloadavg()[0]
+                        seconds, outputs[side] = hf[dtype].run(texts, args.concurrency)
+                        runs[side].append((seconds, sum(map(len, outputs[side])), load))
                     load = os.getloadavg()[0]
                     seconds, served = service(client, "gpt2-bench", texts, args.max_new_tokens, args.concurrency)
                     runs["trainserve"].append((seconds, sum(r["tokens"] for r in served), load))
@@ -209,33 +228,41 @@ def main() -> None:
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(120)
-    decode = hf.tokenizer.decode
-    same_batched = sum(r["text"] == decode(ids) for r, ids in zip(served, batched, strict=True))
-    same_sequential = sum(r["text"] == decode(ids) for r, ids in zip(served, sequential, strict=False))
+    decode = hf["fp32"].tokenizer.decode
     print(f"model: GPT-2 shape, {args.layers} layers, random weights; {args.requests} prompts x "
           f"{args.max_new_tokens} new tokens, greedy; {args.repeats} interleaved rounds; torch threads "
-          f"{torch.get_num_threads()}; hf-sequential over the first {args.sequential} prompts")
+          f"{torch.get_num_threads()}; hf-sequential (fp32) over the first {args.sequential} prompts")
+    print(f"service precision: {args.precision} -> {precision} (as the generation worker resolved it)")
     print(f"{'side':<34}{'tokens':>8}{'seconds':>20}{'tokens/s med [min-max]':>26}{'load':>7}")
     tps = {}
-    for side, label in (("hf-sequential", "hf-sequential"), ("hf-batched", f"hf-batched (x{args.concurrency})"),
-                        ("trainserve", f"trainserve up, {args.concurrency} clients")):
+    for side in sides:
+        label = {"trainserve": f"trainserve up {precision}, {args.concurrency} clients"}.get(
+            side, side + (f" (x{args.concurrency})" if side.startswith("hf-batched") else ""))
         rates = [tokens / seconds for seconds, tokens, _ in runs[side]]
         tps[side] = statistics.median(rates)
         print(f"{label:<34}{runs[side][0][1]:>8}{spread([s for s, _, _ in runs[side]]):>20}{spread(rates):>26}"
               f"{statistics.median([load for _, _, load in runs[side]]):>7.2f}")
-    print(f"ratio trainserve / hf-batched: {tps['trainserve'] / tps['hf-batched']:.2f}x (median tokens/s); "
-          f"trainserve / hf-sequential: {tps['trainserve'] / tps['hf-sequential']:.2f}x")
+    print("ratio trainserve / " + "; trainserve / ".join(
+        f"{side}: {tps['trainserve'] / tps[side]:.2f}x" for side in sides[:-1]) + " (median tokens/s)")
     for name, values in latencies.items():
         ms = [v * 1000 for v in values]
         label = "time to first token" if name == "ttft" else "inter-token latency"
         print(f"{label}: p50 {percentile(ms, 0.5):.0f} ms, "
               f"p90 {percentile(ms, 0.9):.0f} ms, p99 {percentile(ms, 0.99):.0f} ms ({len(ms)} samples)")
-    print(f"greedy output equal to generate's: {same_batched}/{len(served)} vs hf-batched, "
-          f"{same_sequential}/{len(sequential)} vs hf-sequential")
-    print(f"generation worker RSS after the rounds (idle) {rss / MB:.0f} MiB, peak {peak / MB:.0f} MiB; weights "
-          f"{weights / MB:.0f} MiB: {rss / weights:.2f}x idle, {peak / weights:.2f}x peak "
-          f"(before its first request, no torch imported yet: {idle_rss / MB:.0f} MiB); idle RSS is {anon / MB:.0f} "
-          f"MiB anonymous + {mapped / MB:.0f} MiB file-backed (shared libraries, mapped checkpoint pages)")
+    same = {side: sum(r["text"] == decode(ids) for r, ids in zip(served, outputs[side], strict=False))
+            for side in sides[:-1]}
+    same_dtype = batched_sides.get(precision, "hf-batched fp32")
+    others = "; ".join(f"{same[side]}/{len(outputs[side])} vs {side}" for side in sides[:-1] if side != same_dtype)
+    print(f"greedy output equal to generate's at the service's dtype: {same[same_dtype]}/{len(served)} vs "
+          f"{same_dtype}; for reference {others}")
+    checkpoint = parameters * 4  # the fp32 safetensors file, tied embedding once
+    held = parameters * {"bf16": 2, "fp16": 2}.get(precision, 4)  # packed projections and LM head, small ones
+    print(f"generation worker RSS after the rounds (idle) {rss / MB:.0f} MiB, peak {peak / MB:.0f} MiB; fp32 "
+          f"checkpoint {checkpoint / MB:.0f} MiB: {rss / checkpoint:.2f}x idle, {peak / checkpoint:.2f}x peak; "
+          f"weights the worker holds ({precision}, packed) {held / MB:.0f} MiB: {rss / held:.2f}x idle, "
+          f"{peak / held:.2f}x peak (before its first request, no torch imported yet: {idle_rss / MB:.0f} MiB); "
+          f"idle RSS is {anon / MB:.0f} MiB anonymous + {mapped / MB:.0f} MiB file-backed (shared libraries, "
+          f"mapped checkpoint pages)")
 
 
 MB = 1024 * 1024

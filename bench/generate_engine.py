@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere: `worker` lives i
 import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast  # noqa: E402
 
+from worker.engines.device import resolve_device  # noqa: E402
 from worker.engines.generation import GenerationEngine, SamplingParams  # noqa: E402
 from worker.engines.lm_loading import ASSETS_TOKENIZER  # noqa: E402
 
@@ -159,8 +160,9 @@ def main() -> None:
     parser.add_argument("--sampling", choices=("greedy", "seeded"), default="greedy")
     parser.add_argument("--text", type=Path, default=default_text())
     parser.add_argument("--device", default="cpu", help="cpu (the measured setting) or cuda")
-    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
-                        help="weights dtype of both sides (the engine through its device plan)")
+    parser.add_argument("--precision", default="fp32", choices=("auto", "fp32", "bf16", "fp16"),
+                        help="weights dtype of both sides (the engine through its device plan; auto: what the "
+                             "engine's calibration picks, the HF sides follow)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads for both runs (0: default)")
     parser.add_argument("--batched", action="store_true",
                         help="also run batched model.generate, --concurrency prompts per call (greedy)")
@@ -172,6 +174,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    args.precision = resolve_device(args.device, args.precision, generation=True).precision
     prompts = load_prompts(args.text, args.requests)
     print(f"model: GPT-2 small shape, {args.layers} layers, random init (seed 0), {args.precision} on {args.device}, "
           f"{torch.get_num_threads()} torch threads")

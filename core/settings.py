@@ -60,6 +60,10 @@ class Settings(BaseSettings):
     generation_rate_per_minute: int = Field(600, description="Generation requests per API key per minute (429 beyond).")
     generation_threads: int = Field(64, description="Requests one generation worker keeps in flight.")
     max_batch_size: int = Field(32, description="Sequences decoded together by one generation engine.")
+    generation_precision: str = Field(
+        "auto", pattern="^(auto|fp32|bf16|fp16)$", description="Weights dtype of generation engines: auto (bf16 on "
+        "a GPU that has it, else fp16; on a CPU bf16 when a short calibration at load shows a decode step clearly "
+        "faster, else fp32), fp32, bf16 or fp16.")
     generation_memory_budget_mb: float = Field(
         8192.0, gt=0, description="Model weights one generation worker keeps warm; least recently used idle "
         "models are unloaded beyond it.")

@@ -153,9 +153,14 @@ class GenerationService:
 
         if is_job_model(model):  # a trained job's model: from the artifact store, cached on this host
             model = str(fetch_model(self.storage, model))
-        return GenerationEngine(model, device=self.settings.worker_device, max_batch_size=self.settings.max_batch_size,
-                                max_queue=self.settings.generation_queue_per_model * 4,
-                                cancelled_ids=self.cancelled_ids, on_step=metrics.observe_batch)
+        engine = GenerationEngine(model, device=self.settings.worker_device,
+                                  precision=self.settings.generation_precision,
+                                  max_batch_size=self.settings.max_batch_size,
+                                  max_queue=self.settings.generation_queue_per_model * 4,
+                                  cancelled_ids=self.cancelled_ids, on_step=metrics.observe_batch)
+        log.info("generation engine loaded: %s on %s in %s, %.1f MiB of weights", model, engine.plan.device,
+                 engine.plan.precision, engine.weight_bytes / MB)
+        return engine
 
     def cancelled_ids(self, request_ids: list[str]) -> set[str]:
         """The requests whose clients went away: one MGET per scheduler step for all of them."""

@@ -101,16 +101,16 @@ def test_release_memory_on_cpu_is_harmless():
 
 @pytest.fixture
 def fresh_calibration(monkeypatch):
-    """An empty per-process calibration cache, and a fake timer that counts its calls."""
+    """An empty per-process calibration cache, and fake timers (training's by default) that log their calls."""
     monkeypatch.setattr(device_module, "_cpu_bf16_calibration", {})
-    calls: list[tuple[float, float]] = []
+    calls: list[str] = []
 
-    def install(fp32_seconds: float, bf16_seconds: float) -> list:
+    def install(fp32_seconds: float, bf16_seconds: float, timer: str = "_time_cpu_matmuls") -> list:
         def timings() -> tuple[float, float]:
-            calls.append((fp32_seconds, bf16_seconds))
+            calls.append(timer)
             return fp32_seconds, bf16_seconds
 
-        monkeypatch.setattr(device_module, "_time_cpu_matmuls", timings)
+        monkeypatch.setattr(device_module, timer, timings)
         return calls
 
     return install
@@ -133,6 +133,45 @@ def test_auto_training_stays_fp32_when_bf16_is_not_clearly_faster(no_cuda, fresh
     fresh_calibration(fp32_seconds=2e-3, bf16_seconds=bf16_seconds)
     plan = resolve_device("cpu", "auto", training=True)
     assert plan == DevicePlan(device="cpu", precision="fp32", autocast_dtype=None, use_grad_scaler=False)
+
+
+def test_auto_generation_on_a_cpu_with_fast_bf16_picks_bf16_weights(no_cuda, fresh_calibration):
+    calls = fresh_calibration(fp32_seconds=6e-3, bf16_seconds=3e-3, timer="_time_cpu_decode")
+    fresh_calibration(fp32_seconds=1.0, bf16_seconds=1.0)  # training: bf16 no faster
+    plan = resolve_device("cpu", "auto", generation=True)
+    # Generation casts the weights (no autocast context needed at run time, but the plan names the dtype).
+    assert (plan.precision, plan.autocast_dtype, plan.use_grad_scaler) == ("bf16", torch.bfloat16, False)
+    assert resolve_device("auto", "auto", generation=True).precision == "bf16"
+    assert calls == ["_time_cpu_decode"]  # calibrated once per process, then cached
+    # Each workload has its own calibration and answer; classification and explicit choices stay as they are.
+    assert resolve_device("cpu", "auto", training=True).precision == "fp32"
+    assert resolve_device("cpu", "auto").precision == "fp32"
+    assert resolve_device("cpu", "fp32", generation=True).precision == "fp32"
+    assert calls == ["_time_cpu_decode", "_time_cpu_matmuls"]
+
+
+@pytest.mark.parametrize("bf16_seconds", [6e-3, 5e-3, 0.3])  # equal, 1.2x faster, emulated (slow)
+def test_auto_generation_stays_fp32_when_bf16_is_not_clearly_faster(no_cuda, fresh_calibration, bf16_seconds):
+    fresh_calibration(fp32_seconds=6e-3, bf16_seconds=bf16_seconds, timer="_time_cpu_decode")
+    assert resolve_device("cpu", "auto", generation=True).precision == "fp32"
+    assert resolve_device("cpu", "bf16", generation=True).precision == "bf16"  # explicit wins
+
+
+def test_auto_generation_on_cuda_does_not_calibrate(fake_cuda, fresh_calibration):
+    calls = fresh_calibration(fp32_seconds=1.0, bf16_seconds=1.0, timer="_time_cpu_decode")
+    fake_cuda((8, 0))
+    assert resolve_device("cuda", "auto", generation=True).precision == "bf16"
+    assert calls == []
+
+
+def test_decode_calibration_threshold_and_real_calibration_is_cheap():
+    assert cpu_bf16_faster(lambda: (1.3, 1.0), workload="generation")
+    assert not cpu_bf16_faster(lambda: (1.29, 1.0), workload="generation")
+    assert not cpu_bf16_faster(lambda: (1.3, 1.0), workload="training")  # training asks for 1.5x
+    with pytest.raises(ValueError, match="unknown workload"):
+        cpu_bf16_faster(lambda: (1.0, 1.0), workload="classify")
+    fp32_seconds, bf16_seconds = device_module._time_cpu_decode(rounds=2)
+    assert 0 < fp32_seconds < 1 and 0 < bf16_seconds < 5
 
 
 def test_cpu_bf16_faster_threshold_and_real_calibration_is_cheap():

@@ -49,16 +49,17 @@ def hf(model_dir: Path) -> GPT2LMHeadModel:
     return GPT2LMHeadModel.from_pretrained(model_dir).eval()
 
 
+# The engines these tests compare with fp32 HF are fp32 explicitly: `auto` picks bf16 on a CPU where it pays.
 @pytest.fixture(scope="module")
 def engine(model_dir: Path):
-    with GenerationEngine(model_dir, device="cpu", max_batch_size=8) as eng:
+    with GenerationEngine(model_dir, device="cpu", precision="fp32", max_batch_size=8) as eng:
         yield eng
 
 
 @pytest.fixture(scope="module")
 def narrow(model_dir: Path):
     """One sequence at a time and a queue of two: makes waiting deterministic."""
-    with GenerationEngine(model_dir, device="cpu", max_batch_size=1, max_queue=2) as eng:
+    with GenerationEngine(model_dir, device="cpu", precision="fp32", max_batch_size=1, max_queue=2) as eng:
         yield eng
 
 
@@ -118,7 +119,7 @@ def test_requests_join_a_running_batch_and_reuse_its_rows(engine, hf) -> None:
 
 
 def test_rows_are_reused_when_the_batch_is_full(model_dir, hf) -> None:
-    with GenerationEngine(model_dir, device="cpu", max_batch_size=2) as eng:
+    with GenerationEngine(model_dir, device="cpu", precision="fp32", max_batch_size=2) as eng:
         futures = [eng.submit(p, greedy(6 + 3 * i)) for i, p in enumerate(PROMPTS)]
         for i, (prompt, future) in enumerate(zip(PROMPTS, futures, strict=True)):
             assert future.result(WAIT).choices[0].token_ids == hf_greedy(hf, ids_of(eng, prompt), 6 + 3 * i)
@@ -183,7 +184,7 @@ def test_eos_ends_a_choice_and_a_folder_without_tokenizer_uses_the_bundled_one(e
     tokens = engine.generate(PROMPTS[1], greedy(12)).choices[0].token_ids
     stop_at = next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])
     folder = build_tiny_gpt2(tmp_path / "eos", seed=0, eos_token_id=tokens[stop_at], tokenizer=False)
-    with GenerationEngine(folder, device="cpu") as eng:
+    with GenerationEngine(folder, device="cpu", precision="fp32") as eng:
         choice = eng.generate(PROMPTS[1], greedy(12)).choices[0]
     assert choice.finish_reason == "eos"
     assert choice.token_ids == tokens[: stop_at + 1]  # ends with the eos id ...

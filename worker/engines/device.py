@@ -19,8 +19,15 @@ _DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 # MiniLM step gains less than its matmuls (casts, the optimizer and the embedding update stay fp32), so a
 # clear margin is required.
 CPU_BF16_MIN_SPEEDUP = 1.5
+# Generation casts the weights themselves (no autocast, half the bytes to stream per step) and its decode
+# step is almost all packed matmuls, so what the calibration times is what a step does: a smaller margin.
+CPU_BF16_DECODE_MIN_SPEEDUP = 1.3
 _CALIBRATION_SHAPE = (256, 384, 1536)  # (tokens, width, outputs): a small BERT layer's sizes
-_cpu_bf16_calibration: dict[str, bool] = {}  # per process: the answer never changes while it runs
+# A 16-row decode step of GPT-2 small: rows, width, the MLP's 4x width, and an LM head large enough
+# (96 MiB in fp32) not to fit in a cache, as the real 50,257-row one does not.
+_DECODE_CALIBRATION_SHAPE = (16, 768, 3072, 32768)
+_cpu_bf16_calibration: dict[str, bool] = {}  # per process and workload: the answer never changes while it runs
+WORKLOADS = ("training", "generation")
 
 
 @dataclass(frozen=True)
@@ -69,11 +76,12 @@ def rank_device(device: str, local_rank: int) -> str:
     return f"cuda:{local_rank}"
 
 
-def resolve_device(device: str = "auto", precision: str = "auto", *, training: bool = False) -> DevicePlan:
+def resolve_device(device: str = "auto", precision: str = "auto", *, training: bool = False,
+                   generation: bool = False) -> DevicePlan:
     """Resolve "auto"/"cpu"/"cuda[:N]" and "auto"/"fp32"/"fp16"/"bf16" into a DevicePlan.
 
-    On a CPU, "auto" is fp32, except for training (fp32 master weights, bf16 autocast) where a one-off
-    calibration shows bf16 matmuls faster; inference keeps fp32 so its outputs stay the reference ones.
+    On a CPU, "auto" is fp32, except where a one-off calibration shows bf16 clearly faster: for training
+    (fp32 master weights, bf16 autocast) and for generation (bf16 weights). Classification keeps fp32.
     """
     resolved = _resolve_device_name(device.strip().lower())
     is_cuda = resolved.startswith("cuda")
@@ -82,7 +90,8 @@ def resolve_device(device: str = "auto", precision: str = "auto", *, training: b
         raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
     if precision == "auto":
         if not is_cuda:
-            precision = "bf16" if training and cpu_bf16_faster() else "fp32"
+            workload = "training" if training else "generation" if generation else None
+            precision = "bf16" if workload and cpu_bf16_faster(workload=workload) else "fp32"
         else:
             precision = "bf16" if _cuda_bf16_supported(resolved) else "fp16"
     elif precision == "bf16" and is_cuda and not _cuda_bf16_supported(resolved):
@@ -97,17 +106,24 @@ def resolve_device(device: str = "auto", precision: str = "auto", *, training: b
     )
 
 
-def cpu_bf16_faster(timings: Callable[[], tuple[float, float]] | None = None) -> bool:
-    """True when bf16 matmuls run at least CPU_BF16_MIN_SPEEDUP times faster than fp32 here (cached per process).
+def cpu_bf16_faster(timings: Callable[[], tuple[float, float]] | None = None, *,
+                    workload: str = "training") -> bool:
+    """True when bf16 runs a workload's step clearly faster than fp32 here (cached per process and workload).
 
-    `timings` returns (fp32 seconds, bf16 seconds); tests pass a fake one, which is neither cached nor cached from.
+    "training" times a small training step under bf16 autocast (CPU_BF16_MIN_SPEEDUP), "generation" a decode
+    step over packed bf16 weights (CPU_BF16_DECODE_MIN_SPEEDUP). `timings` returns (fp32 seconds, bf16
+    seconds); tests pass a fake one, which is neither cached nor cached from.
     """
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; use one of {', '.join(WORKLOADS)}")
     if timings is not None:
         fp32, bf16 = timings()
-        return fp32 >= CPU_BF16_MIN_SPEEDUP * bf16
-    if "cpu" not in _cpu_bf16_calibration:
-        _cpu_bf16_calibration["cpu"] = cpu_bf16_faster(_time_cpu_matmuls)
-    return _cpu_bf16_calibration["cpu"]
+        margin = CPU_BF16_MIN_SPEEDUP if workload == "training" else CPU_BF16_DECODE_MIN_SPEEDUP
+        return fp32 >= margin * bf16
+    if workload not in _cpu_bf16_calibration:
+        timer = _time_cpu_matmuls if workload == "training" else _time_cpu_decode
+        _cpu_bf16_calibration[workload] = cpu_bf16_faster(timer, workload=workload)
+    return _cpu_bf16_calibration[workload]
 
 
 def _time_cpu_matmuls(rounds: int = 6) -> tuple[float, float]:
@@ -129,6 +145,31 @@ def _time_cpu_matmuls(rounds: int = 6) -> tuple[float, float]:
             out = torch.matmul(torch.softmax(torch.matmul(q, key.transpose(-1, -2)) / 8.0, dim=-1), v)
         (out.float().sum() + projected[:, 3 * k:].float().sum()).backward()
 
+    return _alternate(step, rounds)
+
+
+def _time_cpu_decode(rounds: int = 6) -> tuple[float, float]:
+    """Best seconds of a decode-step-shaped pass (an MLP projection and an LM head, packed) in fp32 and bf16."""
+    rows, width, inner, vocab = _DECODE_CALIBRATION_SHAPE
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, width, generator=generator)
+    weights = {"mlp": torch.randn(inner, width, generator=generator) * 0.02,
+               "head": torch.randn(vocab, width, generator=generator) * 0.02}
+    ready = {dtype: (x.to(dtype), {name: pack_linear(w.to(dtype)) for name, w in weights.items()})
+             for dtype in (torch.float32, torch.bfloat16)}
+    del weights
+
+    def step(dtype: torch.dtype) -> None:
+        rows_in, packed = ready[dtype]
+        with torch.inference_mode():
+            hidden = linear(rows_in, packed["mlp"], None)
+            linear(hidden[:, :width], packed["head"], None)
+
+    return _alternate(step, rounds)
+
+
+def _alternate(step: Callable[[torch.dtype], None], rounds: int) -> tuple[float, float]:
+    """Best seconds of step(fp32) and step(bf16) over alternating rounds, after one warm-up round."""
     best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
     # Alternating rounds with the minimum of each: another process taking the CPU for a while slows
     # both dtypes' rounds, not one. The first round only warms up (kernel selection, AMX set-up).
@@ -141,6 +182,29 @@ def _time_cpu_matmuls(rounds: int = 6) -> tuple[float, float]:
         if best[torch.bfloat16] > 10 * best[torch.float32]:
             break  # bf16 emulated in software: clearly slower, no need to spend seconds proving it
     return best[torch.float32], best[torch.bfloat16]
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """A linear layer's [out, in] weight in oneDNN's packed layout for CPU matmuls; unchanged without oneDNN.
+
+    MKL's sgemm repacks the weight on every call, which dominates at 4-64 rows; oneDNN packs once. The dtype
+    is kept (fp32 or bf16). Use with linear(), which tells the two apart by the tensor's layout.
+    """
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, post: str = "none",
+           algorithm: str = "") -> torch.Tensor:
+    """x @ weight.T + bias over a pack_linear() weight (oneDNN, with an optional fused post-op) or a plain one."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, post, [], algorithm)
+    out = torch.nn.functional.linear(x, weight, bias)
+    if post == "gelu":
+        return torch.nn.functional.gelu(out, approximate=algorithm or "none")
+    return out
 
 
 def release_memory(plan: DevicePlan) -> None:

@@ -60,7 +60,7 @@ class GenerationEngine:
                             ("max_queue", max_queue)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        self.plan: DevicePlan = resolve_device(device, precision)
+        self.plan: DevicePlan = resolve_device(device, precision, generation=True)
         self.tokenizer = load_tokenizer(model)
         weights = load_gpt2(model, self.plan)
         self.config = weights.config

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, PretrainedConfig
 
-from worker.engines.device import DevicePlan
+from worker.engines.device import DevicePlan, linear, pack_linear
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint
@@ -35,9 +35,10 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 class Gpt2Weights:
     """A GPT-2 checkpoint's config, eos ids and tensors by name without the `transformer.` prefix.
 
-    `tensors` are lazily mapped from the checkpoint file on the CPU in its own dtype (a page becomes resident
-    when read: of the embedding table, only the rows looked up), or copies on the plan's device and dtype.
-    `regions` says where each tensor lies in its file's mapping, so pages read once (for packing) can be dropped.
+    On the CPU the large tensors (embeddings, projections, LM head) stay lazily mapped from the checkpoint file
+    in its own dtype (a page becomes resident when read: of the embedding table, only the rows looked up) and
+    are cast when packed or looked up; the small ones, and on a GPU all, are copies in the plan's device and
+    dtype. `regions` says where each tensor lies in its file's mapping, so pages read once can be dropped.
     """
 
     config: PretrainedConfig
@@ -45,11 +46,13 @@ class Gpt2Weights:
     tensors: dict[str, torch.Tensor]
     regions: dict[str, tuple[mmap.mmap, int, int]]  # name -> (mapping, first byte, end byte)
     tied: bool  # the LM head is the token embedding
+    dtype: torch.dtype  # the dtype the forward pass computes in
 
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype the forward pass computes in."""
-        return self.tensors["wte.weight"].dtype
+    def cast_all(self) -> None:
+        """Copy every tensor still in another dtype (mapped from the file) into the compute dtype."""
+        for name, tensor in self.tensors.items():
+            if tensor.dtype != self.dtype:
+                self.tensors[name] = tensor.to(self.dtype)
 
 
 def resolve_folder(model: str | Path) -> Path:
@@ -87,44 +90,75 @@ def load_gpt2(model: str | Path, plan: DevicePlan) -> Gpt2Weights:
     tied = "lm_head.weight" not in tensors or bool(getattr(config, "tie_word_embeddings", True))
     if tied:
         tensors.pop("lm_head.weight", None)
-    # For inference the weights themselves are cast (no autocast): half the memory and no per-op casts.
+    # For inference the weights themselves are cast (no autocast): half the memory and no per-op casts. On the
+    # CPU the large ones are cast one at a time as they are packed (or rows as they are looked up), so a bf16
+    # model never holds an fp32 copy of its whole checkpoint.
     dtype = plan.autocast_dtype or torch.float32
-    tensors = {name: t.to(device=plan.device, dtype=dtype) for name, t in tensors.items()}
-    return Gpt2Weights(config, _eos_ids(folder, config), tensors, regions, tied)
+    on_cpu = torch.device(plan.device).type == "cpu"
+    tensors = {name: t if on_cpu and _is_large(name) else t.to(device=plan.device, dtype=dtype)
+               for name, t in tensors.items()}
+    return Gpt2Weights(config, _eos_ids(folder, config), tensors, regions, tied, dtype)
+
+
+def _is_large(name: str) -> bool:
+    """The embeddings, the LM head and the projections' weights: all but a few MiB of a checkpoint."""
+    return name in ("wte.weight", "wpe.weight", "lm_head.weight") or \
+        name.split(".", 2)[-1].removesuffix(".weight") in PROJECTIONS and name.endswith(".weight")
 
 
 def pack_weights(weights: Gpt2Weights) -> list[tuple[torch.Tensor, ...]] | None:
-    """oneDNN-packed [out, in] copies of every projection and of the LM head; None without oneDNN.
+    """oneDNN-packed [out, in] copies (compute dtype) of every projection and of the LM head; None without oneDNN.
 
-    Each weight is read from the mapping and its pages dropped right after it is packed, so the packed copy is
-    the only resident one and loading never holds more than one layer's weights twice. The mapped originals
+    Each weight is read from the mapping, cast, packed, and its pages dropped right after, so the packed copy
+    is the only resident one and loading never holds more than one layer's weights twice. The mapped originals
     of the projections (and of an untied LM head) leave `weights.tensors` once packing succeeded.
     """
-    config, tensors = weights.config, weights.tensors
+    config, tensors, dtype = weights.config, weights.tensors, weights.dtype
     names = [[f"h.{i}.{part}.weight" for part in PROJECTIONS] for i in range(config.n_layer)]
     head = "wte.weight" if weights.tied else "lm_head.weight"
     try:
         with torch.inference_mode():
             def pack(name: str, transposed: bool) -> torch.Tensor:
-                weight = tensors[name].t() if transposed else tensors[name]
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+                weight = _cast(tensors[name], dtype, weights.regions[name])
+                packed = pack_linear(weight.t() if transposed else weight)
+                if not packed.is_mkldnn:
+                    raise NotImplementedError("oneDNN cannot pack this weight")
                 _drop_pages(*weights.regions[name])  # a tied embedding's lookups page their rows back in
                 return packed
 
             # Probe once: a build without these ops, or one that computes differently, keeps plain matmuls.
-            probe = torch.randn(4, config.n_embd)
+            probe = torch.randn(4, config.n_embd).to(dtype)
             first, bias = names[0][0], tensors["h.0.attn.c_attn.bias"]
-            expected = probe @ tensors[first] + bias
+            expected = (probe @ tensors[first].to(dtype) + bias).float()
             layers = [tuple(pack(name, True) for name in group) for group in names]
             layers.append((pack(head, False),))
-            got = torch.ops.mkldnn._linear_pointwise(probe, layers[0][0], bias, "none", [], "")
-            if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
+            got = linear(probe, layers[0][0], bias).float()
+            tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # bf16 keeps 8 bits of mantissa
+            if not torch.allclose(got, expected, rtol=tolerance, atol=tolerance):
                 return None
     except (AttributeError, RuntimeError, NotImplementedError):
         return None
     for name in [n for group in names for n in group] + ([] if weights.tied else ["lm_head.weight"]):
         del tensors[name]  # the packed copy is the only one now
     return layers
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype, region: tuple[mmap.mmap, int, int],
+          chunk_bytes: int = 16 << 20) -> torch.Tensor:
+    """A mapped tensor in `dtype`, cast `chunk_bytes` of it at a time with the pages read dropped as it goes.
+
+    Without this a tied bf16 LM head would briefly hold the whole fp32 table resident beside its bf16 copy.
+    """
+    if tensor.dtype == dtype:
+        return tensor
+    out = torch.empty(tensor.shape, dtype=dtype)
+    mapping, begin, end = region
+    row_bytes = tensor[0].numel() * tensor.element_size() if tensor.dim() > 1 else tensor.element_size()
+    rows = max(1, chunk_bytes // max(1, row_bytes))
+    for at in range(0, tensor.shape[0], rows):
+        out[at: at + rows] = tensor[at: at + rows]
+        _drop_pages(mapping, begin + at * row_bytes, min(end, begin + (at + rows) * row_bytes))
+    return out
 
 
 def _drop_pages(mapping: mmap.mmap, begin: int, end: int) -> None:

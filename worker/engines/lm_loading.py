@@ -12,7 +12,7 @@ from transformers import GPT2TokenizerFast, PreTrainedTokenizerBase
 from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
 
 from core.paths import GPT2_TOKENIZER_DIR
-from worker.engines.device import DevicePlan
+from worker.engines.device import DevicePlan, linear
 from worker.engines.gpt2_weights import ACTIVATIONS, PROJECTIONS, Gpt2Weights, pack_weights, resolve_folder
 
 if TYPE_CHECKING:
@@ -20,10 +20,10 @@ if TYPE_CHECKING:
 
 ASSETS_TOKENIZER = GPT2_TOKENIZER_DIR
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
-# On the CPU in fp32 every projection and the LM head run on oneDNN weights packed once at load: MKL's sgemm
-# repacks the weight on every call, which dominates at 4-64 rows (the LM head of a 16-row decode step: 35 ms
-# packed, 60 ms plain on a 2-core EPYC) and costs nothing extra at one row. The packed layout replaces the
-# original (which is then dropped), so the weights are held once.
+# On the CPU (fp32 or bf16) every projection and the LM head run on oneDNN weights packed once at load: MKL's
+# sgemm repacks the weight on every call, which dominates at 4-64 rows (the LM head of a 16-row decode step:
+# 8 ms packed, 25 ms plain in fp32 on a 2-core EPYC; bf16 4 ms packed, 7 ms plain) and costs nothing extra at
+# one row. The packed layout replaces the original (which is then dropped), so the weights are held once.
 
 
 def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
@@ -78,7 +78,8 @@ class Gpt2Runner:
     Row r holds positions 0..len-1 of one sequence, so sequences of any length share a batch without
     padding or shifting: a decode step writes each row's new key/value at its own position and masks
     the positions past it. The forward pass reads plain tensors (Gpt2Weights, no HF modules); on the CPU in
-    fp32 the projections' and the LM head's weights are packed for oneDNN and the mapped originals dropped.
+    fp32 or bf16 the projections' and the LM head's weights are packed for oneDNN and the mapped originals
+    dropped (the embeddings stay mapped: rows are cast as they are looked up).
     """
 
     def __init__(self, weights: Gpt2Weights, plan: DevicePlan, *, max_rows: int, pack: bool = True) -> None:
@@ -87,6 +88,12 @@ class Gpt2Runner:
         self.tensors = weights.tensors
         self.device = torch.device(plan.device)
         self.dtype = weights.dtype
+        # Attention's dtype. PyTorch's CPU flash attention is 2.4x slower in bf16 than in fp32 at decode shapes
+        # (16 rows x 12 heads x 1 query x 48 keys: 530 us vs 217 us with the casts, on a 2-core EPYC with
+        # avx512_bf16), a third of a bf16 decode step; so on a CPU the cache stays in bf16 and attention reads
+        # it as fp32. Its inputs are the bf16 values; only its output is rounded. (An fp32 cache was no faster
+        # for GPT-2 small at 16 rows: attention then reads twice the bytes from memory, and it is twice the size.)
+        self.attention_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.n_layer = config.n_layer
         self.n_head = config.n_head
         self.n_embd = config.n_embd
@@ -106,8 +113,10 @@ class Gpt2Runner:
             self.scales.append(None if default else scale)
         self.keys: torch.Tensor | None = None  # [layer, row, head, position, head_dim]
         self.values: torch.Tensor | None = None
-        cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
-        self.packed = pack_weights(weights) if pack and cpu_fp32 else None
+        packable = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+        self.packed = pack_weights(weights) if pack and packable else None
+        if self.packed is None:
+            weights.cast_all()  # plain matmuls need every weight in the compute dtype
         _trim_heap()  # packing's transposed temporaries came from the heap: give them back
         # oneDNN's gelu_tanh post-op computes HF's gelu_new (within float rounding: a few 1e-7).
         self.fused_gelu = config.activation_function in ("gelu_new", "gelu_pytorch_tanh")
@@ -152,6 +161,17 @@ class Gpt2Runner:
         self.keys[:, target, :, :length] = self.keys[:, source, :, :length]
         self.values[:, target, :, :length] = self.values[:, source, :, :length]
 
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, **kwargs) -> torch.Tensor:
+        """SDPA in the attention dtype, the result in the compute dtype (no casts when they are the same)."""
+        dtype = self.attention_dtype
+        attended = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), scale=self.scales[layer],
+                                                  **kwargs)
+        return attended.to(self.dtype)
+
+    def _embed(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of an embedding table in the compute dtype (a mapped fp32 table is cast row by row, as looked up)."""
+        return F.embedding(ids, table).to(self.dtype)
+
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (self.n_embd,), self.tensors[f"{name}.weight"], self.tensors[f"{name}.bias"], self.eps)
 
@@ -161,7 +181,7 @@ class Gpt2Runner:
         bias = self.tensors[f"{name}.bias"]
         flat = x.reshape(-1, x.shape[-1])
         if self.packed is not None:
-            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed[layer][part], bias, post, [], algorithm)
+            out = linear(flat, self.packed[layer][part], bias, post, algorithm)
         else:
             out = torch.addmm(bias, flat, self.tensors[f"{name}.weight"])
         return out.view(*x.shape[:-1], -1)
@@ -169,7 +189,7 @@ class Gpt2Runner:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         final = self._norm("ln_f", hidden)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(final, self.packed[-1][0], None, "none", [], "").float()
+            return linear(final, self.packed[-1][0], None).float()
         head = self.tensors["wte.weight" if self.weights.tied else "lm_head.weight"]
         return F.linear(final, head).float()
 
@@ -219,7 +239,7 @@ class Gpt2Runner:
             slots = ((rows[:, None] * self.n_head + heads[None]) * length + positions[:, None]).reshape(-1)
             # Row b may see its own positions 0..positions[b]; later slots hold stale or padding keys.
             mask = (torch.arange(span, device=self.device)[None] <= positions[:, None])[:, None, None]
-            parts.append(F.embedding(tokens, wte) + F.embedding(positions, wpe))
+            parts.append(self._embed(wte, tokens) + self._embed(wpe, positions))
         prompts_n, width = 0, 0
         if prefill is not None:
             prompts, groups = prefill
@@ -232,7 +252,7 @@ class Gpt2Runner:
             source = torch.tensor([i for i, group in enumerate(groups) for _ in group], dtype=torch.long,
                                   device=self.device)
             prompt_positions = torch.arange(width, device=self.device)
-            parts.append((F.embedding(ids, wte) + F.embedding(prompt_positions, wpe)[None]).view(-1, self.n_embd))
+            parts.append((self._embed(wte, ids) + self._embed(wpe, prompt_positions)[None]).view(-1, self.n_embd))
         hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
 
         def attend(index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -242,16 +262,15 @@ class Gpt2Runner:
                 layer_keys.view(-1, self.head_dim).index_copy_(0, slots, key[:batch].reshape(-1, self.head_dim))
                 layer_values.view(-1, self.head_dim).index_copy_(0, slots, value[:batch].reshape(-1, self.head_dim))
                 q = query[:batch].view(batch, self.n_head, 1, self.head_dim)
-                attended = F.scaled_dot_product_attention(
-                    q, layer_keys[:batch, :, :span], layer_values[:batch, :, :span], attn_mask=mask,
-                    scale=self.scales[index])
+                attended = self._attention(q, layer_keys[:batch, :, :span], layer_values[:batch, :, :span],
+                                           index, attn_mask=mask)
                 out.append(attended.reshape(batch, self.n_embd))
             if prefill is not None:
                 shape = (prompts_n, width, self.n_head, self.head_dim)
                 q, k, v = (t[batch:].view(shape).transpose(1, 2) for t in (query, key, value))
                 keys[index, target, :, :width] = k.index_select(0, source)
                 values[index, target, :, :width] = v.index_select(0, source)
-                attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scales[index])
+                attended = self._attention(q, k, v, index, is_causal=True)
                 out.append(attended.transpose(1, 2).reshape(prompts_n * width, self.n_embd))
             return out[0] if len(out) == 1 else torch.cat(out)
 
