@@ -39,8 +39,8 @@ def runner(ctx):
 def _submit(client, tiny_bert, **hp):
     train = upload(client, tsv_bytes(sentiment_rows(4))).json()["id"]
     dev = upload(client, tsv_bytes(sentiment_rows())).json()["id"]
-    hyper = {"epochs": 6, "batch_size": 8, "learning_rate": 5e-3, "warmup_ratio": 0.1, "max_length": 32, "eval_steps": 4,
-             **hp}
+    hyper = {"epochs": 6, "batch_size": 8, "learning_rate": 5e-3, "warmup_ratio": 0.1, "max_length": 32,
+             "eval_steps": 4, **hp}
     response = client.post("/jobs", json=job_body(train, dev, base_model=str(tiny_bert), hyperparameters=hyper))
     assert response.status_code == 201, response.text
     return response.json()["id"]
