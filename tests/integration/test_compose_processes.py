@@ -121,7 +121,8 @@ def test_compose_services_as_processes_migrate_train_classify_generate(tmp_path,
         assert ds.status_code == 201, ds.text
         body = {"base_model": str(tiny_bert_dir), "train_dataset": ds.json()["id"], "text_column": "sentence",
                 "label_column": "label",
-                "hyperparameters": {"epochs": 6, "batch_size": 8, "learning_rate": 1e-2, "max_length": 32}}
+                "hyperparameters": {"epochs": 6, "batch_size": 8, "learning_rate": 5e-3, "warmup_ratio": 0.1,
+                                    "max_length": 32}}
         job = api.post("/jobs", json=body)
         assert job.status_code == 201, job.text
         job_id = job.json()["id"]

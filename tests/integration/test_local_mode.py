@@ -85,7 +85,8 @@ def test_two_instances_side_by_side_train_serve_and_stop_cleanly(tmp_path, tiny_
         assert other.get(f"/datasets/{ds}").status_code == 404  # separate homes, separate stores
         body = {"base_model": str(tiny_bert_dir), "train_dataset": ds, "eval_dataset": ds,
                 "text_column": "sentence", "label_column": "label",
-                "hyperparameters": {"epochs": 6, "batch_size": 8, "learning_rate": 1e-2, "max_length": 32}}
+                "hyperparameters": {"epochs": 6, "batch_size": 8, "learning_rate": 5e-3, "warmup_ratio": 0.1,
+                                    "max_length": 32}}
         job = api.post("/jobs", json=body).json()
         done = wait_for(lambda: (j := api.get(f"/jobs/{job['id']}").json())["status"]
                         in ("succeeded", "failed") and j, 240, "the job to finish")
