@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
@@ -10,7 +9,7 @@ from celery.signals import setup_logging, task_postrun, task_prerun, worker_read
 
 from core.celery_app import make_celery
 from worker.capacity import start_reporting
-from worker.context import WorkerContext
+from worker.context import WorkerContext, takes_training_jobs
 
 celery = make_celery()
 celery.conf.update(include=["worker.tasks"])
@@ -44,7 +43,7 @@ def _on_shutdown(**_: Any) -> None:
 def _start_background_threads(**_: Any) -> None:
     """Training workers also watch for lost workers and a lost broker, relay the outbox, advance sweeps and send
     webhooks."""
-    if "training" not in os.environ.get("TRAINSERVE_WORKER_QUEUES", "training").split(","):
+    if not takes_training_jobs():
         return
     from core.relay import relay_thread
     from core.sweeps import sweep_thread

@@ -10,8 +10,7 @@ import threading
 import redis
 
 from core import capacity
-from core.tasks import QUEUE_TRAIN
-from worker.context import WorkerContext
+from worker.context import WorkerContext, takes_training_jobs
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ class CapacityReporter(threading.Thread):
 
 def start_reporting(ctx: WorkerContext) -> CapacityReporter | None:
     """Start reporting in a worker that takes training jobs (others run no jobs, so they report nothing)."""
-    if QUEUE_TRAIN not in os.environ.get("TRAINSERVE_WORKER_QUEUES", QUEUE_TRAIN).split(","):
+    if not takes_training_jobs():
         return None
     reporter = CapacityReporter(ctx, measure(ctx))
     reporter.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,3 +70,10 @@ class WorkerContext:
             self.engine.dispose()
         if "redis" in self.__dict__:
             self.redis.close()
+
+
+def takes_training_jobs() -> bool:
+    """True in a worker process that consumes the training queue (`trainserve worker` sets TRAINSERVE_WORKER_QUEUES)."""
+    from core.tasks import QUEUE_TRAIN
+
+    return QUEUE_TRAIN in os.environ.get("TRAINSERVE_WORKER_QUEUES", QUEUE_TRAIN).split(",")

@@ -5,8 +5,9 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session, defer
 
-from core.errors import Conflict, NotFound
-from core.models import ACTIVE, Dataset, Job, is_valid_id
+from core.errors import Conflict
+from core.models import ACTIVE, Dataset, Job
+from core.store.owned import get_owned
 from core.store.paging import before_cursor
 from core.store.sweeps import running_sweep_using
 
@@ -21,10 +22,7 @@ def add_dataset(session: Session, *, dataset: Dataset) -> Dataset:
 def get_dataset(session: Session, *, dataset_id: str, tenant: str | None = None,
                 field: str | None = None, for_update: bool = False) -> Dataset:
     """Fetch a dataset visible to `tenant` (None: any) or raise NotFound, as if other tenants' did not exist."""
-    dataset = session.get(Dataset, dataset_id, with_for_update=for_update) if is_valid_id(dataset_id) else None
-    if dataset is None or (tenant is not None and dataset.tenant_id != tenant):
-        raise NotFound(f"dataset {dataset_id!r} not found", field=field)
-    return dataset
+    return get_owned(session, Dataset, dataset_id, what="dataset", tenant=tenant, for_update=for_update, field=field)
 
 
 def list_datasets(session: Session, *, limit: int, tenant: str | None = None,

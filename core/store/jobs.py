@@ -15,22 +15,13 @@ from core.errors import NotFound, StaleAttempt
 from core.models import Artifact, Job, JobEvent, JobStatus, MetricPoint, WebhookEventType, is_valid_id, utcnow
 from core.states import sources
 from core.store import webhooks
+from core.store.owned import get_owned
 from core.store.paging import before_cursor
 
 
 def get_job(session: Session, *, job_id: str, tenant: str | None = None, for_update: bool = False) -> Job:
     """Fetch a job visible to `tenant` (None: any) or raise NotFound."""
-    if not is_valid_id(job_id):
-        raise NotFound(f"job {job_id!r} not found")
-    query = select(Job).where(Job.id == job_id)
-    if tenant is not None:
-        query = query.where(Job.tenant_id == tenant)
-    if for_update:
-        query = query.with_for_update()
-    job = session.scalars(query).first()
-    if job is None:
-        raise NotFound(f"job {job_id!r} not found")
-    return job
+    return get_owned(session, Job, job_id, what="job", tenant=tenant, for_update=for_update)
 
 
 def list_jobs(session: Session, *, limit: int, tenant: str | None = None, status: str | None = None,

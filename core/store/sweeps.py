@@ -5,24 +5,14 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core.errors import NotFound
-from core.models import Sweep, SweepStatus, is_valid_id
+from core.models import Sweep, SweepStatus
+from core.store.owned import get_owned
 from core.store.paging import before_cursor
 
 
 def get_sweep(session: Session, *, sweep_id: str, tenant: str | None = None, for_update: bool = False) -> Sweep:
     """Fetch a sweep visible to `tenant` (None: any) or raise NotFound."""
-    if not is_valid_id(sweep_id):
-        raise NotFound(f"sweep {sweep_id!r} not found")
-    query = select(Sweep).where(Sweep.id == sweep_id)
-    if tenant is not None:
-        query = query.where(Sweep.tenant_id == tenant)
-    if for_update:
-        query = query.with_for_update()
-    sweep = session.scalars(query).first()
-    if sweep is None:
-        raise NotFound(f"sweep {sweep_id!r} not found")
-    return sweep
+    return get_owned(session, Sweep, sweep_id, what="sweep", tenant=tenant, for_update=for_update)
 
 
 def list_sweeps(session: Session, *, limit: int, tenant: str | None = None,

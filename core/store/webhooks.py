@@ -12,7 +12,6 @@ from typing import Any
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, selectinload
 
-from core.errors import NotFound
 from core.models import (
     DeliveryStatus,
     Job,
@@ -21,11 +20,11 @@ from core.models import (
     WebhookEndpoint,
     WebhookEvent,
     WebhookEventType,
-    is_valid_id,
     new_id,
     utcnow,
 )
 from core.protocol import WebhookPayload
+from core.store.owned import get_owned
 
 MAX_BODY_CHARS = 1000  # of an endpoint's response, kept for GET /webhooks/{id}/deliveries
 
@@ -69,10 +68,7 @@ def add_endpoint(session: Session, *, tenant_id: str, url: str, event_types: lis
 
 def get_endpoint(session: Session, *, endpoint_id: str, tenant: str | None) -> WebhookEndpoint:
     """An endpoint visible to `tenant` (None: any) or NotFound."""
-    endpoint = session.get(WebhookEndpoint, endpoint_id) if is_valid_id(endpoint_id) else None
-    if endpoint is None or (tenant is not None and endpoint.tenant_id != tenant):
-        raise NotFound(f"webhook endpoint {endpoint_id!r} not found")
-    return endpoint
+    return get_owned(session, WebhookEndpoint, endpoint_id, what="webhook endpoint", tenant=tenant)
 
 
 def list_endpoints(session: Session, *, tenant: str | None) -> list[WebhookEndpoint]:
