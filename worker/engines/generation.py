@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from core.protocol import SamplingParams
+from core.protocol import SamplingParams, TokenLogprob, TopLogprob
 from worker.engines.batch import (
     DeadlineExceeded,
     EngineClosed,
@@ -34,8 +34,9 @@ from worker.engines.batch import (
 )
 from worker.engines.device import DevicePlan, resolve_device
 from worker.engines.gpt2_weights import load_gpt2
+from worker.engines.grammar import Grammars, allowed_tokens
 from worker.engines.lm_loading import Gpt2Runner, load_tokenizer, token_bytes
-from worker.engines.sampling import RowParams, next_tokens
+from worker.engines.sampling import RowParams, constrain, next_tokens, step_logprobs
 
 __all__ = ["DeadlineExceeded", "EngineClosed", "GenerationEngine", "GenerationResult", "QueueFull", "SamplingParams"]
 
@@ -75,6 +76,7 @@ class GenerationEngine:
         # Told the batch size of every decode step (the worker's metrics); runs on the scheduler thread.
         self._on_step = on_step
         self._table = token_bytes(self.tokenizer, self.vocab_size)
+        self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._runner = Gpt2Runner(weights, self.plan, max_rows=max_batch_size)
         self._device = torch.device(self.plan.device)
         self._encode_lock = threading.Lock()  # HF fast tokenizers are not safe to call from many threads
@@ -111,6 +113,8 @@ class GenerationEngine:
         check_fits(len(ids), params, context_length=self.context_length, max_batch_size=self.max_batch_size,
                    max_tokens_in_flight=self.max_tokens_in_flight)
         request = Request(request_id or uuid.uuid4().hex, ids, params, on_token, is_cancelled, deadline)
+        if params.constraint is not None:  # compiled here, on the caller's thread: off the decode loop
+            request.matchers = [self._grammars.matcher(params.constraint) for _ in range(params.n)]
         with self._lock:
             if self._closed:
                 raise EngineClosed("the generation engine is closed")
@@ -312,13 +316,43 @@ class GenerationEngine:
         else:
             params, first = self._row_params, 0
         seen = self._seen[first:len(self._rows)] if params.penalty is not None else None
-        new = next_tokens(logits, params, seen)
+        rows = self._rows[first:]
+        new = next_tokens(self._constrain(logits, rows), params, seen)
+        self._logprobs(logits, new, rows)
         if step is not None:
             with self._lock:
                 self._counters["steps"] += 1
             if self._on_step is not None:
                 self._on_step(len(self._rows))
         self._accept(first, new)
+
+    def _constrain(self, logits: torch.Tensor, rows: list[SequenceState]) -> torch.Tensor:
+        """The logits with each constrained row's grammar mask applied (free rows untouched)."""
+        constrained = [i for i, s in enumerate(rows) if s.matcher is not None]
+        if not constrained:
+            return logits
+        allowed = allowed_tokens([rows[i].matcher for i in constrained], logits.shape[-1])
+        return constrain(logits, constrained, allowed)
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[SequenceState]) -> None:
+        """Record the step's logprobs on the rows that asked for them."""
+        wanted = [i for i, s in enumerate(rows) if s.logprobs is not None]
+        if not wanted:
+            return
+        step = step_logprobs(logits, tokens, wanted, [rows[i].request.params.logprobs or 0 for i in wanted])
+        chosen_ids = tokens.index_select(0, torch.tensor(wanted, device=tokens.device)).tolist()
+        for at, row in enumerate(wanted):
+            sequence = rows[row]
+            if chosen_ids[at] in self.eos_token_ids:
+                continue  # the eos token ends the text and, as in OpenAI's answers, has no entry
+            top = [self._top_logprob(i, v) for i, v in zip(step.top_ids[at], step.top_values[at], strict=True)]
+            entry = TokenLogprob(**self._top_logprob(chosen_ids[at], step.chosen[at]).model_dump(), top_logprobs=top)
+            sequence.logprobs.append(entry)  # type: ignore[union-attr]
+            sequence.unsent.append(entry)
+
+    def _top_logprob(self, token: int, logprob: float) -> TopLogprob:
+        raw = self._table[token]
+        return TopLogprob(token=raw.decode("utf-8", errors="replace"), bytes=list(raw), logprob=logprob)
 
     def _open(self, fresh: list[Request]) -> None:
         """New rows for the fresh requests' sequences (their prompts marked as seen), the cache grown to fit."""
@@ -348,14 +382,18 @@ class GenerationEngine:
         for sequence, token in zip(self._rows[first:], ids, strict=True):
             delta = sequence.accept(token, self.eos_token_ids)
             if delta and sequence.request.on_token is not None and not sequence.request.done:
-                self._emit(sequence.request, sequence.index, delta)
+                self._emit(sequence.request, sequence.index, delta,
+                           sequence.take_unsent() if sequence.logprobs is not None else None)
         with self._lock:
             self._counters["generated_tokens"] += len(ids)
         self._sweep()
 
-    def _emit(self, request: Request, index: int, delta: str) -> None:
+    def _emit(self, request: Request, index: int, delta: str, logprobs: list[TokenLogprob] | None = None) -> None:
         try:
-            request.on_token(index, delta)
+            if request.params.logprobs is not None:
+                request.on_token(index, delta, logprobs or [])
+            else:
+                request.on_token(index, delta)
         except Exception as error:  # noqa: BLE001 - a broken callback fails its own request only
             self._fail(request, error)
 
