@@ -40,6 +40,10 @@ from worker.engines.sampling import RowParams, constrain, next_tokens, step_logp
 
 __all__ = ["DeadlineExceeded", "EngineClosed", "GenerationEngine", "GenerationResult", "QueueFull", "SamplingParams"]
 
+class NoChatTemplate(ValueError):
+    """The model's tokenizer has no chat template."""
+
+
 # Padded prompt tokens per prefill forward: bounds the activations of a burst of long prompts.
 PREFILL_TOKENS = 4096
 
@@ -99,6 +103,17 @@ class GenerationEngine:
         """Token ids of a prompt (no special tokens added, as GPT-2 expects)."""
         with self._encode_lock:
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Prompt ids of a chat through the tokenizer's own chat template, with the assistant's turn opened.
+
+        Raises NoChatTemplate when the model has none; a template's own raise_exception propagates.
+        """
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise NoChatTemplate("this model has no chat template; use /v1/completions")
+        with self._encode_lock:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
     def submit(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, request_id: str | None = None,
