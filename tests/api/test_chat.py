@@ -128,7 +128,8 @@ def test_completions_logprobs_in_openai_legacy_format(api, served):
     assert all(lp <= 0 and not math.isnan(lp) for lp in logprobs.token_logprobs)
     chunks = list(api.completions.create(model="plain", prompt="ROMEO:", max_tokens=6, temperature=0, logprobs=4,
                                          stream=True))
-    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs
+                for lp in c.choices[0].logprobs.token_logprobs]
     assert streamed == pytest.approx(logprobs.token_logprobs[:len(streamed)], abs=1e-5) and len(streamed) >= 5
 
 

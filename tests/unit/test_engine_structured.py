@@ -24,10 +24,11 @@ from worker.engines.grammar import GrammarError, Grammars, allowed_tokens
 
 WAIT = 60
 REPO = Path(__file__).resolve().parents[2]
-# Bounded: enums, bounded integers, an array with maxItems, a nested object, required, no other properties.
+# Bounded: a short string, enums, bounded integers, an array with maxItems, a nested object, required, no others.
 SCHEMA = {
     "type": "object",
     "properties": {
+        "name": {"type": "string", "maxLength": 8},
         "kind": {"enum": ["cat", "dog", "bird"]},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
@@ -35,10 +36,10 @@ SCHEMA = {
                                                    "score": {"type": "integer", "minimum": -5, "maximum": 5}},
                   "required": ["ok", "score"], "additionalProperties": False},
     },
-    "required": ["kind", "age", "tags", "owner"],
+    "required": ["name", "kind", "age", "tags", "owner"],
     "additionalProperties": False,
 }
-SCHEMA_TOKENS = 60  # far more than the longest output of SCHEMA in GPT-2 tokens
+SCHEMA_TOKENS = 80  # far more than the longest output of SCHEMA in GPT-2 tokens
 
 
 def schema_of(schema: dict) -> Constraint:
