@@ -161,3 +161,19 @@ def test_bad_chat_requests_are_422_naming_the_field(client, served, body, field)
 def test_completions_refuse_more_than_five_logprobs(client, served):
     response = client.post("/v1/completions", json={"model": "plain", "prompt": "Hi", "logprobs": 6})
     assert response.status_code == 422 and response.json()["error"]["field"].endswith("logprobs")
+
+
+def test_the_worker_renders_chats_exactly_as_apply_chat_template(served):
+    from core.protocol import ChatMessage, GenerateTask
+    from worker.engines.generation import GenerationEngine
+    from worker.serving import render_chat
+
+    tokenizer = AutoTokenizer.from_pretrained(served)
+    chats = [CHAT, CHAT + [{"role": "assistant", "content": "Rouge 🙂"}, {"role": "user", "content": "Encore ?"}]]
+    with GenerationEngine(served, device="cpu", precision="fp32", max_batch_size=2) as engine:
+        for chat in chats:
+            task = GenerateTask(request_id="r", model=str(served), prompt="", deadline=0,
+                                messages=[ChatMessage(**m) for m in chat])
+            expected = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+            assert render_chat(engine, task) == list(expected)
+            assert expected[0] == tokenizer.bos_token_id  # the template's bos_token came from tokenizer_config.json
