@@ -164,7 +164,7 @@ def test_completions_refuse_more_than_five_logprobs(client, served):
 
 
 def test_the_worker_renders_chats_exactly_as_apply_chat_template(served):
-    from core.protocol import ChatMessage, GenerateTask
+    from core.protocol import ChatMessage, GenerateTask, SamplingParams
     from worker.engines.generation import GenerationEngine
     from worker.serving import render_chat
 
@@ -172,7 +172,7 @@ def test_the_worker_renders_chats_exactly_as_apply_chat_template(served):
     chats = [CHAT, CHAT + [{"role": "assistant", "content": "Rouge 🙂"}, {"role": "user", "content": "Encore ?"}]]
     with GenerationEngine(served, device="cpu", precision="fp32", max_batch_size=2) as engine:
         for chat in chats:
-            task = GenerateTask(request_id="r", model=str(served), prompt="", deadline=0,
+            task = GenerateTask(request_id="r", model=str(served), prompt="", deadline=0, params=SamplingParams(),
                                 messages=[ChatMessage(**m) for m in chat])
             expected = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
             assert render_chat(engine, task) == list(expected)
