@@ -23,7 +23,6 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         None, description="Broker and result backend; default: the embedded server's socket under <home>."
     )
-    devices: str = Field("auto", description="Training devices of `trainserve up`: auto, cpu, cuda:0,cuda:1.")
     worker_device: str = Field("auto", description="This worker's device (set by `trainserve worker --device`).")
     worker_devices: int = Field(1, ge=1, description="Devices this training worker owns (set by `trainserve worker "
                                 "--device cuda:0,cuda:1` or `--devices N`); it runs jobs asking for up to this many.")
@@ -153,16 +152,6 @@ class Settings(BaseSettings):
         extra = [Path(p).expanduser().resolve() for p in self.model_roots.split(os.pathsep) if p.strip()]
         return [(self.home / "models").resolve(), *extra]
 
-    @property
-    def datasets_dir(self) -> Path:
-        """Where uploaded dataset files are stored."""
-        return self.home / "datasets"
-
-    @property
-    def jobs_dir(self) -> Path:
-        """Where job outputs (models, checkpoints) are stored."""
-        return self.home / "jobs"
-
 
 def parse_tenant_map(value: str) -> dict[str, float]:
     """`a=2,b=1` as {a: 2.0, b: 1.0}; ValueError for anything else (a typo must not pass silently)."""
@@ -179,20 +168,12 @@ def parse_tenant_map(value: str) -> dict[str, float]:
     return result
 
 
-_override: Settings | None = None
-
-
 @lru_cache(maxsize=1)
 def _from_environment() -> Settings:
     return Settings()
 
 
 def get_settings() -> Settings:
-    """The process's settings: built once, lazily, from the environment unless overridden."""
-    return _override or _from_environment()
+    """The process's settings: built once, lazily, from the environment."""
+    return _from_environment()
 
-
-def override_settings(settings: Settings | None) -> None:
-    """Use `settings` in this process (tests, embedded runs); None goes back to the environment."""
-    global _override
-    _override = settings
