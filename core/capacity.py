@@ -21,10 +21,11 @@ class DeviceCapacity(BaseModel):
     device: str  # "cuda:0" or "cpu"
     total_bytes: int  # per device
     devices: int = 1  # devices the worker owns: the most a job on it may train on
+    bf16: bool = True  # a GPU that runs bf16 natively (precision "auto" is fp16 on one that does not)
 
     @property
     def is_cuda(self) -> bool:
-        """True for a GPU (jobs there train in 16-bit autocast by default)."""
+        """True for a GPU (jobs there train in 16-bit autocast by default: core.precision)."""
         return self.device.startswith("cuda")
 
 

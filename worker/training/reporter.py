@@ -27,7 +27,7 @@ from core.storage import ArtifactStore, open_storage
 from core.store import jobs as store
 from core.store import webhooks
 from core.sweeps import prune_reason
-from worker.engines.training import TrainCallbacks
+from worker.engines.loop import TrainCallbacks, checkpoint_due
 from worker.sync import push_checkpoint
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class JobReporter(TrainCallbacks):
         self.storage = storage or open_storage(settings)
         self.job_id = job_id
         self.attempt = attempt
-        self.checkpoint_steps = settings.checkpoint_steps
+        self.checkpoint_steps: int | None = None  # the run's, from on_start
         self.flush_s = settings.metrics_flush_s
         self.lost = lost or threading.Event()
         self.shutdown = shutdown or threading.Event()
@@ -73,6 +73,7 @@ class JobReporter(TrainCallbacks):
 
     def on_start(self, info: dict[str, Any]) -> None:
         self.total_steps = int(info["total_steps"])
+        self.checkpoint_steps = info.get("checkpoint_steps")
         resumed = int(info.get("resumed_from_step") or 0)
         self.first_step = resumed
         self.started = time.monotonic()
@@ -96,8 +97,7 @@ class JobReporter(TrainCallbacks):
         self._notify("on_log", step, epoch, metrics)
         # The engine logs step N before it checkpoints step N: flushing here means a checkpoint never
         # gets ahead of the stored history, so a resume after a crash leaves no gap in it.
-        checkpoint_next = self.checkpoint_steps is not None and step % self.checkpoint_steps == 0
-        if checkpoint_next or time.monotonic() - self.last_flush >= self.flush_s:
+        if checkpoint_due(step, self.checkpoint_steps) or time.monotonic() - self.last_flush >= self.flush_s:
             self.try_flush()
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
