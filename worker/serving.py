@@ -22,10 +22,10 @@ from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 
 from core.protocol import AcceptedEvent, ChoiceOut, DoneEvent, ErrorCode, ErrorEvent, GenerateTask, TokenEvent, Usage
+from core.redis_keys import cancel_key
 from core.served_models import is_job_model
 from core.settings import Settings
 from core.storage import ArtifactStore
-from core.tasks import cancel_key
 from worker import metrics
 from worker.context import WorkerContext
 from worker.events import EventPump, EventWriter
@@ -206,14 +206,14 @@ class GenerationService:
             metrics.GEN_REQUESTS.labels(outcome.error.code).inc()
 
     def _run(self, engine: Any, task: GenerateTask, writer: EventWriter, remaining: float) -> BaseModel:
+        from worker.engines.batch import context_overflow  # the engine is loaded (and torch with it) by now
+
         prompt_ids = engine.encode(task.prompt)
-        max_new = task.params.max_new_tokens
         if not prompt_ids:
             return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, "the prompt encodes to no tokens", "prompt")
-        if len(prompt_ids) + max_new > engine.context_length:
-            return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, f"the prompt has {len(prompt_ids)} tokens; with "
-                                 f"max_new_tokens {max_new} that exceeds the model's context of "
-                                 f"{engine.context_length}", "max_new_tokens")
+        overflow = context_overflow(len(prompt_ids), task.params.max_new_tokens, engine.context_length)
+        if overflow is not None:  # the engine would refuse it too; here the error names the field
+            return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, overflow, "max_new_tokens")
         clock = metrics.TokenClock()
 
         def on_token(index: int, text: str) -> None:

@@ -33,6 +33,7 @@ from worker.engines.batch import (
     prompt_ids,
 )
 from worker.engines.device import DevicePlan, resolve_device
+from worker.engines.generation_outcomes import RequestOutcomes
 from worker.engines.gpt2_weights import load_gpt2
 from worker.engines.lm_loading import Gpt2Runner, load_tokenizer, token_bytes
 from worker.engines.sampling import RowParams, next_tokens
@@ -43,7 +44,7 @@ __all__ = ["DeadlineExceeded", "EngineClosed", "GenerationEngine", "GenerationRe
 PREFILL_TOKENS = 4096
 
 
-class GenerationEngine:
+class GenerationEngine(RequestOutcomes):
     """A GPT-2 loaded once, decoding many requests together; submit() is thread-safe.
 
     on_token(choice_index, text_delta) runs on the scheduler thread (keep it short); the deltas of a
@@ -353,41 +354,6 @@ class GenerationEngine:
             self._counters["generated_tokens"] += len(ids)
         self._sweep()
 
-    def _emit(self, request: Request, index: int, delta: str) -> None:
-        try:
-            request.on_token(index, delta)
-        except Exception as error:  # noqa: BLE001 - a broken callback fails its own request only
-            self._fail(request, error)
-
-    def _cancelled(self, request: Request, flagged: frozenset[str] = frozenset()) -> bool:
-        if request.request_id in flagged:
-            return True
-        if request.is_cancelled is None:
-            return False
-        try:
-            return bool(request.is_cancelled())
-        except Exception as error:  # noqa: BLE001
-            self._fail(request, error)
-            return True
-
-    def _poll_cancelled(self, flagged: frozenset[str] = frozenset()) -> None:
-        requests = {id(s.request): s.request for s in self._rows
-                    if s.request.is_cancelled is not None or s.request.request_id in flagged}
-        hit = False
-        for request in requests.values():
-            if request.done or not self._cancelled(request, flagged):
-                continue
-            hit = True
-            if request.done:  # is_cancelled raised: the request has already failed
-                continue
-            for index, delta in request.cancel():
-                if request.on_token is not None:
-                    self._emit(request, index, delta)
-            with self._lock:
-                self._counters["cancelled"] += 1
-        if hit:
-            self._sweep()
-
     def _sweep(self) -> None:
         """Remove finished rows (moving the last row into each hole) and resolve completed requests."""
         doomed = [row for row, s in enumerate(self._rows) if s.finish_reason is not None or s.request.done]
@@ -411,20 +377,6 @@ class GenerationEngine:
             if not request.done and all(s.finish_reason is not None for s in request.sequences):
                 self._complete(request)
 
-    def _complete(self, request: Request) -> None:
-        request.done = True
-        with self._lock:
-            self._counters["completed"] += 1
-        request.future.set_result(request.result())
-
-    def _fail(self, request: Request, error: BaseException) -> None:
-        if request.done:
-            return
-        request.done = True
-        with self._lock:
-            self._counters["failed"] += 1
-        request.future.set_exception(error)
-
     def _reset(self, error: BaseException) -> None:
         """After a failed forward the cache is suspect: fail every running request and start clean."""
         for sequence in self._rows:
@@ -435,15 +387,3 @@ class GenerationEngine:
             self._rows.clear()
         self._row_params = None
         self._runner.release()
-
-    def _shutdown(self) -> None:
-        with self._lock:
-            waiting, self._waiting = list(self._waiting), deque()
-        error = EngineClosed("the generation engine was closed")
-        for request in [*waiting, *(s.request for s in self._rows)]:
-            if not request.done and not request.future.done():
-                request.done = True
-                request.future.set_exception(error)
-        self._rows.clear()
-        self._runner.release()
-
