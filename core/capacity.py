@@ -8,11 +8,9 @@ import redis
 from pydantic import BaseModel, ValidationError
 
 from core.redis_client import redis_from_url
+from core.redis_keys import CAPACITY_PREFIX, capacity_key
 
 log = logging.getLogger(__name__)
-
-KEY_PREFIX = "trainserve:capacity:"
-
 
 class DeviceCapacity(BaseModel):
     """One live training worker's device: what a job on it may use at most."""
@@ -21,26 +19,27 @@ class DeviceCapacity(BaseModel):
     device: str  # "cuda:0" or "cpu"
     total_bytes: int  # per device
     devices: int = 1  # devices the worker owns: the most a job on it may train on
+    bf16: bool = True  # a GPU that runs bf16 natively (precision "auto" is fp16 on one that does not)
 
     @property
     def is_cuda(self) -> bool:
-        """True for a GPU (jobs there train in 16-bit autocast by default)."""
+        """True for a GPU (jobs there train in 16-bit autocast by default: core.precision)."""
         return self.device.startswith("cuda")
 
 
 def publish(client: redis.Redis, capacity: DeviceCapacity, *, ttl_s: float) -> None:
     """Write (or refresh) a worker's report; it disappears ttl_s after the worker stops refreshing it."""
-    client.set(KEY_PREFIX + capacity.worker, capacity.model_dump_json(), px=max(1, int(ttl_s * 1000)))
+    client.set(capacity_key(capacity.worker), capacity.model_dump_json(), px=max(1, int(ttl_s * 1000)))
 
 
 def withdraw(client: redis.Redis, worker: str) -> None:
     """Remove a worker's report at once (a clean shutdown)."""
-    client.delete(KEY_PREFIX + worker)
+    client.delete(capacity_key(worker))
 
 
 def reported(client: redis.Redis) -> list[DeviceCapacity]:
     """Every live worker's report."""
-    keys = list(client.scan_iter(match=KEY_PREFIX + "*", count=500))
+    keys = list(client.scan_iter(match=CAPACITY_PREFIX + "*", count=500))
     values: list[bytes | None] = client.mget(keys) if keys else []  # type: ignore[assignment]
     found = []
     for raw in values:

@@ -21,11 +21,6 @@ class DomainError(Exception):
         if code is not None:
             self.code = code
 
-    def to_dict(self) -> dict[str, Any]:
-        """The error envelope body shared by REST responses, SSE events and job rows."""
-        body: dict[str, Any] = self.envelope()["error"]
-        return body
-
     def envelope(self) -> dict[str, Any]:
         """`{"error": {...}}` for this error."""
         return error_body(self.code, self.message, self.field, self.details)

@@ -34,11 +34,6 @@ def accept_request_id(given: str | None) -> str:
     return given if given and _SAFE_ID.match(given) else new_request_id()
 
 
-def current_request_id() -> str | None:
-    """The request id bound in this context, if any."""
-    return request_id_var.get()
-
-
 def task_headers() -> dict[str, str] | None:
     """Headers for a task message sent now: the current request id, so the worker logs under it."""
     request_id = request_id_var.get()

@@ -17,6 +17,7 @@ from core.base_models import HUB_ID, hub_model_available
 from core.errors import NotFound
 from core.models import Job, JobStatus, TaskKind, is_valid_id
 from core.settings import Settings
+from core.store.owned import get_owned
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -66,20 +67,21 @@ def job_models(session: Session, *, tenant: str | None) -> list[Job]:
 
 def list_served_models(session: Session, settings: Settings, *, tenant: str | None) -> list[ServedModel]:
     """Everything the caller can generate with (hub models are not enumerated)."""
-    jobs = [ServedModel(id=job.id, path=job.id, owned_by=job.tenant_id, created=int(job.created_at.timestamp()))
-            for job in job_models(session, tenant=tenant)]
-    return local_models(settings) + jobs
+    return local_models(settings) + [_job_model(job) for job in job_models(session, tenant=tenant)]
+
+
+def _job_model(job: Job) -> ServedModel:
+    """A finished causal-lm job as a served model, named (and fetched by the worker) by its job id."""
+    return ServedModel(id=job.id, path=job.id, owned_by=job.tenant_id, created=int(job.created_at.timestamp()))
 
 
 def resolve_served_model(session: Session, settings: Settings, *, name: str, tenant: str | None) -> ServedModel:
     """Find the model called `name` or raise NotFound naming the `model` field."""
     if name.startswith("job_"):
-        job = session.get(Job, name) if is_valid_id(name) else None
-        if job is None or (tenant is not None and job.tenant_id != tenant):
-            raise NotFound(f"model {name!r} not found", field="model")
+        job = get_owned(session, Job, name, what="model", tenant=tenant, field="model")
         if job.task != TaskKind.CAUSAL_LM or job.status != JobStatus.SUCCEEDED:
             raise NotFound(f"job {name!r} is not a finished causal-lm job", field="model")
-        return ServedModel(id=job.id, path=job.id, owned_by=job.tenant_id, created=int(job.created_at.timestamp()))
+        return _job_model(job)
     if NAME_RE.match(name):
         folder = settings.home / "models" / name  # NAME_RE admits no separators, so this stays under models/
         if folder.is_dir() and _is_causal_lm(folder):

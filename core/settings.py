@@ -1,4 +1,5 @@
-"""The one typed settings object; every TRAINSERVE_* variable is documented here and in the README."""
+"""The one typed settings object: every TRAINSERVE_* variable, grouped by concern, each documented once (its
+`description`, which the README's configuration table restates for readers)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    """Service configuration read from TRAINSERVE_* environment variables."""
+    """Service configuration read from TRAINSERVE_* environment variables (flat names: the variable is the field's
+    name upper-cased, so deploy files keep working; the sections below group them by concern)."""
 
     model_config = SettingsConfigDict(env_prefix="TRAINSERVE_", extra="ignore")
 
+    # --- Where things live: home, storage, database, broker ---
     home: Path = Field(Path("./var"), description="Folder for the SQLite file, datasets, artifacts, Redis socket.")
     storage_url: str = Field(
         "", description="Where datasets, checkpoints and models live: empty for <home> (one host), a folder "
@@ -23,36 +26,72 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         None, description="Broker and result backend; default: the embedded server's socket under <home>."
     )
-    devices: str = Field("auto", description="Training devices of `trainserve up`: auto, cpu, cuda:0,cuda:1.")
-    worker_device: str = Field("auto", description="This worker's device (set by `trainserve worker --device`).")
-    worker_devices: int = Field(1, ge=1, description="Devices this training worker owns (set by `trainserve worker "
-                                "--device cuda:0,cuda:1` or `--devices N`); it runs jobs asking for up to this many.")
+
+    # --- The API process: requests, uploads, CORS, logs, its /metrics ---
+    max_request_bytes: int = Field(1024 * 1024, description="Largest JSON request body (413 beyond).")
     max_upload_bytes: int = Field(100 * 1024 * 1024, description="Largest accepted dataset file.")
     max_dataset_rows: int = Field(2_000_000, description="Most rows accepted in one dataset.")
     max_dataset_columns: int = Field(256, description="Most columns accepted in one dataset (413 beyond).")
     max_concurrent_uploads: int = Field(
         4, description="Dataset uploads one API process receives and parses at a time (429 beyond).")
-    max_text_length: int = Field(512, description="Upper bound for the max_length hyperparameter.")
-    max_classify_texts: int = Field(256, description="Most texts in one /classify request.")
-    classify_timeout_s: float = Field(60.0, description="How long /classify waits for a worker.")
-    checkpoint_steps: int = Field(200, description="Optimizer steps between training checkpoints.")
-    visibility_timeout_s: int = Field(7 * 24 * 3600, description="Broker redelivery timeout; longer than any job.")
-    metrics_flush_s: float = Field(1.0, description="How often a running job writes buffered metric points.")
+    cors_origins: str = Field("", description="Comma-separated origins allowed by CORS (empty: none).")
+    log_format: str = Field("text", pattern="^(text|json)$", description="Log lines as text, or one JSON object "
+                            "per line carrying request_id and job_id (API and workers).")
+    metrics_require_key: bool = Field(False, description="When true, the API's /metrics needs an admin API key; "
+                                      "by default it is open, like vLLM's (keep the port off the internet).")
+
+    # --- Training jobs: admission limits and what a run writes ---
     max_active_jobs_per_tenant: int = Field(20, description="Queued plus running jobs a tenant may have (429 beyond).")
-    max_request_bytes: int = Field(1024 * 1024, description="Largest JSON request body (413 beyond).")
+    max_text_length: int = Field(512, description="Upper bound for the max_length hyperparameter.")
     max_model_bytes: int = Field(
         8 * 1024**3, description="Largest base model accepted (bytes of safetensors weights; 422 beyond)."
     )
     model_roots: str = Field("", description="Extra folders (os.pathsep-separated) local base_model paths may be in.")
+    assumed_device_bytes: int = Field(80 * 1024**3, ge=0, description="Device memory POST /jobs assumes while no "
+                                      "live worker has reported one; 0: no estimate check until one reports.")
+    checkpoint_steps: int = Field(200, description="Optimizer steps between training checkpoints.")
+    metrics_flush_s: float = Field(1.0, description="How often a running job writes buffered metric points.")
+    max_sweep_trials: int = Field(100, description="Most trials one sweep may have (422 beyond).")
+
+    # --- Training workers: devices, capacity reports, their /metrics ---
+    worker_device: str = Field("auto", description="This worker's device (set by `trainserve worker --device`).")
+    worker_devices: int = Field(1, ge=1, description="Devices this training worker owns (set by `trainserve worker "
+                                "--device cuda:0,cuda:1` or `--devices N`); it runs jobs asking for up to this many.")
+    worker_memory_bytes: int = Field(0, ge=0, description="Memory this training worker reports and fits jobs "
+                                     "into; 0: its GPU's total, or on a CPU the RAM (cgroup limit included).")
+    capacity_ttl_s: float = Field(60.0, description="Lifetime of a training worker's device-capacity report in "
+                                  "Redis; workers refresh it every third of this.")
+    worker_metrics_port: int = Field(0, ge=0, le=65535, description="Port a worker serves its own Prometheus "
+                                     "/metrics on; 0: none. `trainserve up` gives each worker its own.")
+
+    # --- Reliability: redelivery, heartbeats, retries, periodic rounds ---
+    visibility_timeout_s: int = Field(7 * 24 * 3600, description="Broker redelivery timeout; longer than any job.")
     heartbeat_timeout_s: float = Field(60.0, description="A running job whose worker is silent this long is requeued.")
     max_attempts: int = Field(3, description="Runs of a job before a lost worker fails it with worker_lost.")
+    cancel_grace_s: float = Field(60.0, description="Seconds a cancelled job may take to stop before its worker exits.")
     outbox_interval_s: float = Field(
         5.0, description="How often the outbox relay (API and training workers) retries unsent task messages; "
                          "it backs off to 30 s while the broker refuses.")
     sweep_interval_s: float = Field(
         10.0, description="How often training workers advance running sweeps (creating children a crash missed).")
-    max_sweep_trials: int = Field(100, description="Most trials one sweep may have (422 beyond).")
-    cancel_grace_s: float = Field(60.0, description="Seconds a cancelled job may take to stop before its worker exits.")
+
+    # --- Fair sharing between tenants ---
+    fair_share_window_s: float = Field(
+        24 * 3600.0, gt=0, description="Device time a tenant used within this window decides its turn in the queue.")
+    fair_share_quantum_s: float = Field(
+        60.0, gt=0, description="Tenants whose weighted recent device time is within the same quantum take turns "
+        "(the one whose last job started longest ago goes first).")
+    tenant_weights: str = Field("", description="Fair-share weights, e.g. `team-a=2,team-b=1` (default 1): a "
+                                "tenant with weight 2 may use twice the device time of one with weight 1.")
+    max_devices_per_tenant: int = Field(0, ge=0, description="Devices (one running job each) a tenant may hold "
+                                        "at once; 0: no limit. Per tenant: TRAINSERVE_TENANT_DEVICE_LIMITS.")
+    tenant_device_limits: str = Field("", description="Per-tenant device limits, e.g. `team-a=4,team-b=1`.")
+
+    # --- Classification (/classify) ---
+    max_classify_texts: int = Field(256, description="Most texts in one /classify request.")
+    classify_timeout_s: float = Field(60.0, description="How long /classify waits for a worker.")
+
+    # --- Generation (/generate, /v1/completions) and its workers ---
     max_new_tokens: int = Field(1024, description="Upper bound of max_new_tokens / max_tokens.")
     generation_queue_per_model: int = Field(64, description="Generation requests in flight per model (429 beyond).")
     generation_wait_s: float = Field(30.0, description="A generation request not started within this is dropped.")
@@ -67,6 +106,8 @@ class Settings(BaseSettings):
     generation_memory_budget_mb: float = Field(
         8192.0, gt=0, description="Model weights one generation worker keeps warm; least recently used idle "
         "models are unloaded beyond it.")
+
+    # --- Job event streams (GET /jobs/{id}/events?stream=true) ---
     event_streams_per_tenant: int = Field(
         8, ge=1, description="Job event streams (GET /jobs/{id}/events?stream=true) one API process keeps open "
         "per tenant (429 beyond).")
@@ -74,30 +115,8 @@ class Settings(BaseSettings):
                                        "database for new events and metric points.")
     event_stream_heartbeat_s: float = Field(15.0, gt=0, description="Idle seconds before an event stream sends "
                                             "a keep-alive comment.")
-    cors_origins: str = Field("", description="Comma-separated origins allowed by CORS (empty: none).")
-    capacity_ttl_s: float = Field(60.0, description="Lifetime of a training worker's device-capacity report in "
-                                  "Redis; workers refresh it every third of this.")
-    worker_memory_bytes: int = Field(0, ge=0, description="Memory this training worker reports and fits jobs "
-                                     "into; 0: its GPU's total, or on a CPU the RAM (cgroup limit included).")
-    log_format: str = Field("text", pattern="^(text|json)$", description="Log lines as text, or one JSON object "
-                            "per line carrying request_id and job_id (API and workers).")
-    metrics_require_key: bool = Field(False, description="When true, the API's /metrics needs an admin API key; "
-                                      "by default it is open, like vLLM's (keep the port off the internet).")
-    worker_metrics_port: int = Field(0, ge=0, le=65535, description="Port a worker serves its own Prometheus "
-                                     "/metrics on; 0: none. `trainserve up` gives each worker its own.")
-    assumed_device_bytes: int = Field(80 * 1024**3, ge=0, description="Device memory POST /jobs assumes while no "
-                                      "live worker has reported one; 0: no estimate check until one reports.")
 
-    fair_share_window_s: float = Field(
-        24 * 3600.0, gt=0, description="Device time a tenant used within this window decides its turn in the queue.")
-    fair_share_quantum_s: float = Field(
-        60.0, gt=0, description="Tenants whose weighted recent device time is within the same quantum take turns "
-        "(the one whose last job started longest ago goes first).")
-    tenant_weights: str = Field("", description="Fair-share weights, e.g. `team-a=2,team-b=1` (default 1): a "
-                                "tenant with weight 2 may use twice the device time of one with weight 1.")
-    max_devices_per_tenant: int = Field(0, ge=0, description="Devices (one running job each) a tenant may hold "
-                                        "at once; 0: no limit. Per tenant: TRAINSERVE_TENANT_DEVICE_LIMITS.")
-    tenant_device_limits: str = Field("", description="Per-tenant device limits, e.g. `team-a=4,team-b=1`.")
+    # --- Webhooks ---
     webhook_allow_private: bool = Field(
         False, description="Allow webhook URLs that resolve to private, loopback or link-local addresses.")
     webhook_timeout_s: float = Field(10.0, gt=0, description="Connect/read timeout of one webhook delivery.")
@@ -153,16 +172,6 @@ class Settings(BaseSettings):
         extra = [Path(p).expanduser().resolve() for p in self.model_roots.split(os.pathsep) if p.strip()]
         return [(self.home / "models").resolve(), *extra]
 
-    @property
-    def datasets_dir(self) -> Path:
-        """Where uploaded dataset files are stored."""
-        return self.home / "datasets"
-
-    @property
-    def jobs_dir(self) -> Path:
-        """Where job outputs (models, checkpoints) are stored."""
-        return self.home / "jobs"
-
 
 def parse_tenant_map(value: str) -> dict[str, float]:
     """`a=2,b=1` as {a: 2.0, b: 1.0}; ValueError for anything else (a typo must not pass silently)."""
@@ -179,20 +188,12 @@ def parse_tenant_map(value: str) -> dict[str, float]:
     return result
 
 
-_override: Settings | None = None
-
-
 @lru_cache(maxsize=1)
 def _from_environment() -> Settings:
     return Settings()
 
 
 def get_settings() -> Settings:
-    """The process's settings: built once, lazily, from the environment unless overridden."""
-    return _override or _from_environment()
+    """The process's settings: built once, lazily, from the environment."""
+    return _from_environment()
 
-
-def override_settings(settings: Settings | None) -> None:
-    """Use `settings` in this process (tests, embedded runs); None goes back to the environment."""
-    global _override
-    _override = settings

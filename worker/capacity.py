@@ -17,14 +17,15 @@ log = logging.getLogger(__name__)
 
 def measure(ctx: WorkerContext) -> capacity.DeviceCapacity:
     """This worker's device and the memory a job on it may use (the setting, else the device's total)."""
-    from worker.engines.device import device_memory, resolve_device
+    from worker.engines.device import bf16_supported, device_memory, resolve_device
 
     plan = resolve_device(ctx.settings.worker_device)
     total = ctx.settings.worker_memory_bytes or device_memory(plan)
     if not plan.is_cuda:  # N processes on one CPU share its RAM; N GPUs have their own memory each
         total //= ctx.settings.worker_devices
     return capacity.DeviceCapacity(worker=f"{socket.gethostname()}:{os.getpid()}", device=plan.device,
-                                   total_bytes=total, devices=ctx.settings.worker_devices)
+                                   total_bytes=total, devices=ctx.settings.worker_devices,
+                                   bf16=plan.is_cuda and bf16_supported(plan.device))
 
 
 class CapacityReporter(threading.Thread):

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from core.protocol import ClassifyResult, ClassifyTask, ErrorBody, ErrorCode, Prediction
-from core.tasks import abandoned_key, classify_reply_key
+from core.redis_keys import abandoned_key, classify_reply_key
 from worker.context import WorkerContext
 from worker.sync import fetch_model
 

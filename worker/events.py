@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from core.tasks import stream_key
+from core.redis_keys import stream_key
 
 log = logging.getLogger(__name__)
 

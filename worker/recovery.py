@@ -18,6 +18,7 @@ from core.models import JobStatus, utcnow
 from core.periodic import Periodic
 from core.queue import TaskQueue
 from core.redis_client import redis_from_url
+from core.redis_keys import BROKER_SENTINEL
 from core.relay import deliver_now
 from core.settings import Settings
 from core.store import jobs as store
@@ -26,7 +27,6 @@ from core.store import outbox
 log = logging.getLogger(__name__)
 
 # Present in Redis while it still holds what it was sent; gone after a restart without persistence.
-BROKER_SENTINEL = "trainserve:broker-sentinel"
 EXIT_CANCEL_TIMEOUT = 75
 
 

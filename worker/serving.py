@@ -32,10 +32,10 @@ from core.protocol import (
     TokenLogprob,
     Usage,
 )
+from core.redis_keys import cancel_key
 from core.served_models import is_job_model
 from core.settings import Settings
 from core.storage import ArtifactStore
-from core.tasks import cancel_key
 from worker import metrics
 from worker.context import WorkerContext
 from worker.events import EventPump, EventWriter
@@ -216,6 +216,8 @@ class GenerationService:
             metrics.GEN_REQUESTS.labels(outcome.error.code).inc()
 
     def _run(self, engine: Any, task: GenerateTask, writer: EventWriter, remaining: float) -> BaseModel:
+        from worker.engines.batch import context_overflow  # the engine is loaded (and torch with it) by now
+
         if task.messages is not None:
             rendered = render_chat(engine, task)
             if isinstance(rendered, ErrorEvent):
@@ -223,13 +225,11 @@ class GenerationService:
             prompt_ids = rendered
         else:
             prompt_ids = engine.encode(task.prompt)
-        max_new = task.params.max_new_tokens
         if not prompt_ids:
             return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, "the prompt encodes to no tokens", "prompt")
-        if len(prompt_ids) + max_new > engine.context_length:
-            return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, f"the prompt has {len(prompt_ids)} tokens; with "
-                                 f"max_new_tokens {max_new} that exceeds the model's context of "
-                                 f"{engine.context_length}", "max_new_tokens")
+        overflow = context_overflow(len(prompt_ids), task.params.max_new_tokens, engine.context_length)
+        if overflow is not None:  # the engine would refuse it too; here the error names the field
+            return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, overflow, "max_new_tokens")
         clock = metrics.TokenClock()
 
         def on_token(index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> None:
@@ -253,7 +253,7 @@ def render_chat(engine: Any, task: GenerateTask) -> list[int] | ErrorEvent:
     in the artifact store and is fetched by the worker), and the worker's ids equal
     `tokenizer.apply_chat_template` by construction, whatever Jinja extensions a template uses.
     """
-    from worker.engines.generation import NoChatTemplate
+    from worker.engines.row_outputs import NoChatTemplate
 
     try:
         return list(engine.encode_chat([m.model_dump() for m in task.messages or []]))

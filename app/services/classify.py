@@ -23,9 +23,10 @@ from core.logs import task_headers
 from core.models import JobStatus, TaskKind
 from core.protocol import ClassifyResult, ClassifyTask, Prediction
 from core.queue import TaskQueue
+from core.redis_keys import abandoned_key, classify_reply_key
 from core.settings import Settings
 from core.store import jobs as store
-from core.tasks import QUEUE_INFERENCE, TASK_CLASSIFY, abandoned_key, classify_reply_key
+from core.tasks import QUEUE_INFERENCE, TASK_CLASSIFY
 
 # Longest single blocking read: between reads the caller's connection is checked, and it stays well below
 # the Redis client's socket timeout.

@@ -8,7 +8,6 @@ Releasing a request's slot survives a client that goes away (see GenerationGatew
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from app.schemas.generation import (
 )
 from app.services.generation import GenerationGateway
 from app.services.structured import constraint_of
+from app.sse import sse_message
 from core.auth import Principal
 from core.errors import ClientGone, ValidationFailed
 from core.protocol import (
@@ -62,9 +62,8 @@ class Started:
 
 
 def sse(data: Any, event: str | None = None) -> bytes:
-    """One server-sent event; `data` is JSON-encoded unless it is already a string."""
-    payload = data if isinstance(data, str) else json.dumps(data)
-    return ((f"event: {event}\n" if event else "") + f"data: {payload}\n\n").encode()
+    """One server-sent event as bytes (app.sse frames it)."""
+    return sse_message(data, event=event).encode()
 
 
 def sse_error(error: ErrorBody) -> bytes:

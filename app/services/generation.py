@@ -18,9 +18,10 @@ from core.errors import BrokerUnavailable, TooManyRequests, ValidationFailed
 from core.logs import task_headers
 from core.protocol import ChatMessage, ErrorCode, ErrorEvent, GenerateTask, GenerationEvent, SamplingParams, parse_event
 from core.queue import TaskQueue
+from core.redis_keys import cancel_key, rate_key, slots_key, stream_key
 from core.served_models import ServedModel, list_served_models, resolve_served_model
 from core.settings import Settings
-from core.tasks import QUEUE_GENERATE, TASK_GENERATE, cancel_key, stream_key
+from core.tasks import QUEUE_GENERATE, TASK_GENERATE
 
 
 class GenerationGateway:
@@ -48,14 +49,14 @@ class GenerationGateway:
         request_id = f"gen-{uuid.uuid4().hex}"
         try:
             # Sliding one-minute window per key: a log of request times, so there is no burst at minute edges.
-            oldest = await self._take(f"trainserve:rate:{principal.key_id}", member=uuid.uuid4().hex, now=now,
+            oldest = await self._take(rate_key(principal.key_id), member=uuid.uuid4().hex, now=now,
                                       horizon=60, limit=self.settings.generation_rate_per_minute)
             if oldest is not None:
                 raise TooManyRequests(f"more than {self.settings.generation_rate_per_minute} generation requests "
                                       "per minute for this key", retry_after=max(oldest + 60 - now, 1.0),
                                       code="rate_limited")
             # Slots older than the longest possible request are leftovers of a crashed API process.
-            if await self._take(_slots_key(model.id), member=request_id, now=now, horizon=self._lifetime(),
+            if await self._take(slots_key(model.id), member=request_id, now=now, horizon=self._lifetime(),
                                 limit=self.settings.generation_queue_per_model) is not None:
                 raise TooManyRequests(f"model {model.id!r} has {self.settings.generation_queue_per_model} requests "
                                       "in flight; retry shortly", retry_after=1, code="overloaded")
@@ -124,7 +125,7 @@ class GenerationGateway:
         try:
             if not finished:
                 await self.redis.set(cancel_key(request_id), "1", ex=int(self._lifetime()))
-            await self.redis.zrem(_slots_key(model.id), request_id)
+            await self.redis.zrem(slots_key(model.id), request_id)
         except RedisError:
             pass  # the slot expires on its own (see admit)
 
@@ -146,8 +147,6 @@ return false
 """
 
 
-def _slots_key(model_id: str) -> str:
-    return f"trainserve:slots:{model_id}"
 
 
 def list_models_for(session: Session, settings: Settings, principal: Principal) -> ModelList:

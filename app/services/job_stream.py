@@ -12,7 +12,6 @@ Reading the job row before the tail means a terminal status is seen only after t
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from app.schemas.jobs import EventRead
+from app.sse import COMPACT, sse_comment, sse_message, sse_retry
 from core.errors import TooManyRequests, ValidationFailed
 from core.models import TERMINAL, JobStatus
 from core.protocol import ErrorCode
@@ -111,8 +111,8 @@ def read_once(make_session: sessionmaker[Session], *, job_id: str, cursor: Curso
 
 
 def message(kind: str, data: Any, cursor: Cursor) -> str:
-    """One SSE message."""
-    return f"id: {cursor}\nevent: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+    """One SSE message of the feed, carrying the cursor as its id."""
+    return sse_message(data, event=kind, id=str(cursor), separators=COMPACT)
 
 
 def messages(poll: Poll, cursor: Cursor, last_state: dict[str, Any] | None) -> list[str]:
@@ -142,7 +142,7 @@ async def job_feed(make_session: sessionmaker[Session], settings: Settings, slot
         return
     try:
         last_state: dict[str, Any] | None = None
-        yield "retry: 2000\n\n"  # EventSource clients reconnect after 2 s, with Last-Event-ID
+        yield sse_retry(2000)  # EventSource clients reconnect after 2 s, with Last-Event-ID
         last_sent = time.monotonic()
         while True:
             poll = await run_in_threadpool(read_once, make_session, job_id=job_id, cursor=cursor,
@@ -160,7 +160,7 @@ async def job_feed(make_session: sessionmaker[Session], settings: Settings, slot
             if await disconnected():
                 return
             if time.monotonic() - last_sent >= settings.event_stream_heartbeat_s:
-                yield ": ping\n\n"  # keeps proxies from closing an idle stream, and finds a gone client
+                yield sse_comment("ping")  # keeps proxies from closing an idle stream, and finds a gone client
                 last_sent = time.monotonic()
     finally:
         slots.release(tenant)

@@ -23,6 +23,7 @@ from core.estimate import Head, architecture, format_bytes, load_model_config, t
 from core.hyperparams import EVAL_METRICS, Hyperparameters, LMHyperparameters
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
 from core.models import ACTIVE, Dataset, Job, JobStatus, TaskKind, new_id, utcnow
+from core.precision import auto_precision
 from core.queue import TaskQueue
 from core.relay import deliver_now
 from core.settings import Settings
@@ -217,10 +218,11 @@ def _require_fit(settings: Settings, model_config: dict[str, Any] | None, model_
     limit = device.total_bytes if device is not None else settings.assumed_device_bytes
     if not limit:
         return
-    # "auto" trains in 16-bit autocast on a GPU and in fp32 on a CPU; the assumed device is a GPU.
+    # The assumed device is a modern GPU; a CPU's bf16 calibration is the worker's to make (fp32 assumed here).
     precision = hp["precision"]
     if precision == "auto":
-        precision = "fp32" if device is not None and not device.is_cuda else "bf16"
+        precision = (auto_precision(is_cuda=True) if device is None else
+                     auto_precision(is_cuda=device.is_cuda, bf16_supported=device.bf16))
     # GPUs run attention fused (no seq_len^2 scores); a CPU keeps the scores.
     # On N devices each one runs a share of every micro-batch (the job's batch_size is the global one).
     estimate = training_memory(arch, head=head, batch_size=math.ceil(hp["batch_size"] / devices), seq_len=seq_len,

@@ -6,6 +6,7 @@ import pytest
 
 from core import capacity
 from core.redis_client import redis_from_url
+from core.redis_keys import CAPACITY_PREFIX
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 
 WIDE = {"n_layer": 96, "n_embd": 12288, "n_head": 96, "n_positions": 256}
@@ -18,7 +19,7 @@ def board(settings):
     client = redis_from_url(settings.resolved_redis_url)
 
     def clear() -> None:
-        for key in client.scan_iter(match=capacity.KEY_PREFIX + "*"):
+        for key in client.scan_iter(match=CAPACITY_PREFIX + "*"):
             client.delete(key)
 
     clear()

@@ -154,7 +154,7 @@ def test_official_openai_client_completes_and_streams(client, served):
 def test_a_token_written_before_accepted_is_not_lost(client, settings, queue, served):
     """The engine's scheduler thread may stream a token before the submitting thread writes `accepted`."""
     from core.protocol import AcceptedEvent, ChoiceOut, DoneEvent, TokenEvent, Usage
-    from core.tasks import stream_key
+    from core.redis_keys import stream_key
 
     def worker(payload):
         store = redis_lib.Redis.from_url(settings.resolved_redis_url)

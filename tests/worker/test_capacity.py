@@ -7,6 +7,7 @@ import time
 import pytest
 
 from core import capacity
+from core.redis_keys import CAPACITY_PREFIX, capacity_key
 from tests.conftest import RecordingQueue
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 from tests.tiny_models import build_tiny_bert
@@ -18,7 +19,7 @@ from worker.context import WorkerContext
 def ctx(settings):
     settings.worker_device = "cpu"
     context = WorkerContext(settings, RecordingQueue())
-    for key in context.redis.scan_iter(match=capacity.KEY_PREFIX + "*"):
+    for key in context.redis.scan_iter(match=CAPACITY_PREFIX + "*"):
         context.redis.delete(key)
     yield context
     context.shutdown.set()
@@ -31,7 +32,7 @@ def test_a_training_worker_reports_while_it_lives_and_withdraws_at_shutdown(ctx,
     ctx.settings.worker_memory_bytes = 3 * 1024**3
     reporter = start_reporting(ctx)
     assert reporter is not None
-    key = capacity.KEY_PREFIX + reporter.report.worker
+    key = capacity_key(reporter.report.worker)
     assert 0 < ctx.redis.pttl(key) <= 600
     time.sleep(1.5)  # past the TTL: only the refreshes keep it alive
     (report,) = capacity.reported(ctx.redis)

@@ -9,11 +9,12 @@ import redis
 
 from core.db import session_scope
 from core.models import Job, JobStatus, utcnow
+from core.redis_keys import BROKER_SENTINEL
 from core.store import jobs as store
 from core.tasks import QUEUE_TRAIN, TASK_TRAIN
 from tests.conftest import REDIS_URL, RecordingQueue
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
-from worker.recovery import BROKER_SENTINEL, EXIT_CANCEL_TIMEOUT, Heartbeat, reap, recover_broker
+from worker.recovery import EXIT_CANCEL_TIMEOUT, Heartbeat, reap, recover_broker
 
 
 @pytest.fixture()

@@ -21,7 +21,6 @@ import transformers
 from core.paths import MANIFEST_NAME
 from worker.engines.device import DevicePlan
 
-MANIFEST = MANIFEST_NAME
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 STATE = "state.json"  # written last inside a checkpoint: its presence marks a complete one
 
@@ -169,8 +168,8 @@ def save_final(output_dir: Path, model: transformers.PreTrainedModel, tokenizer:
 
 def write_manifest(output_dir: Path, manifest: dict[str, Any]) -> Path:
     """Write manifest.json atomically (tmp file, then rename)."""
-    target = Path(output_dir) / MANIFEST
-    tmp = target.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
+    target = Path(output_dir) / MANIFEST_NAME
+    tmp = target.with_name(f".{MANIFEST_NAME}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
     os.replace(tmp, target)
     return target
@@ -178,7 +177,7 @@ def write_manifest(output_dir: Path, manifest: dict[str, Any]) -> Path:
 
 def read_manifest(model_dir: Path) -> dict[str, Any] | None:
     """The manifest of a model folder, or None when it has none."""
-    path = Path(model_dir) / MANIFEST
+    path = Path(model_dir) / MANIFEST_NAME
     return json.loads(path.read_text()) if path.is_file() else None
 
 

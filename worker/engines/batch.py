@@ -154,13 +154,22 @@ def prompt_ids(prompt: str | Sequence[int], encode: Callable[[str], list[int]], 
     return ids
 
 
+def context_overflow(prompt_tokens: int, max_new_tokens: int, context_length: int) -> str | None:
+    """Why a prompt plus its new tokens do not fit the model's context, or None when they do."""
+    total = prompt_tokens + max_new_tokens
+    if total <= context_length:
+        return None
+    return (f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the model's "
+            f"context length of {context_length}")
+
+
 def check_fits(prompt_tokens: int, params: SamplingParams, *, context_length: int, max_batch_size: int,
                max_tokens_in_flight: int) -> None:
     """ValueError when a request can never run on this engine (context, batch rows or cache positions)."""
+    overflow = context_overflow(prompt_tokens, params.max_new_tokens, context_length)
+    if overflow is not None:
+        raise ValueError(overflow)
     total = prompt_tokens + params.max_new_tokens
-    if total > context_length:
-        raise ValueError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
-                         f"exceeds the model's context length of {context_length}")
     if params.n > max_batch_size:
         raise ValueError(f"n={params.n} exceeds max_batch_size={max_batch_size}")
     if params.n * total > max_tokens_in_flight:

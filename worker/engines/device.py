@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from core.precision import auto_precision
+
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 _DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 # bf16 autocast adds casts around every matmul, so it pays only when a training step is clearly faster.
@@ -89,12 +91,11 @@ def resolve_device(device: str = "auto", precision: str = "auto", *, training: b
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
     if precision == "auto":
-        if not is_cuda:
-            workload = "training" if training else "generation" if generation else None
-            precision = "bf16" if workload and cpu_bf16_faster(workload=workload) else "fp32"
-        else:
-            precision = "bf16" if _cuda_bf16_supported(resolved) else "fp16"
-    elif precision == "bf16" and is_cuda and not _cuda_bf16_supported(resolved):
+        workload = "training" if training else "generation" if generation else None
+        precision = auto_precision(
+            is_cuda=is_cuda, bf16_supported=is_cuda and bf16_supported(resolved),
+            cpu_bf16_faster=not is_cuda and workload is not None and cpu_bf16_faster(workload=workload))
+    elif precision == "bf16" and is_cuda and not bf16_supported(resolved):
         raise ValueError(f"precision 'bf16' is not supported on {resolved}; use 'fp16' or 'fp32'")
     # fp16/bf16 on CPU means CPU autocast: allowed so tiny tests can exercise the mixed-precision
     # path, but slow on most CPUs. Loss scaling is only needed for fp16's narrow range on CUDA.
@@ -233,7 +234,8 @@ def _resolve_device_name(device: str) -> str:
     raise ValueError(f"invalid device {device!r}; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
 
 
-def _cuda_bf16_supported(device: str) -> bool:
+def bf16_supported(device: str) -> bool:
+    """True when a CUDA device runs bf16 natively."""
     # Ampere (compute capability 8.0) and newer have native bf16 tensor cores; older cards
     # emulate it slowly, so "auto" picks fp16 there.
     return torch.cuda.get_device_capability(torch.device(device))[0] >= 8

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from core.protocol import SamplingParams, TokenLogprob, TopLogprob
+from core.protocol import SamplingParams
 from worker.engines.batch import (
     DeadlineExceeded,
     EngineClosed,
@@ -33,22 +33,20 @@ from worker.engines.batch import (
     prompt_ids,
 )
 from worker.engines.device import DevicePlan, resolve_device
+from worker.engines.generation_outcomes import RequestOutcomes
 from worker.engines.gpt2_weights import load_gpt2
-from worker.engines.grammar import Grammars, allowed_tokens
+from worker.engines.grammar import Grammars
 from worker.engines.lm_loading import Gpt2Runner, load_tokenizer, token_bytes
-from worker.engines.sampling import RowParams, constrain, next_tokens, step_logprobs
+from worker.engines.row_outputs import chat_ids, constrained_logits, record_logprobs
+from worker.engines.sampling import RowParams, next_tokens
 
 __all__ = ["DeadlineExceeded", "EngineClosed", "GenerationEngine", "GenerationResult", "QueueFull", "SamplingParams"]
-
-class NoChatTemplate(ValueError):
-    """The model's tokenizer has no chat template."""
-
 
 # Padded prompt tokens per prefill forward: bounds the activations of a burst of long prompts.
 PREFILL_TOKENS = 4096
 
 
-class GenerationEngine:
+class GenerationEngine(RequestOutcomes):
     """A GPT-2 loaded once, decoding many requests together; submit() is thread-safe.
 
     on_token(choice_index, text_delta) runs on the scheduler thread (keep it short); the deltas of a
@@ -105,15 +103,9 @@ class GenerationEngine:
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Prompt ids of a chat through the tokenizer's own chat template, with the assistant's turn opened.
-
-        Raises NoChatTemplate when the model has none; a template's own raise_exception propagates.
-        """
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise NoChatTemplate("this model has no chat template; use /v1/completions")
+        """Prompt ids of a chat through the model's own chat template (NoChatTemplate when it has none)."""
         with self._encode_lock:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            return chat_ids(self.tokenizer, messages)
 
     def submit(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, request_id: str | None = None,
@@ -331,43 +323,14 @@ class GenerationEngine:
         else:
             params, first = self._row_params, 0
         seen = self._seen[first:len(self._rows)] if params.penalty is not None else None
-        rows = self._rows[first:]
-        new = next_tokens(self._constrain(logits, rows), params, seen)
-        self._logprobs(logits, new, rows)
+        new = next_tokens(constrained_logits(logits, self._rows[first:]), params, seen)
+        record_logprobs(logits, new, self._rows[first:], self._table, self.eos_token_ids)
         if step is not None:
             with self._lock:
                 self._counters["steps"] += 1
             if self._on_step is not None:
                 self._on_step(len(self._rows))
         self._accept(first, new)
-
-    def _constrain(self, logits: torch.Tensor, rows: list[SequenceState]) -> torch.Tensor:
-        """The logits with each constrained row's grammar mask applied (free rows untouched)."""
-        constrained = [i for i, s in enumerate(rows) if s.matcher is not None]
-        if not constrained:
-            return logits
-        allowed = allowed_tokens([rows[i].matcher for i in constrained], logits.shape[-1])
-        return constrain(logits, constrained, allowed)
-
-    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[SequenceState]) -> None:
-        """Record the step's logprobs on the rows that asked for them."""
-        wanted = [i for i, s in enumerate(rows) if s.logprobs is not None]
-        if not wanted:
-            return
-        step = step_logprobs(logits, tokens, wanted, [rows[i].request.params.logprobs or 0 for i in wanted])
-        chosen_ids = tokens.index_select(0, torch.tensor(wanted, device=tokens.device)).tolist()
-        for at, row in enumerate(wanted):
-            sequence = rows[row]
-            if chosen_ids[at] in self.eos_token_ids:
-                continue  # the eos token ends the text and, as in OpenAI's answers, has no entry
-            top = [self._top_logprob(i, v) for i, v in zip(step.top_ids[at], step.top_values[at], strict=True)]
-            entry = TokenLogprob(**self._top_logprob(chosen_ids[at], step.chosen[at]).model_dump(), top_logprobs=top)
-            sequence.logprobs.append(entry)  # type: ignore[union-attr]
-            sequence.unsent.append(entry)
-
-    def _top_logprob(self, token: int, logprob: float) -> TopLogprob:
-        raw = self._table[token]
-        return TopLogprob(token=raw.decode("utf-8", errors="replace"), bytes=list(raw), logprob=logprob)
 
     def _open(self, fresh: list[Request]) -> None:
         """New rows for the fresh requests' sequences (their prompts marked as seen), the cache grown to fit."""
@@ -397,49 +360,10 @@ class GenerationEngine:
         for sequence, token in zip(self._rows[first:], ids, strict=True):
             delta = sequence.accept(token, self.eos_token_ids)
             if delta and sequence.request.on_token is not None and not sequence.request.done:
-                self._emit(sequence.request, sequence.index, delta,
-                           sequence.take_unsent() if sequence.logprobs is not None else None)
+                self._emit(sequence.request, sequence.index, delta, sequence.take_unsent())
         with self._lock:
             self._counters["generated_tokens"] += len(ids)
         self._sweep()
-
-    def _emit(self, request: Request, index: int, delta: str, logprobs: list[TokenLogprob] | None = None) -> None:
-        try:
-            if request.params.logprobs is not None:
-                request.on_token(index, delta, logprobs or [])
-            else:
-                request.on_token(index, delta)
-        except Exception as error:  # noqa: BLE001 - a broken callback fails its own request only
-            self._fail(request, error)
-
-    def _cancelled(self, request: Request, flagged: frozenset[str] = frozenset()) -> bool:
-        if request.request_id in flagged:
-            return True
-        if request.is_cancelled is None:
-            return False
-        try:
-            return bool(request.is_cancelled())
-        except Exception as error:  # noqa: BLE001
-            self._fail(request, error)
-            return True
-
-    def _poll_cancelled(self, flagged: frozenset[str] = frozenset()) -> None:
-        requests = {id(s.request): s.request for s in self._rows
-                    if s.request.is_cancelled is not None or s.request.request_id in flagged}
-        hit = False
-        for request in requests.values():
-            if request.done or not self._cancelled(request, flagged):
-                continue
-            hit = True
-            if request.done:  # is_cancelled raised: the request has already failed
-                continue
-            for index, delta in request.cancel():
-                if request.on_token is not None:
-                    self._emit(request, index, delta)
-            with self._lock:
-                self._counters["cancelled"] += 1
-        if hit:
-            self._sweep()
 
     def _sweep(self) -> None:
         """Remove finished rows (moving the last row into each hole) and resolve completed requests."""
@@ -464,20 +388,6 @@ class GenerationEngine:
             if not request.done and all(s.finish_reason is not None for s in request.sequences):
                 self._complete(request)
 
-    def _complete(self, request: Request) -> None:
-        request.done = True
-        with self._lock:
-            self._counters["completed"] += 1
-        request.future.set_result(request.result())
-
-    def _fail(self, request: Request, error: BaseException) -> None:
-        if request.done:
-            return
-        request.done = True
-        with self._lock:
-            self._counters["failed"] += 1
-        request.future.set_exception(error)
-
     def _reset(self, error: BaseException) -> None:
         """After a failed forward the cache is suspect: fail every running request and start clean."""
         for sequence in self._rows:
@@ -488,15 +398,3 @@ class GenerationEngine:
             self._rows.clear()
         self._row_params = None
         self._runner.release()
-
-    def _shutdown(self) -> None:
-        with self._lock:
-            waiting, self._waiting = list(self._waiting), deque()
-        error = EngineClosed("the generation engine was closed")
-        for request in [*waiting, *(s.request for s in self._rows)]:
-            if not request.done and not request.future.done():
-                request.done = True
-                request.future.set_exception(error)
-        self._rows.clear()
-        self._runner.release()
-

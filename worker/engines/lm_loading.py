@@ -18,7 +18,6 @@ from worker.engines.gpt2_weights import ACTIVATIONS, PROJECTIONS, Gpt2Weights, p
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-ASSETS_TOKENIZER = GPT2_TOKENIZER_DIR
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
 # On the CPU (fp32 or bf16) every projection and the LM head run on oneDNN weights packed once at load: MKL's
 # sgemm repacks the weight on every call, which dominates at 4-64 rows (the LM head of a 16-row decode step:
@@ -31,7 +30,7 @@ def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
     # GPT2TokenizerFast, not AutoTokenizer: the auto class imports HF's modeling code (see gpt2_weights).
     folder = resolve_folder(model)
     if not any((folder / name).exists() for name in _TOKENIZER_FILES):
-        return GPT2TokenizerFast.from_pretrained(ASSETS_TOKENIZER)
+        return GPT2TokenizerFast.from_pretrained(GPT2_TOKENIZER_DIR)
     return GPT2TokenizerFast.from_pretrained(folder)
 
 

@@ -1,0 +1,42 @@
+"""Every Redis key trainserve writes, in one place (the broker's own keys are Celery's)."""
+
+from __future__ import annotations
+
+PREFIX = "trainserve:"
+CAPACITY_PREFIX = f"{PREFIX}capacity:"  # + worker: a training worker's device report, with a TTL (core.capacity)
+BROKER_SENTINEL = f"{PREFIX}broker-sentinel"  # present while the broker kept its data (worker.recovery)
+
+
+def capacity_key(worker: str) -> str:
+    """A training worker's device-capacity report."""
+    return CAPACITY_PREFIX + worker
+
+
+def stream_key(request_id: str) -> str:
+    """Redis stream a generation worker writes a request's events to."""
+    return f"{PREFIX}gen:{request_id}"
+
+
+def cancel_key(request_id: str) -> str:
+    """Redis key the API sets when a client goes away, so the worker frees the request's batch slot."""
+    return f"{PREFIX}gen:{request_id}:cancel"
+
+
+def slots_key(model_id: str) -> str:
+    """Sorted set of a model's generation requests in flight (the per-model queue limit)."""
+    return f"{PREFIX}slots:{model_id}"
+
+
+def rate_key(api_key_id: str) -> str:
+    """Sorted set of an API key's generation requests in the last minute (the rate limit)."""
+    return f"{PREFIX}rate:{api_key_id}"
+
+
+def classify_reply_key(request_id: str) -> str:
+    """Redis list an inference worker pushes a /classify call's result to."""
+    return f"{PREFIX}classify:{request_id}:reply"
+
+
+def abandoned_key(request_id: str) -> str:
+    """Redis key the API sets when it stops waiting, so a worker skips the task instead of running it."""
+    return f"{PREFIX}classify:{request_id}:abandoned"
