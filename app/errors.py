@@ -79,11 +79,11 @@ def status_for(exc: DomainError) -> int:
     return 400
 
 
-def _loc_to_field(loc: tuple[Any, ...], ctx: dict[str, Any] | None = None) -> str | None:
+def _loc_to_field(loc: tuple[Any, ...], ctx: Any = None) -> str | None:
     """The dotted field of a validation error: without the request part or a job-kind tag (a union member),
     with the member a discriminator names (`ctx.field`, core.jobspec)."""
     parts = [str(p) for p in loc if p not in ("body", "query", "path", "header", "form") and p not in KINDS]
-    if ctx and isinstance(ctx.get("field"), str):
+    if isinstance(ctx, dict) and isinstance(ctx.get("field"), str):
         parts.append(ctx["field"])
     return ".".join(parts) or None
 
@@ -109,8 +109,8 @@ async def _validation(_: Request, exc: Exception) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     field = _loc_to_field(tuple(first.get("loc", ())), first.get("ctx"))
-    details = [{"field": _loc_to_field(tuple(e.get("loc", ())), e.get("ctx")), "message": e.get("msg"), "type": e.get("type")}
-               for e in errors]
+    details = [{"field": _loc_to_field(tuple(e.get("loc", ())), e.get("ctx")), "message": e.get("msg"),
+                "type": e.get("type")} for e in errors]
     message = f"{field}: {first.get('msg')}" if field else str(first.get("msg"))
     return JSONResponse(status_code=422, content=envelope(ErrorCode.VALIDATION_ERROR, message, field, details))
 

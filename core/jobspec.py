@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator
 
 from core.errors import ValidationFailed
-
 from core.hyperparams import Hyperparameters, LMHyperparameters, TrainingHyperparameters
 from core.models import TaskKind
 from core.tasks import MAX_JOB_DEVICES
@@ -27,6 +26,17 @@ from core.tasks import MAX_JOB_DEVICES
 INT32_MAX = 2**31 - 1  # steps, event ids and model_config values are 32-bit integer columns or smaller
 ModelConfigValue = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
 DEFAULT_KIND = TaskKind.TEXT_CLASSIFICATION  # the kind of a body that names none
+MAX_NESTING = 16  # deeper JSON in hyperparameters cannot be a valid value; refused before it is validated
+
+
+def nesting_depth(value: Any) -> int:
+    """Depth of nested lists/dicts in a JSON value, level by level without recursion (a scalar is 0)."""
+    depth, level = 0, [value]
+    while any(isinstance(node, (dict, list)) for node in level):
+        depth += 1
+        level = [child for node in level if isinstance(node, (dict, list))
+                 for child in (node.values() if isinstance(node, dict) else node)]
+    return depth
 
 
 class JobSpec(BaseModel):
@@ -57,6 +67,13 @@ class JobSpec(BaseModel):
                     "least this many; hyperparameters keep their meaning: batch_size is split across them.")
     metadata: dict[str, str] = Field(default_factory=dict, description="Up to 16 string pairs for your own use.")
     priority: int = Field(0, ge=-100, le=100, description="Higher runs first among your team's queued jobs.")
+
+    @field_validator("hyperparameters", mode="before")
+    @classmethod
+    def _bounded_nesting(cls, value: Any) -> Any:
+        if nesting_depth(value) > MAX_NESTING:
+            raise ValueError(f"nested more than {MAX_NESTING} levels deep")
+        return value
 
     @field_validator("metadata")
     @classmethod

@@ -94,7 +94,8 @@ def create_sweep(session: Session, settings: Settings, queue: TaskQueue, princip
                   template={name: getattr(first, name) for name in TEMPLATE},
                   trials=[{"params": params, "hyperparameters": job.hyperparameters}
                           for params, job in zip(trial_params, jobs, strict=True)],
-                  parallelism=spec.parallelism, metric=metric, greater_is_better=kind_of(first.task).greater_is_better(metric),
+                  parallelism=spec.parallelism, metric=metric,
+                  greater_is_better=kind_of(first.task).greater_is_better(metric),
                   pruning=spec.pruning.model_dump() if spec.pruning else None, created_at=utcnow())
     try:
         session.add(sweep)

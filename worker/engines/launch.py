@@ -26,14 +26,11 @@ from pydantic import TypeAdapter
 
 from core.protocol import RankMessage
 from worker.engines.distributed import Dist, leave
-from worker.engines.lm_training import CausalLMTask, LMTrainConfig
+from worker.engines.kinds import engine_kind, kind_name
 from worker.engines.loop import RunConfig, Task, TrainCallbacks, TrainResult, run
-from worker.engines.training import ClassifierTask, TrainConfig
 
 log = logging.getLogger(__name__)
 
-_KINDS: dict[str, tuple[type[RunConfig], type]] = {"classification": (TrainConfig, ClassifierTask),
-                                                   "causal-lm": (LMTrainConfig, CausalLMTask)}
 _ADDRESS, _AUTHKEY = "TRAINSERVE_RANK0_ADDRESS", "TRAINSERVE_RANK0_AUTHKEY"
 _ROOT = Path(__file__).resolve().parents[2]  # the folder holding the `worker` package, for the ranks' imports
 
@@ -49,7 +46,7 @@ class LaunchFailed(RuntimeError):
 def train_on_devices(config: RunConfig, callbacks: TrainCallbacks | None = None) -> TrainResult:
     """Run (or resume) `config` on config.devices processes under torchrun; returns rank 0's result."""
     callbacks = callbacks or TrainCallbacks()
-    kind = next(name for name, (config_type, _) in _KINDS.items() if type(config) is config_type)
+    kind = kind_name(config)  # the job kind's registered name (worker.engines.kinds)
     with tempfile.TemporaryDirectory(prefix="trainserve-ranks-") as folder:  # mode 0700: only this user
         config_file, output = Path(folder) / "config.json", Path(folder) / "launch.log"
         config_file.write_bytes(TypeAdapter(type(config)).dump_json(config))
@@ -190,8 +187,8 @@ class RankZeroCallbacks(TrainCallbacks):
 def main(argv: list[str]) -> int:
     """One rank: read the config, run the loop as rank RANK of WORLD_SIZE; rank 0 reports to the launcher."""
     kind, config_file = argv
-    config_type, task_type = _KINDS[kind]
-    config = TypeAdapter(config_type).validate_json(Path(config_file).read_bytes())
+    engine = engine_kind(kind)
+    config = TypeAdapter(engine.config).validate_json(Path(config_file).read_bytes())
     dist = Dist.from_env()
     if dist.world_size != config.devices:
         raise ValueError(f"launched with {dist.world_size} processes for a run on {config.devices} devices")
@@ -199,7 +196,7 @@ def main(argv: list[str]) -> int:
     if dist.is_main:
         reporter = RankZeroCallbacks(Client(os.environ[_ADDRESS], family="AF_UNIX",
                                             authkey=bytes.fromhex(os.environ[_AUTHKEY])))
-    task: Task = task_type(config)
+    task: Task = engine.task(config)
     try:
         result = run(config, task, reporter or TrainCallbacks(), dist)
     except Exception as exc:

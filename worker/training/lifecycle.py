@@ -21,9 +21,9 @@ from core.store import jobs as store
 from core.sweeps import advance_and_send
 from worker.context import WorkerContext
 from worker.engines.device import release_memory, resolve_device
+from worker.engines.kinds import run_task
 from worker.engines.launch import train_on_devices
-from worker.engines.lm_training import LMTrainConfig, train_lm
-from worker.engines.training import TrainResult, train
+from worker.engines.loop import TrainResult, run
 from worker.metrics import JOB_DURATION, JOB_QUEUE_WAIT
 from worker.recovery import Heartbeat
 from worker.sync import clear_work, pull_checkpoint, push_model, storage_errors
@@ -135,7 +135,7 @@ def run_engine(config: EngineConfig, reporter: JobReporter) -> TrainResult:
     """The engine for the job: in this process on one device, under torchrun (rank 0 reporting) on several."""
     if config.devices > 1:
         return train_on_devices(config, reporter)
-    return train_lm(config, reporter) if isinstance(config, LMTrainConfig) else train(config, reporter)
+    return run(config, run_task(config), reporter)
 
 
 def _prepare(ctx: WorkerContext, job: Job, inputs: JobInputs) -> EngineConfig:
