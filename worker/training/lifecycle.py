@@ -83,8 +83,6 @@ def _run(ctx: WorkerContext, job_id: str, ran: list[str]) -> str:
         except ValueError as exc:
             states.move(session, job, JobStatus.FAILED, code="dataset_missing", message=str(exc), attempt=attempt)
             return JobStatus.FAILED
-        store.add_event(session, job_id=job_id, kind="claimed", message=f"attempt {attempt} claimed by a worker",
-                        attempt=attempt)
         sweep_id = job.sweep_id
     with bound(job_id=job_id):  # the job it claimed, which may not be the message's
         log.info("job %s attempt %d claimed", job_id, attempt)
