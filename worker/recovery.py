@@ -16,6 +16,7 @@ from core.db import session_scope
 from core.errors import StaleAttempt
 from core.models import JobStatus, utcnow
 from core.periodic import Periodic
+from core.protocol import ErrorCode
 from core.queue import TaskQueue
 from core.redis_client import redis_from_url
 from core.relay import deliver_now
@@ -93,7 +94,7 @@ def reap(factory: sessionmaker[Session], settings: Settings, queue: TaskQueue) -
                 if job.status != JobStatus.RUNNING:
                     continue
                 if job.attempts >= settings.max_attempts:
-                    states.move(session, job, JobStatus.FAILED, code="worker_lost",
+                    states.move(session, job, JobStatus.FAILED, code=ErrorCode.WORKER_LOST,
                                 message=f"the worker running this job was lost {job.attempts} times",
                                 attempt=job.attempts, when=store.silent(stale_before))
                     continue

@@ -22,6 +22,7 @@ from core.hyperparams import Hyperparameters, LMHyperparameters
 from core.jobspec import CausalLMJob, ClassificationJob, JobSpec, kind_of
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
 from core.models import ACTIVE, Dataset, Job, JobStatus, new_id, utcnow
+from core.protocol import ErrorCode
 from core.queue import TaskQueue
 from core.relay import deliver_now
 from core.settings import Settings
@@ -84,7 +85,7 @@ def require_quota(session: Session, settings: Settings, principal: Principal, *,
     active = store.count_jobs(session, tenant=principal.tenant_id, statuses=sorted(ACTIVE))
     if active + adding > settings.max_active_jobs_per_tenant:
         raise TooManyRequests(f"{active} jobs are queued or running; the limit per tenant is "
-                              f"{settings.max_active_jobs_per_tenant}", retry_after=30, code="quota_exceeded")
+                              f"{settings.max_active_jobs_per_tenant}", retry_after=30, code=ErrorCode.QUOTA_EXCEEDED)
 
 
 def prepare_job(session: Session, settings: Settings, principal: Principal, *, spec: JobSpec) -> Job:
@@ -197,7 +198,7 @@ def _require_devices(settings: Settings, devices: int) -> None:
     if devices > most.devices:
         raise ValidationFailed("devices", f"devices={devices}, but the live training workers own at most "
                                f"{most.devices} ({most.device} on {most.worker}); ask for at most {most.devices}",
-                               code="does_not_fit")
+                               code=ErrorCode.DOES_NOT_FIT)
 
 
 def _require_fit(settings: Settings, model_config: dict[str, Any] | None, model_field: str, *, head: Head,
@@ -232,7 +233,7 @@ def _require_fit(settings: Settings, model_config: dict[str, Any] | None, model_
         field, hint = "hyperparameters.batch_size", ("lower batch_size (and raise gradient_accumulation_steps for "
                                                      "the same effective batch) or the sequence length")
     raise ValidationFailed(field, f"this job needs about {estimate.describe()}, more than {where}; {hint}",
-                           code="does_not_fit")
+                           code=ErrorCode.DOES_NOT_FIT)
 
 
 def _dataset(session: Session, principal: Principal, dataset_id: str, field: str) -> Dataset:

@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from core.protocol import RankMessage
+from core.protocol import ErrorCode, RankMessage
 from worker.engines.distributed import Dist, leave
 from worker.engines.kinds import engine_kind, kind_name
 from worker.engines.loop import RunConfig, Task, TrainCallbacks, TrainResult, run
@@ -38,7 +38,7 @@ _ROOT = Path(__file__).resolve().parents[2]  # the folder holding the `worker` p
 class LaunchFailed(RuntimeError):
     """A rank failed (with the error's own code when rank 0 could send it), or the launch died without a word."""
 
-    def __init__(self, message: str, code: str = "training_error") -> None:
+    def __init__(self, message: str, code: str = ErrorCode.TRAINING_ERROR) -> None:
         super().__init__(message)
         self.code = code
 
@@ -201,7 +201,7 @@ def main(argv: list[str]) -> int:
         result = run(config, task, reporter or TrainCallbacks(), dist)
     except Exception as exc:
         if reporter is not None:
-            reporter.send(kind="error", name=str(getattr(exc, "code", "training_error")),
+            reporter.send(kind="error", name=str(getattr(exc, "code", ErrorCode.TRAINING_ERROR)),
                           message=f"{type(exc).__name__}: {exc}")
         raise
     finally:

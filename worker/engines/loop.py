@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from core.estimate import MemoryEstimate, format_bytes
+from core.protocol import ErrorCode
 from worker.engines import artifacts
 from worker.engines.best import BestTracker
 from worker.engines.data import steps_per_epoch
@@ -114,13 +115,13 @@ class TrainResult:
 class OutOfMemory(RuntimeError):
     """The device ran out of memory even with one example per micro-batch."""
 
-    code = "oom"
+    code = ErrorCode.OOM
 
 
 class DoesNotFit(ValueError):
     """The run's estimated peak memory exceeds this worker's device; refused before allocating the model."""
 
-    code = "does_not_fit"
+    code = ErrorCode.DOES_NOT_FIT
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from core.errors import NotFound, StaleAttempt
 from core.logs import bound
 from core.models import Job, JobStatus, is_valid_id, utcnow
 from core.paths import relative_to_home
+from core.protocol import ErrorCode
 from core.relay import deliver_now
 from core.store import jobs as store
 from core.sweeps import advance_and_send
@@ -75,13 +76,14 @@ def _run(ctx: WorkerContext, job_id: str, ran: list[str]) -> str:
                         message="cancelled before training started")
             return JobStatus.CANCELLED
         if job.devices > settings.worker_devices:  # routed by queue, so only a hand-made consumer gets here
-            states.move(session, job, JobStatus.FAILED, code="does_not_fit", attempt=attempt,
+            states.move(session, job, JobStatus.FAILED, code=ErrorCode.DOES_NOT_FIT, attempt=attempt,
                         message=f"the job asks for {job.devices} devices; this worker owns {settings.worker_devices}")
             return JobStatus.FAILED
         try:
             inputs = job_inputs(session, job)
         except ValueError as exc:
-            states.move(session, job, JobStatus.FAILED, code="dataset_missing", message=str(exc), attempt=attempt)
+            states.move(session, job, JobStatus.FAILED, code=ErrorCode.DATASET_MISSING, message=str(exc),
+                        attempt=attempt)
             return JobStatus.FAILED
         sweep_id = job.sweep_id
     with bound(job_id=job_id):  # the job it claimed, which may not be the message's
@@ -111,7 +113,7 @@ def _train(ctx: WorkerContext, job: Job, attempt: int, inputs: JobInputs, hyperp
     except Exception as exc:  # noqa: BLE001 - any failure ends the job with a recorded reason
         log.exception("job %s failed", job_id)
         # Engines name a specific failure (oom, ...) with a `code` attribute on the exception.
-        code = str(getattr(exc, "code", "training_error"))
+        code = str(getattr(exc, "code", ErrorCode.TRAINING_ERROR))
         reporter.close()  # the event file complete before its artifact row is written
         return _end(ctx, job_id, attempt, JobStatus.FAILED, f"{type(exc).__name__}: {exc}", code=code)
     finally:
