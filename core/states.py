@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from core.errors import IllegalTransition, StaleAttempt
 from core.logs import task_headers
-from core.models import TERMINAL, Job, JobEvent, JobStatus, WebhookEventType, utcnow
+from core.models import TERMINAL, EventKind, Job, JobEvent, JobStatus, WebhookEventType, utcnow
 from core.store import outbox, webhooks
 
 TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
@@ -62,14 +62,14 @@ def create(session: Session, job: Job, *, message: str = "job created and queued
     job.status = JobStatus.QUEUED
     session.add(job)
     session.flush()
-    _event(session, job.id, kind="created", level="info", message=message, data=None, now=job.created_at)
+    _event(session, job.id, kind=EventKind.CREATED, level="info", message=message, data=None, now=job.created_at)
     outbox.add_train(session, job_id=job.id, devices=job.devices, headers=task_headers())
     webhooks.emit(session, tenant_id=job.tenant_id, type=WebhookEventType.JOB_QUEUED, data=webhooks.job_data(job),
                   now=job.created_at)
     return job
 
 
-def move(session: Session, job: Job, target: JobStatus, *, message: str, kind: str | None = None,
+def move(session: Session, job: Job, target: JobStatus, *, message: str, kind: EventKind | None = None,
          level: str | None = None, code: str | None = None, attempt: int | None = None,
          when: ColumnElement[bool] | None = None, data: dict[str, Any] | None = None,
          now: datetime | None = None) -> Job:
@@ -107,7 +107,7 @@ def move(session: Session, job: Job, target: JobStatus, *, message: str, kind: s
     if result.rowcount == 0:  # type: ignore[attr-defined]
         raise StaleAttempt(f"job {job.id} is no longer {source}" + (f" in attempt {attempt}" if attempt else ""))
     session.refresh(job)
-    _event(session, job.id, kind=kind or str(target), level=level or _level(target), message=message,
+    _event(session, job.id, kind=kind or EventKind(target), level=level or _level(target), message=message,
            data=data, now=now)
     if target == JobStatus.QUEUED:
         # a requeue keeps the request id
@@ -135,7 +135,7 @@ def claim(session: Session, *, job_id: str, attempt: int, device: str, now: date
     job = session.get(Job, job_id)
     assert job is not None
     session.refresh(job)
-    _event(session, job.id, kind="claimed", level="info", message=f"attempt {job.attempts} claimed by a worker",
+    _event(session, job.id, kind=EventKind.CLAIMED, level="info", message=f"attempt {job.attempts} claimed by a worker",
            data=None, now=now)
     webhooks.emit(session, tenant_id=job.tenant_id, type=WebhookEventType.JOB_STARTED, data=webhooks.job_data(job),
                   now=now)

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core import states
 from core.db import session_scope
 from core.errors import StaleAttempt
-from core.models import JobStatus, utcnow
+from core.models import EventKind, JobStatus, utcnow
 from core.periodic import Periodic
 from core.protocol import ErrorCode
 from core.queue import TaskQueue
@@ -99,7 +99,7 @@ def reap(factory: sessionmaker[Session], settings: Settings, queue: TaskQueue) -
                                 attempt=job.attempts, when=store.silent(stale_before))
                     continue
                 # The outbox message commits with the requeue: no window where the row is queued unsent.
-                states.move(session, job, JobStatus.QUEUED, kind="requeued", level="warning",
+                states.move(session, job, JobStatus.QUEUED, kind=EventKind.REQUEUED, level="warning",
                             attempt=job.attempts, when=store.silent(stale_before),
                             message=f"worker silent for over {settings.heartbeat_timeout_s:g} s; "
                                     "requeued to resume from its last checkpoint")

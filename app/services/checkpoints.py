@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from app.schemas.jobs import BestRead, CheckpointList, CheckpointRead
 from core.auth import Principal
 from core.jobspec import KINDS
-from core.models import JobStatus
+from core.models import ArtifactKind, JobStatus
 from core.store import jobs as store
 
 
@@ -27,9 +27,9 @@ def list_checkpoints(session: Session, principal: Principal, *, job_id: str, sin
         by_step[point.step][point.name] = point.value
         created.setdefault(point.step, point.created_at)
     # The model folder holds the best step's weights once the job succeeded: prefer it to that step's checkpoint.
-    kept = {a.step: a for a in job.artifacts if a.kind == "checkpoint"}
+    kept = {a.step: a for a in job.artifacts if a.kind == ArtifactKind.CHECKPOINT}
     if job.status == JobStatus.SUCCEEDED:
-        kept.update({a.step: a for a in job.artifacts if a.kind == "model"})
+        kept.update({a.step: a for a in job.artifacts if a.kind == ArtifactKind.MODEL})
     best_step = job.best["step"] if job.best else None
     data = []
     for step in sorted(by_step)[:limit]:

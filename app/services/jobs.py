@@ -21,7 +21,7 @@ from core.estimate import Head, architecture, format_bytes, load_model_config, t
 from core.hyperparams import Hyperparameters, LMHyperparameters
 from core.jobspec import CausalLMJob, ClassificationJob, JobSpec, kind_of
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
-from core.models import ACTIVE, Dataset, Job, JobStatus, new_id, utcnow
+from core.models import ACTIVE, Dataset, EventKind, Job, JobStatus, new_id, utcnow
 from core.protocol import ErrorCode
 from core.queue import TaskQueue
 from core.relay import deliver_now
@@ -317,7 +317,7 @@ def request_cancel(session: Session, job: Job, *, why: str = "") -> None:
     if job.status == JobStatus.QUEUED:
         states.move(session, job, JobStatus.CANCELLED, message=f"cancelled before it started{why}", now=now)
     else:
-        store.add_event(session, job_id=job.id, kind="cancel_requested",
+        store.add_event(session, job_id=job.id, kind=EventKind.CANCEL_REQUESTED,
                         message=f"cancel requested{why}; the worker stops after the current step")
 
 

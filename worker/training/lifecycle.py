@@ -14,7 +14,7 @@ from core import scheduler, states
 from core.db import session_scope
 from core.errors import NotFound, StaleAttempt
 from core.logs import bound
-from core.models import Job, JobStatus, is_valid_id, utcnow
+from core.models import ArtifactKind, EventKind, Job, JobStatus, is_valid_id, utcnow
 from core.paths import relative_to_home
 from core.protocol import ErrorCode
 from core.relay import deliver_now
@@ -192,7 +192,7 @@ def _record_result(ctx: WorkerContext, job_id: str, attempt: int, result: TrainR
             job.best, job.stop_reason = result.best, result.stop_reason
             # The model folder holds the best evaluation's weights: the artifact carries that step.
             model_step = result.best["step"] if result.best else result.global_step
-            model = artifact_row(ctx.settings, job_id, "model", result.model_dir, model_step)
+            model = artifact_row(ctx.settings, job_id, ArtifactKind.MODEL, result.model_dir, model_step)
             store.add_artifact(session, artifact=model, attempt=attempt)
             how = {"completed": "finished"}.get(result.stop_reason or "completed", f"ended ({result.stop_reason})")
             best = f"; model from step {model_step}" if result.best else ""
@@ -201,7 +201,7 @@ def _record_result(ctx: WorkerContext, job_id: str, attempt: int, result: TrainR
                         data={"stop_reason": result.stop_reason, "best": result.best})
         elif job.cancel_requested_at is None and ctx.shutdown.is_set():
             # The worker is stopping, not the user: checkpointed, so back to the queue (with its outbox message).
-            states.move(session, job, JobStatus.QUEUED, kind="preempted", attempt=attempt,
+            states.move(session, job, JobStatus.QUEUED, kind=EventKind.PREEMPTED, attempt=attempt,
                         message=f"worker shut down at step {result.global_step}; requeued to resume")
         else:
             states.move(session, job, JobStatus.CANCELLED, attempt=attempt,
@@ -223,7 +223,7 @@ def _record_tensorboard(ctx: WorkerContext, session: Session, job_id: str, attem
         marker = files[0].relative_to(folder).as_posix()
         ctx.storage.upload_dir(folder, relative_to_home(ctx.settings, folder), marker=marker)
     job = store.get_job(session, job_id=job_id)
-    for old in [a for a in job.artifacts if a.kind == "tensorboard"]:
+    for old in [a for a in job.artifacts if a.kind == ArtifactKind.TENSORBOARD]:
         session.delete(old)
-    store.add_artifact(session, artifact=artifact_row(ctx.settings, job_id, "tensorboard", folder, None),
+    store.add_artifact(session, artifact=artifact_row(ctx.settings, job_id, ArtifactKind.TENSORBOARD, folder, None),
                        attempt=attempt)
