@@ -3,7 +3,7 @@
 The caller (a worker's training task) calls train_on_devices() as it would train(): it writes the frozen
 config, listens on a Unix socket in a private folder and starts `python -m torch.distributed.run` in a new
 session. Each rank runs this module's main(): the one training loop with its Dist. Rank 0 turns every
-callback into a core.protocol.RankMessage on the socket (and waits for the answer to should_stop), so
+callback into a typed core.protocol.RankMessage on the socket (and waits for the answer to should_stop), so
 progress, cancellation and preemption go through the caller's callbacks exactly as in one process; the
 launch ends with a `result` or `error` message. A caller that dies closes the socket, rank 0 fails on its
 next message, and torchrun stops the other ranks.
@@ -24,7 +24,21 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from core.protocol import ErrorCode, RankMessage
+from core.protocol import (
+    RANK_MESSAGE,
+    ErrorCode,
+    RankBest,
+    RankCheckpoint,
+    RankError,
+    RankEval,
+    RankEvent,
+    RankLog,
+    RankMessage,
+    RankResult,
+    RankShouldStop,
+    RankStart,
+    RankStopReason,
+)
 from worker.engines.distributed import Dist, leave
 from worker.engines.kinds import engine_kind, kind_name
 from worker.engines.loop import RunConfig, Task, TrainCallbacks, TrainResult, run
@@ -101,33 +115,39 @@ def _serve(connection: Connection, process: subprocess.Popen[bytes], callbacks: 
                 raise LaunchFailed(f"the launch exited with {process.returncode} without a result: {_tail(output)}")
             continue
         try:
-            message = RankMessage.model_validate_json(connection.recv_bytes())
+            message = RANK_MESSAGE.validate_json(connection.recv_bytes())
         except EOFError:
             process.wait(timeout=60)
             raise LaunchFailed(f"rank 0 closed its channel without a result: {_tail(output)}") from None
-        if message.kind == "should_stop":
-            connection.send_bytes(b"1" if callbacks.should_stop() else b"0")
-        elif message.kind == "stop_reason":
-            connection.send_bytes((callbacks.stop_reason() or "").encode())
-        elif message.kind == "best":
-            callbacks.on_best(message.step, message.info)
-        elif message.kind == "start":
-            callbacks.on_start(message.info)
-        elif message.kind == "log":
-            callbacks.on_log(message.step, message.epoch, message.metrics)
-        elif message.kind == "eval":
-            callbacks.on_eval(message.step, message.metrics)
-        elif message.kind == "checkpoint":
-            callbacks.on_checkpoint(message.step, Path(message.path or ""))
-        elif message.kind == "event":
-            callbacks.on_event(message.name, message.message)
-        elif message.kind == "error":
-            raise LaunchFailed(message.message, code=message.name)
-        else:
+        if isinstance(message, RankResult):
             process.wait(timeout=120)  # the other ranks end right after their last step
-            return TrainResult(message.name, message.step, message.total_steps, message.metrics,
+            return TrainResult(message.status, message.step, message.total_steps, message.metrics,
                                Path(message.path) if message.path else None, message.manifest,
-                               stop_reason=message.message or None, best=message.info or None)
+                               stop_reason=message.stop_reason, best=message.best)
+        if isinstance(message, RankError):
+            raise LaunchFailed(message.message, code=message.code)
+        _answer(connection, message, callbacks)
+
+
+def _answer(connection: Connection, message: RankMessage, callbacks: TrainCallbacks) -> None:
+    """Hand one callback message to the caller's callbacks (answering the questions on the channel)."""
+    match message:
+        case RankShouldStop():
+            connection.send_bytes(b"1" if callbacks.should_stop() else b"0")
+        case RankStopReason():
+            connection.send_bytes((callbacks.stop_reason() or "").encode())
+        case RankBest():
+            callbacks.on_best(message.step, message.best)
+        case RankStart():
+            callbacks.on_start(message.info)
+        case RankLog():
+            callbacks.on_log(message.step, message.epoch, message.metrics)
+        case RankEval():
+            callbacks.on_eval(message.step, message.metrics)
+        case RankCheckpoint():
+            callbacks.on_checkpoint(message.step, Path(message.path))
+        case RankEvent():
+            callbacks.on_event(message.event, message.message)
 
 
 def _end(process: subprocess.Popen[bytes]) -> None:
@@ -153,34 +173,34 @@ class RankZeroCallbacks(TrainCallbacks):
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
 
-    def send(self, **fields: Any) -> None:
-        """Send one message (its fields validated, so a message the caller cannot read fails here)."""
-        self.connection.send_bytes(RankMessage(**fields).model_dump_json().encode())
+    def send(self, message: RankMessage) -> None:
+        """Send one message (typed, so a message the caller cannot read fails here)."""
+        self.connection.send_bytes(RANK_MESSAGE.dump_json(message))
 
     def on_start(self, info: dict[str, Any]) -> None:
-        self.send(kind="start", info=info)
+        self.send(RankStart(info=info))
 
     def on_log(self, step: int, epoch: float, metrics: dict[str, float]) -> None:
-        self.send(kind="log", step=step, epoch=epoch, metrics=metrics)
+        self.send(RankLog(step=step, epoch=epoch, metrics=metrics))
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
-        self.send(kind="eval", step=step, metrics=metrics)
+        self.send(RankEval(step=step, metrics=metrics))
 
     def on_checkpoint(self, step: int, path: Path) -> None:
-        self.send(kind="checkpoint", step=step, path=str(path))
+        self.send(RankCheckpoint(step=step, path=str(path)))
 
     def on_event(self, kind: str, message: str) -> None:
-        self.send(kind="event", name=kind, message=message)
+        self.send(RankEvent(event=kind, message=message))
 
     def on_best(self, step: int, best: dict[str, Any]) -> None:
-        self.send(kind="best", step=step, info=best)
+        self.send(RankBest(step=step, best=best))
 
     def should_stop(self) -> bool:
-        self.send(kind="should_stop")
+        self.send(RankShouldStop())
         return self.connection.recv_bytes() == b"1"
 
     def stop_reason(self) -> str | None:
-        self.send(kind="stop_reason")
+        self.send(RankStopReason())
         return self.connection.recv_bytes().decode() or None
 
 
@@ -201,15 +221,15 @@ def main(argv: list[str]) -> int:
         result = run(config, task, reporter or TrainCallbacks(), dist)
     except Exception as exc:
         if reporter is not None:
-            reporter.send(kind="error", name=str(getattr(exc, "code", ErrorCode.TRAINING_ERROR)),
-                          message=f"{type(exc).__name__}: {exc}")
+            reporter.send(RankError(code=str(getattr(exc, "code", ErrorCode.TRAINING_ERROR)),
+                                    message=f"{type(exc).__name__}: {exc}"))
         raise
     finally:
         leave()
     if reporter is not None:
-        reporter.send(kind="result", name=result.status, step=result.global_step, total_steps=result.total_steps,
-                      metrics=result.metrics, manifest=result.manifest, message=result.stop_reason or "",
-                      info=result.best or {}, path=str(result.model_dir) if result.model_dir else None)
+        reporter.send(RankResult(status=result.status, step=result.global_step, total_steps=result.total_steps,
+                                 metrics=result.metrics, manifest=result.manifest, stop_reason=result.stop_reason,
+                                 best=result.best, path=str(result.model_dir) if result.model_dir else None))
     return 0
 
 
