@@ -80,7 +80,7 @@ class JobStatus(enum.StrEnum):
 
 
 class TaskKind(enum.StrEnum):
-    """What a job trains; schemas and queries derive from this enum."""
+    """The built-in kinds of job (what a job trains); core.jobspec registers each, keyed by its value."""
 
     TEXT_CLASSIFICATION = "text-classification"
     CAUSAL_LM = "causal-lm"
