@@ -27,7 +27,7 @@ from core.errors import (
     ValidationFailed,
     WorkerTimeout,
 )
-from core.jobspec import KINDS
+from core.jobspec import field_of
 from core.protocol import ErrorBody, ErrorCode, error_body
 
 log = logging.getLogger(__name__)
@@ -82,10 +82,7 @@ def status_for(exc: DomainError) -> int:
 def _loc_to_field(loc: tuple[Any, ...], ctx: Any = None) -> str | None:
     """The dotted field of a validation error: without the request part or a job-kind tag (a union member),
     with the member a discriminator names (`ctx.field`, core.jobspec)."""
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header", "form") and p not in KINDS]
-    if isinstance(ctx, dict) and isinstance(ctx.get("field"), str):
-        parts.append(ctx["field"])
-    return ".".join(parts) or None
+    return field_of(tuple(p for p in loc if p not in ("body", "query", "path", "header", "form")), ctx)
 
 
 def domain_headers(exc: DomainError) -> dict[str, str]:

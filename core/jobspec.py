@@ -144,6 +144,13 @@ def register(kind: JobKind) -> JobKind:
     return kind
 
 
+def unregister(name: str) -> None:
+    """Remove a job kind (tests that add their own)."""
+    global _adapter
+    KINDS.pop(name, None)
+    _adapter = None
+
+
 def kind_of(name: str) -> JobKind:
     """The registered kind of that name (KeyError for one this version does not know)."""
     return KINDS[name]
@@ -172,14 +179,22 @@ def parse_spec(data: Any) -> JobSpec:
     return _adapter.validate_python(data)
 
 
+def field_of(loc: tuple[Any, ...], ctx: Any = None) -> str | None:
+    """The dotted field a validation error names: its location without kind tags (union members), plus the
+    member a discriminator names (`ctx.field`, an unknown `task`)."""
+    parts = [str(p) for p in loc if p not in KINDS]
+    if isinstance(ctx, dict) and isinstance(ctx.get("field"), str):
+        parts.append(ctx["field"])
+    return ".".join(parts) or None
+
+
 def validate_spec(data: Any) -> JobSpec:
     """parse_spec for bodies built on the server (a sweep's trial, a rerun): ValidationFailed naming the field."""
     try:
         return parse_spec(data)
     except ValidationError as exc:
         error = exc.errors()[0]
-        parts = [str(p) for p in error["loc"] if p not in KINDS] + [str((error.get("ctx") or {}).get("field", ""))]
-        field = ".".join(p for p in parts if p) or None
+        field = field_of(error["loc"], error.get("ctx"))
         raise ValidationFailed(field, f"{field}: {error['msg']}" if field else error["msg"]) from exc
 
 

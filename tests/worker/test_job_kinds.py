@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from core.auth import Principal
 from core.db import session_scope
 from core.hyperparams import TrainingHyperparameters, default
-from core.jobspec import KINDS, JobKind, JobSpec, parse_spec, register
+from core.jobspec import JobKind, JobSpec, parse_spec, register, unregister
 from tests.factories import sentiment_rows, tsv_bytes, upload
 
 TOY = "text-length"
@@ -96,10 +96,8 @@ def toy_kind():
     register(JobKind(ToyJob, {"eval_loss": False, "eval_mae": False}, holds_out_eval=True))
     register_engine(TOY, EngineKind(ToyConfig, ToyTask))
     yield
-    KINDS.pop(TOY)
+    unregister(TOY)
     ENGINE_KINDS.pop(TOY)
-    register(KINDS.pop("text-classification"))  # rebuild the request union without the toy
-    register(KINDS.pop("causal-lm"))
 
 
 def test_a_kind_added_through_the_registry_runs_end_to_end_on_a_worker(toy_kind, client, queue, settings):
