@@ -21,6 +21,7 @@ from transformers import (
 )
 
 from core.estimate import architecture, training_memory
+from core.hyperparams import LMHyperparameters, default
 from core.lm_config import DEFAULT_BLOCK_SIZE, resolve_block_size, validate_model_config
 from core.paths import GPT2_TOKENIZER_DIR
 from worker.engines import artifacts, lm_data
@@ -45,12 +46,13 @@ class LMTrainConfig(RunConfig):
     model_config: Mapping[str, int] | None = None  # n_layer, n_embd, n_head, n_positions (fresh models)
     tokenizer: str | None = None  # default: assets/gpt2-tokenizer (fresh) or the base model's own
     text_column: str = "text"
-    val_fraction: float = 0.1
-    block_size: int | None = None  # default min(context length, 256)
-    epochs: float = 1.0
-    batch_size: int = 8
-    learning_rate: float = 3e-4
-    weight_decay: float = 0.1
+    # Defaults: the hyperparameters model's (core.hyperparams), the one place they live.
+    val_fraction: float = default(LMHyperparameters, "val_fraction")
+    block_size: int | None = default(LMHyperparameters, "block_size")  # None: min(context length, 256)
+    epochs: float = default(LMHyperparameters, "epochs")
+    batch_size: int = default(LMHyperparameters, "batch_size")
+    learning_rate: float = default(LMHyperparameters, "learning_rate")
+    weight_decay: float = default(LMHyperparameters, "weight_decay")
 
 
 def train_lm(config: LMTrainConfig, callbacks: TrainCallbacks | None = None) -> TrainResult:
