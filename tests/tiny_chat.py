@@ -18,6 +18,9 @@ LLAMA3_TEMPLATE = (
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# A frozen head of std 0.02 over 32-wide normed states caps every logit near +-0.6, so an adapter could not move
+# the loss far from ln(vocab); a wider init leaves the frozen base something an adapter can steer.
+INIT_STD = 0.3
 SPECIALS = ["<s>", "</s>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = ("Hello there! How are you today? I am fine, thank you. What is two plus two? Four. The sky is blue. "
           "Name a colour: red, green, blue. Be brief. system user assistant 0123456789 ") * 4
@@ -40,7 +43,8 @@ def tiny_llama_config(vocab_size: int) -> LlamaConfig:
     """2 layers, 32 wide, grouped-query attention (4 heads, 2 kv heads): every projection LoRA targets."""
     return LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                       bos_token_id=0, eos_token_id=4, pad_token_id=1, tie_word_embeddings=False)
+                       bos_token_id=0, eos_token_id=4, pad_token_id=1, tie_word_embeddings=False,
+                       initializer_range=INIT_STD)
 
 
 def build_tiny_llama(path: Path, seed: int = 0, template: str = LLAMA3_TEMPLATE) -> Path:

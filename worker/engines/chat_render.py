@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 IGNORE = -100  # the label of tokens outside the loss (cross_entropy's ignore_index)
 
 
@@ -102,3 +104,17 @@ def _cut(ids: list[int], labels: list[int], max_length: int | None) -> Rendered:
     if max_length is not None:
         ids, labels = ids[:max_length], labels[:max_length]
     return Rendered(input_ids=ids, labels=labels)
+
+
+def collate(examples: Sequence[Rendered], pad_id: int) -> dict[str, Any]:
+    """input_ids, attention_mask and labels tensors of examples padded on the right to the longest."""
+    width = max(len(example.input_ids) for example in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, example in enumerate(examples):
+        n = len(example.input_ids)
+        ids[row, :n] = torch.tensor(example.input_ids)
+        labels[row, :n] = torch.tensor(example.labels)
+        mask[row, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
