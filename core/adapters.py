@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # A module name as PEFT matches it against the end of each module's dotted path (q_proj, attn.c_attn, query).
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
-ALL_LINEAR = "all-linear"
+ALL_LINEAR: Literal["all-linear"] = "all-linear"
 
 
 class AdapterConfig(BaseModel):
