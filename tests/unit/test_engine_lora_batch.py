@@ -19,8 +19,9 @@ from worker.engines.lora_batch import (
     AdapterCacheFull,
     LoraSlots,
     attach,
-    bgmv,
     load_lora_weights,
+    lora_delta,
+    plan_rows,
     projection_shapes,
 )
 
@@ -93,13 +94,17 @@ def test_greedy_decoding_with_a_kv_cache_matches_peft(models):
     assert max(lengths) == 6 + 8  # at least one row decoded all its tokens
 
 
-def test_bgmv_is_the_per_row_product():
+def test_lora_delta_is_the_per_row_product():
     generator = torch.Generator().manual_seed(2)
-    a, b = torch.randn(3, 2, 5, generator=generator), torch.randn(3, 4, 2, generator=generator)
-    x, slots = torch.randn(4, 1, 5, generator=generator), torch.tensor([2, 0, 1, 2])
-    expected = torch.stack([x[i] @ a[s].T @ b[s].T for i, s in enumerate(slots.tolist())])
-    torch.testing.assert_close(bgmv(x, a, b, slots), expected)
-    torch.testing.assert_close(bgmv(x[:, 0], a, b, slots), expected[:, 0])
+    a, b = torch.randn(4, 2, 5, generator=generator), torch.randn(4, 2, 3, generator=generator)  # B^T per slot
+    a[0], b[0] = 0, 0  # the base slot
+    x, slots = torch.randn(5, 2, 5, generator=generator), torch.tensor([3, 0, 1, 3, 0])
+    expected = torch.stack([x[i] @ a[s].T @ b[s] for i, s in enumerate(slots.tolist())])
+    plan = plan_rows(slots, max_rank=2)
+    assert plan is not None and plan.used.tolist() == [1, 3] and plan.mask.shape == (5, 1, 4)
+    torch.testing.assert_close(lora_delta(x, a, b, plan), expected)
+    torch.testing.assert_close(lora_delta(x[:, 0], a, b, plan), expected[:, 0])
+    assert plan_rows(torch.tensor([0, 0]), max_rank=2) is None  # base rows only: nothing to compute
 
 
 def test_cache_evicts_the_least_recently_used_idle_adapter(models):

@@ -1,12 +1,15 @@
-"""Many LoRA adapters over one base model in one batch: gathered per-row LoRA matmuls (Punica's BGMV, S-LoRA).
+"""Many LoRA adapters over one base model in one batch: gathered LoRA matmuls per row (Punica, S-LoRA).
 
 Every resident adapter has a slot. For each adapted projection (layer, q/k/v/o/gate/up/down) the slots' A matrices
-are stacked into one [slots, max_rank, in] tensor and their B matrices, pre-multiplied by alpha / r, into one
-[slots, out, max_rank] tensor; an adapter of a lower rank or without that projection is zero-padded. Slot 0 is
-all zeros: the rows of the base model. A decode step hands each projection its rows' slot indices, and
-    y = x W^T + bmm(bmm(x, A[slots]^T), B[slots]^T)
-adds every row's own update with two batched matmuls for the whole batch, whichever adapters it mixes (vLLM's
-torch path of bgmv_shrink/bgmv_expand does the same gather). The base matmul stays one dense GEMM.
+are stacked into one [slots, max_rank, in] tensor and their B^T matrices, pre-multiplied by alpha / r, into one
+[slots, max_rank, out] tensor; an adapter of a lower rank or without that projection is zero-padded. Slot 0 is
+all zeros: the rows of the base model. Once per forward, `plan_rows` turns the rows' slot indices into the
+distinct adapters the batch uses (U of them) and a 0/1 mask [rows, U * max_rank] of each row's own rank block.
+Then, per projection, with A_U and B_U the gathered blocks of those U adapters side by side,
+    y = x W^T + ((x A_U^T) * mask) B_U
+adds every row's own update with two matmuls for the whole batch, whatever adapters it mixes. The gather reads
+each used adapter once (not once per row, as a per-row gather followed by bmm does: on a CPU that copy cost
+2-4x the base projection in a decode step), and the extra work is U * r / out of the base matmul's.
 
 `AdapterCache` keeps up to capacity (TRAINSERVE_MAX_LORAS) adapters resident, least recently used out first,
 never one that a running request holds. Reading an adapter folder (`load_lora_weights`) touches no slot, so a
@@ -68,13 +71,35 @@ def load_lora_weights(folder: Path, name: str | None = None) -> LoraWeights:
     return LoraWeights(name=name or folder.name, rank=rank, layers=layers)
 
 
-def bgmv(x: torch.Tensor, a_stacked: torch.Tensor, b_stacked: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Each row's LoRA update: x [rows, tokens, in] -> [rows, tokens, out], row i through adapter slots[i]."""
+@dataclass(frozen=True)
+class RowPlan:
+    """The adapters one batch uses and which rank block each row takes: computed once per forward."""
+
+    used: torch.Tensor  # [U] distinct adapter slots of the batch (no base slot)
+    mask: torch.Tensor  # [rows, 1, U * max_rank]: 1 on the row's own adapter block, 0 elsewhere (base rows: all 0)
+
+
+def plan_rows(slots: torch.Tensor, max_rank: int, dtype: torch.dtype = torch.float32) -> RowPlan | None:
+    """The plan of a batch whose row i uses adapter slots[i] (0: the base); None when no row has an adapter."""
+    used, position = torch.unique(slots, return_inverse=True)
+    has_base = bool(used[0] == BASE_SLOT)  # one device sync per forward, not per projection
+    if has_base and len(used) == 1:
+        return None
+    if has_base:
+        used, position = used[1:], position - 1  # base rows get -1: no block
+    blocks = torch.arange(len(used), device=slots.device)
+    mask = (position[:, None] == blocks[None, :]).to(dtype)  # [rows, U]
+    mask = mask.repeat_interleave(max_rank, dim=1).unsqueeze(1)  # [rows, 1, U * max_rank]
+    return RowPlan(used=used, mask=mask)
+
+
+def lora_delta(x: torch.Tensor, a_stacked: torch.Tensor, b_stacked: torch.Tensor, plan: RowPlan) -> torch.Tensor:
+    """Every row's LoRA update: x [rows, tokens, in] -> [rows, tokens, out], row i through its own adapter."""
     if x.dim() == 2:  # [rows, in]: one token per row
-        return bgmv(x.unsqueeze(1), a_stacked, b_stacked, slots).squeeze(1)
-    a = a_stacked.index_select(0, slots)  # [rows, rank, in]: a gather, no per-adapter loop
-    b = b_stacked.index_select(0, slots)  # [rows, out, rank]
-    return torch.bmm(torch.bmm(x, a.transpose(1, 2)), b.transpose(1, 2))
+        return lora_delta(x.unsqueeze(1), a_stacked, b_stacked, plan).squeeze(1)
+    a = a_stacked.index_select(0, plan.used).flatten(0, 1)  # [U * rank, in]: each used adapter read once
+    b = b_stacked.index_select(0, plan.used).flatten(0, 1)  # [U * rank, out]
+    return ((x @ a.T) * plan.mask.to(x.dtype)) @ b
 
 
 class LoraSlots:
@@ -87,9 +112,9 @@ class LoraSlots:
         self.capacity, self.max_rank = capacity, max_rank
         self.a = {key: torch.zeros(capacity + 1, max_rank, fan_in, device=device, dtype=dtype)
                   for key, (fan_in, _) in shapes.items()}
-        self.b = {key: torch.zeros(capacity + 1, fan_out, max_rank, device=device, dtype=dtype)
-                  for key, (_, fan_out) in shapes.items()}
-        self.row_slots: torch.Tensor | None = None  # set per forward by `rows`
+        self.b = {key: torch.zeros(capacity + 1, max_rank, fan_out, device=device, dtype=dtype)
+                  for key, (_, fan_out) in shapes.items()}  # B^T: a used adapter's block is contiguous
+        self.plan: RowPlan | None = None  # set per forward by `rows`
 
     def write(self, slot: int, weights: LoraWeights) -> None:
         """Put an adapter into a slot (1..capacity), zeroing what it does not adapt."""
@@ -107,23 +132,22 @@ class LoraSlots:
             if key in weights.layers:
                 lora_a, lora_b = weights.layers[key]
                 self.a[key][slot, :weights.rank].copy_(lora_a)
-                self.b[key][slot, :, :weights.rank].copy_(lora_b)
+                self.b[key][slot, :weights.rank].copy_(lora_b.T)
 
-    def delta(self, key: Key, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+    def delta(self, key: Key, x: torch.Tensor, plan: RowPlan) -> torch.Tensor | None:
         """The LoRA update of projection `key` for input x [rows, tokens, in] (None: the base model lacks it)."""
         if key not in self.a:
             return None
-        return bgmv(x, self.a[key].to(x.dtype), self.b[key].to(x.dtype), slots)
+        return lora_delta(x, self.a[key].to(x.dtype), self.b[key].to(x.dtype), plan)
 
     @contextlib.contextmanager
     def rows(self, slots: torch.Tensor) -> Iterator[None]:
         """Within this block, forwards through attached layers add each row's adapter (slots[i] for row i)."""
-        # Checked once per forward, not per projection (on a GPU each check waits for the device).
-        self.row_slots = slots if bool((slots != BASE_SLOT).any()) else None  # base rows only: nothing to add
+        self.plan = plan_rows(slots, self.max_rank)  # None for base rows only: nothing to add
         try:
             yield
         finally:
-            self.row_slots = None
+            self.plan = None
 
 
 class BatchedLoraLinear(torch.nn.Module):
@@ -134,12 +158,12 @@ class BatchedLoraLinear(torch.nn.Module):
         self.base, self.slots, self.key = base, slots, key
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T (+ b), plus bgmv of the rows' adapters when `slots.rows(...)` is active."""
+        """x W^T (+ b), plus the rows' adapter updates while `slots.rows(...)` is active."""
         out = self.base(x)
-        row_slots = self.slots.row_slots
-        if row_slots is None:
+        plan = self.slots.plan
+        if plan is None:
             return out
-        delta = self.slots.delta(self.key, x, row_slots)
+        delta = self.slots.delta(self.key, x, plan)
         return out if delta is None else out + delta
 
 
