@@ -27,6 +27,7 @@ from core.errors import (
     ValidationFailed,
     WorkerTimeout,
 )
+from core.jobspec import field_of
 from core.protocol import ErrorBody, ErrorCode, error_body
 
 log = logging.getLogger(__name__)
@@ -78,9 +79,10 @@ def status_for(exc: DomainError) -> int:
     return 400
 
 
-def _loc_to_field(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header", "form")]
-    return ".".join(parts) or None
+def _loc_to_field(loc: tuple[Any, ...], ctx: Any = None) -> str | None:
+    """The dotted field of a validation error: without the request part or a job-kind tag (a union member),
+    with the member a discriminator names (`ctx.field`, core.jobspec)."""
+    return field_of(tuple(p for p in loc if p not in ("body", "query", "path", "header", "form")), ctx)
 
 
 def domain_headers(exc: DomainError) -> dict[str, str]:
@@ -103,9 +105,9 @@ async def _validation(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    field = _loc_to_field(tuple(first.get("loc", ())))
-    details = [{"field": _loc_to_field(tuple(e.get("loc", ()))), "message": e.get("msg"), "type": e.get("type")}
-               for e in errors]
+    field = _loc_to_field(tuple(first.get("loc", ())), first.get("ctx"))
+    details = [{"field": _loc_to_field(tuple(e.get("loc", ())), e.get("ctx")), "message": e.get("msg"),
+                "type": e.get("type")} for e in errors]
     message = f"{field}: {first.get('msg')}" if field else str(first.get("msg"))
     return JSONResponse(status_code=422, content=envelope(ErrorCode.VALIDATION_ERROR, message, field, details))
 

@@ -8,6 +8,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import envelope
+from core.protocol import ErrorCode
 from core.settings import Settings
 
 # The one route that takes a file. Everything else takes JSON, whatever Content-Type a client claims:
@@ -79,7 +80,7 @@ class UploadSlotsMiddleware:
             return
         limit = self.settings.max_concurrent_uploads
         if self.in_flight >= limit:
-            await _send_error(send, 429, "too_many_uploads",
+            await _send_error(send, 429, ErrorCode.TOO_MANY_UPLOADS,
                               f"{self.in_flight} uploads are in progress; the limit is {limit}; retry shortly",
                               [(b"retry-after", b"5")])
             return
@@ -106,7 +107,7 @@ class UploadSlotsMiddleware:
 
 
 async def _too_large(send: Send, limit: int) -> None:
-    await _send_error(send, 413, "payload_too_large", f"request body is larger than {limit} bytes")
+    await _send_error(send, 413, ErrorCode.PAYLOAD_TOO_LARGE, f"request body is larger than {limit} bytes")
 
 
 async def _send_error(send: Send, status: int, code: str, message: str,

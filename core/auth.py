@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from core.errors import DomainError, NotFound
 from core.models import ApiKey, new_id, utcnow
+from core.protocol import ErrorCode
 
 KEY_PREFIX = "ts_"
 # The shape of a raw key: the prefix and 43 URL-safe base64 characters (32 random bytes); a little slack
@@ -27,7 +28,7 @@ REDACTED = "REDACTED"
 class Unauthorized(DomainError):
     """Missing, malformed, unknown or revoked API key."""
 
-    code = "unauthorized"
+    code = ErrorCode.UNAUTHORIZED
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def refuse_query_credentials(params: Iterable[tuple[str, str]]) -> None:
     if name is not None:
         raise Unauthorized("API keys are accepted only in the 'Authorization: Bearer <key>' header, never in the "
                            "query string (URLs end up in logs and browser history); revoke a key sent this way",
-                           field=name[:64], code="key_in_query")
+                           field=name[:64], code=ErrorCode.KEY_IN_QUERY)
 
 
 def redact_query(target: str) -> str:

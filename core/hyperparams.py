@@ -1,4 +1,8 @@
-"""Training hyperparameters: validated ranges and defaults, shared by the API and the worker."""
+"""Training hyperparameters: each kind's typed model, the one place their ranges and defaults live.
+
+The API validates a request into these models (core.jobspec), the job row stores the model's JSON, the worker
+rebuilds the model from the row, and the engines' configs take their defaults from here (`default`).
+"""
 
 from __future__ import annotations
 
@@ -8,24 +12,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 Precision = Literal["auto", "fp16", "bf16", "fp32"]
 
-# The eval metrics each task kind reports, and whether greater is better (metric_for_best is checked here).
-EVAL_METRICS: dict[str, dict[str, bool]] = {
-    "text-classification": {"eval_loss": False, "eval_accuracy": True, "eval_f1": True},
-    "causal-lm": {"eval_loss": False, "perplexity": False},
-}
+
+def default(model: type[BaseModel], name: str) -> Any:
+    """The default of one field of a hyperparameters model (engine configs take theirs from here)."""
+    return model.model_fields[name].get_default(call_default_factory=True)
 
 
-def greater_is_better(task: str, metric: str) -> bool:
-    """Direction of one of a task kind's eval metrics (KeyError for a metric the kind does not report)."""
-    return EVAL_METRICS[task][metric]
+def _learning_rate(value: float) -> Any:
+    return Field(value, gt=0, le=1, description="Peak AdamW learning rate.")
 
 
-def _learning_rate(default: float) -> Any:
-    return Field(default, gt=0, le=1, description="Peak AdamW learning rate.")
-
-
-def _weight_decay(default: float) -> Any:
-    return Field(default, ge=0, le=1, description="AdamW decoupled weight decay.")
+def _weight_decay(value: float) -> Any:
+    return Field(value, ge=0, le=1, description="AdamW decoupled weight decay.")
 
 
 class TrainingHyperparameters(BaseModel):

@@ -80,10 +80,42 @@ class JobStatus(enum.StrEnum):
 
 
 class TaskKind(enum.StrEnum):
-    """What a job trains; schemas and queries derive from this enum."""
+    """The built-in kinds of job (what a job trains); core.jobspec registers each, keyed by its value."""
 
     TEXT_CLASSIFICATION = "text-classification"
     CAUSAL_LM = "causal-lm"
+
+
+class ArtifactKind(enum.StrEnum):
+    """What an artifact row holds."""
+
+    MODEL = "model"  # the job's final save_pretrained folder with its manifest
+    CHECKPOINT = "checkpoint"  # a resumable training state (the best and the latest are kept)
+    TENSORBOARD = "tensorboard"  # the run's TensorBoard event files
+
+
+class EventKind(enum.StrEnum):
+    """The kinds of a job's events (GET /jobs/{id}/events): its moves between statuses, named by the status it
+    reached unless a move names itself, and what the worker and the engine report while it runs."""
+
+    CREATED = "created"
+    CLAIMED = "claimed"
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"  # also the engine's own word when it stops for a cancel
+    CANCEL_REQUESTED = "cancel_requested"
+    PREEMPTED = "preempted"  # back to the queue: the worker shut down
+    REQUEUED = "requeued"  # back to the queue: the reaper found its worker silent
+    STARTED = "started"
+    EVAL = "eval"
+    CHECKPOINT = "checkpoint"
+    CHECKPOINT_NOT_STORED = "checkpoint_not_stored"
+    RESUMED = "resumed"
+    BEST_RESTORED = "best_restored"
+    SAVED = "saved"
+    OOM = "oom"  # the engine halved its micro-batches after running out of memory
 
 
 ACTIVE = frozenset({JobStatus.QUEUED, JobStatus.RUNNING})

@@ -292,27 +292,97 @@ class ClassifyResult(BaseModel):
     error: ErrorBody | None = None
 
 
-class RankMessage(BaseModel):
-    """What rank 0 of a multi-device training run tells the worker process that launched it (one per callback).
-
-    `kind` names the engine callback (start, log, eval, checkpoint, best, event, should_stop, stop_reason) or
-    the end (result, error); `name` is the event kind, the result's status or the error's code. A result's
-    `message` is its stop reason and `info` its best evaluation; a best's `info` is {step, metric, value}.
-    """
-
+class _Rank(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["start", "log", "eval", "checkpoint", "best", "event", "should_stop", "stop_reason", "result",
-                  "error"]
-    step: int = 0
-    epoch: float = 0.0
-    total_steps: int = 0
-    name: str = ""
-    message: str = ""
-    metrics: dict[str, float] = Field(default_factory=dict)
+
+class RankStart(_Rank):
+    """on_start: sizes, labels, device and resume point."""
+
+    kind: Literal["start"] = "start"
     info: dict[str, Any] = Field(default_factory=dict)
+
+
+class RankLog(_Rank):
+    """on_log: one optimizer step's train metrics."""
+
+    kind: Literal["log"] = "log"
+    step: int
+    epoch: float
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class RankEval(_Rank):
+    """on_eval: one evaluation's metrics."""
+
+    kind: Literal["eval"] = "eval"
+    step: int
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class RankCheckpoint(_Rank):
+    """on_checkpoint: a checkpoint folder written at `step`."""
+
+    kind: Literal["checkpoint"] = "checkpoint"
+    step: int
+    path: str
+
+
+class RankBest(_Rank):
+    """on_best: the evaluation at `step` is the best so far ({step, metric, value})."""
+
+    kind: Literal["best"] = "best"
+    step: int
+    best: dict[str, Any]
+
+
+class RankEvent(_Rank):
+    """on_event: an engine event of the job's log (core.models.EventKind)."""
+
+    kind: Literal["event"] = "event"
+    event: str
+    message: str
+
+
+class RankShouldStop(_Rank):
+    """should_stop: a question; the launcher answers b"1" or b"0"."""
+
+    kind: Literal["should_stop"] = "should_stop"
+
+
+class RankStopReason(_Rank):
+    """stop_reason: a question; the launcher answers the reason's text (empty: none)."""
+
+    kind: Literal["stop_reason"] = "stop_reason"
+
+
+class RankResult(_Rank):
+    """The run's end: its status, steps, metrics, manifest, final model folder, stop reason and best evaluation."""
+
+    kind: Literal["result"] = "result"
+    status: str
+    step: int
+    total_steps: int
+    metrics: dict[str, float] = Field(default_factory=dict)
     manifest: dict[str, Any] = Field(default_factory=dict)
-    path: str | None = None  # a checkpoint folder, or the final model folder of a result
+    path: str | None = None
+    stop_reason: str | None = None
+    best: dict[str, Any] | None = None
+
+
+class RankError(_Rank):
+    """The run failed: the error's code (an engine's `code`, else training_error) and its text."""
+
+    kind: Literal["error"] = "error"
+    code: str = ErrorCode.TRAINING_ERROR
+    message: str
+
+
+RankMessage = Annotated[RankStart | RankLog | RankEval | RankCheckpoint | RankBest | RankEvent | RankShouldStop
+                        | RankStopReason | RankResult | RankError, Field(discriminator="kind")]
+"""What rank 0 of a multi-device training run tells the worker process that launched it: one message per engine
+callback, or the run's end (result or error); each kind its own typed shape."""
+RANK_MESSAGE: TypeAdapter[RankMessage] = TypeAdapter(RankMessage)
 
 
 class WebhookPayload(BaseModel):

@@ -5,7 +5,7 @@ among the jobs of the message's size (`devices`: the queue the message came on):
     1. tenants with queued jobs, minus those whose device limit the job would exceed;
     2. ordered by recent device time / weight in quanta (less first), then by whose last job started longest
        ago (within a quantum tenants take turns), then by name;
-    3. within the first tenant: highest priority, then oldest; claimed by a conditional UPDATE.
+    3. within the first tenant: highest priority, then oldest; claimed by core.states.claim.
 On PostgreSQL the decision holds a transaction-scoped advisory lock, so two workers never both take a tenant's
 last free device; SQLite serialises writers anyway, and the conditional UPDATE stops a double claim on both.
 """
@@ -16,12 +16,12 @@ import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import ColumnElement, and_, func, or_, select, update
+from sqlalchemy import ColumnElement, and_, func, or_, select
 from sqlalchemy.orm import Session
 
-from core.models import Job, JobStatus, WebhookEventType
+from core import states
+from core.models import Job, JobStatus
 from core.settings import Settings
-from core.store import webhooks
 
 SCHEDULER_LOCK = 7_310_452  # pg_advisory_xact_lock key of the claim decision
 EPOCH = datetime.min.isoformat()
@@ -88,21 +88,12 @@ def claim_next(session: Session, settings: Settings, *, device: str, now: dateti
     for share in shares(session, settings, now=now):
         if share.blocks(devices):
             continue
-        candidates = (select(Job.id).where(_within_tenant(share.tenant, devices))
-                      .order_by(Job.priority.desc(), Job.created_at, Job.id).limit(4)
-                      .with_for_update(skip_locked=True))
-        for job_id in session.scalars(candidates).all():
-            claimed = session.execute(
-                update(Job).where(Job.id == job_id, Job.status == JobStatus.QUEUED)
-                .values(status=JobStatus.RUNNING, device=device, attempts=Job.attempts + 1, claimed_at=now,
-                        started_at=func.coalesce(Job.started_at, now), heartbeat_at=now)
-                .execution_options(synchronize_session=False))
-            if claimed.rowcount:  # type: ignore[attr-defined]
-                job = session.get(Job, job_id)
-                assert job is not None
-                session.refresh(job)
-                webhooks.emit(session, tenant_id=job.tenant_id, type=WebhookEventType.JOB_STARTED,
-                              data=webhooks.job_data(job), now=now)
+        candidates = (select(Job.id, Job.attempts).where(_within_tenant(share.tenant, devices))
+                      .order_by(*states.QUEUE_ORDER).limit(4).with_for_update(skip_locked=True))
+        for job_id, attempt in session.execute(candidates).tuples().all():
+            job = states.claim(session, job_id=job_id, attempt=attempt, device=device, now=now,
+                               when=Job.status.in_(states.sources(JobStatus.RUNNING)))
+            if job is not None:
                 return job
     return None
 
@@ -150,10 +141,3 @@ def place(session: Session, settings: Settings, job: Job, *, now: datetime) -> t
     else:
         reason = "next in line; waiting for a free worker"
     return 1 + own + others, reason
-
-
-def oldest_queued(session: Session, *, tenant: str) -> Job | None:
-    """A tenant's next queued job, if any (a wake-up message is attached to it, on its size's queue)."""
-    query = (select(Job).where(_within_tenant(tenant))
-             .order_by(Job.priority.desc(), Job.created_at, Job.id).limit(1))
-    return session.scalars(query).first()

@@ -94,6 +94,8 @@ class Settings(BaseSettings):
     # --- Generation (/generate, /v1/completions) and its workers ---
     max_new_tokens: int = Field(1024, description="Upper bound of max_new_tokens / max_tokens.")
     generation_queue_per_model: int = Field(64, description="Generation requests in flight per model (429 beyond).")
+    max_loras: int = Field(8, ge=1, le=1024, description="LoRA adapters a generation worker keeps resident over "
+                           "one base model (least recently used out, never one in use).")
     generation_wait_s: float = Field(30.0, description="A generation request not started within this is dropped.")
     generation_timeout_s: float = Field(300.0, description="Longest a generation request may take in all.")
     generation_rate_per_minute: int = Field(600, description="Generation requests per API key per minute (429 beyond).")

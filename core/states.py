@@ -1,6 +1,7 @@
 """The job state machine: the table of legal moves and the one function that makes them.
 
-    queued  -> running     a worker claimed it (store.claim_job, a conditional UPDATE from this table)
+    queued  -> running     a worker claimed it: `claim`, which the scheduler (whose turn) and store.claim_job
+                           (a silent running job, requeued and claimed in one step) call
     queued  -> cancelled   cancelled before it started
     queued  -> failed      refused before it could start
     running -> queued      preempted (worker shutdown) or requeued by the reaper: an outbox message goes with it
@@ -16,13 +17,12 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, func, update
+from sqlalchemy import ColumnElement, func, select, update
 from sqlalchemy.orm import Session
 
-from core import scheduler
 from core.errors import IllegalTransition, StaleAttempt
 from core.logs import task_headers
-from core.models import TERMINAL, Job, JobEvent, JobStatus, WebhookEventType, utcnow
+from core.models import TERMINAL, EventKind, Job, JobEvent, JobStatus, WebhookEventType, utcnow
 from core.store import outbox, webhooks
 
 TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
@@ -53,19 +53,23 @@ def sources(target: JobStatus) -> frozenset[JobStatus]:
     return frozenset(s for s, targets in TRANSITIONS.items() if target in targets)
 
 
+# Queued jobs of one tenant in the order they run: highest priority, then oldest (core.scheduler reads it too).
+QUEUE_ORDER = (Job.priority.desc(), Job.created_at, Job.id)
+
+
 def create(session: Session, job: Job, *, message: str = "job created and queued") -> Job:
     """Insert a new queued job with its `created` event and the outbox message that will run it."""
     job.status = JobStatus.QUEUED
     session.add(job)
     session.flush()
-    _event(session, job.id, kind="created", level="info", message=message, data=None, now=job.created_at)
+    _event(session, job.id, kind=EventKind.CREATED, level="info", message=message, data=None, now=job.created_at)
     outbox.add_train(session, job_id=job.id, devices=job.devices, headers=task_headers())
     webhooks.emit(session, tenant_id=job.tenant_id, type=WebhookEventType.JOB_QUEUED, data=webhooks.job_data(job),
                   now=job.created_at)
     return job
 
 
-def move(session: Session, job: Job, target: JobStatus, *, message: str, kind: str | None = None,
+def move(session: Session, job: Job, target: JobStatus, *, message: str, kind: EventKind | None = None,
          level: str | None = None, code: str | None = None, attempt: int | None = None,
          when: ColumnElement[bool] | None = None, data: dict[str, Any] | None = None,
          now: datetime | None = None) -> Job:
@@ -103,17 +107,45 @@ def move(session: Session, job: Job, target: JobStatus, *, message: str, kind: s
     if result.rowcount == 0:  # type: ignore[attr-defined]
         raise StaleAttempt(f"job {job.id} is no longer {source}" + (f" in attempt {attempt}" if attempt else ""))
     session.refresh(job)
-    _event(session, job.id, kind=kind or str(target), level=level or _level(target), message=message,
+    _event(session, job.id, kind=kind or EventKind(target), level=level or _level(target), message=message,
            data=data, now=now)
     if target == JobStatus.QUEUED:
         # a requeue keeps the request id
         outbox.add_train(session, job_id=job.id, devices=job.devices, headers=task_headers())
     elif source == JobStatus.RUNNING:
-        waiting = scheduler.oldest_queued(session, tenant=job.tenant_id)
+        waiting = _next_queued(session, tenant=job.tenant_id)
         if waiting is not None:  # a wake-up for jobs a device limit held back (with that job's own request id)
             outbox.add_train(session, job_id=waiting.id, devices=waiting.devices)
     webhooks.emit(session, tenant_id=job.tenant_id, type=WEBHOOK_EVENT[target], data=webhooks.job_data(job), now=now)
     return job
+
+
+def claim(session: Session, *, job_id: str, attempt: int, device: str, now: datetime,
+          when: ColumnElement[bool]) -> Job | None:
+    """Move a job to running as attempt `attempt` + 1 on `device`: one conditional UPDATE (the row still in
+    attempt `attempt`, the fencing token, and meeting `when`, the caller's choice of claimable), the `claimed`
+    event and the job.started webhook. None when another claim won; the caller commits."""
+    result = session.execute(
+        update(Job).where(Job.id == job_id, Job.attempts == attempt, when)
+        .values(status=JobStatus.RUNNING, device=device, attempts=attempt + 1, claimed_at=now,
+                started_at=func.coalesce(Job.started_at, now), heartbeat_at=now)
+        .execution_options(synchronize_session=False))
+    if result.rowcount == 0:  # type: ignore[attr-defined]
+        return None
+    job = session.get(Job, job_id)
+    assert job is not None
+    session.refresh(job)
+    _event(session, job.id, kind=EventKind.CLAIMED, level="info", message=f"attempt {job.attempts} claimed by a worker",
+           data=None, now=now)
+    webhooks.emit(session, tenant_id=job.tenant_id, type=WebhookEventType.JOB_STARTED, data=webhooks.job_data(job),
+                  now=now)
+    return job
+
+
+def _next_queued(session: Session, *, tenant: str) -> Job | None:
+    """A tenant's next queued job, if any (a wake-up message is attached to it, on its size's queue)."""
+    query = select(Job).where(Job.tenant_id == tenant, Job.status == JobStatus.QUEUED).order_by(*QUEUE_ORDER)
+    return session.scalars(query.limit(1)).first()
 
 
 def _level(target: JobStatus) -> str:

@@ -168,19 +168,7 @@ class RowReader:
                     yield {"text": line}
 
     def _jsonl(self, text: Iterable[str]) -> Iterator[dict[str, Value]]:
-        for line_no, line in enumerate(text, start=1):
-            if not line.strip():
-                continue
-            try:
-                record: Any = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValidationFailed("file", f"line {line_no}: invalid JSON ({exc.msg})") from exc
-            except RecursionError as exc:
-                raise ValidationFailed("file", f"line {line_no}: invalid JSON (nested too deeply)") from exc
-            except ValueError as exc:  # an integer over sys.get_int_max_str_digits() digits
-                raise ValidationFailed("file", f"line {line_no}: invalid JSON (a number has too many digits)") from exc
-            if not isinstance(record, dict):
-                raise ValidationFailed("file", f"line {line_no}: each line must be a JSON object")
+        for line_no, record in json_objects(text):
             for key, value in record.items():
                 if isinstance(value, (dict, list)):
                     raise ValidationFailed("file", f"line {line_no}: field {short(key)} must be a scalar")
@@ -189,6 +177,24 @@ class RowReader:
             yield record
         if not self.columns:
             raise ValidationFailed("file", "every column needs a non-empty name in the header")
+
+
+def json_objects(text: Iterable[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) of each non-blank JSON Lines line; a line that is not a JSON object is refused."""
+    for line_no, line in enumerate(text, start=1):
+        if not line.strip():
+            continue
+        try:
+            record: Any = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValidationFailed("file", f"line {line_no}: invalid JSON ({exc.msg})") from exc
+        except RecursionError as exc:
+            raise ValidationFailed("file", f"line {line_no}: invalid JSON (nested too deeply)") from exc
+        except ValueError as exc:  # an integer over sys.get_int_max_str_digits() digits
+            raise ValidationFailed("file", f"line {line_no}: invalid JSON (a number has too many digits)") from exc
+        if not isinstance(record, dict):
+            raise ValidationFailed("file", f"line {line_no}: each line must be a JSON object")
+        yield line_no, record
 
 
 def _is_blank(stream: BinaryIO) -> bool:

@@ -14,8 +14,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from core import states
 from core.db import session_scope
 from core.errors import StaleAttempt
-from core.models import JobStatus, utcnow
+from core.models import EventKind, JobStatus, utcnow
 from core.periodic import Periodic
+from core.protocol import ErrorCode
 from core.queue import TaskQueue
 from core.redis_client import redis_from_url
 from core.redis_keys import BROKER_SENTINEL
@@ -93,12 +94,12 @@ def reap(factory: sessionmaker[Session], settings: Settings, queue: TaskQueue) -
                 if job.status != JobStatus.RUNNING:
                     continue
                 if job.attempts >= settings.max_attempts:
-                    states.move(session, job, JobStatus.FAILED, code="worker_lost",
+                    states.move(session, job, JobStatus.FAILED, code=ErrorCode.WORKER_LOST,
                                 message=f"the worker running this job was lost {job.attempts} times",
                                 attempt=job.attempts, when=store.silent(stale_before))
                     continue
                 # The outbox message commits with the requeue: no window where the row is queued unsent.
-                states.move(session, job, JobStatus.QUEUED, kind="requeued", level="warning",
+                states.move(session, job, JobStatus.QUEUED, kind=EventKind.REQUEUED, level="warning",
                             attempt=job.attempts, when=store.silent(stale_before),
                             message=f"worker silent for over {settings.heartbeat_timeout_s:g} s; "
                                     "requeued to resume from its last checkpoint")

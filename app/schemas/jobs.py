@@ -3,74 +3,15 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from core.models import JobStatus, TaskKind
-from core.tasks import MAX_JOB_DEVICES
-
-INT32_MAX = 2**31 - 1  # steps, event ids and model_config values are 32-bit integer columns or smaller
-MAX_NESTING = 16  # deeper JSON in a free-form field cannot be a valid value; refused before it is serialized
-ModelConfigValue = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
-
-
-def nesting_depth(value: Any) -> int:
-    """Depth of nested lists/dicts in a JSON value, level by level without recursion (a scalar is 0)."""
-    depth, level = 0, [value]
-    while any(isinstance(node, (dict, list)) for node in level):
-        depth += 1
-        level = [child for node in level if isinstance(node, (dict, list))
-                 for child in (node.values() if isinstance(node, dict) else node)]
-    return depth
-
-
-class JobCreate(BaseModel):
-    """A training request. Unknown fields are rejected so typos do not pass silently."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    task: TaskKind = TaskKind.TEXT_CLASSIFICATION
-    base_model: str | None = Field(
-        None, min_length=1, max_length=500,
-        description="text-classification: alias (minilm-l6), local folder or hub id (required). "
-                    "causal-lm: an existing causal LM to continue from, or omit and give model_config.")
-    architecture: dict[str, ModelConfigValue] | None = Field(
-        None, alias="model_config",
-        description="causal-lm from scratch: GPT-2 shape {n_layer, n_embd, n_head, n_positions}.")
-    train_dataset: str = Field(min_length=1, max_length=40)
-    eval_dataset: str | None = Field(None, min_length=1, max_length=40)
-    text_column: str = Field("text", min_length=1, max_length=200)
-    label_column: str | None = Field(None, min_length=1, max_length=200,
-                                     description="text-classification only (default 'label').")
-    hyperparameters: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Validated per task: see Hyperparameters (text-classification) and LMHyperparameters.")
-    devices: int = Field(
-        1, ge=1, le=MAX_JOB_DEVICES,
-        description="Devices to train on (DistributedDataParallel, one process each) on one worker that owns at "
-                    "least this many; hyperparameters keep their meaning: batch_size is split across them.")
-    metadata: dict[str, str] = Field(default_factory=dict, description="Up to 16 string pairs for your own use.")
-    priority: int = Field(0, ge=-100, le=100, description="Higher runs first among your team's queued jobs.")
-
-    @field_validator("hyperparameters")
-    @classmethod
-    def _bounded_nesting(cls, value: dict[str, Any]) -> dict[str, Any]:
-        if nesting_depth(value) > MAX_NESTING:
-            raise ValueError(f"nested more than {MAX_NESTING} levels deep")
-        return value
-
-    @field_validator("metadata")
-    @classmethod
-    def _bounded_metadata(cls, value: dict[str, str]) -> dict[str, str]:
-        if len(value) > 16:
-            raise ValueError("at most 16 keys")
-        for key, item in value.items():
-            if len(key) > 64 or len(item) > 512:
-                raise ValueError("keys are at most 64 characters and values at most 512")
-            if "\x00" in key or "\x00" in item:
-                raise ValueError("NUL characters are not allowed")
-        return value
+# JobCreate, the request body: a union of the registered kinds' specs, discriminated by `task` (core.jobspec).
+from core.jobspec import INT32_MAX as INT32_MAX
+from core.jobspec import JobCreate as JobCreate
+from core.jobspec import ModelConfigValue
+from core.models import JobStatus
 
 
 class Progress(BaseModel):

@@ -9,8 +9,8 @@ from sqlalchemy.orm import Session
 
 from app.schemas.jobs import BestRead, CheckpointList, CheckpointRead
 from core.auth import Principal
-from core.hyperparams import EVAL_METRICS
-from core.models import JobStatus
+from core.jobspec import KINDS
+from core.models import ArtifactKind, JobStatus
 from core.store import jobs as store
 
 
@@ -18,7 +18,7 @@ def list_checkpoints(session: Session, principal: Principal, *, job_id: str, sin
                      limit: int) -> CheckpointList:
     """Every evaluated step from `since_step` on, oldest first, with the artifact kept for it (if any)."""
     job = store.get_job(session, job_id=job_id, tenant=principal.scope)
-    names = list(EVAL_METRICS.get(job.task, {}))
+    names = list(KINDS[job.task].metrics) if job.task in KINDS else []
     points = store.list_metric_points(session, job_id=job_id, since_step=since_step, names=names,
                                       limit=(limit + 1) * len(names))
     by_step: dict[int, dict[str, float]] = defaultdict(dict)
@@ -27,9 +27,9 @@ def list_checkpoints(session: Session, principal: Principal, *, job_id: str, sin
         by_step[point.step][point.name] = point.value
         created.setdefault(point.step, point.created_at)
     # The model folder holds the best step's weights once the job succeeded: prefer it to that step's checkpoint.
-    kept = {a.step: a for a in job.artifacts if a.kind == "checkpoint"}
+    kept = {a.step: a for a in job.artifacts if a.kind == ArtifactKind.CHECKPOINT}
     if job.status == JobStatus.SUCCEEDED:
-        kept.update({a.step: a for a in job.artifacts if a.kind == "model"})
+        kept.update({a.step: a for a in job.artifacts if a.kind == ArtifactKind.MODEL})
     best_step = job.best["step"] if job.best else None
     data = []
     for step in sorted(by_step)[:limit]:

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from app.schemas.datasets import DatasetPreview, DatasetRead, DatasetSummary
 from app.services import idempotency
 from core.auth import Principal
+from core.chat_data import open_rows, summarize_upload
 from core.errors import PayloadTooLarge, ValidationFailed
 from core.models import Dataset, new_id, utcnow
 from core.paths import dataset_key
@@ -23,7 +24,7 @@ from core.settings import Settings
 from core.storage import ArtifactStore
 from core.store import datasets as store
 from core.store.paging import decode_cursor, split_page
-from core.tabular import RowReader, bounded_stats, format_for, summarize_file
+from core.tabular import bounded_stats, format_for
 
 log = logging.getLogger(__name__)
 NAME_RE = re.compile(r"^[\w .,()+-]{1,200}$")
@@ -70,14 +71,15 @@ def create_dataset(session: Session, settings: Settings, storage: ArtifactStore,
         if replayed is not None:
             part.unlink(missing_ok=True)
             return store.get_dataset(session, dataset_id=replayed)
-        summary = summarize_file(part, fmt, max_rows=settings.max_dataset_rows,
-                                 max_columns=settings.max_dataset_columns)
+        # A JSON Lines file of conversations, preference pairs or prompt/completion pairs is a chat dataset.
+        summary = summarize_upload(part, fmt, max_rows=settings.max_dataset_rows,
+                                   max_columns=settings.max_dataset_columns)
         storage.move_in(part, key)  # a rename, or an upload: readers never see a half-written file
     except BaseException:
         part.unlink(missing_ok=True)
         raise
     dataset = Dataset(
-        id=dataset_id, tenant_id=principal.tenant_id, name=name or filename, filename=filename, format=fmt,
+        id=dataset_id, tenant_id=principal.tenant_id, name=name or filename, filename=filename, format=summary.format,
         rows=summary.rows, columns=summary.columns, column_stats=summary.stats, sha256=sha256,
         size_bytes=size, path=key, created_at=utcnow(),
     )
@@ -145,7 +147,7 @@ def preview_dataset(session: Session, storage: ArtifactStore, principal: Princip
     dataset = store.get_dataset(session, dataset_id=dataset_id, tenant=principal.scope)
     shown: list[dict[str, Any]] = []
     with storage.open(dataset.path) as stream:
-        reader = cast(Generator[dict[str, Any], None, None], iter(RowReader(cast(BinaryIO, stream), dataset.format)))
+        reader = cast(Generator[dict[str, Any], None, None], iter(open_rows(cast(BinaryIO, stream), dataset.format)))
         try:
             for row in islice(reader, rows):
                 shown.append({k: v[:PREVIEW_CELL_CHARS] if isinstance(v, str) else v for k, v in row.items()})

@@ -54,12 +54,12 @@ class GenerationGateway:
             if oldest is not None:
                 raise TooManyRequests(f"more than {self.settings.generation_rate_per_minute} generation requests "
                                       "per minute for this key", retry_after=max(oldest + 60 - now, 1.0),
-                                      code="rate_limited")
+                                      code=ErrorCode.RATE_LIMITED)
             # Slots older than the longest possible request are leftovers of a crashed API process.
             if await self._take(slots_key(model.id), member=request_id, now=now, horizon=self._lifetime(),
                                 limit=self.settings.generation_queue_per_model) is not None:
                 raise TooManyRequests(f"model {model.id!r} has {self.settings.generation_queue_per_model} requests "
-                                      "in flight; retry shortly", retry_after=1, code="overloaded")
+                                      "in flight; retry shortly", retry_after=1, code=ErrorCode.OVERLOADED)
         except RedisError as exc:
             raise BrokerUnavailable(f"broker unavailable: {type(exc).__name__}") from exc
         return request_id

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from core.auth import Principal
 from core.errors import Conflict, ValidationFailed
+from core.protocol import ErrorCode
 from core.store import idempotency as store
 
 KEY_RE = re.compile(r"^[\x21-\x7e]{1,255}$")
@@ -39,7 +40,7 @@ def replayed_id(session: Session, principal: Principal, *, route: str, key: str 
         return None
     if record.request_hash != request_hash:
         raise Conflict("Idempotency-Key was already used with a different request body", field="Idempotency-Key",
-                       code="idempotency_key_reused")
+                       code=ErrorCode.IDEMPOTENCY_KEY_REUSED)
     return record.resource_id
 
 

@@ -7,12 +7,10 @@ import logging
 import math
 from typing import Any
 
-from pydantic import BaseModel
-from pydantic import ValidationError as PydanticValidationError
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.schemas.jobs import ArtifactRead, BestRead, JobCreate, JobRead, Progress
+from app.schemas.jobs import ArtifactRead, BestRead, JobRead, Progress
 from app.services import idempotency
 from core import scheduler, states
 from core.auth import Principal
@@ -20,10 +18,12 @@ from core.base_models import resolve_base_model
 from core.capacity import largest_device, live_workers
 from core.errors import Conflict, NotFound, TooManyRequests, ValidationFailed
 from core.estimate import Head, architecture, format_bytes, load_model_config, training_memory
-from core.hyperparams import EVAL_METRICS, Hyperparameters, LMHyperparameters
+from core.hyperparams import Hyperparameters, LMHyperparameters
+from core.jobspec import CausalLMJob, ClassificationJob, JobSpec, kind_of
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
-from core.models import ACTIVE, Dataset, Job, JobStatus, TaskKind, new_id, utcnow
+from core.models import ACTIVE, Dataset, EventKind, Job, JobStatus, new_id, utcnow
 from core.precision import auto_precision
+from core.protocol import ErrorCode
 from core.queue import TaskQueue
 from core.relay import deliver_now
 from core.settings import Settings
@@ -39,14 +39,14 @@ ROUTE = "POST /jobs"
 MAX_HINT_COLUMNS = 1000  # columns searched for a "did you mean" hint
 
 
-def create_job(session: Session, settings: Settings, queue: TaskQueue, principal: Principal, *, spec: JobCreate,
+def create_job(session: Session, settings: Settings, queue: TaskQueue, principal: Principal, *, spec: JobSpec,
                idempotency_key: str | None = None, route: str = ROUTE, rerun_of: str | None = None) -> Job:
     """Validate a fine-tune request against its datasets, store the job and its task message, then send it.
 
     The message commits with the row: if the broker refuses, the job stays queued and the outbox relay
     sends it once the broker is back.
     """
-    body = spec.model_dump(mode="json")
+    body = spec.request()
     request_hash = idempotency.fingerprint({**body, "rerun_of": rerun_of} if rerun_of else body)
     replayed = idempotency.replayed_id(session, principal, route=route, key=idempotency_key,
                                        request_hash=request_hash)
@@ -86,10 +86,10 @@ def require_quota(session: Session, settings: Settings, principal: Principal, *,
     active = store.count_jobs(session, tenant=principal.tenant_id, statuses=sorted(ACTIVE))
     if active + adding > settings.max_active_jobs_per_tenant:
         raise TooManyRequests(f"{active} jobs are queued or running; the limit per tenant is "
-                              f"{settings.max_active_jobs_per_tenant}", retry_after=30, code="quota_exceeded")
+                              f"{settings.max_active_jobs_per_tenant}", retry_after=30, code=ErrorCode.QUOTA_EXCEEDED)
 
 
-def prepare_job(session: Session, settings: Settings, principal: Principal, *, spec: JobCreate) -> Job:
+def prepare_job(session: Session, settings: Settings, principal: Principal, *, spec: JobSpec) -> Job:
     """Validate a request against its datasets and the server's limits; the new (unsaved) queued job."""
     train = _dataset(session, principal, spec.train_dataset, "train_dataset")
     evaluation = _dataset(session, principal, spec.eval_dataset, "eval_dataset") if spec.eval_dataset else None
@@ -99,50 +99,45 @@ def prepare_job(session: Session, settings: Settings, principal: Principal, *, s
         _require_column(evaluation, spec.text_column, "eval_dataset")
         _require_text(evaluation, spec.text_column, "eval_dataset")
     _require_devices(settings, spec.devices)
-    if spec.task == TaskKind.CAUSAL_LM:
+    if isinstance(spec, CausalLMJob):
         fields = _causal_lm_fields(settings, spec)
-    else:
+    elif isinstance(spec, ClassificationJob):
         fields = _classification_fields(settings, spec, train, evaluation)
-    _require_best_metric(spec, fields["hyperparameters"], has_eval=evaluation is not None)
+    else:  # a kind with no checks of its own beyond its spec
+        fields = {"base_model_path": None, "labels": []}
+    _require_best_metric(spec, has_eval=evaluation is not None)
+    fields["hyperparameters"] = spec.hyperparameters.model_dump(mode="json")  # the row keeps the typed model
     return Job(id=new_id("job"), tenant_id=principal.tenant_id, status=JobStatus.QUEUED, task=spec.task,
                base_model=spec.base_model, train_dataset_id=train.id, eval_dataset_id=spec.eval_dataset,
                text_column=spec.text_column, metadata_=spec.metadata, metrics={}, created_at=utcnow(),
                devices=spec.devices, priority=spec.priority, **fields)
 
 
-def _require_best_metric(spec: JobCreate, hp: dict[str, Any], *, has_eval: bool) -> None:
+def _require_best_metric(spec: JobSpec, *, has_eval: bool) -> None:
     """metric_for_best must be one the task kind reports; early stopping needs evaluations during the run."""
-    reported = EVAL_METRICS[spec.task]
-    if hp["metric_for_best"] not in reported:
+    hp = spec.hyperparameters
+    reported = kind_of(spec.task).metrics
+    if hp.metric_for_best not in reported:
         raise ValidationFailed("hyperparameters.metric_for_best",
-                               f"{spec.task} jobs report {', '.join(reported)}; got {short(hp['metric_for_best'])}")
-    if hp["early_stopping_patience"] is None:
+                               f"{spec.task} jobs report {', '.join(reported)}; got {short(hp.metric_for_best)}")
+    if hp.early_stopping_patience is None:
         return
-    if hp["eval_steps"] is None:
+    if hp.eval_steps is None:
         raise ValidationFailed("hyperparameters.eval_steps",
                                "early_stopping_patience needs eval_steps: evaluations during the run")
-    if spec.task == TaskKind.TEXT_CLASSIFICATION and not has_eval:
+    if not kind_of(spec.task).holds_out_eval and not has_eval:
         raise ValidationFailed("eval_dataset", "early_stopping_patience needs an eval_dataset to evaluate on")
 
 
-def _hyperparameters(model: type[BaseModel], raw: dict[str, Any]) -> dict[str, Any]:
-    try:
-        return model.model_validate(raw).model_dump()
-    except PydanticValidationError as exc:
-        error = exc.errors()[0]
-        field = ".".join(["hyperparameters", *(str(p) for p in error["loc"])])
-        raise ValidationFailed(field, f"{field}: {error['msg']}") from exc
-
-
-def _classification_fields(settings: Settings, spec: JobCreate, train: Dataset, evaluation: Dataset | None
+def _classification_fields(settings: Settings, spec: ClassificationJob, train: Dataset, evaluation: Dataset | None
                            ) -> dict[str, Any]:
     """Checks and resolved columns of a text-classification job."""
     if spec.architecture is not None:
         raise ValidationFailed("model_config", "model_config applies to causal-lm jobs only")
     if spec.base_model is None:
         raise ValidationFailed("base_model", "text-classification needs a base_model (e.g. minilm-l6)")
-    hp = _hyperparameters(Hyperparameters, spec.hyperparameters)
-    if hp["max_length"] > settings.max_text_length:
+    hp = spec.hyperparameters
+    if hp.max_length > settings.max_text_length:
         raise ValidationFailed("hyperparameters.max_length",
                                f"must be at most {settings.max_text_length} on this server")
     label_column = spec.label_column or "label"
@@ -159,15 +154,15 @@ def _classification_fields(settings: Settings, spec: JobCreate, train: Dataset, 
         if unseen:
             raise ValidationFailed("eval_dataset", f"labels not present in the training data: {unseen[:10]}")
     _require_fit(settings, load_model_config(base_path), "base_model", head="classifier", hp=hp,
-                 seq_len=hp["max_length"], num_labels=len(labels), devices=spec.devices)
-    return {"base_model_path": base_path, "label_column": label_column, "labels": labels, "hyperparameters": hp}
+                 seq_len=hp.max_length, num_labels=len(labels), devices=spec.devices)
+    return {"base_model_path": base_path, "label_column": label_column, "labels": labels}
 
 
-def _causal_lm_fields(settings: Settings, spec: JobCreate) -> dict[str, Any]:
+def _causal_lm_fields(settings: Settings, spec: CausalLMJob) -> dict[str, Any]:
     """Checks of a causal-lm job: continue from a causal LM, or train a fresh GPT-2 of a given shape."""
     if spec.label_column is not None:
         raise ValidationFailed("label_column", "causal-lm jobs have no labels")
-    hp = _hyperparameters(LMHyperparameters, spec.hyperparameters)
+    hp = spec.hyperparameters
     if spec.base_model is not None:
         if spec.architecture is not None:
             raise ValidationFailed("model_config", "give either base_model or model_config, not both")
@@ -177,20 +172,20 @@ def _causal_lm_fields(settings: Settings, spec: JobCreate) -> dict[str, Any]:
         context = base_config.get("max_position_embeddings") or base_config.get("n_positions")
         default_block = min(context, DEFAULT_BLOCK_SIZE) if isinstance(context, int) else DEFAULT_BLOCK_SIZE
         _require_fit(settings, base_config, "base_model", head="causal-lm", hp=hp,
-                     seq_len=hp["block_size"] or default_block, devices=spec.devices)
-        return {"base_model_path": base_path, "hyperparameters": hp, "labels": []}
+                     seq_len=hp.block_size or default_block, devices=spec.devices)
+        return {"base_model_path": base_path, "labels": []}
     try:
         architecture = validate_model_config(spec.architecture or {})
     except ValueError as exc:
         field = str(exc).split(":", 1)[0].split(" ", 1)[0]
         raise ValidationFailed(field if field.startswith("model_config") else "model_config", str(exc)) from exc
-    if hp["block_size"] is not None and hp["block_size"] > architecture["n_positions"]:
+    if hp.block_size is not None and hp.block_size > architecture["n_positions"]:
         raise ValidationFailed("hyperparameters.block_size",
                                f"must not exceed model_config.n_positions ({architecture['n_positions']})")
     _require_fit(settings, {**architecture, "vocab_size": GPT2_VOCAB_SIZE, "model_type": "gpt2"}, "model_config",
-                 head="causal-lm", hp=hp, seq_len=resolve_block_size(hp["block_size"], architecture["n_positions"]),
+                 head="causal-lm", hp=hp, seq_len=resolve_block_size(hp.block_size, architecture["n_positions"]),
                  devices=spec.devices)
-    return {"base_model_path": None, "model_config_": architecture, "hyperparameters": hp, "labels": []}
+    return {"base_model_path": None, "model_config_": architecture, "labels": []}
 
 
 def _require_devices(settings: Settings, devices: int) -> None:
@@ -204,11 +199,11 @@ def _require_devices(settings: Settings, devices: int) -> None:
     if devices > most.devices:
         raise ValidationFailed("devices", f"devices={devices}, but the live training workers own at most "
                                f"{most.devices} ({most.device} on {most.worker}); ask for at most {most.devices}",
-                               code="does_not_fit")
+                               code=ErrorCode.DOES_NOT_FIT)
 
 
 def _require_fit(settings: Settings, model_config: dict[str, Any] | None, model_field: str, *, head: Head,
-                 hp: dict[str, Any], seq_len: int, num_labels: int = 2, devices: int = 1) -> None:
+                 hp: Hyperparameters | LMHyperparameters, seq_len: int, num_labels: int = 2, devices: int = 1) -> None:
     """Refuse (422 does_not_fit) a job whose estimated peak memory exceeds the largest device a live worker
     reported, or TRAINSERVE_ASSUMED_DEVICE_BYTES while none has; without a config to estimate from, admit."""
     arch = architecture(model_config) if model_config else None
@@ -219,13 +214,13 @@ def _require_fit(settings: Settings, model_config: dict[str, Any] | None, model_
     if not limit:
         return
     # The assumed device is a modern GPU; a CPU's bf16 calibration is the worker's to make (fp32 assumed here).
-    precision = hp["precision"]
+    precision: str = hp.precision
     if precision == "auto":
         precision = (auto_precision(is_cuda=True) if device is None else
                      auto_precision(is_cuda=device.is_cuda, bf16_supported=device.bf16))
     # GPUs run attention fused (no seq_len^2 scores); a CPU keeps the scores.
     # On N devices each one runs a share of every micro-batch (the job's batch_size is the global one).
-    estimate = training_memory(arch, head=head, batch_size=math.ceil(hp["batch_size"] / devices), seq_len=seq_len,
+    estimate = training_memory(arch, head=head, batch_size=math.ceil(hp.batch_size / devices), seq_len=seq_len,
                                precision=precision,
                                fused_attention=device is None or device.is_cuda, num_labels=num_labels)
     if estimate.total_bytes <= limit:
@@ -240,7 +235,7 @@ def _require_fit(settings: Settings, model_config: dict[str, Any] | None, model_
         field, hint = "hyperparameters.batch_size", ("lower batch_size (and raise gradient_accumulation_steps for "
                                                      "the same effective batch) or the sequence length")
     raise ValidationFailed(field, f"this job needs about {estimate.describe()}, more than {where}; {hint}",
-                           code="does_not_fit")
+                           code=ErrorCode.DOES_NOT_FIT)
 
 
 def _dataset(session: Session, principal: Principal, dataset_id: str, field: str) -> Dataset:
@@ -324,7 +319,7 @@ def request_cancel(session: Session, job: Job, *, why: str = "") -> None:
     if job.status == JobStatus.QUEUED:
         states.move(session, job, JobStatus.CANCELLED, message=f"cancelled before it started{why}", now=now)
     else:
-        store.add_event(session, job_id=job.id, kind="cancel_requested",
+        store.add_event(session, job_id=job.id, kind=EventKind.CANCEL_REQUESTED,
                         message=f"cancel requested{why}; the worker stops after the current step")
 
 

@@ -6,10 +6,11 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from app.schemas.jobs import Difference, JobComparison, JobCreate
+from app.schemas.jobs import Difference, JobComparison
 from app.services.jobs import create_job
 from core.auth import Principal
 from core.errors import ValidationFailed
+from core.jobspec import validate_spec
 from core.models import Job
 from core.queue import TaskQueue
 from core.settings import Settings
@@ -26,7 +27,7 @@ def rerun_job(session: Session, settings: Settings, queue: TaskQueue, principal:
     original = store.get_job(session, job_id=job_id, tenant=principal.scope)
     if original.train_dataset_id is None:
         raise ValidationFailed("train_dataset", f"the training dataset of {job_id} was deleted; it cannot be rerun")
-    spec = JobCreate.model_validate({
+    spec = validate_spec({
         "task": original.task, "base_model": original.base_model, "model_config": original.model_config_,
         "train_dataset": original.train_dataset_id, "eval_dataset": original.eval_dataset_id,
         "text_column": original.text_column, "label_column": original.label_column,

@@ -11,14 +11,14 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.schemas.jobs import BestRead, JobCreate
+from app.schemas.jobs import BestRead
 from app.schemas.sweeps import ParameterSpec, PruningSpec, SweepBest, SweepCreate, SweepRead, SweepTrialRead
 from app.services import idempotency
 from app.services.jobs import prepare_job, request_cancel, require_quota
 from core.auth import Principal
 from core.errors import Conflict, ValidationFailed
-from core.hyperparams import greater_is_better
-from core.models import ACTIVE, Job, Sweep, SweepStatus, TaskKind, new_id, utcnow
+from core.jobspec import kind_of, validate_spec
+from core.models import ACTIVE, Job, Sweep, SweepStatus, new_id, utcnow
 from core.queue import TaskQueue
 from core.relay import deliver_now
 from core.settings import Settings
@@ -83,18 +83,19 @@ def create_sweep(session: Session, settings: Settings, queue: TaskQueue, princip
     jobs = [_trial_job(session, settings, principal, spec, index, params) for index, params in enumerate(trial_params)]
     first = jobs[0]
     metric = first.hyperparameters["metric_for_best"]
-    if first.task == TaskKind.TEXT_CLASSIFICATION and first.eval_dataset_id is None:
+    if not kind_of(first.task).holds_out_eval and first.eval_dataset_id is None:
         raise ValidationFailed("job.eval_dataset", f"a sweep compares children by {metric}: give an eval_dataset")
     if spec.pruning is not None and any(job.hyperparameters["eval_steps"] is None for job in jobs):
         raise ValidationFailed("job.hyperparameters.eval_steps",
                                "pruning compares children at their evaluations: set eval_steps")
     sweep = Sweep(id=new_id("swp"), tenant_id=principal.tenant_id, status=SweepStatus.RUNNING, method=spec.method,
                   parameters={k: v.model_dump(exclude_defaults=True) for k, v in spec.parameters.items()},
-                  job_spec=spec.job.model_dump(mode="json", by_alias=True),
+                  job_spec=spec.job.request(),
                   template={name: getattr(first, name) for name in TEMPLATE},
                   trials=[{"params": params, "hyperparameters": job.hyperparameters}
                           for params, job in zip(trial_params, jobs, strict=True)],
-                  parallelism=spec.parallelism, metric=metric, greater_is_better=greater_is_better(first.task, metric),
+                  parallelism=spec.parallelism, metric=metric,
+                  greater_is_better=kind_of(first.task).greater_is_better(metric),
                   pruning=spec.pruning.model_dump() if spec.pruning else None, created_at=utcnow())
     try:
         session.add(sweep)
@@ -118,9 +119,9 @@ def create_sweep(session: Session, settings: Settings, queue: TaskQueue, princip
 def _trial_job(session: Session, settings: Settings, principal: Principal, spec: SweepCreate, index: int,
                params: dict[str, Any]) -> Job:
     """The trial as a validated (unsaved) job; its errors name the sweep's field at fault."""
-    job_spec = JobCreate.model_validate(
-        spec.job.model_dump(by_alias=True) | {"hyperparameters": spec.job.hyperparameters | params})
+    base = spec.job.request()
     try:
+        job_spec = validate_spec(base | {"hyperparameters": base["hyperparameters"] | params})
         return prepare_job(session, settings, principal, spec=job_spec)
     except ValidationFailed as exc:
         name = (exc.field or "").removeprefix("hyperparameters.")

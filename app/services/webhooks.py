@@ -13,6 +13,7 @@ from core.auth import Principal
 from core.errors import TooManyRequests
 from core.models import WebhookEndpoint, utcnow
 from core.netguard import resolve, split_url
+from core.protocol import ErrorCode
 from core.settings import Settings
 from core.store import webhooks as store
 
@@ -31,7 +32,7 @@ def create_endpoint(session: Session, settings: Settings, principal: Principal, 
     resolve(host, port, allow_private=settings.webhook_allow_private)
     if store.count_endpoints(session, tenant=principal.tenant_id) >= MAX_ENDPOINTS:
         raise TooManyRequests(f"a tenant may register at most {MAX_ENDPOINTS} webhook endpoints",
-                              code="quota_exceeded")
+                              code=ErrorCode.QUOTA_EXCEEDED)
     endpoint = store.add_endpoint(session, tenant_id=principal.tenant_id, url=spec.url,
                                   event_types=sorted(set(spec.event_types)), description=spec.description,
                                   secret=new_secret())

@@ -11,10 +11,10 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
+from core import states
 from core.errors import NotFound, StaleAttempt
-from core.models import Artifact, Job, JobEvent, JobStatus, MetricPoint, WebhookEventType, is_valid_id, utcnow
+from core.models import Artifact, Job, JobEvent, JobStatus, MetricPoint, is_valid_id, utcnow
 from core.states import sources
-from core.store import webhooks
 from core.store.owned import get_owned
 from core.store.paging import before_cursor
 
@@ -120,26 +120,19 @@ def claim_job(session: Session, *, job_id: str, device: str, now: datetime, stal
     """Atomically move a queued job (or a running one whose worker went silent) to running.
 
     Returns None when the job is finished or another live worker holds it: a duplicate or redelivered
-    task message is then harmless. One conditional UPDATE makes this safe on SQLite and PostgreSQL alike.
+    task message is then harmless. core.states.claim makes the move (one conditional UPDATE, fenced by the
+    attempt number read here), safe on SQLite and PostgreSQL alike.
     Workers pick queued jobs with core.scheduler.claim_next and pass include_queued=False here, to take
     back only a silent running job named by a redelivered message.
     """
     # A silent running job is requeued and claimed in one step (running -> queued -> running).
     silent_running = and_(Job.status.in_(sources(JobStatus.QUEUED)), silent(stale_before))
     claimable = or_(Job.status.in_(sources(JobStatus.RUNNING)), silent_running) if include_queued else silent_running
-    result = session.execute(
-        update(Job).where(Job.id == job_id, claimable)
-        .values(status=JobStatus.RUNNING, device=device, attempts=Job.attempts + 1, claimed_at=now,
-                started_at=func.coalesce(Job.started_at, now), heartbeat_at=now)
-        .execution_options(synchronize_session=False))
-    if result.rowcount == 0:  # type: ignore[attr-defined]
-        get_job(session, job_id=job_id)  # NotFound for an unknown id
+    attempt = session.scalar(select(Job.attempts).where(Job.id == job_id)) if is_valid_id(job_id) else None
+    if attempt is None:
+        get_job(session, job_id=job_id)  # NotFound, in the words of every job lookup
         return None
-    job = get_job(session, job_id=job_id)
-    session.refresh(job)
-    webhooks.emit(session, tenant_id=job.tenant_id, type=WebhookEventType.JOB_STARTED, data=webhooks.job_data(job),
-                  now=now)
-    return job
+    return states.claim(session, job_id=job_id, attempt=attempt, device=device, now=now, when=claimable)
 
 
 def silent(stale_before: datetime) -> ColumnElement[bool]:

@@ -86,3 +86,17 @@ def test_unknown_dataset_is_404_envelope(client):
     error = _error(client.get("/datasets/ds_nope"), 404, None)
     assert error["code"] == "not_found"
     assert client.delete("/datasets/ds_nope").status_code == 404
+
+
+def test_chat_upload_is_validated_per_line_and_previewed(client):
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "weight": 1}]}
+    response = upload(client, (json.dumps(good) + "\n").encode() * 2, filename="chat.jsonl")
+    assert response.status_code == 201, response.text
+    body = response.json()
+    assert (body["format"], body["rows"], body["columns"]) == ("chat", 2, ["messages"])
+    preview = client.get(f"/datasets/{body['id']}/preview").json()
+    assert preview["rows"] == [good, good]
+    bad = {"messages": [{"role": "user", "content": "Hi"}]}
+    error = _error(upload(client, (json.dumps(good) + "\n" + json.dumps(bad)).encode(), filename="c.jsonl"),
+                   422, "file")
+    assert error["message"].startswith("line 2: ") and "assistant" in error["message"]

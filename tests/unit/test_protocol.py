@@ -73,6 +73,27 @@ def test_codes_spelled_in_the_source_are_error_codes() -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    spelled = {m for folder in ("app", "core", "worker") for path in (root / folder).rglob("*.py")
-               for m in re.findall(r'(?:\bcode=|_send_error\(send, \d+, )"([a-z_]+)"', path.read_text())}
-    assert spelled and spelled <= set(ErrorCode), spelled - set(ErrorCode)
+    sources = {path: path.read_text() for folder in ("app", "core", "worker") for path in (root / folder).rglob("*.py")}
+    # Codes are ErrorCode members wherever they are named: no string literal outside core/protocol.py.
+    spelled = {m for text in sources.values()
+               for m in re.findall(r'(?:\bcode=|_send_error\(send, \d+, )"([a-z_]+)"', text)}
+    assert not spelled, spelled
+    named = {m for text in sources.values() for m in re.findall(r"\bErrorCode\.([A-Z_]+)\b", text)}
+    assert named and named <= {member.name for member in ErrorCode}, named
+
+
+def test_rank_messages_are_one_typed_union_keyed_by_kind():
+    from pydantic import ValidationError
+
+    from core.protocol import RANK_MESSAGE, RankBest, RankError, RankEvent, RankResult, RankShouldStop
+
+    sent = [RankShouldStop(), RankEvent(event="oom", message="halved"), RankBest(step=4, best={"metric": "eval_f1"}),
+            RankResult(status="completed", step=8, total_steps=8, stop_reason="early_stopping"),
+            RankError(code="oom", message="OutOfMemory: 2 GiB")]
+    received = [RANK_MESSAGE.validate_json(RANK_MESSAGE.dump_json(message)) for message in sent]
+    assert received == sent and [type(m) for m in received] == [type(m) for m in sent]
+    assert RankError(message="x").code == "training_error"
+    with pytest.raises(ValidationError):  # each kind carries its own fields: a best needs its evaluation
+        RANK_MESSAGE.validate_python({"kind": "best", "step": 4})
+    with pytest.raises(ValidationError):
+        RANK_MESSAGE.validate_python({"kind": "event", "event": "oom", "message": "m", "name": "old shape"})

@@ -22,6 +22,7 @@ from core.paths import MANIFEST_NAME
 from worker.engines.device import DevicePlan
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+ADAPTER_WEIGHTS = "adapter.safetensors"  # an adapter run's checkpoint: its trainable tensors only
 STATE = "state.json"  # written last inside a checkpoint: its presence marks a complete one
 
 
@@ -66,8 +67,12 @@ def save_checkpoint(checkpoint_dir: Path, step: int, model: torch.nn.Module, opt
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     tmp.mkdir()
-    # save_model/load_model handle shared tensors, so any architecture round-trips exactly.
-    safetensors.torch.save_model(model, str(tmp / "model.safetensors"))
+    if hasattr(model, "peft_config"):  # an adapter run: the frozen base is the base model's own file
+        from worker.engines.adapters import trainable_tensors  # PEFT is imported by adapter runs only
+
+        safetensors.torch.save_file(trainable_tensors(model), str(tmp / ADAPTER_WEIGHTS))
+    else:  # save_model/load_model handle shared tensors, so any architecture round-trips exactly.
+        safetensors.torch.save_model(model, str(tmp / "model.safetensors"))
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scaler.state_dict(), tmp / "scaler.pt")
     torch.save(_rng_state(plan), tmp / "rng.pt")
@@ -84,6 +89,11 @@ def save_checkpoint(checkpoint_dir: Path, step: int, model: torch.nn.Module, opt
 
 def load_weights(path: Path, model: torch.nn.Module, plan: DevicePlan) -> None:
     """Load only a checkpoint's model weights (the best evaluation's, to be saved as the final model)."""
+    if hasattr(model, "peft_config"):
+        from worker.engines.adapters import load_trainable  # PEFT is imported by adapter runs only
+
+        load_trainable(model, safetensors.torch.load_file(str(Path(path) / ADAPTER_WEIGHTS), device=plan.device))
+        return
     safetensors.torch.load_model(model, str(Path(path) / "model.safetensors"), strict=True, device=plan.device)
 
 

@@ -3,7 +3,7 @@
 The caller (a worker's training task) calls train_on_devices() as it would train(): it writes the frozen
 config, listens on a Unix socket in a private folder and starts `python -m torch.distributed.run` in a new
 session. Each rank runs this module's main(): the one training loop with its Dist. Rank 0 turns every
-callback into a core.protocol.RankMessage on the socket (and waits for the answer to should_stop), so
+callback into a typed core.protocol.RankMessage on the socket (and waits for the answer to should_stop), so
 progress, cancellation and preemption go through the caller's callbacks exactly as in one process; the
 launch ends with a `result` or `error` message. A caller that dies closes the socket, rank 0 fails on its
 next message, and torchrun stops the other ranks.
@@ -24,16 +24,27 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from core.protocol import RankMessage
+from core.protocol import (
+    RANK_MESSAGE,
+    ErrorCode,
+    RankBest,
+    RankCheckpoint,
+    RankError,
+    RankEval,
+    RankEvent,
+    RankLog,
+    RankMessage,
+    RankResult,
+    RankShouldStop,
+    RankStart,
+    RankStopReason,
+)
 from worker.engines.distributed import Dist, leave
-from worker.engines.lm_training import CausalLMTask, LMTrainConfig
+from worker.engines.kinds import engine_kind, kind_name
 from worker.engines.loop import RunConfig, Task, TrainCallbacks, TrainResult, run
-from worker.engines.training import ClassifierTask, TrainConfig
 
 log = logging.getLogger(__name__)
 
-_KINDS: dict[str, tuple[type[RunConfig], type]] = {"classification": (TrainConfig, ClassifierTask),
-                                                   "causal-lm": (LMTrainConfig, CausalLMTask)}
 _ADDRESS, _AUTHKEY = "TRAINSERVE_RANK0_ADDRESS", "TRAINSERVE_RANK0_AUTHKEY"
 _ROOT = Path(__file__).resolve().parents[2]  # the folder holding the `worker` package, for the ranks' imports
 
@@ -41,7 +52,7 @@ _ROOT = Path(__file__).resolve().parents[2]  # the folder holding the `worker` p
 class LaunchFailed(RuntimeError):
     """A rank failed (with the error's own code when rank 0 could send it), or the launch died without a word."""
 
-    def __init__(self, message: str, code: str = "training_error") -> None:
+    def __init__(self, message: str, code: str = ErrorCode.TRAINING_ERROR) -> None:
         super().__init__(message)
         self.code = code
 
@@ -49,7 +60,7 @@ class LaunchFailed(RuntimeError):
 def train_on_devices(config: RunConfig, callbacks: TrainCallbacks | None = None) -> TrainResult:
     """Run (or resume) `config` on config.devices processes under torchrun; returns rank 0's result."""
     callbacks = callbacks or TrainCallbacks()
-    kind = next(name for name, (config_type, _) in _KINDS.items() if type(config) is config_type)
+    kind = kind_name(config)  # the job kind's registered name (worker.engines.kinds)
     with tempfile.TemporaryDirectory(prefix="trainserve-ranks-") as folder:  # mode 0700: only this user
         config_file, output = Path(folder) / "config.json", Path(folder) / "launch.log"
         config_file.write_bytes(TypeAdapter(type(config)).dump_json(config))
@@ -104,33 +115,39 @@ def _serve(connection: Connection, process: subprocess.Popen[bytes], callbacks: 
                 raise LaunchFailed(f"the launch exited with {process.returncode} without a result: {_tail(output)}")
             continue
         try:
-            message = RankMessage.model_validate_json(connection.recv_bytes())
+            message = RANK_MESSAGE.validate_json(connection.recv_bytes())
         except EOFError:
             process.wait(timeout=60)
             raise LaunchFailed(f"rank 0 closed its channel without a result: {_tail(output)}") from None
-        if message.kind == "should_stop":
-            connection.send_bytes(b"1" if callbacks.should_stop() else b"0")
-        elif message.kind == "stop_reason":
-            connection.send_bytes((callbacks.stop_reason() or "").encode())
-        elif message.kind == "best":
-            callbacks.on_best(message.step, message.info)
-        elif message.kind == "start":
-            callbacks.on_start(message.info)
-        elif message.kind == "log":
-            callbacks.on_log(message.step, message.epoch, message.metrics)
-        elif message.kind == "eval":
-            callbacks.on_eval(message.step, message.metrics)
-        elif message.kind == "checkpoint":
-            callbacks.on_checkpoint(message.step, Path(message.path or ""))
-        elif message.kind == "event":
-            callbacks.on_event(message.name, message.message)
-        elif message.kind == "error":
-            raise LaunchFailed(message.message, code=message.name)
-        else:
+        if isinstance(message, RankResult):
             process.wait(timeout=120)  # the other ranks end right after their last step
-            return TrainResult(message.name, message.step, message.total_steps, message.metrics,
+            return TrainResult(message.status, message.step, message.total_steps, message.metrics,
                                Path(message.path) if message.path else None, message.manifest,
-                               stop_reason=message.message or None, best=message.info or None)
+                               stop_reason=message.stop_reason, best=message.best)
+        if isinstance(message, RankError):
+            raise LaunchFailed(message.message, code=message.code)
+        _answer(connection, message, callbacks)
+
+
+def _answer(connection: Connection, message: RankMessage, callbacks: TrainCallbacks) -> None:
+    """Hand one callback message to the caller's callbacks (answering the questions on the channel)."""
+    match message:
+        case RankShouldStop():
+            connection.send_bytes(b"1" if callbacks.should_stop() else b"0")
+        case RankStopReason():
+            connection.send_bytes((callbacks.stop_reason() or "").encode())
+        case RankBest():
+            callbacks.on_best(message.step, message.best)
+        case RankStart():
+            callbacks.on_start(message.info)
+        case RankLog():
+            callbacks.on_log(message.step, message.epoch, message.metrics)
+        case RankEval():
+            callbacks.on_eval(message.step, message.metrics)
+        case RankCheckpoint():
+            callbacks.on_checkpoint(message.step, Path(message.path))
+        case RankEvent():
+            callbacks.on_event(message.event, message.message)
 
 
 def _end(process: subprocess.Popen[bytes]) -> None:
@@ -156,42 +173,42 @@ class RankZeroCallbacks(TrainCallbacks):
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
 
-    def send(self, **fields: Any) -> None:
-        """Send one message (its fields validated, so a message the caller cannot read fails here)."""
-        self.connection.send_bytes(RankMessage(**fields).model_dump_json().encode())
+    def send(self, message: RankMessage) -> None:
+        """Send one message (typed, so a message the caller cannot read fails here)."""
+        self.connection.send_bytes(RANK_MESSAGE.dump_json(message))
 
     def on_start(self, info: dict[str, Any]) -> None:
-        self.send(kind="start", info=info)
+        self.send(RankStart(info=info))
 
     def on_log(self, step: int, epoch: float, metrics: dict[str, float]) -> None:
-        self.send(kind="log", step=step, epoch=epoch, metrics=metrics)
+        self.send(RankLog(step=step, epoch=epoch, metrics=metrics))
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
-        self.send(kind="eval", step=step, metrics=metrics)
+        self.send(RankEval(step=step, metrics=metrics))
 
     def on_checkpoint(self, step: int, path: Path) -> None:
-        self.send(kind="checkpoint", step=step, path=str(path))
+        self.send(RankCheckpoint(step=step, path=str(path)))
 
     def on_event(self, kind: str, message: str) -> None:
-        self.send(kind="event", name=kind, message=message)
+        self.send(RankEvent(event=kind, message=message))
 
     def on_best(self, step: int, best: dict[str, Any]) -> None:
-        self.send(kind="best", step=step, info=best)
+        self.send(RankBest(step=step, best=best))
 
     def should_stop(self) -> bool:
-        self.send(kind="should_stop")
+        self.send(RankShouldStop())
         return self.connection.recv_bytes() == b"1"
 
     def stop_reason(self) -> str | None:
-        self.send(kind="stop_reason")
+        self.send(RankStopReason())
         return self.connection.recv_bytes().decode() or None
 
 
 def main(argv: list[str]) -> int:
     """One rank: read the config, run the loop as rank RANK of WORLD_SIZE; rank 0 reports to the launcher."""
     kind, config_file = argv
-    config_type, task_type = _KINDS[kind]
-    config = TypeAdapter(config_type).validate_json(Path(config_file).read_bytes())
+    engine = engine_kind(kind)
+    config = TypeAdapter(engine.config).validate_json(Path(config_file).read_bytes())
     dist = Dist.from_env()
     if dist.world_size != config.devices:
         raise ValueError(f"launched with {dist.world_size} processes for a run on {config.devices} devices")
@@ -199,20 +216,20 @@ def main(argv: list[str]) -> int:
     if dist.is_main:
         reporter = RankZeroCallbacks(Client(os.environ[_ADDRESS], family="AF_UNIX",
                                             authkey=bytes.fromhex(os.environ[_AUTHKEY])))
-    task: Task = task_type(config)
+    task: Task = engine.task(config)
     try:
         result = run(config, task, reporter or TrainCallbacks(), dist)
     except Exception as exc:
         if reporter is not None:
-            reporter.send(kind="error", name=str(getattr(exc, "code", "training_error")),
-                          message=f"{type(exc).__name__}: {exc}")
+            reporter.send(RankError(code=str(getattr(exc, "code", ErrorCode.TRAINING_ERROR)),
+                                    message=f"{type(exc).__name__}: {exc}"))
         raise
     finally:
         leave()
     if reporter is not None:
-        reporter.send(kind="result", name=result.status, step=result.global_step, total_steps=result.total_steps,
-                      metrics=result.metrics, manifest=result.manifest, message=result.stop_reason or "",
-                      info=result.best or {}, path=str(result.model_dir) if result.model_dir else None)
+        reporter.send(RankResult(status=result.status, step=result.global_step, total_steps=result.total_steps,
+                                 metrics=result.metrics, manifest=result.manifest, stop_reason=result.stop_reason,
+                                 best=result.best, path=str(result.model_dir) if result.model_dir else None))
     return 0
 
 

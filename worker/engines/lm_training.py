@@ -20,10 +20,12 @@ from transformers import (
     PreTrainedModel,
 )
 
+from core.adapters import AdapterConfig
 from core.estimate import architecture, training_memory
+from core.hyperparams import LMHyperparameters, default
 from core.lm_config import DEFAULT_BLOCK_SIZE, resolve_block_size, validate_model_config
 from core.paths import GPT2_TOKENIZER_DIR
-from worker.engines import artifacts, lm_data
+from worker.engines import adapters, artifacts, lm_data
 from worker.engines.device import DevicePlan
 from worker.engines.loop import RunConfig, Setup, TrainCallbacks, TrainResult, require_fit, run
 
@@ -45,12 +47,14 @@ class LMTrainConfig(RunConfig):
     model_config: Mapping[str, int] | None = None  # n_layer, n_embd, n_head, n_positions (fresh models)
     tokenizer: str | None = None  # default: assets/gpt2-tokenizer (fresh) or the base model's own
     text_column: str = "text"
-    val_fraction: float = 0.1
-    block_size: int | None = None  # default min(context length, 256)
-    epochs: float = 1.0
-    batch_size: int = 8
-    learning_rate: float = 3e-4
-    weight_decay: float = 0.1
+    # Defaults: the hyperparameters model's (core.hyperparams), the one place they live.
+    val_fraction: float = default(LMHyperparameters, "val_fraction")
+    block_size: int | None = default(LMHyperparameters, "block_size")  # None: min(context length, 256)
+    epochs: float = default(LMHyperparameters, "epochs")
+    batch_size: int = default(LMHyperparameters, "batch_size")
+    learning_rate: float = default(LMHyperparameters, "learning_rate")
+    weight_decay: float = default(LMHyperparameters, "weight_decay")
+    adapter: AdapterConfig | None = None  # LoRA on the base model: only the adapter trains and is saved
 
 
 def train_lm(config: LMTrainConfig, callbacks: TrainCallbacks | None = None) -> TrainResult:
@@ -88,18 +92,21 @@ class CausalLMTask:
             fused_attention=plan.is_cuda)
         require_fit(estimate, plan, config.memory_limit_bytes)
         self.model = _build_model(config, self.model_config)
+        if config.adapter is not None:
+            self.model = adapters.apply_adapter(self.model, config.adapter, "causal-lm")
         self.model.to(plan.device)  # in place for modules
+        adapter = None if config.adapter is None else config.adapter.model_dump()
         accumulation = config.gradient_accumulation_steps
         return Setup(
             model=self.model, num_examples=len(self.train_set), units_per_example=self.block_size,
             identity={"num_train_blocks": len(self.train_set), "block_size": self.block_size,
                       "batch_size": config.batch_size, "gradient_accumulation_steps": accumulation,
-                      "seed": config.seed},
+                      "seed": config.seed, **({"adapter": adapter} if adapter else {})},
             info={"num_train": len(self.train_set), "num_eval": len(self.eval_order),
                   "num_train_tokens": self.train_set.num_tokens, "block_size": self.block_size,
                   "context_length": self.context},
             hyperparameters={"tokens_per_step": config.batch_size * accumulation * self.block_size,
-                             "block_size": self.block_size},
+                             "block_size": self.block_size, "adapter": adapter},
         )
 
     def epoch_steps(self, epoch: int) -> list[list[np.ndarray]]:
@@ -135,6 +142,8 @@ class CausalLMTask:
         manifest["model_config"] = _architecture(self.model_config, self.context)
         manifest["tokenizer"] = self.tokenizer_source
         manifest["context_length"] = self.context
+        if config.adapter is not None:
+            manifest["adapter"] = adapters.adapter_summary(self.model, config.adapter)
         blocks = len(self.eval_order)
         manifest["data"] = {"text_column": config.text_column, "val_fraction": config.val_fraction,
                             "held_out": config.eval_file is None, "block_size": self.block_size,
@@ -158,6 +167,8 @@ def _check_config(config: LMTrainConfig) -> dict[str, int] | None:
         raise ValueError(f"block_size must be at least 1, got {config.block_size}")
     if config.eval_file is None and not 0.0 < config.val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1) when there is no eval_file, got {config.val_fraction}")
+    if config.adapter is not None and config.base_model is None:
+        raise ValueError("an adapter trains on top of a base_model; a fresh model trains in full")
     if config.base_model is not None:
         if config.model_config:
             raise ValueError("model_config describes a fresh model; leave it empty when continuing a base_model")

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
+from core.protocol import ErrorCode
 from worker.engines.device import DevicePlan
 
 
@@ -93,13 +94,13 @@ class TrainResult:
 class OutOfMemory(RuntimeError):
     """The device ran out of memory even with one example per micro-batch."""
 
-    code = "oom"
+    code = ErrorCode.OOM
 
 
 class DoesNotFit(ValueError):
     """The run's estimated peak memory exceeds this worker's device; refused before allocating the model."""
 
-    code = "does_not_fit"
+    code = ErrorCode.DOES_NOT_FIT
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from core.estimate import architecture, training_memory
+from core.hyperparams import Hyperparameters, default
 from worker.engines import artifacts, data
 from worker.engines.device import DevicePlan
 from worker.engines.encoder import attention_implementation, last_layer_at_cls
@@ -38,12 +39,13 @@ class TrainConfig(RunConfig):
     base_model: str
     text_column: str
     label_column: str
-    max_length: int = 128
-    epochs: float = 3.0
-    batch_size: int = 32
-    learning_rate: float = 5e-5
-    weight_decay: float = 0.01
-    freeze_word_embeddings: bool = False
+    # Defaults: the hyperparameters model's (core.hyperparams), the one place they live.
+    max_length: int = default(Hyperparameters, "max_length")
+    epochs: float = default(Hyperparameters, "epochs")
+    batch_size: int = default(Hyperparameters, "batch_size")
+    learning_rate: float = default(Hyperparameters, "learning_rate")
+    weight_decay: float = default(Hyperparameters, "weight_decay")
+    freeze_word_embeddings: bool = default(Hyperparameters, "freeze_word_embeddings")
 
 
 def train(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> TrainResult:

@@ -8,51 +8,39 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from core.hyperparams import greater_is_better
-from core.models import Job, TaskKind
+from core.hyperparams import TrainingHyperparameters
+from core.jobspec import kind_of, stored_hyperparameters
+from core.models import Job
 from core.paths import job_checkpoints_dir, job_model_dir
 from core.protocol import ErrorCode
 from core.settings import Settings
 from core.storage import ArtifactStore
 from core.store import datasets as dataset_store
-from worker.engines.lm_training import LMTrainConfig
-from worker.engines.training import TrainConfig
+from worker.engines import kinds
+from worker.engines.loop import RunConfig
 
-EngineConfig = TrainConfig | LMTrainConfig
+EngineConfig = RunConfig  # each kind's frozen config (worker.engines.kinds)
 
 
 def build_config(settings: Settings, job: Job, train_path: Path, eval_path: Path | None, hashes: dict[str, str],
                  device: str) -> EngineConfig:
-    """The engine's frozen config from a job row."""
-    hp = job.hyperparameters
+    """The engine's frozen config from a job row: its kind's typed hyperparameters, rebuilt from the row."""
+    hp = stored_hyperparameters(job.task, job.hyperparameters)
     common: dict[str, Any] = {
         "train_file": train_path, "eval_file": eval_path, "output_dir": job_model_dir(settings, job.id),
         "checkpoint_dir": job_checkpoints_dir(settings, job.id), "text_column": job.text_column,
-        "epochs": hp["epochs"], "max_steps": hp["max_steps"], "batch_size": hp["batch_size"],
-        "learning_rate": hp["learning_rate"], "warmup_ratio": hp["warmup_ratio"],
-        "weight_decay": hp["weight_decay"], "gradient_accumulation_steps": hp["gradient_accumulation_steps"],
-        "precision": hp["precision"], "seed": hp["seed"], "eval_steps": hp["eval_steps"],
         "checkpoint_steps": settings.checkpoint_steps, "device": device, "devices": job.devices,
         "memory_limit_bytes": settings.worker_memory_bytes or None,
         "base_model_name": job.base_model or "", "dataset_hashes": hashes, **best_fields(job.task, hp)}
-    if job.task == TaskKind.CAUSAL_LM:
-        return LMTrainConfig(**common, base_model=job.base_model_path, model_config=job.model_config_,
-                             val_fraction=hp["val_fraction"], block_size=hp["block_size"])
-    assert job.base_model_path is not None and job.label_column is not None
-    return TrainConfig(**common, base_model=job.base_model_path, label_column=job.label_column,
-                       max_length=hp["max_length"],
-                       freeze_word_embeddings=hp.get("freeze_word_embeddings", False))  # absent on older jobs
+    return kinds.build(job.task, common, job, hp)
 
 
-def best_fields(task: str, hp: dict[str, Any]) -> dict[str, Any]:
-    """Best-checkpoint and early-stopping settings (jobs from before them have none: their last model is kept)."""
-    metric = hp.get("metric_for_best")
-    if metric is None:
-        return {}
-    return {"metric_for_best": metric, "greater_is_better": greater_is_better(task, metric),
-            "early_stopping_patience": hp.get("early_stopping_patience"),
-            "early_stopping_threshold": hp.get("early_stopping_threshold", 0.0)}
-
+def best_fields(task: str, hp: TrainingHyperparameters) -> dict[str, Any]:
+    """Best-checkpoint settings: the metric's direction, or none for a row from before them (its last model is
+    kept)."""
+    if "metric_for_best" not in hp.model_fields_set:
+        return {"metric_for_best": None}
+    return {"greater_is_better": kind_of(task).greater_is_better(hp.metric_for_best)}
 
 
 class DatasetMissing(ValueError):

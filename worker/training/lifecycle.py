@@ -14,16 +14,17 @@ from core import scheduler, states
 from core.db import session_scope
 from core.errors import NotFound, StaleAttempt
 from core.logs import bound
-from core.models import Job, JobStatus, is_valid_id, utcnow
+from core.models import ArtifactKind, EventKind, Job, JobStatus, is_valid_id, utcnow
 from core.paths import relative_to_home
+from core.protocol import ErrorCode
 from core.relay import deliver_now
 from core.store import jobs as store
 from core.sweeps import advance_and_send
 from worker.context import WorkerContext
 from worker.engines.device import release_memory, resolve_device
+from worker.engines.kinds import run_task
 from worker.engines.launch import train_on_devices
-from worker.engines.lm_training import LMTrainConfig, train_lm
-from worker.engines.training import TrainResult, train
+from worker.engines.loop import TrainResult, run
 from worker.metrics import JOB_DURATION, JOB_QUEUE_WAIT
 from worker.recovery import Heartbeat
 from worker.sync import clear_work, pull_checkpoint, push_model, storage_errors
@@ -75,16 +76,15 @@ def _run(ctx: WorkerContext, job_id: str, ran: list[str]) -> str:
                         message="cancelled before training started")
             return JobStatus.CANCELLED
         if job.devices > settings.worker_devices:  # routed by queue, so only a hand-made consumer gets here
-            states.move(session, job, JobStatus.FAILED, code="does_not_fit", attempt=attempt,
+            states.move(session, job, JobStatus.FAILED, code=ErrorCode.DOES_NOT_FIT, attempt=attempt,
                         message=f"the job asks for {job.devices} devices; this worker owns {settings.worker_devices}")
             return JobStatus.FAILED
         try:
             inputs = job_inputs(session, job)
         except ValueError as exc:
-            states.move(session, job, JobStatus.FAILED, code="dataset_missing", message=str(exc), attempt=attempt)
-            return JobStatus.FAILED
-        store.add_event(session, job_id=job_id, kind="claimed", message=f"attempt {attempt} claimed by a worker",
+            states.move(session, job, JobStatus.FAILED, code=ErrorCode.DATASET_MISSING, message=str(exc),
                         attempt=attempt)
+            return JobStatus.FAILED
         sweep_id = job.sweep_id
     with bound(job_id=job_id):  # the job it claimed, which may not be the message's
         log.info("job %s attempt %d claimed", job_id, attempt)
@@ -113,7 +113,7 @@ def _train(ctx: WorkerContext, job: Job, attempt: int, inputs: JobInputs, hyperp
     except Exception as exc:  # noqa: BLE001 - any failure ends the job with a recorded reason
         log.exception("job %s failed", job_id)
         # Engines name a specific failure (oom, ...) with a `code` attribute on the exception.
-        code = str(getattr(exc, "code", "training_error"))
+        code = str(getattr(exc, "code", ErrorCode.TRAINING_ERROR))
         reporter.close()  # the event file complete before its artifact row is written
         return _end(ctx, job_id, attempt, JobStatus.FAILED, f"{type(exc).__name__}: {exc}", code=code)
     finally:
@@ -135,7 +135,7 @@ def run_engine(config: EngineConfig, reporter: JobReporter) -> TrainResult:
     """The engine for the job: in this process on one device, under torchrun (rank 0 reporting) on several."""
     if config.devices > 1:
         return train_on_devices(config, reporter)
-    return train_lm(config, reporter) if isinstance(config, LMTrainConfig) else train(config, reporter)
+    return run(config, run_task(config), reporter)
 
 
 def _prepare(ctx: WorkerContext, job: Job, inputs: JobInputs) -> EngineConfig:
@@ -192,7 +192,7 @@ def _record_result(ctx: WorkerContext, job_id: str, attempt: int, result: TrainR
             job.best, job.stop_reason = result.best, result.stop_reason
             # The model folder holds the best evaluation's weights: the artifact carries that step.
             model_step = result.best["step"] if result.best else result.global_step
-            model = artifact_row(ctx.settings, job_id, "model", result.model_dir, model_step)
+            model = artifact_row(ctx.settings, job_id, ArtifactKind.MODEL, result.model_dir, model_step)
             store.add_artifact(session, artifact=model, attempt=attempt)
             how = {"completed": "finished"}.get(result.stop_reason or "completed", f"ended ({result.stop_reason})")
             best = f"; model from step {model_step}" if result.best else ""
@@ -201,7 +201,7 @@ def _record_result(ctx: WorkerContext, job_id: str, attempt: int, result: TrainR
                         data={"stop_reason": result.stop_reason, "best": result.best})
         elif job.cancel_requested_at is None and ctx.shutdown.is_set():
             # The worker is stopping, not the user: checkpointed, so back to the queue (with its outbox message).
-            states.move(session, job, JobStatus.QUEUED, kind="preempted", attempt=attempt,
+            states.move(session, job, JobStatus.QUEUED, kind=EventKind.PREEMPTED, attempt=attempt,
                         message=f"worker shut down at step {result.global_step}; requeued to resume")
         else:
             states.move(session, job, JobStatus.CANCELLED, attempt=attempt,
@@ -223,7 +223,7 @@ def _record_tensorboard(ctx: WorkerContext, session: Session, job_id: str, attem
         marker = files[0].relative_to(folder).as_posix()
         ctx.storage.upload_dir(folder, relative_to_home(ctx.settings, folder), marker=marker)
     job = store.get_job(session, job_id=job_id)
-    for old in [a for a in job.artifacts if a.kind == "tensorboard"]:
+    for old in [a for a in job.artifacts if a.kind == ArtifactKind.TENSORBOARD]:
         session.delete(old)
-    store.add_artifact(session, artifact=artifact_row(ctx.settings, job_id, "tensorboard", folder, None),
+    store.add_artifact(session, artifact=artifact_row(ctx.settings, job_id, ArtifactKind.TENSORBOARD, folder, None),
                        attempt=attempt)

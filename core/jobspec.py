@@ -1,0 +1,212 @@
+"""One typed job spec from request to engine, and the one registry of job kinds.
+
+A POST /jobs body is a union discriminated by `task` (a body without it is a text-classification job, as
+it always was); each kind is a `JobSpec` subclass whose `hyperparameters` is that kind's typed model
+(core.hyperparams: the one place of their ranges and defaults). The row stores the hyperparameters' JSON;
+`stored_hyperparameters` rebuilds the model from it on the worker, which derives the engine's config.
+
+`KINDS` is the registry: kind -> `JobKind` (spec model, eval metrics and which way each is better, the
+metric_for_best choices). The worker keys its engine pieces (config, Task) by the same names
+(worker.engines.kinds). Adding a kind is one `register` here and one there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator
+
+from core.errors import ValidationFailed
+from core.hyperparams import Hyperparameters, LMHyperparameters, TrainingHyperparameters
+from core.models import TaskKind
+from core.tasks import MAX_JOB_DEVICES
+
+INT32_MAX = 2**31 - 1  # steps, event ids and model_config values are 32-bit integer columns or smaller
+ModelConfigValue = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
+DEFAULT_KIND = TaskKind.TEXT_CLASSIFICATION  # the kind of a body that names none
+MAX_NESTING = 16  # deeper JSON in hyperparameters cannot be a valid value; refused before it is validated
+
+
+def nesting_depth(value: Any) -> int:
+    """Depth of nested lists/dicts in a JSON value, level by level without recursion (a scalar is 0)."""
+    depth, level = 0, [value]
+    while any(isinstance(node, (dict, list)) for node in level):
+        depth += 1
+        level = [child for node in level if isinstance(node, (dict, list))
+                 for child in (node.values() if isinstance(node, dict) else node)]
+    return depth
+
+
+class JobSpec(BaseModel):
+    """What every training request carries; each kind narrows `task` and types `hyperparameters`.
+
+    Unknown fields are rejected so typos do not pass silently.
+    """
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    task: str
+    base_model: str | None = Field(
+        None, min_length=1, max_length=500,
+        description="text-classification: alias (minilm-l6), local folder or hub id (required). "
+                    "causal-lm: an existing causal LM to continue from, or omit and give model_config.")
+    architecture: dict[str, ModelConfigValue] | None = Field(
+        None, alias="model_config",
+        description="causal-lm from scratch: GPT-2 shape {n_layer, n_embd, n_head, n_positions}.")
+    train_dataset: str = Field(min_length=1, max_length=40)
+    eval_dataset: str | None = Field(None, min_length=1, max_length=40)
+    text_column: str = Field("text", min_length=1, max_length=200)
+    label_column: str | None = Field(None, min_length=1, max_length=200,
+                                     description="text-classification only (default 'label').")
+    hyperparameters: TrainingHyperparameters
+    devices: int = Field(
+        1, ge=1, le=MAX_JOB_DEVICES,
+        description="Devices to train on (DistributedDataParallel, one process each) on one worker that owns at "
+                    "least this many; hyperparameters keep their meaning: batch_size is split across them.")
+    metadata: dict[str, str] = Field(default_factory=dict, description="Up to 16 string pairs for your own use.")
+    priority: int = Field(0, ge=-100, le=100, description="Higher runs first among your team's queued jobs.")
+
+    @field_validator("hyperparameters", mode="before")
+    @classmethod
+    def _bounded_nesting(cls, value: Any) -> Any:
+        if nesting_depth(value) > MAX_NESTING:
+            raise ValueError(f"nested more than {MAX_NESTING} levels deep")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded_metadata(cls, value: dict[str, str]) -> dict[str, str]:
+        if len(value) > 16:
+            raise ValueError("at most 16 keys")
+        for key, item in value.items():
+            if len(key) > 64 or len(item) > 512:
+                raise ValueError("keys are at most 64 characters and values at most 512")
+            if "\x00" in key or "\x00" in item:
+                raise ValueError("NUL characters are not allowed")
+        return value
+
+    def request(self) -> dict[str, Any]:
+        """The request as the client sent it (hyperparameters it gave, every other field resolved), as JSON."""
+        body = self.model_dump(mode="json", by_alias=True)
+        body["hyperparameters"] = self.hyperparameters.model_dump(mode="json", exclude_unset=True)
+        return body
+
+
+class ClassificationJob(JobSpec):
+    """Fine-tune a pretrained encoder with a classification head on labelled texts."""
+
+    task: Literal[TaskKind.TEXT_CLASSIFICATION] = TaskKind.TEXT_CLASSIFICATION
+    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+
+
+class CausalLMJob(JobSpec):
+    """Train a fresh GPT-2 (model_config) or continue a causal LM (base_model) on a text corpus."""
+
+    task: Literal[TaskKind.CAUSAL_LM]
+    hyperparameters: LMHyperparameters = Field(default_factory=LMHyperparameters)
+
+
+@dataclass(frozen=True)
+class JobKind:
+    """One kind of job as every layer above the engines sees it."""
+
+    spec: type[JobSpec]
+    metrics: Mapping[str, bool]  # the eval metrics it reports -> whether greater is better (metric_for_best)
+    holds_out_eval: bool = False  # without an eval_dataset it evaluates on a share of the training data
+
+    @property
+    def name(self) -> str:
+        (value,) = self.spec.model_fields["task"].annotation.__args__  # type: ignore[union-attr]
+        return str(value)
+
+    @property
+    def hyperparameters(self) -> type[TrainingHyperparameters]:
+        annotation = self.spec.model_fields["hyperparameters"].annotation
+        assert isinstance(annotation, type) and issubclass(annotation, TrainingHyperparameters)
+        return annotation
+
+    def greater_is_better(self, metric: str) -> bool:
+        """Direction of one of its eval metrics (KeyError for a metric it does not report)."""
+        return self.metrics[metric]
+
+
+KINDS: dict[str, JobKind] = {}
+_adapter: TypeAdapter[JobSpec] | None = None
+
+
+def register(kind: JobKind) -> JobKind:
+    """Add a job kind (its name is its spec's `task` literal); the request union is rebuilt with it."""
+    global _adapter
+    KINDS[kind.name] = kind
+    _adapter = None
+    return kind
+
+
+def unregister(name: str) -> None:
+    """Remove a job kind (tests that add their own)."""
+    global _adapter
+    KINDS.pop(name, None)
+    _adapter = None
+
+
+def kind_of(name: str) -> JobKind:
+    """The registered kind of that name (KeyError for one this version does not know)."""
+    return KINDS[name]
+
+
+def _tag(value: Any) -> str | None:
+    task = value.get("task", DEFAULT_KIND) if isinstance(value, dict) else getattr(value, "task", None)
+    return str(task) if isinstance(task, str) else None
+
+
+def spec_union() -> Any:
+    """The request body type: the registered kinds' specs, discriminated by `task` (absent: text-classification)."""
+    members = tuple(Annotated[kind.spec, Tag(name)] for name, kind in KINDS.items())
+    # An unknown kind reads as the enum error it always was; `field` names the member app/errors.py reports.
+    expected = " or ".join(repr(name) for name in KINDS)
+    return Annotated[Union[members],  # noqa: UP007 - a runtime tuple of members needs Union[...]
+                     Discriminator(_tag, custom_error_type="literal_error",
+                                   custom_error_context={"expected": expected, "field": "task"})]
+
+
+def parse_spec(data: Any) -> JobSpec:
+    """Validate a request body (or a stored one) into its kind's spec; pydantic's ValidationError if invalid."""
+    global _adapter
+    if _adapter is None:
+        _adapter = TypeAdapter(spec_union())
+    return _adapter.validate_python(data)
+
+
+def field_of(loc: tuple[Any, ...], ctx: Any = None) -> str | None:
+    """The dotted field a validation error names: its location without kind tags (union members), plus the
+    member a discriminator names (`ctx.field`, an unknown `task`)."""
+    parts = [str(p) for p in loc if p not in KINDS]
+    if isinstance(ctx, dict) and isinstance(ctx.get("field"), str):
+        parts.append(ctx["field"])
+    return ".".join(parts) or None
+
+
+def validate_spec(data: Any) -> JobSpec:
+    """parse_spec for bodies built on the server (a sweep's trial, a rerun): ValidationFailed naming the field."""
+    try:
+        return parse_spec(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = field_of(error["loc"], error.get("ctx"))
+        raise ValidationFailed(field, f"{field}: {error['msg']}" if field else error["msg"]) from exc
+
+
+def stored_hyperparameters(task: str, stored: Mapping[str, Any]) -> TrainingHyperparameters:
+    """Rebuild a job's typed hyperparameters from its row (fields a row predates get their defaults;
+    `model_fields_set` tells which the row had)."""
+    return kind_of(task).hyperparameters.model_validate(dict(stored))
+
+
+register(JobKind(ClassificationJob, {"eval_loss": False, "eval_accuracy": True, "eval_f1": True}))
+register(JobKind(CausalLMJob, {"eval_loss": False, "perplexity": False}, holds_out_eval=True))
+if TYPE_CHECKING:
+    JobCreate = JobSpec
+else:
+    JobCreate = spec_union()  # the API's request body (its OpenAPI schema): the kinds registered at import
