@@ -83,6 +83,22 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+class Constraint(BaseModel):
+    """What a constrained row may emit: a JSON schema, any JSON object, one of some strings, or a regex.
+
+    `spec` is the schema as JSON text, the regex, or the choices as a JSON list; the engine compiles each
+    (kind, spec) once and caches it.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["json_schema", "json_object", "choice", "regex"]
+    spec: str = ""
+
+
 class SamplingParams(BaseModel):
     """How one request is decoded; the API, the task payload and the engine share this one definition.
 
@@ -99,6 +115,8 @@ class SamplingParams(BaseModel):
     stop: tuple[str, ...] = ()
     seed: int | None = None
     n: int = 1
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely (0-20)
+    constraint: Constraint | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -118,6 +136,10 @@ class SamplingParams(BaseModel):
             _check_int("top_k", data["top_k"], 0)
         if data.get("seed") is not None:
             _check_int("seed", data["seed"], 0)
+        if data.get("logprobs") is not None:
+            _check_int("logprobs", data["logprobs"], 0)
+            if data["logprobs"] > MAX_TOP_LOGPROBS:
+                raise ValueError(f"logprobs must be at most {MAX_TOP_LOGPROBS}, got {data['logprobs']!r}")
         temperature = data.get("temperature", 1.0)
         if not _is_number(temperature) or not 0 <= temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
@@ -141,12 +163,22 @@ class SamplingParams(BaseModel):
         return self.temperature == 0
 
 
+class ChatMessage(BaseModel):
+    """One turn of a chat; the worker renders the turns with the model's own chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
 class GenerateTask(BaseModel):
     """The broker message for one generation request (API -> generation worker)."""
 
     request_id: str
     model: str  # the model's folder, hub id, or a job id (fetched from the artifact store), as resolved by the API
     prompt: str
+    messages: list[ChatMessage] | None = None  # a chat: the prompt is rendered from these by the worker
     params: SamplingParams
     deadline: float  # wall-clock time after which a worker drops the request unstarted
 
@@ -155,12 +187,27 @@ class GenerateTask(BaseModel):
         return self.deadline - time.time()
 
 
+class TopLogprob(BaseModel):
+    """One candidate token and its log-probability."""
+
+    token: str
+    bytes: list[int]
+    logprob: float
+
+
+class TokenLogprob(TopLogprob):
+    """A sampled token's log-probability and the most likely alternatives at its step."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
 class TokenEvent(BaseModel):
-    """Text decoded for one choice."""
+    """Text decoded for one choice (with the logprobs of the tokens it came from, when asked for)."""
 
     type: Literal["token"] = "token"
     index: int
     text: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 class AcceptedEvent(BaseModel):
@@ -176,6 +223,7 @@ class ChoiceOut(BaseModel):
     index: int
     text: str
     finish_reason: str  # "length" | "stop" | "eos" | "cancelled"
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Usage(BaseModel):

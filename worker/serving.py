@@ -21,7 +21,17 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 
-from core.protocol import AcceptedEvent, ChoiceOut, DoneEvent, ErrorCode, ErrorEvent, GenerateTask, TokenEvent, Usage
+from core.protocol import (
+    AcceptedEvent,
+    ChoiceOut,
+    DoneEvent,
+    ErrorCode,
+    ErrorEvent,
+    GenerateTask,
+    TokenEvent,
+    TokenLogprob,
+    Usage,
+)
 from core.redis_keys import cancel_key
 from core.served_models import is_job_model
 from core.settings import Settings
@@ -208,7 +218,13 @@ class GenerationService:
     def _run(self, engine: Any, task: GenerateTask, writer: EventWriter, remaining: float) -> BaseModel:
         from worker.engines.batch import context_overflow  # the engine is loaded (and torch with it) by now
 
-        prompt_ids = engine.encode(task.prompt)
+        if task.messages is not None:
+            rendered = render_chat(engine, task)
+            if isinstance(rendered, ErrorEvent):
+                return rendered
+            prompt_ids = rendered
+        else:
+            prompt_ids = engine.encode(task.prompt)
         if not prompt_ids:
             return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, "the prompt encodes to no tokens", "prompt")
         overflow = context_overflow(len(prompt_ids), task.params.max_new_tokens, engine.context_length)
@@ -216,18 +232,36 @@ class GenerationService:
             return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, overflow, "max_new_tokens")
         clock = metrics.TokenClock()
 
-        def on_token(index: int, text: str) -> None:
+        def on_token(index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> None:
             clock.tick(index)
-            writer.token(TokenEvent(index=index, text=text))
+            writer.token(TokenEvent(index=index, text=text, logprobs=logprobs))
 
         future = engine.submit(prompt_ids, task.params, request_id=task.request_id, on_token=on_token,
                                deadline=time.monotonic() + remaining)
         writer.emit(AcceptedEvent(prompt_tokens=len(prompt_ids)))
         metrics.GEN_PROMPT_TOKENS.inc(len(prompt_ids))
         result = future.result(timeout=self.settings.generation_timeout_s)
-        return DoneEvent(choices=[ChoiceOut(index=c.index, text=c.text, finish_reason=c.finish_reason)
-                                  for c in result.choices],
+        return DoneEvent(choices=[ChoiceOut(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                                            logprobs=c.logprobs) for c in result.choices],
                          usage=Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens))
+
+
+def render_chat(engine: Any, task: GenerateTask) -> list[int] | ErrorEvent:
+    """The chat's prompt ids through the model's own chat template, as transformers renders it.
+
+    Rendered in the worker rather than the API: the API may not hold the model's files (a job's model lives
+    in the artifact store and is fetched by the worker), and the worker's ids equal
+    `tokenizer.apply_chat_template` by construction, whatever Jinja extensions a template uses.
+    """
+    from worker.engines.row_outputs import NoChatTemplate
+
+    try:
+        return list(engine.encode_chat([m.model_dump() for m in task.messages or []]))
+    except NoChatTemplate as exc:
+        return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, str(exc), "model")
+    except Exception as exc:  # noqa: BLE001 - a template's raise_exception (e.g. roles out of order) is the client's
+        return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, f"the chat template refused the messages: {exc}",
+                             "messages")
 
 
 def _error(exc: Exception, request_id: str) -> ErrorEvent:
@@ -238,8 +272,8 @@ def _error(exc: Exception, request_id: str) -> ErrorEvent:
         return ErrorEvent.of(ErrorCode.OVERLOADED, str(exc))
     if isinstance(exc, DeadlineExceeded):
         return ErrorEvent.of(ErrorCode.QUEUE_TIMEOUT, "the request waited too long for a batch slot; retry")
-    if isinstance(exc, ValueError):
-        return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, str(exc))
+    if isinstance(exc, ValueError):  # a GrammarError names the request field its constraint came from
+        return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, str(exc), getattr(exc, "field", None))
     log.error("generation request %s failed", request_id, exc_info=exc)
     return ErrorEvent.of(ErrorCode.WORKER_ERROR, f"{type(exc).__name__}: {exc}")
 

@@ -10,7 +10,9 @@ from fastapi.responses import StreamingResponse
 
 from app.deps import PrincipalDep, SessionDep
 from app.errors import ERROR_RESPONSES
+from app.schemas.chat import ChatCompletion, ChatCompletionRequest
 from app.schemas.generation import Completion, CompletionRequest, GenerateRequest, GenerateResponse, ModelList
+from app.services import chat as chat_serving
 from app.services import completions as serving
 from app.services.generation import GenerationGateway, list_models_for
 
@@ -47,6 +49,13 @@ async def completions(body: CompletionRequest, request: Request, session: Sessio
                    gateway: GatewayDep) -> Any:
     """OpenAI-compatible completions (official clients work unchanged; the API key is a trainserve key)."""
     return _respond(await serving.complete(gateway, session, principal, body, request.is_disconnected))
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletion, responses=STREAM_DOC)
+async def chat_completions(body: ChatCompletionRequest, request: Request, session: SessionDep,
+                           principal: PrincipalDep, gateway: GatewayDep) -> Any:
+    """OpenAI-compatible chat completions through the model's own chat template; logprobs and response_format."""
+    return _respond(await chat_serving.chat(gateway, session, principal, body, request.is_disconnected))
 
 
 @router.get("/v1/models", response_model=ModelList)

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from app.schemas.structured import StructuredFields
+
 
 def _stops(value: str | list[str] | None) -> list[str]:
     items = [] if value is None else [value] if isinstance(value, str) else list(value)
@@ -57,7 +59,7 @@ class GenerateResponse(BaseModel):
     usage: Usage
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(StructuredFields):
     """OpenAI's /v1/completions body. Parameters trainserve cannot honour are refused, not ignored."""
 
     model_config = ConfigDict(extra="allow")
@@ -72,7 +74,7 @@ class CompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5, description="The sampled token's logprob and the top N (0-5).")
     best_of: int | None = None
     presence_penalty: float | None = 0
     frequency_penalty: float | None = 0
@@ -82,10 +84,19 @@ class CompletionRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
 
 
+class LegacyLogprobs(BaseModel):
+    """OpenAI's /v1/completions logprobs: parallel lists, top_logprobs as {token: logprob} per position."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     text: str
     index: int
-    logprobs: None = None
+    logprobs: LegacyLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 

@@ -25,12 +25,24 @@ from app.schemas.generation import (
     CompletionUsage,
     GenerateRequest,
     GenerateResponse,
+    LegacyLogprobs,
 )
 from app.services.generation import GenerationGateway
+from app.services.structured import constraint_of
 from app.sse import sse_message
 from core.auth import Principal
 from core.errors import ClientGone, ValidationFailed
-from core.protocol import AcceptedEvent, DoneEvent, ErrorBody, ErrorEvent, GenerationEvent, SamplingParams, TokenEvent
+from core.protocol import (
+    AcceptedEvent,
+    ChatMessage,
+    DoneEvent,
+    ErrorBody,
+    ErrorEvent,
+    GenerationEvent,
+    SamplingParams,
+    TokenEvent,
+    TokenLogprob,
+)
 from core.served_models import ServedModel
 
 # How often a non-streaming request asks whether its client is still there.
@@ -68,7 +80,7 @@ def sampling(**values: Any) -> SamplingParams:
 
 
 async def start(gateway: GenerationGateway, session: Session, principal: Principal, name: str, prompt: str,
-                params: SamplingParams) -> Started:
+                params: SamplingParams, messages: list[ChatMessage] | None = None) -> Started:
     """Validate, admit, hand off; returns once the worker accepted the request (or raises its error)."""
     gateway.check(params)
     model = await run_in_threadpool(gateway.resolve, session, principal, name)
@@ -76,7 +88,7 @@ async def start(gateway: GenerationGateway, session: Session, principal: Princip
     request_id = await gateway.admit(principal, model)
     finished = False
     try:
-        await gateway.submit(request_id, model, prompt, params)
+        await gateway.submit(request_id, model, prompt, params, messages)
         events = gateway.events(request_id)
         first = await anext(events)
         if isinstance(first, ErrorEvent):
@@ -167,7 +179,7 @@ async def generate(gateway: GenerationGateway, session: Session, principal: Prin
 
 def openai_params(body: CompletionRequest) -> tuple[str, SamplingParams]:
     """Map OpenAI's fields; refuse the ones this server cannot honour instead of silently ignoring them."""
-    unsupported = {"echo": body.echo, "logprobs": body.logprobs, "suffix": body.suffix,
+    unsupported = {"echo": body.echo, "suffix": body.suffix,
                    "logit_bias": body.logit_bias or None}
     for name, value in unsupported.items():
         if value:
@@ -186,14 +198,27 @@ def openai_params(body: CompletionRequest) -> tuple[str, SamplingParams]:
     return prompts[0], sampling(max_new_tokens=body.max_tokens or 16,
                                 temperature=1.0 if body.temperature is None else body.temperature, top_k=0,
                                 top_p=1.0 if body.top_p is None else body.top_p, repetition_penalty=1.0, stop=stop,
-                                seed=body.seed, n=body.n or 1)
+                                seed=body.seed, n=body.n or 1, logprobs=body.logprobs,
+                                constraint=constraint_of(body))
 
 
-def _openai_reason(reason: str | None) -> str | None:
+def legacy_logprobs(entries: list[TokenLogprob] | None, offset: int = 0) -> LegacyLogprobs:
+    """OpenAI's legacy completions logprobs; text_offset counts characters of the completion from `offset`."""
+    tokens, offsets = [], []
+    for entry in entries or []:
+        tokens.append(entry.token)
+        offsets.append(offset)
+        offset += len(entry.token)
+    return LegacyLogprobs(tokens=tokens, token_logprobs=[e.logprob for e in entries or []],
+                          top_logprobs=[{t.token: t.logprob for t in e.top_logprobs} for e in entries or []],
+                          text_offset=offsets)
+
+
+def openai_reason(reason: str | None) -> str | None:
     return None if reason is None else "length" if reason == "length" else "stop"
 
 
-def _total(usage: Any) -> dict[str, int]:
+def usage_of(usage: Any) -> dict[str, int]:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
 
@@ -204,14 +229,24 @@ async def complete(gateway: GenerationGateway, session: Session, principal: Prin
     prompt, params = openai_params(body)
     started = await start(gateway, session, principal, body.model, prompt, params)
     completion_id, created = f"cmpl-{started.request_id.removeprefix('gen-')}", int(time.time())
+    wants = params.logprobs is not None
     if not body.stream:
         done = await collect(gateway, started, disconnected)
         return Completion(id=completion_id, created=created, model=body.model,
                           choices=[CompletionChoice(text=c.text, index=c.index,
-                                                    finish_reason=_openai_reason(c.finish_reason))  # type: ignore[arg-type]
+                                                    logprobs=legacy_logprobs(c.logprobs) if wants else None,
+                                                    finish_reason=openai_reason(c.finish_reason))  # type: ignore[arg-type]
                                    for c in done.choices],
-                          usage=CompletionUsage(**_total(done.usage)))
+                          usage=CompletionUsage(**usage_of(done.usage)))
     include_usage = bool((body.stream_options or {}).get("include_usage"))
+    offsets: dict[int, int] = {}  # characters streamed so far per choice, for text_offset
+
+    def logprobs(event: TokenEvent) -> dict[str, Any] | None:
+        if not wants:
+            return None
+        out = legacy_logprobs(event.logprobs, offsets.get(event.index, 0))
+        offsets[event.index] = offsets.get(event.index, 0) + sum(len(t) for t in out.tokens)
+        return out.model_dump()
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
         return sse({"id": completion_id, "object": "text_completion", "created": created, "model": body.model,
@@ -219,13 +254,14 @@ async def complete(gateway: GenerationGateway, session: Session, principal: Prin
 
     def render(event: GenerationEvent) -> list[bytes]:
         if isinstance(event, TokenEvent):
-            return [chunk([{"text": event.text, "index": event.index, "logprobs": None, "finish_reason": None}])]
+            return [chunk([{"text": event.text, "index": event.index, "logprobs": logprobs(event),
+                            "finish_reason": None}])]
         if not isinstance(event, DoneEvent):
             return []
         out = [chunk([{"text": "", "index": c.index, "logprobs": None,
-                       "finish_reason": _openai_reason(c.finish_reason)}]) for c in event.choices]
+                       "finish_reason": openai_reason(c.finish_reason)}]) for c in event.choices]
         if include_usage:
-            out.append(chunk([], _total(event.usage)))
+            out.append(chunk([], usage_of(event.usage)))
         return out
 
     return relay(gateway, started, render)

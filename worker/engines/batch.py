@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
-from core.protocol import SamplingParams
+from core.protocol import SamplingParams, TokenLogprob
 from worker.engines.sampling import TextStream, row_seed
 
-OnToken = Callable[[int, str], None]
+# on_token(choice index, text delta); a request with params.logprobs set gets a third argument, the logprobs
+# of the tokens that delta came from (a held-back delta's tokens arrive with the next one).
+OnToken = Callable[..., None]
 
 
 class QueueFull(RuntimeError):
@@ -32,6 +35,7 @@ class Choice:
     text: str
     finish_reason: str  # "length" | "stop" | "eos" | "cancelled"
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per generated token (not the eos), when asked for
 
 
 @dataclass
@@ -57,21 +61,24 @@ class Request:
     future: Future = field(default_factory=Future)
     sequences: list[SequenceState] = field(default_factory=list)
     done: bool = False
+    matchers: list[Any] = field(default_factory=list)  # one grammar matcher per choice when constrained
 
     def result(self) -> GenerationResult:
         """The outcome from its sequences; a request dropped before it started has empty cancelled choices."""
         if not self.sequences:
             return GenerationResult(self.request_id, [Choice(i, "", "cancelled", []) for i in range(self.params.n)],
                                     len(self.prompt), 0)
-        choices = [Choice(s.index, s.stream.text, s.finish_reason or "cancelled", list(s.tokens))
+        choices = [Choice(s.index, s.stream.text, s.finish_reason or "cancelled", list(s.tokens), s.logprobs)
                    for s in self.sequences]
         return GenerationResult(self.request_id, choices, len(self.prompt), sum(len(c.token_ids) for c in choices))
 
     def open(self, table: list[bytes]) -> list[SequenceState]:
         """Create the request's n sequences, each with its own seed (seed + index when seeded)."""
         for index in range(self.params.n):
-            self.sequences.append(SequenceState(self, index, TextStream(table, self.params.stop),
-                                                row_seed(self.params, index)))
+            self.sequences.append(SequenceState(
+                self, index, TextStream(table, self.params.stop), row_seed(self.params, index),
+                matcher=self.matchers[index] if self.matchers else None,
+                logprobs=[] if self.params.logprobs is not None else None))
         return self.sequences
 
     def cancel(self) -> list[tuple[int, str]]:
@@ -99,6 +106,9 @@ class SequenceState:
     seed: int | None  # None when greedy
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    matcher: Any = None  # the grammar matcher of a constrained sequence, advanced by every accepted token
+    logprobs: list[TokenLogprob] | None = None
+    unsent: list[TokenLogprob] = field(default_factory=list)  # logprobs not yet streamed with a text delta
 
     @property
     def position(self) -> int:
@@ -108,6 +118,8 @@ class SequenceState:
     def accept(self, token: int, eos_ids: frozenset[int]) -> str:
         """Append a sampled token, decide whether the sequence is finished; returns the text to emit."""
         self.tokens.append(token)
+        if self.matcher is not None:
+            self.matcher.consume_token(token)
         if token in eos_ids:
             self.finish_reason = "eos"
             return self.stream.finish()  # the eos token has no text
@@ -118,6 +130,12 @@ class SequenceState:
             self.finish_reason = "length"
             delta += self.stream.finish()
         return delta
+
+
+    def take_unsent(self) -> list[TokenLogprob]:
+        """The logprobs gathered since the last streamed delta."""
+        unsent, self.unsent = self.unsent, []
+        return unsent
 
 
 def prompt_ids(prompt: str | Sequence[int], encode: Callable[[str], list[int]], vocab_size: int) -> list[int]:

@@ -35,7 +35,9 @@ from worker.engines.batch import (
 from worker.engines.device import DevicePlan, resolve_device
 from worker.engines.generation_outcomes import RequestOutcomes
 from worker.engines.gpt2_weights import load_gpt2
+from worker.engines.grammar import Grammars
 from worker.engines.lm_loading import Gpt2Runner, load_tokenizer, token_bytes
+from worker.engines.row_outputs import chat_ids, constrained_logits, record_logprobs
 from worker.engines.sampling import RowParams, next_tokens
 
 __all__ = ["DeadlineExceeded", "EngineClosed", "GenerationEngine", "GenerationResult", "QueueFull", "SamplingParams"]
@@ -76,6 +78,7 @@ class GenerationEngine(RequestOutcomes):
         # Told the batch size of every decode step (the worker's metrics); runs on the scheduler thread.
         self._on_step = on_step
         self._table = token_bytes(self.tokenizer, self.vocab_size)
+        self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._runner = Gpt2Runner(weights, self.plan, max_rows=max_batch_size)
         self._device = torch.device(self.plan.device)
         self._encode_lock = threading.Lock()  # HF fast tokenizers are not safe to call from many threads
@@ -99,6 +102,11 @@ class GenerationEngine(RequestOutcomes):
         with self._encode_lock:
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
 
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Prompt ids of a chat through the model's own chat template (NoChatTemplate when it has none)."""
+        with self._encode_lock:
+            return chat_ids(self.tokenizer, messages)
+
     def submit(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, request_id: str | None = None,
         on_token: OnToken | None = None, is_cancelled: Callable[[], bool] | None = None,
@@ -112,6 +120,8 @@ class GenerationEngine(RequestOutcomes):
         check_fits(len(ids), params, context_length=self.context_length, max_batch_size=self.max_batch_size,
                    max_tokens_in_flight=self.max_tokens_in_flight)
         request = Request(request_id or uuid.uuid4().hex, ids, params, on_token, is_cancelled, deadline)
+        if params.constraint is not None:  # compiled here, on the caller's thread: off the decode loop
+            request.matchers = [self._grammars.matcher(params.constraint) for _ in range(params.n)]
         with self._lock:
             if self._closed:
                 raise EngineClosed("the generation engine is closed")
@@ -313,7 +323,8 @@ class GenerationEngine(RequestOutcomes):
         else:
             params, first = self._row_params, 0
         seen = self._seen[first:len(self._rows)] if params.penalty is not None else None
-        new = next_tokens(logits, params, seen)
+        new = next_tokens(constrained_logits(logits, self._rows[first:]), params, seen)
+        record_logprobs(logits, new, self._rows[first:], self._table, self.eos_token_ids)
         if step is not None:
             with self._lock:
                 self._counters["steps"] += 1
@@ -349,7 +360,7 @@ class GenerationEngine(RequestOutcomes):
         for sequence, token in zip(self._rows[first:], ids, strict=True):
             delta = sequence.accept(token, self.eos_token_ids)
             if delta and sequence.request.on_token is not None and not sequence.request.done:
-                self._emit(sequence.request, sequence.index, delta)
+                self._emit(sequence.request, sequence.index, delta, sequence.take_unsent())
         with self._lock:
             self._counters["generated_tokens"] += len(ids)
         self._sweep()

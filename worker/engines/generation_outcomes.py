@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from core.protocol import TokenLogprob
 from worker.engines.batch import EngineClosed, Request, SequenceState
 
 
@@ -21,9 +22,12 @@ class RequestOutcomes:
     _runner: Any
     _sweep: Callable[[], None]  # GenerationEngine's: removes finished rows and resolves completed requests
 
-    def _emit(self, request: Request, index: int, delta: str) -> None:
+    def _emit(self, request: Request, index: int, delta: str, logprobs: list[TokenLogprob] | None = None) -> None:
         try:
-            request.on_token(index, delta)
+            if request.params.logprobs is not None:  # such a request's callback takes the delta's logprobs too
+                request.on_token(index, delta, logprobs or [])
+            else:
+                request.on_token(index, delta)
         except Exception as error:  # noqa: BLE001 - a broken callback fails its own request only
             self._fail(request, error)
 

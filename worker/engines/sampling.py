@@ -15,8 +15,8 @@ from core.protocol import MAX_SEED, SamplingParams
 CANDIDATES = 256
 
 __all__ = [
-    "CANDIDATES", "MAX_SEED", "RowParams", "SamplingParams", "TextStream", "counter_uniforms", "next_tokens",
-    "penalize", "row_seed", "truncated_distribution",
+    "CANDIDATES", "MAX_SEED", "RowParams", "SamplingParams", "StepLogprobs", "TextStream", "constrain",
+    "counter_uniforms", "next_tokens", "penalize", "row_seed", "step_logprobs", "truncated_distribution",
 ]
 
 
@@ -159,6 +159,50 @@ def next_tokens(logits: torch.Tensor, rows: RowParams, seen: torch.Tensor | None
         drawn[rows.truncated] = ids.gather(1, picked[:, None])[:, 0]
     tokens[rows.sample_index] = drawn
     return tokens
+
+
+def constrain(logits: torch.Tensor, rows: list[int], allowed: torch.Tensor) -> torch.Tensor:
+    """Logits with each listed row's disallowed tokens at -inf (allowed: bool [len(rows), V]); other rows as they are.
+
+    Constrained and free rows then draw in one next_tokens call. A row left with no allowed token (a
+    matcher in error) keeps its logits rather than becoming all -inf, which would sample garbage ids.
+    """
+    if not rows:
+        return logits
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    allowed = allowed.to(logits.device)
+    allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
+    masked = logits.index_select(0, index).masked_fill(~allowed, -math.inf)
+    return logits.index_copy(0, index, masked)
+
+
+class StepLogprobs:
+    """One step's log-probabilities for the rows that asked: the sampled token's and the top `k`, on the host."""
+
+    def __init__(self, rows: list[int], chosen: list[float], top_ids: list[list[int]],
+                 top_values: list[list[float]]) -> None:
+        self.rows = rows
+        self.chosen = chosen
+        self.top_ids = top_ids
+        self.top_values = top_values
+
+
+def step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], top: list[int]) -> StepLogprobs:
+    """Log-softmax in fp32 of the model's logits for `rows` (before penalty, temperature or grammar mask,
+    as OpenAI and vLLM report them): each sampled token's logprob and its row's `top[i]` most likely tokens.
+
+    Taken from the step's own logits, so there is no second forward pass; one device->host copy for all rows.
+    """
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logprobs = logits.index_select(0, index).float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens.index_select(0, index)[:, None])[:, 0]
+    host_values: list[list[float]] = [[] for _ in rows]
+    host_ids: list[list[int]] = [[] for _ in rows]
+    if max(top):
+        values, ids = logprobs.topk(max(top), dim=-1)
+        host_values, host_ids = values.tolist(), ids.tolist()
+    return StepLogprobs(rows, chosen.tolist(), [i[:k] for i, k in zip(host_ids, top, strict=True)],
+                        [v[:k] for v, k in zip(host_values, top, strict=True)])
 
 
 class TextStream:

@@ -1,0 +1,179 @@
+"""/v1/chat/completions, logprobs and structured output through the real gateway, Redis streams and a tiny GPT-2,
+driven with the official `openai` client (streamed and not) and raw HTTP for the refusals.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jsonschema
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.api.test_generation import worker_ctx  # noqa: F401 - the in-process generation worker fixture
+from tests.tiny_lm import build_tiny_gpt2
+
+# ChatML with the tokenizer's bos token and a raise_exception, as hub templates use them.
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'assistant' and loop.first %}{{ raise_exception('a chat cannot open with the assistant') }}"
+    "{% endif %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour, s'il vous plaît"}]
+SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]},
+                                           "shade": {"type": "integer", "minimum": 1, "maximum": 9}},
+          "required": ["colour", "shade"], "additionalProperties": False}
+
+
+@pytest.fixture()
+def served(settings, worker_ctx):  # noqa: F811
+    """A tiny GPT-2 with a chat template ("chat") and one without ("plain"), served by the worker in-process."""
+    chat = build_tiny_gpt2(settings.home / "models" / "chat", n_positions=128)
+    tokenizer = AutoTokenizer.from_pretrained(chat)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(chat)
+    build_tiny_gpt2(settings.home / "models" / "plain", n_positions=64)
+    return chat
+
+
+@pytest.fixture()
+def api(client):
+    return openai.OpenAI(base_url="http://testserver/v1", api_key=client.headers["Authorization"].split()[1],
+                         http_client=client, max_retries=0)
+
+
+def _reference(path, messages, max_new_tokens):
+    """HF's own rendering and greedy generate: the ids and text the route must reproduce."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.inference_mode():
+        out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=50256)
+        logits = model(out).logits[0].float()
+    new = out[0, ids.shape[1]:]
+    logprobs = logits.log_softmax(-1)[ids.shape[1] - 1:-1].gather(1, new[:, None])[:, 0]
+    return ids.shape[1], tokenizer.decode(new, skip_special_tokens=True), logprobs.tolist()
+
+
+def test_chat_equals_hf_chat_template_and_generate_streamed_and_not(api, served):
+    prompt_tokens, text, logprobs = _reference(served, CHAT, 10)
+    reply = api.chat.completions.create(model="chat", messages=CHAT, max_completion_tokens=10, temperature=0,
+                                        logprobs=True, top_logprobs=3)
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-")
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == text
+    assert choice.finish_reason in ("length", "stop")
+    assert reply.usage.prompt_tokens == prompt_tokens and reply.usage.completion_tokens == 10
+    assert [e.logprob for e in choice.logprobs.content] == pytest.approx(logprobs, abs=1e-3)
+    assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob for e in choice.logprobs.content)
+    assert "".join(bytes(e.bytes).decode("utf-8", "replace") for e in choice.logprobs.content) == text
+
+    chunks = list(api.chat.completions.create(model="chat", messages=CHAT, max_tokens=10, temperature=0, stream=True,
+                                              stream_options={"include_usage": True}, logprobs=True))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == prompt_tokens + 10
+    streamed = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == pytest.approx(logprobs[:len(streamed)], abs=1e-3) and len(streamed) >= 9
+
+
+def test_chat_sampling_options_n_seed_stop(api, served):
+    body = {"model": "chat", "messages": CHAT, "max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "seed": 4, "n": 3}
+    first, second = api.chat.completions.create(**body), api.chat.completions.create(**body)
+    assert [c.message.content for c in first.choices] == [c.message.content for c in second.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2] and len({c.message.content for c in first.choices}) > 1
+    stop = first.choices[0].message.content[2:4]
+    if stop.strip():
+        cut = api.chat.completions.create(**{**body, "n": 1, "stop": [stop]}).choices[0]
+        assert cut.finish_reason == "stop" and stop not in cut.message.content
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_structured_output_through_the_openai_client(api, served, temperature):
+    response_format = {"type": "json_schema", "json_schema": {"name": "colour", "schema": SCHEMA, "strict": True}}
+    reply = api.chat.completions.create(model="chat", messages=CHAT, max_tokens=40, temperature=temperature,
+                                        response_format=response_format, n=2, seed=1)
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    streamed = list(api.chat.completions.create(model="chat", messages=CHAT, max_tokens=40, temperature=temperature,
+                                                response_format=response_format, stream=True, seed=1))
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in streamed if c.choices)), SCHEMA)
+    choice = api.chat.completions.create(model="chat", messages=CHAT, max_tokens=10, temperature=temperature,
+                                         extra_body={"guided_choice": ["left", "right"]}).choices[0]
+    assert choice.message.content in ("left", "right")
+    done = api.completions.create(model="chat", prompt="Code:", max_tokens=12, temperature=temperature,
+                                  extra_body={"guided_regex": "[A-Z]{2}[0-9]{2}"})
+    text = done.choices[0].text
+    assert len(text) == 4 and text[:2].isupper() and text[2:].isdigit() and done.choices[0].finish_reason == "stop"
+    loose = api.chat.completions.create(model="chat", messages=CHAT, max_tokens=5, temperature=temperature,
+                                        response_format={"type": "json_object"}).choices[0]
+    assert loose.message.content.startswith("{") and loose.finish_reason in ("length", "stop")
+
+
+def test_completions_logprobs_in_openai_legacy_format(api, served):
+    done = api.completions.create(model="plain", prompt="ROMEO:", max_tokens=6, temperature=0, logprobs=4)
+    logprobs = done.choices[0].logprobs
+    assert "".join(logprobs.tokens) == done.choices[0].text and len(logprobs.token_logprobs) == 6
+    assert all(len(top) <= 4 and max(top.values()) >= lp - 1e-6
+               for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs, strict=True))
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
+    assert all(lp <= 0 and not math.isnan(lp) for lp in logprobs.token_logprobs)
+    chunks = list(api.completions.create(model="plain", prompt="ROMEO:", max_tokens=6, temperature=0, logprobs=4,
+                                         stream=True))
+    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs
+                for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(logprobs.token_logprobs[:len(streamed)], abs=1e-5) and len(streamed) >= 5
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"model": "plain"}, "model"),  # no chat template
+    ({"messages": [{"role": "assistant", "content": "hi"}]}, "messages"),  # the template's raise_exception
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"made_up_option": 1}, "made_up_option"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "uniqueItems": True}}}}, "response_format"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content"),
+])
+def test_bad_chat_requests_are_422_naming_the_field(client, served, body, field):
+    response = client.post("/v1/chat/completions", json={"model": "chat", "messages": CHAT, "max_tokens": 4, **body})
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["code"] == "validation_error" and field in (error["field"] or ""), error
+
+
+def test_completions_refuse_more_than_five_logprobs(client, served):
+    response = client.post("/v1/completions", json={"model": "plain", "prompt": "Hi", "logprobs": 6})
+    assert response.status_code == 422 and response.json()["error"]["field"].endswith("logprobs")
+
+
+def test_the_worker_renders_chats_exactly_as_apply_chat_template(served):
+    from core.protocol import ChatMessage, GenerateTask, SamplingParams
+    from worker.engines.generation import GenerationEngine
+    from worker.serving import render_chat
+
+    tokenizer = AutoTokenizer.from_pretrained(served)
+    chats = [CHAT, CHAT + [{"role": "assistant", "content": "Rouge 🙂"}, {"role": "user", "content": "Encore ?"}]]
+    with GenerationEngine(served, device="cpu", precision="fp32", max_batch_size=2) as engine:
+        for chat in chats:
+            task = GenerateTask(request_id="r", model=str(served), prompt="", deadline=0, params=SamplingParams(),
+                                messages=[ChatMessage(**m) for m in chat])
+            expected = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+            assert render_chat(engine, task) == list(expected)
+            assert expected[0] == tokenizer.bos_token_id  # the template's bos_token came from tokenizer_config.json
