@@ -56,9 +56,11 @@ export function errorBox(error) {
   return h("p.error", { role: "alert" }, `${error?.message || error}${where}`);
 }
 
-// `body` is a list of rows or a <tbody> the caller keeps to refill (a tbody inside another would lay the rows
-// out in the first column, beside the header rather than under it).
+// `headers` are texts or <th> elements (a th.hide-narrow hides with its column's td.hide-narrow cells); `body` is
+// a list of rows or a <tbody> the caller keeps to refill (a tbody inside another would lay the rows out in the
+// first column, beside the header rather than under it).
 export function table(headers, body) {
   const tbody = body instanceof HTMLTableSectionElement ? body : h("tbody", {}, body);
-  return h("div.scroll", {}, h("table", {}, h("thead", {}, h("tr", {}, headers.map((t) => h("th", {}, t)))), tbody));
+  const th = (t) => (t instanceof HTMLTableCellElement ? t : h("th", {}, t));
+  return h("div.scroll", {}, h("table", {}, h("thead", {}, h("tr", {}, headers.map(th))), tbody));
 }

@@ -23,7 +23,7 @@ export async function renderJobs(root, params, signal) {
   const form = newJobForm(signal);
   form.hidden = true;
   root.append(form, error, h("div.card", {}, table(
-    ["", "job", "status", "progress", "ETA", "model", "best", h("span.hide-narrow", {}, "created")], body)));
+    ["", "job", "status", "progress", "ETA", "model", "best", h("th.hide-narrow", {}, "created")], body)));
 
   const row = (job) => h("tr", { "data-job": job.id },
     h("td", {}, h("input", { type: "checkbox", "aria-label": `select ${job.id}`, checked: selected.has(job.id),
