@@ -155,7 +155,7 @@ def test_the_new_job_form_is_built_from_the_typed_spec_and_sends_a_valid_body(pa
                     "hyperparameters": {"epochs": 2, "learning_rate": 0.001, "freeze_word_embeddings": True}}
     assert isinstance(adapter.validate_python(body), ClassificationJob)
     page.wait_for_selector("#new-job .error")  # the server's answer is shown by the form
-    # Another kind: its own fields, the chosen dataset kept, a free-form field as a JSON box.
+    # Another kind: its own fields, what was typed into fields of the same name kept, a free-form field as JSON.
     page.select_option("#new-job select[name=task]", "causal-lm")
     assert page.locator('#new-job [name="hyperparameters.epochs"]').count() == 0
     assert page.locator("#new-job [name=label_column]").count() == 0
@@ -164,8 +164,8 @@ def test_the_new_job_form_is_built_from_the_typed_spec_and_sends_a_valid_body(pa
     page.fill('#new-job input[name="hyperparameters.block_size"]', "64")
     page.fill("#new-job textarea[name=metadata]", '{"team": "nlp"}')
     body = _submitted(page)
-    assert body == {"task": "causal-lm", "train_dataset": train, "text_column": "sentence",
-                    "hyperparameters": {"block_size": 64}, "metadata": {"team": "nlp"}}
+    assert body == {"task": "causal-lm", "base_model": "minilm-l6", "train_dataset": train, "text_column": "sentence",
+                    "hyperparameters": {"block_size": 64, "learning_rate": 0.001}, "metadata": {"team": "nlp"}}
     assert isinstance(adapter.validate_python(body), CausalLMJob)
 
 
@@ -222,7 +222,8 @@ def test_chat_mode_sends_the_conversation_and_shows_logprobs_on_hover(page):
     reply = page.locator("#chat-messages [data-role=assistant] .text")
     assert json.loads(reply.inner_text()) == {"mood": "happy"}
     assert "2 tokens, finish: stop" in page.inner_text("#chat-stats")
-    page.hover("#chat-messages .tok.p-low")  # e^-1.6 is 20%: marked as a doubtful token
+    assert page.locator("#chat-messages .tok.p-high").count() == 1
+    page.hover("#chat-messages .tok.p-mid")  # e^-1.6 is 20%: shaded as a doubtful token
     tip = page.locator("#logprob-tip")
     assert tip.is_visible()
     assert '": \\"sad\\"}"' in tip.inner_text() and "74.1%" in tip.inner_text() and "20.2%" in tip.inner_text()
@@ -251,6 +252,7 @@ def test_the_dashboard_runs_under_a_csp_without_unsafe_inline(page, service: Ser
         route.fulfill(response=response, headers={**response.headers, "content-security-policy": policy})
 
     page.route(service.base + "/", document)
+    page.reload()  # the page came without the policy; a change of hash alone would not fetch it again
     job = service.api.post("/jobs", json=job_body(_dataset(service), base_model=str(service.tiny_bert))).json()
     service.api.post(f"/jobs/{job['id']}/cancel")
     for view in ("#/jobs", f"#/jobs/{job['id']}", "#/datasets", "#/compare", "#/playground?mode=chat"):
@@ -259,7 +261,7 @@ def test_the_dashboard_runs_under_a_csp_without_unsafe_inline(page, service: Ser
         if view == "#/jobs":
             page.click("#new-job-toggle")
             page.wait_for_selector("#new-job[data-ready=true]")
-            page.wait_for_selector(".progress > span")  # styled through the CSSOM, which the policy allows
+            page.wait_for_selector(".progress > span", state="attached")  # styled through the CSSOM, which the policy allows
     page.evaluate("document.body.setAttribute('style', 'color: red')")  # the policy is in force: this is refused
     page.wait_for_timeout(200)
     assert len(violations) == 1 and "style" in violations[0], violations
