@@ -1,7 +1,7 @@
 """The dashboard in headless Chromium against real API and worker processes: a tiny fine-tune drawn live,
 cancel, dataset upload and preview, compare, a streamed completion, chat refused for a model without a chat
 template, a narrow screen (tables' header and cell columns line up there too), and stream slots freed when
-clients disconnect. The job page and compare screenshots in docs/ come from here
+clients disconnect. The jobs list, job page and compare screenshots in docs/ come from here
 (TRAINSERVE_UPDATE_DOCS_SCREENSHOTS=1; otherwise they go to var/test-screenshots/)."""
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ def test_a_job_started_from_the_form_draws_its_curve_live_until_it_succeeds(page
     page.wait_for_selector(f"tr[data-job={job_id}] [data-status=succeeded]")
     assert "accuracy" in page.locator(f"tr[data-job={job_id}]").inner_text()  # the best metric column
     assert columns_line_up(page, "#view table") >= 1
+    page.screenshot(path=str(DOCS / "dashboard-jobs.png"), full_page=True)
 
 
 def test_cancel_from_the_job_page(page, service):

@@ -261,7 +261,7 @@ def test_the_dashboard_runs_under_a_csp_without_unsafe_inline(page, service: Ser
         if view == "#/jobs":
             page.click("#new-job-toggle")
             page.wait_for_selector("#new-job[data-ready=true]")
-            page.wait_for_selector(".progress > span", state="attached")  # styled through the CSSOM, which the policy allows
+            page.wait_for_selector(".progress > span", state="attached")  # its width is set through the CSSOM
     page.evaluate("document.body.setAttribute('style', 'color: red')")  # the policy is in force: this is refused
     page.wait_for_timeout(200)
     assert len(violations) == 1 and "style" in violations[0], violations
