@@ -57,12 +57,14 @@ class ClassifierHyperparameters(BaseModel):
     learning_rate: float = Field(5e-5, gt=0, le=1)
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     freeze_word_embeddings: bool = False
+    weight_decay: float = Field(0.01, ge=0)
 
 
 class LMHyperparameters(BaseModel):
     model_config = ConfigDict(extra="forbid")
     block_size: int = Field(128, ge=8, le=4096)
     learning_rate: float = Field(3e-4, gt=0, le=1)
+    weight_decay: float = Field(0.1, ge=0)  # another default than the classifier's: not carried over
 
 
 class ClassificationJob(BaseModel):
@@ -124,6 +126,7 @@ def _dataset(service: Service) -> str:
 
 def test_the_new_job_form_is_built_from_the_typed_spec_and_sends_a_valid_body(page, service: Service):
     train = _dataset(service)
+    _dataset(service)  # listed first (newest): the one picked must be kept when the kind changes
     _serve_typed_spec(page)
     page.reload()
     page.click("#new-job-toggle")
@@ -155,11 +158,13 @@ def test_the_new_job_form_is_built_from_the_typed_spec_and_sends_a_valid_body(pa
                     "hyperparameters": {"epochs": 2, "learning_rate": 0.001, "freeze_word_embeddings": True}}
     assert isinstance(adapter.validate_python(body), ClassificationJob)
     page.wait_for_selector("#new-job .error")  # the server's answer is shown by the form
-    # Another kind: its own fields, what was typed into fields of the same name kept, a free-form field as JSON.
+    # Another kind: its own fields and defaults, what was changed in fields of the same name kept, a free-form
+    # field as JSON.
     page.select_option("#new-job select[name=task]", "causal-lm")
     assert page.locator('#new-job [name="hyperparameters.epochs"]').count() == 0
     assert page.locator("#new-job [name=label_column]").count() == 0
     assert page.input_value('#new-job input[name="hyperparameters.block_size"]') == "128"
+    assert page.input_value('#new-job input[name="hyperparameters.weight_decay"]') == "0.1"
     assert page.input_value("#new-job select[name=train_dataset]") == train
     page.fill('#new-job input[name="hyperparameters.block_size"]', "64")
     page.fill("#new-job textarea[name=metadata]", '{"team": "nlp"}')

@@ -75,7 +75,11 @@ export function newJobForm(signal) {
         body = bodyField(doc, schema, widgets);
         fieldsBox.replaceChildren(...[body.el].flat());
         // A change of kind re-renders the fields: new dataset pickers are filled from the list already loaded.
-        fieldsBox.addEventListener("change", (e) => { if (e.target.dataset.union) refill(); });
+        fieldsBox.addEventListener("change", (e) => {
+          if (!e.target.dataset.union) return;
+          refill();
+          pickColumns(select("train_dataset")?.value);
+        });
       }
       datasets = (await api("/datasets?limit=100", { signal })).data;
       refill();

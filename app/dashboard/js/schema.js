@@ -118,16 +118,22 @@ function unionField(doc, union, path, widgets) {
   const box = h("div.wide.grid.union");
   let fields = [];
   const show = () => {
-    // Values typed so far survive a change of kind wherever the new kind has an input of the same name.
-    const kept = new Map([...box.querySelectorAll("[name]")].map((i) => [i.name, i.type === "checkbox" ? i.checked : i.value]));
+    // What the user changed survives a change of kind wherever the new kind has an input of the same name;
+    // untouched inputs take the new kind's defaults (the kinds' defaults may differ).
+    const kept = new Map([...box.querySelectorAll("[name][data-touched]")]
+      .map((i) => [i.name, i.type === "checkbox" ? i.checked : i.value]));
     fields = objectFields(doc, union.branches[Number(select.value)].schema, path, widgets, union.property);
     box.replaceChildren(...fields.map((f) => f.el).filter(Boolean));
     for (const input of box.querySelectorAll("[name]")) {
-      if (!kept.has(input.name) || input.tagName === "SELECT") continue;
+      if (!kept.has(input.name)) continue;
       if (input.type === "checkbox") input.checked = kept.get(input.name);
       else input.value = kept.get(input.name);
+      input.dataset.touched = "true";
     }
   };
+  const touched = (e) => { if (e.target.name) e.target.dataset.touched = "true"; };
+  box.addEventListener("input", touched);
+  box.addEventListener("change", touched);
   select.addEventListener("change", show);
   show();
   return {
