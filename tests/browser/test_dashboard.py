@@ -92,6 +92,7 @@ def test_a_job_started_from_the_form_draws_its_curve_live_until_it_succeeds(page
     page.wait_for_selector(f"tr[data-job={job_id}] [data-status=succeeded]")
     assert "accuracy" in page.locator(f"tr[data-job={job_id}]").inner_text()  # the best metric column
     assert columns_line_up(page, "#view table") >= 1
+    assert page.locator("#new-job").is_hidden()  # until "New job" is clicked
     page.screenshot(path=str(DOCS / "dashboard-jobs.png"), full_page=True)
 
 
