@@ -37,3 +37,25 @@ def test_every_dashboard_file_is_package_data():
     files = [p.relative_to(DASHBOARD_DIR.parent).as_posix() for p in DASHBOARD_DIR.rglob("*") if p.is_file()]
     missing = [f for f in files if not any(fnmatch.fnmatch(f, pattern) for pattern in patterns)]
     assert files and not missing, f"not shipped in the wheel: {missing}"
+
+
+def test_no_inline_script_event_handler_or_markup_from_strings():
+    """A Content-Security-Policy without 'unsafe-inline' (or 'unsafe-eval') runs the whole dashboard."""
+    from html.parser import HTMLParser
+
+    found: list[tuple[str, dict[str, str | None]]] = []
+
+    class Tags(HTMLParser):
+        def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+            found.append((tag, dict(attrs)))
+
+    Tags().feed((DASHBOARD_DIR / "index.html").read_text())
+    scripts = [attrs for tag, attrs in found if tag == "script"]
+    assert scripts and all((attrs.get("src") or "").startswith("/ui/") for attrs in scripts)
+    assert not [(tag, name) for tag, attrs in found for name in attrs if name.startswith("on") or name == "style"]
+    for path in DASHBOARD_DIR.glob("js/*.js"):
+        text = path.read_text()
+        # Elements come from h() (text nodes, listeners, CSSOM styles): never parsed from strings.
+        for pattern in (r"innerHTML", r"outerHTML", r"insertAdjacentHTML", r"\beval\(", r"new Function",
+                        r"setAttribute\(\s*[\"'](on|style)", r"javascript:", r"document\.write"):
+            assert not re.search(pattern, text), (path.name, pattern)

@@ -58,9 +58,11 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             proc.kill()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def service(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    """The API and two workers as separate processes on PostgreSQL and Redis, with a tiny GPT-2 to serve."""
+    """The API and two workers as separate processes on PostgreSQL and Redis, with a tiny GPT-2 to serve;
+    one for the browser test modules of this package (a start costs half a minute on a small machine), stopped
+    before other packages' tests, whose workers share the Redis queues."""
     from tests.tiny_lm import build_tiny_gpt2
     from tests.tiny_models import build_tiny_bert
 
@@ -100,12 +102,12 @@ def service(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
     finally:
         _stop(procs)
         engine = create_engine(pg_url)
-        with engine.begin() as conn:  # leave the shared test database empty for the tests after this module
+        with engine.begin() as conn:  # leave the shared test database empty for the tests after these
             conn.execute(text(f"TRUNCATE {', '.join(t.name for t in Base.metadata.sorted_tables)} CASCADE"))
         engine.dispose()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def browser() -> Iterator[Any]:
     """Headless Debian chromium; its absence is a failure with the fix in the message."""
     try:
@@ -118,6 +120,26 @@ def browser() -> Iterator[Any]:
         chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         yield chromium
         chromium.close()
+
+
+def columns_line_up(page, table: str) -> int:
+    """Each visible header cell sits over its column's cells (same left edge and width); returns the rows seen."""
+    geometry = page.evaluate("""(selector) => {
+      const table = document.querySelector(selector);
+      const box = (el) => { const r = el.getBoundingClientRect(); return [r.left, r.width, r.top, r.bottom]; };
+      const shown = (row) => [...row.children].filter((c) => c.getBoundingClientRect().width > 0).map(box);
+      return { head: shown(table.tHead.rows[0]), rows: [...table.tBodies[0].rows].filter((r) => r.cells.length > 1)
+        .map(shown), tbodies: table.querySelectorAll("tbody").length };
+    }""", table)
+    assert geometry["tbodies"] == 1, table
+    head = geometry["head"]
+    assert geometry["rows"], f"{table} has no rows"
+    for row in geometry["rows"]:
+        assert len(row) == len(head), (table, head, row)
+        for (h_left, h_width, _, h_bottom), (c_left, c_width, c_top, _) in zip(head, row, strict=True):
+            assert abs(h_left - c_left) < 1 and abs(h_width - c_width) < 1, (table, head, row)
+            assert c_top >= h_bottom - 1, (table, head, row)  # under the header, not beside it
+    return len(geometry["rows"])
 
 
 @pytest.fixture()

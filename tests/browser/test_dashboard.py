@@ -1,6 +1,7 @@
 """The dashboard in headless Chromium against real API and worker processes: a tiny fine-tune drawn live,
-cancel, dataset upload and preview, compare, a streamed completion, a narrow screen, and stream slots freed
-when clients disconnect. The job page and compare screenshots in docs/ come from here
+cancel, dataset upload and preview, compare, a streamed completion, chat refused for a model without a chat
+template, a narrow screen (tables' header and cell columns line up there too), and stream slots freed when
+clients disconnect. The jobs list, job page and compare screenshots in docs/ come from here
 (TRAINSERVE_UPDATE_DOCS_SCREENSHOTS=1; otherwise they go to var/test-screenshots/)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
-from tests.browser.conftest import SCREENSHOTS, Service
+from tests.browser.conftest import SCREENSHOTS, Service, columns_line_up
 from tests.conftest import ROOT
 from tests.factories import job_body, sentiment_rows, tsv_bytes
 from tests.integration.conftest import wait_for
@@ -44,13 +45,25 @@ def _status(service: Service, job_id: str) -> str:
     return str(service.api.get(f"/jobs/{job_id}").json()["status"])
 
 
+def _fill_hyperparameters(page, hyper: dict[str, object]) -> None:
+    """A typed spec has one input per hyperparameter; a free-form one is a JSON box."""
+    box = page.locator("#new-job textarea[name=hyperparameters]")
+    if box.count():
+        box.fill(json.dumps(hyper))
+        return
+    for name, value in hyper.items():
+        page.fill(f'#new-job [name="hyperparameters.{name}"]', str(value))
+
+
 def test_a_job_started_from_the_form_draws_its_curve_live_until_it_succeeds(page, service):
     train = _dataset(service, "sentiment")
     page.click("#new-job-toggle")
+    page.wait_for_selector("#new-job[data-ready=true]")
     page.select_option("#new-job select[name=train_dataset]", train)
     page.select_option("#new-job select[name=eval_dataset]", train)
     page.fill("#new-job input[name=base_model]", str(service.tiny_bert))
-    page.fill("#new-job textarea[name=hyperparameters]", str(HYPER).replace("'", '"'))
+    assert page.input_value("#new-job input[name=text_column]") == "sentence"  # from the dataset's columns
+    _fill_hyperparameters(page, HYPER)
     page.click("#new-job button[type=submit]")
     page.wait_for_url("**/#/jobs/job_*")
     job_id = page.url.rsplit("/", 1)[1]
@@ -69,11 +82,18 @@ def test_a_job_started_from_the_form_draws_its_curve_live_until_it_succeeds(page
         page.click("#artifacts button")
     assert download.value.suggested_filename.endswith(".tar")
     page.wait_for_timeout(400)  # the last redraw is throttled
+    rate = json.loads(page.get_attribute("[data-chart='Learning rate']", "data-y-ticks"))
+    assert len(set(rate)) == len(rate) > 1, rate  # warmup from 0 to 5e-3: every tick its own label
+    steps = json.loads(page.get_attribute("[data-chart='Learning rate']", "data-x-ticks"))
+    assert steps and all(label.isdigit() for label in steps), steps
     DOCS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(DOCS / "dashboard-job.png"), full_page=True)
     page.goto(service.base + "/#/jobs?status=succeeded")
     page.wait_for_selector(f"tr[data-job={job_id}] [data-status=succeeded]")
     assert "accuracy" in page.locator(f"tr[data-job={job_id}]").inner_text()  # the best metric column
+    assert columns_line_up(page, "#view table") >= 1
+    assert page.locator("#new-job").is_hidden()  # until "New job" is clicked
+    page.screenshot(path=str(DOCS / "dashboard-jobs.png"), full_page=True)
 
 
 def test_cancel_from_the_job_page(page, service):
@@ -93,6 +113,8 @@ def test_upload_a_dataset_and_see_its_preview(page, service, tmp_path):
     page.click("#upload button[type=submit]")
     page.wait_for_selector("#preview table")
     assert page.locator("#preview tbody tr").count() == 20
+    assert columns_line_up(page, "#preview table") == 20
+    assert columns_line_up(page, "#view > .card:last-child table") >= 2  # the list of datasets
     assert "review number 0" in page.locator("#preview").inner_text()
     summary = page.locator("#column-summary").inner_text()
     assert "stars" in summary and "5 distinct" in summary
@@ -123,12 +145,28 @@ def test_playground_streams_a_completion(page, service):
     assert "24 tokens" in page.locator("#completion-stats").inner_text()
 
 
+def test_chat_with_a_model_without_a_chat_template_falls_back_to_completion(page, service):
+    # The tiny GPT-2 ships no chat template: the server refuses the chat (422 naming the model, or 404 where
+    # there is no chat route) and the page goes back to completion mode with the reason, chat greyed out.
+    page.goto(service.base + "/#/playground?mode=chat")
+    page.select_option("#model", "tiny-gpt2")
+    page.fill("#chat textarea[name=message]", "Hello there")
+    page.click("#chat button[type=submit]")
+    page.wait_for_selector("#completion-panel:not([hidden])", timeout=60_000)
+    assert page.locator("#chat-panel").is_hidden()
+    assert page.locator("[data-mode=chat]").is_disabled()
+    assert "tiny-gpt2" in page.inner_text("#mode-note")
+    assert page.input_value("#chat textarea[name=message]") == "Hello there"  # kept for another model
+
+
 def test_narrow_screen_has_no_sideways_scroll(page, service):
     page.set_viewport_size({"width": 390, "height": 800})
-    for view in ("#/jobs", f"#/jobs/{state['first']}", "#/datasets"):
+    for view in ("#/jobs", f"#/jobs/{state['first']}", "#/datasets", "#/playground"):
         page.goto(service.base + "/" + view)
         page.wait_for_timeout(500)
         assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1"), view
+        if view in ("#/jobs", "#/datasets"):
+            columns_line_up(page, "#view > .card:last-child table")  # hidden columns hide header and cells alike
 
 
 def test_event_stream_slots_come_back_when_clients_disconnect(service):

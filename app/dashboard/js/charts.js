@@ -1,6 +1,6 @@
 // Line charts on uPlot: several series on one x axis (step or wall time), EMA smoothing with the raw
 // curve faded behind, log scale, and vertical markers (resume boundaries). Data only ever grows.
-import { h } from "./dom.js";
+import { h, num } from "./dom.js";
 
 export const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#be185d", "#4d7c0f"];
 
@@ -15,6 +15,25 @@ export function smooth(values, weight) {
     return last / (1 - weight ** count);
   });
 }
+
+// Tick labels `incr` apart with the fewest decimals that print every tick exactly, in exponent form where fixed
+// notation would print 0 or a long row of digits (a learning rate of 5e-5). Log scales label each power alone.
+export function tickLabels(splits, incr, log = false) {
+  const finite = (v) => v !== null && v !== undefined && Number.isFinite(v);
+  if (log) return splits.map((v) => (finite(v) ? String(Number(v.toPrecision(3))) : ""));
+  const magnitude = Math.max(0, ...splits.filter(finite).map(Math.abs));
+  const exponent = magnitude > 0 && (magnitude < 1e-3 || magnitude >= 1e6);
+  const format = (v, digits) => (exponent ? v.toExponential(digits) : v.toFixed(digits));
+  const exact = (v, digits) => v === 0 || Math.abs(Number(format(v, digits)) - v)
+    <= 1e-6 * Math.min(Math.abs(incr) || Math.abs(v), Math.abs(v));
+  let digits = 0;
+  while (digits < 12 && !splits.filter(finite).every((v) => exact(v, digits))) digits += 1;
+  return splits.map((v) => (!finite(v) ? "" : v === 0 ? "0" : format(v, digits)));
+}
+
+// Steps are whole numbers: their axis never splits below 1.
+export const STEP_INCRS = [1, 2, 5].flatMap((m) => [1, 10, 100, 1e3, 1e4, 1e5, 1e6, 1e7].map((p) => m * p))
+  .sort((a, b) => a - b);
 
 function fade(hex, alpha) {
   const n = parseInt(hex.slice(1), 16);
@@ -80,16 +99,26 @@ export class MetricChart {
     const smoothing = this.options.smoothing > 0;
     const series = [{ label: this.options.xMode === "time" ? "seconds" : "step" }];
     for (const s of this.series) {
+      const value = (u, v) => (v === null || v === undefined ? "--" : num(v));
       series.push({ label: `${s.label} (raw)`, stroke: smoothing ? fade(s.color, 0.25) : s.color, width: 1,
-        spanGaps: true, show: true });
-      series.push({ label: s.label, stroke: s.color, width: 2, spanGaps: true, show: smoothing });
+        spanGaps: true, show: true, value });
+      series.push({ label: s.label, stroke: s.color, width: 2, spanGaps: true, show: smoothing, value });
     }
     const markers = () => this.markers;
     const xMode = () => this.options.xMode;
+    const steps = this.options.xMode !== "time";
+    // The labels drawn last are kept on the element (data-x-ticks, data-y-ticks): the canvas has no text to read.
+    const values = (axis, log) => (u, splits, i, space, incr) => {
+      const labels = tickLabels(splits, incr, log);
+      this.el.dataset[`${axis}Ticks`] = JSON.stringify(labels);
+      return labels;
+    };
+    const width = (u, labels) => Math.max(40, 16 + 7 * Math.max(0, ...(labels || []).map((l) => String(l).length)));
     return {
       ...this.size(), series, legend: { live: true },
       scales: { x: { time: false }, y: { distr: this.options.log ? 3 : 1 } },
-      axes: [{ label: this.options.xMode === "time" ? "wall time (s)" : "step" }, { size: 60 }],
+      axes: [{ label: steps ? "step" : "wall time (s)", values: values("x", false), ...(steps ? { incrs: STEP_INCRS } : {}) },
+        { size: width, values: values("y", this.options.log) }],
       plugins: [{ hooks: { draw: (u) => drawMarkers(u, markers(), xMode()) } }],
     };
   }

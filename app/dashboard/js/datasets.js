@@ -23,7 +23,7 @@ export async function renderDatasets(root, datasetId, signal) {
   const detail = h("div", { id: "dataset-detail" });
   const list = h("tbody");
   root.append(h("h1", {}, "Datasets"), form, error, detail, h("div.card", {}, table(
-    ["dataset", "rows", "columns", h("span.hide-narrow", {}, "size"), h("span.hide-narrow", {}, "created")], list)));
+    ["dataset", "rows", "columns", h("th.hide-narrow", {}, "size"), h("th.hide-narrow", {}, "created")], list)));
   const page = await api("/datasets?limit=100", { signal });
   list.replaceChildren(...page.data.map((d) => h("tr", {},
     h("td", {}, h("a", { href: `#/datasets/${d.id}` }, d.name), h("div.muted", {}, d.id)),

@@ -7,6 +7,8 @@ export function h(tag, attrs = {}, ...children) {
     if (value === undefined || value === null || value === false) continue;
     if (key.startsWith("on")) el.addEventListener(key.slice(2), value);
     else if (key === "dataset") Object.assign(el.dataset, value);
+    // Through the CSSOM, which a Content-Security-Policy without 'unsafe-inline' still allows.
+    else if (key === "style") el.style.cssText = value;
     else if (key in el && typeof value !== "string") el[key] = value;
     else el.setAttribute(key, value === true ? "" : value);
   }
@@ -54,7 +56,11 @@ export function errorBox(error) {
   return h("p.error", { role: "alert" }, `${error?.message || error}${where}`);
 }
 
-export function table(headers, rows) {
-  return h("div.scroll", {}, h("table", {}, h("thead", {}, h("tr", {}, headers.map((t) => h("th", {}, t)))),
-    h("tbody", {}, rows)));
+// `headers` are texts or <th> elements (a th.hide-narrow hides with its column's td.hide-narrow cells); `body` is
+// a list of rows or a <tbody> the caller keeps to refill (a tbody inside another would lay the rows out in the
+// first column, beside the header rather than under it).
+export function table(headers, body) {
+  const tbody = body instanceof HTMLTableSectionElement ? body : h("tbody", {}, body);
+  const th = (t) => (t instanceof HTMLTableCellElement ? t : h("th", {}, t));
+  return h("div.scroll", {}, h("table", {}, h("thead", {}, h("tr", {}, headers.map(th))), tbody));
 }
