@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 from app.deps import PrincipalDep, SessionDep
 from app.errors import ERROR_RESPONSES
 from app.schemas.generation import Completion, CompletionRequest, GenerateRequest, GenerateResponse, ModelList
-from app.services import completions as serving
+from app.services import completions as service
 from app.services.generation import GenerationGateway, list_models_for
 
 router = APIRouter(tags=["generation"], responses=ERROR_RESPONSES)
@@ -39,14 +39,14 @@ def _respond(result: Any) -> Any:
 async def generate(body: GenerateRequest, request: Request, session: SessionDep, principal: PrincipalDep,
                    gateway: GatewayDep) -> Any:
     """Complete a prompt with a served causal LM; `stream: true` sends one SSE event per token."""
-    return _respond(await serving.generate(gateway, session, principal, body, request.is_disconnected))
+    return _respond(await service.generate(gateway, session, principal, body, request.is_disconnected))
 
 
 @router.post("/v1/completions", response_model=Completion, responses=STREAM_DOC)
 async def completions(body: CompletionRequest, request: Request, session: SessionDep, principal: PrincipalDep,
                    gateway: GatewayDep) -> Any:
     """OpenAI-compatible completions (official clients work unchanged; the API key is a trainserve key)."""
-    return _respond(await serving.complete(gateway, session, principal, body, request.is_disconnected))
+    return _respond(await service.complete(gateway, session, principal, body, request.is_disconnected))
 
 
 @router.get("/v1/models", response_model=ModelList)
