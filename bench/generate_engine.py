@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere: `worker` lives i
 import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast  # noqa: E402
 
+from core.paths import GPT2_TOKENIZER_DIR  # noqa: E402
 from worker.engines.device import resolve_device  # noqa: E402
 from worker.engines.generation import GenerationEngine, SamplingParams  # noqa: E402
-from worker.engines.lm_loading import ASSETS_TOKENIZER  # noqa: E402
 
 BASELINE = "sequential-hf-generate"
 BATCHED = "batched-hf-generate"
@@ -52,7 +52,7 @@ def build_model(folder: Path, layers: int) -> None:
     """GPT-2 small's shape (GPT2Config defaults) with `layers` blocks, random weights from seed 0."""
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(n_layer=layers)).save_pretrained(folder, safe_serialization=True)
-    GPT2TokenizerFast.from_pretrained(ASSETS_TOKENIZER).save_pretrained(folder)
+    GPT2TokenizerFast.from_pretrained(GPT2_TOKENIZER_DIR).save_pretrained(folder)
 
 
 def run_baseline(folder: Path, prompts: list[str], args: argparse.Namespace) -> dict:

@@ -8,9 +8,9 @@ from datetime import timedelta
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.errors import BrokerUnavailable
-from core.models import JobStatus, utcnow
 from core.periodic import Periodic
 from core.queue import TaskQueue
+from core.rows import JobStatus, utcnow
 from core.store import outbox as store
 
 log = logging.getLogger(__name__)

@@ -23,10 +23,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core import states
-from core.models import ACTIVE, Job, JobStatus, MetricPoint, Sweep, SweepStatus, WebhookEventType, new_id, utcnow
 from core.periodic import Periodic
 from core.queue import TaskQueue
 from core.relay import deliver_now
+from core.rows import ACTIVE, Job, JobStatus, MetricPoint, Sweep, SweepStatus, WebhookEventType, new_id, utcnow
 from core.store import webhooks
 
 log = logging.getLogger(__name__)

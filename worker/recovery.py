@@ -14,13 +14,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from core import states
 from core.db import session_scope
 from core.errors import StaleAttempt
-from core.models import EventKind, JobStatus, utcnow
 from core.periodic import Periodic
 from core.protocol import ErrorCode
 from core.queue import TaskQueue
 from core.redis_client import redis_from_url
 from core.redis_keys import BROKER_SENTINEL
 from core.relay import deliver_now
+from core.rows import EventKind, JobStatus, utcnow
 from core.settings import Settings
 from core.store import jobs as store
 from core.store import outbox

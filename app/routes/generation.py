@@ -12,8 +12,8 @@ from app.deps import PrincipalDep, SessionDep
 from app.errors import ERROR_RESPONSES
 from app.schemas.chat import ChatCompletion, ChatCompletionRequest
 from app.schemas.generation import Completion, CompletionRequest, GenerateRequest, GenerateResponse, ModelList
-from app.services import chat as chat_serving
-from app.services import completions as serving
+from app.services import chat as chat_service
+from app.services import completions as service
 from app.services.generation import GenerationGateway, list_models_for
 
 router = APIRouter(tags=["generation"], responses=ERROR_RESPONSES)
@@ -41,21 +41,21 @@ def _respond(result: Any) -> Any:
 async def generate(body: GenerateRequest, request: Request, session: SessionDep, principal: PrincipalDep,
                    gateway: GatewayDep) -> Any:
     """Complete a prompt with a served causal LM; `stream: true` sends one SSE event per token."""
-    return _respond(await serving.generate(gateway, session, principal, body, request.is_disconnected))
+    return _respond(await service.generate(gateway, session, principal, body, request.is_disconnected))
 
 
 @router.post("/v1/completions", response_model=Completion, responses=STREAM_DOC)
 async def completions(body: CompletionRequest, request: Request, session: SessionDep, principal: PrincipalDep,
                    gateway: GatewayDep) -> Any:
     """OpenAI-compatible completions (official clients work unchanged; the API key is a trainserve key)."""
-    return _respond(await serving.complete(gateway, session, principal, body, request.is_disconnected))
+    return _respond(await service.complete(gateway, session, principal, body, request.is_disconnected))
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses=STREAM_DOC)
 async def chat_completions(body: ChatCompletionRequest, request: Request, session: SessionDep,
                            principal: PrincipalDep, gateway: GatewayDep) -> Any:
     """OpenAI-compatible chat completions through the model's own chat template; logprobs and response_format."""
-    return _respond(await chat_serving.chat(gateway, session, principal, body, request.is_disconnected))
+    return _respond(await chat_service.chat(gateway, session, principal, body, request.is_disconnected))
 
 
 @router.get("/v1/models", response_model=ModelList)

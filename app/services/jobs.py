@@ -14,18 +14,18 @@ from app.schemas.jobs import ArtifactRead, BestRead, JobRead, Progress
 from app.services import idempotency
 from core import scheduler, states
 from core.auth import Principal
-from core.base_models import resolve_base_model
 from core.capacity import largest_device, live_workers
 from core.errors import Conflict, NotFound, TooManyRequests, ValidationFailed
 from core.estimate import Head, architecture, format_bytes, load_model_config, training_memory
 from core.hyperparams import Hyperparameters, LMHyperparameters
 from core.jobspec import CausalLMJob, ClassificationJob, JobSpec, kind_of
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
-from core.models import ACTIVE, Dataset, EventKind, Job, JobStatus, new_id, utcnow
 from core.precision import auto_precision
+from core.pretrained import resolve_base_model
 from core.protocol import ErrorCode
 from core.queue import TaskQueue
 from core.relay import deliver_now
+from core.rows import ACTIVE, Dataset, EventKind, Job, JobStatus, new_id, utcnow
 from core.settings import Settings
 from core.store import datasets as dataset_store
 from core.store import history

@@ -12,7 +12,8 @@ from typing import Any
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, selectinload
 
-from core.models import (
+from core.protocol import WebhookPayload
+from core.rows import (
     DeliveryStatus,
     Job,
     WebhookAttempt,
@@ -23,7 +24,6 @@ from core.models import (
     new_id,
     utcnow,
 )
-from core.protocol import WebhookPayload
 from core.store.owned import get_owned
 
 MAX_BODY_CHARS = 1000  # of an endpoint's response, kept for GET /webhooks/{id}/deliveries

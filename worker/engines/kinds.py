@@ -1,4 +1,4 @@
-"""The engine side of the job-kind registry (core.jobspec holds the rest): kind -> frozen config type, Task.
+"""The engine side of the job-kind registry (core.jobspec holds the rest): kind -> frozen config type, Recipe.
 
 `build(kind, common, job, hp)` makes a kind's config: every field the config shares with the kind's
 hyperparameters model comes from the model (so a new hyperparameter is one field in each), the rest from
@@ -14,10 +14,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from core.models import TaskKind
-from worker.engines.lm_training import CausalLMTask, LMTrainConfig
-from worker.engines.loop import RunConfig, Task
-from worker.engines.training import ClassifierTask, TrainConfig
+from core.rows import TaskKind
+from worker.engines.lm_training import CausalLMRecipe, LMTrainConfig
+from worker.engines.loop import Recipe, RunConfig
+from worker.engines.training import ClassifierRecipe, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class EngineKind:
     """One job kind as the engines run it."""
 
     config: type[RunConfig]
-    task: Callable[[Any], Task]  # config -> the loop's Task
+    task: Callable[[Any], Recipe]  # config -> the loop's Recipe
     # The job row's resolved fields -> config fields (base_model_path, label_column, model_config, ...).
     from_row: Callable[[Any], Mapping[str, Any]] = lambda row: {}
 
@@ -57,14 +57,14 @@ def build(name: str, common: Mapping[str, Any], row: Any, hyperparameters: BaseM
     return kind.config(**{**from_model, **common, **kind.from_row(row)})
 
 
-def run_task(config: RunConfig) -> Task:
-    """The Task that runs `config`."""
+def run_task(config: RunConfig) -> Recipe:
+    """The Recipe that runs `config`."""
     return ENGINE_KINDS[kind_name(config)].task(config)
 
 
 register(TaskKind.TEXT_CLASSIFICATION, EngineKind(
-    TrainConfig, ClassifierTask,
+    TrainConfig, ClassifierRecipe,
     lambda row: {"base_model": row.base_model_path, "label_column": row.label_column}))
 register(TaskKind.CAUSAL_LM, EngineKind(
-    LMTrainConfig, CausalLMTask,
+    LMTrainConfig, CausalLMRecipe,
     lambda row: {"base_model": row.base_model_path, "model_config": row.model_config_}))

@@ -41,7 +41,7 @@ from core.protocol import (
 )
 from worker.engines.distributed import Dist, leave
 from worker.engines.kinds import engine_kind, kind_name
-from worker.engines.loop import RunConfig, Task, TrainCallbacks, TrainResult, run
+from worker.engines.loop import Recipe, RunConfig, TrainCallbacks, TrainResult, run
 
 log = logging.getLogger(__name__)
 
@@ -216,9 +216,9 @@ def main(argv: list[str]) -> int:
     if dist.is_main:
         reporter = RankZeroCallbacks(Client(os.environ[_ADDRESS], family="AF_UNIX",
                                             authkey=bytes.fromhex(os.environ[_AUTHKEY])))
-    task: Task = engine.task(config)
+    recipe: Recipe = engine.task(config)
     try:
-        result = run(config, task, reporter or TrainCallbacks(), dist)
+        result = run(config, recipe, reporter or TrainCallbacks(), dist)
     except Exception as exc:
         if reporter is not None:
             reporter.send(RankError(code=str(getattr(exc, "code", ErrorCode.TRAINING_ERROR)),

@@ -1,12 +1,12 @@
-"""The one training loop: a task supplies model, data order, loss, evaluation and saving; the loop does the rest.
+"""The one training loop: a recipe supplies model, data order, loss, evaluation and saving; the loop does the rest.
 
-run(config, task) reads top to bottom: resolve the device, seed, build the task's model and an AdamW,
+run(config, recipe) reads top to bottom: resolve the device, seed, build the recipe's model and an AdamW,
 resume from the latest checkpoint, then per optimizer step: learning rate from a pure schedule, forward
 and backward over the step's micro-batches (halving them after an out-of-memory error), clip, step,
 log; evaluate every N steps (a new best of `metric_for_best` is checkpointed at once; `early_stopping_patience`
 evaluations without one, or a callback's stop reason, end the run early), checkpoint every M steps (pruning all
 but the latest and the best); stop (after a checkpoint) when asked. At the end evaluate once more, put the best
-evaluation's weights back and let the task save the model with its manifest. On several devices (`dist`, one
+evaluation's weights back and let the recipe save the model with its manifest. On several devices (`dist`, one
 process each) the same loop runs on every rank with its share of each step (see worker.engines.distributed);
 rank 0 alone reports, evaluates, decides an early stop (the others follow it) and saves.
 """
@@ -42,25 +42,25 @@ from worker.engines.loop_types import (
     DoesNotFit,
     OutOfMemory,
     Progress,
+    Recipe,
     RunConfig,
     Setup,
-    Task,
     TrainCallbacks,
     TrainResult,
 )
 from worker.engines.sparse_rows import clip_gradients
 
-# The loop's public names, importable from here as before the split (callers, tasks, tests, benchmarks).
-__all__ = ["MAX_GRAD_NORM", "DoesNotFit", "OutOfMemory", "Progress", "RunConfig", "Setup", "Task", "TrainCallbacks",
+# The loop's public names, importable from here as before the split (callers, recipes, tests, benchmarks).
+__all__ = ["MAX_GRAD_NORM", "DoesNotFit", "OutOfMemory", "Progress", "RunConfig", "Setup", "Recipe", "TrainCallbacks",
            "TrainResult", "build_adamw", "checkpoint_due", "evaluate", "lr_at", "require_fit", "run",
            "split_micro_batches", "train_step"]
 
 
-def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None, dist: Dist | None = None
+def run(config: RunConfig, recipe: Recipe, callbacks: TrainCallbacks | None = None, dist: Dist | None = None
         ) -> TrainResult:
     """Run (or resume) a training job to completion or cancellation; `dist` when this process is one rank of many."""
     check_config(config)
-    state = _Run(config, task, callbacks or TrainCallbacks(), dist)
+    state = _Run(config, recipe, callbacks or TrainCallbacks(), dist)
     state.resume()
     if state.should_stop():  # cancelled while loading: nothing new to checkpoint
         return state.cancelled()
@@ -70,7 +70,7 @@ def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None, 
     while state.progress.step < state.total_steps:
         epoch, index = divmod(state.progress.step, state.per_epoch)
         if epoch != planned_epoch:
-            planned_epoch, steps = epoch, list(task.epoch_steps(epoch))
+            planned_epoch, steps = epoch, list(recipe.epoch_steps(epoch))
         state.optimizer_step(list(steps[index]))
         eval_due = (config.eval_steps is not None and state.progress.step < state.total_steps
                     and state.progress.step % config.eval_steps == 0)
@@ -95,14 +95,14 @@ def run(config: RunConfig, task: Task, callbacks: TrainCallbacks | None = None, 
 class _Run:
     """One run's state between the steps of run(): device, model, optimizer, schedule, progress, best tracker."""
 
-    def __init__(self, config: RunConfig, task: Task, callbacks: TrainCallbacks, dist: Dist | None) -> None:
-        self.config, self.task, self.callbacks = config, task, callbacks
+    def __init__(self, config: RunConfig, recipe: Recipe, callbacks: TrainCallbacks, dist: Dist | None) -> None:
+        self.config, self.recipe, self.callbacks = config, recipe, callbacks
         self.plan = (resolve_device(config.device, config.precision, training=True) if dist is None
                      else join(dist, config.device, config.precision))
         self.main = dist is None or dist.is_main
         self.world = 1 if dist is None else dist.world_size
         seed_everything(config.seed)  # the same on every rank: the same head init and the same step plan
-        self.setup = task.build(self.plan)
+        self.setup = recipe.build(self.plan)
         self.model = model = self.setup.model
         if self.plan.device_type == "cpu":
             use_fast_dropout(model)  # PyTorch's CPU dropout masks cost ~10% of a step (worker.engines.dropout)
@@ -113,13 +113,13 @@ class _Run:
         # A checkpoint resumes only at the world size it was written with (the runs' RNG streams differ).
         self.identity = dict(self.setup.identity, world_size=self.world) if self.world > 1 else self.setup.identity
         self.optimizer = build_adamw(model, learning_rate=config.learning_rate, weight_decay=config.weight_decay,
-                                     betas=task.adam_betas, plan=self.plan)
+                                     betas=recipe.adam_betas, plan=self.plan)
         self.scaler = self.plan.grad_scaler()
         self.per_epoch = steps_per_epoch(self.setup.num_examples, config.batch_size,
                                          config.gradient_accumulation_steps)
         self.total_steps = config.max_steps or math.ceil(config.epochs * self.per_epoch)
         self.warmup_steps = math.ceil(config.warmup_ratio * self.total_steps)
-        self.progress = Progress(task.unit)
+        self.progress = Progress(recipe.unit)
         self.tracker = None if config.metric_for_best is None else BestTracker(
             config.metric_for_best, config.greater_is_better, config.early_stopping_patience,
             config.early_stopping_threshold)
@@ -127,7 +127,7 @@ class _Run:
 
     def resume(self) -> None:
         """Load the latest checkpoint (if any) and tell the callbacks the run starts."""
-        config, task, world, resumed_from = self.config, self.task, self.world, None
+        config, recipe, world, resumed_from = self.config, self.recipe, self.world, None
         checkpoint = artifacts.latest_checkpoint(config.checkpoint_dir)
         if checkpoint is not None:
             state = artifacts.resume_state(checkpoint, self.model, self.optimizer, self.scaler, self.plan,
@@ -135,8 +135,8 @@ class _Run:
             if state.get("world_size", 1) != world:
                 raise ValueError(f"{checkpoint} was written by a run on {state.get('world_size', 1)} device(s), "
                                  f"this one has {world}; resume it with the same number of devices")
-            self.progress = Progress(task.unit, step=state["step"], loss_sum=state["loss_sum"],
-                                     units=state[task.unit], runtime=state["runtime"])
+            self.progress = Progress(recipe.unit, step=state["step"], loss_sum=state["loss_sum"],
+                                     units=state[recipe.unit], runtime=state["runtime"])
             if self.tracker is not None:
                 self.tracker.restore(state.get("best"))
             resumed_from = self.progress.step
@@ -155,7 +155,7 @@ class _Run:
         started = time.perf_counter()
         while True:
             try:
-                loss, grad_norm, examples = train_step(self.model, self.optimizer, self.scaler, plan, self.task,
+                loss, grad_norm, examples = train_step(self.model, self.optimizer, self.scaler, plan, self.recipe,
                                                        split_micro_batches(micro_batches, self.split), lr,
                                                        self.replica)
                 break
@@ -172,12 +172,12 @@ class _Run:
         progress.units += examples * self.setup.units_per_example
         self.callbacks.on_log(progress.step, progress.step / self.per_epoch, {
             "train_loss": loss, "learning_rate": lr, "grad_norm": grad_norm,
-            f"{self.task.unit}_per_second": progress.rate,
+            f"{self.recipe.unit}_per_second": progress.rate,
         })
 
     def evaluate_now(self) -> bool | None:
-        """Evaluate and report (rank 0); True for a new best, False otherwise, None when the task has no eval data."""
-        eval_metrics = evaluate(self.task, self.model, self.plan)
+        """Evaluate and report (rank 0); True for a new best, False otherwise, None when the recipe has no eval data."""
+        eval_metrics = evaluate(self.recipe, self.model, self.plan)
         return None if eval_metrics is None else self.evaluated(eval_metrics)
 
     def evaluated(self, eval_metrics: dict[str, float]) -> bool:
@@ -218,13 +218,13 @@ class _Run:
         return TrainResult("cancelled", self.progress.step, self.total_steps, self.progress.metrics(), None, {})
 
     def finish(self, stop_reason: str) -> TrainResult:
-        """Evaluate once more, put the best evaluation's weights back, and let the task save the model (rank 0)."""
+        """Evaluate once more, put the best evaluation's weights back, and let the recipe save the model (rank 0)."""
         progress, tracker, config = self.progress, self.tracker, self.config
         metrics = progress.metrics()
         if not self.main:  # rank 0 evaluates and saves the one model
             return TrainResult("completed", progress.step, self.total_steps, metrics, None, {},
                                stop_reason=stop_reason)
-        eval_metrics = evaluate(self.task, self.model, self.plan) if stop_reason == "completed" else None
+        eval_metrics = evaluate(self.recipe, self.model, self.plan) if stop_reason == "completed" else None
         if eval_metrics is not None:
             self.evaluated(eval_metrics)
             metrics.update(eval_metrics)
@@ -236,7 +236,7 @@ class _Run:
                                                          f"{tracker.metric}={tracker.value:.4f}")
             metrics.update(tracker.metrics)
         best = tracker.best() if tracker is not None else None
-        manifest = self.task.save(metrics, self.hyperparameters(), self.plan)
+        manifest = self.recipe.save(metrics, self.hyperparameters(), self.plan)
         manifest = dict(manifest, best=best, stop_reason=stop_reason, stopped_at_step=progress.step)
         artifacts.write_manifest(config.output_dir, manifest)
         self.callbacks.on_event("saved", f"model saved to {config.output_dir}")
@@ -244,7 +244,7 @@ class _Run:
                            stop_reason=stop_reason, best=best)
 
     def hyperparameters(self) -> dict[str, Any]:
-        """The manifest's resolved hyperparameters: the loop's own, then the task's."""
+        """The manifest's resolved hyperparameters: the loop's own, then the recipe's."""
         config = self.config
         return {
             "epochs": self.total_steps / self.per_epoch, "max_steps": config.max_steps,
@@ -252,7 +252,7 @@ class _Run:
             "gradient_accumulation_steps": config.gradient_accumulation_steps,
             "learning_rate": config.learning_rate, "lr_schedule": "linear", "warmup_ratio": config.warmup_ratio,
             "warmup_steps": self.warmup_steps, "weight_decay": config.weight_decay, "optimizer": "adamw",
-            "adam_betas": list(self.task.adam_betas), "max_grad_norm": MAX_GRAD_NORM,
+            "adam_betas": list(self.recipe.adam_betas), "max_grad_norm": MAX_GRAD_NORM,
             "precision": self.plan.precision, "seed": config.seed, "eval_steps": config.eval_steps,
             "checkpoint_steps": config.checkpoint_steps, "world_size": self.world,
             "metric_for_best": config.metric_for_best, "early_stopping_patience": config.early_stopping_patience,
@@ -263,7 +263,7 @@ class _Run:
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-               plan: DevicePlan, task: Task, micro_batches: list[Any], lr: float, replica: Replica | None = None
+               plan: DevicePlan, recipe: Recipe, micro_batches: list[Any], lr: float, replica: Replica | None = None
                ) -> tuple[float, float, int]:
     """One optimizer step over its micro-batches (a rank's share of them); returns (mean loss, grad norm, examples)."""
     for group in optimizer.param_groups:
@@ -279,7 +279,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
     for i, (part, weight) in enumerate(zip(parts, weights, strict=True)):
         with contextlib.nullcontext() if replica is None else replica.sync_unless(last=i == len(parts) - 1):
             with plan.autocast():
-                loss = task.loss(forward, part)
+                loss = recipe.loss(forward, part)
             share = loss * weight
             scaler.scale(share * scale if scale != 1.0 else share).backward()
         step_loss += share.detach().float()
@@ -295,12 +295,12 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
     return step_loss.item(), float(grad_norm), examples
 
 
-def evaluate(task: Task, model: torch.nn.Module, plan: DevicePlan) -> dict[str, float] | None:
-    """The task's eval metrics in eval mode without autograd; the model is back in train mode after."""
+def evaluate(recipe: Recipe, model: torch.nn.Module, plan: DevicePlan) -> dict[str, float] | None:
+    """The recipe's eval metrics in eval mode without autograd; the model is back in train mode after."""
     model.eval()
     try:
         with torch.inference_mode(), plan.autocast():
-            return task.evaluate()
+            return recipe.evaluate()
     finally:
         model.train()
 

@@ -1,5 +1,5 @@
-"""What the training loop exchanges with its callers and tasks: the run's config, callbacks, result, the task
-protocol, what a task builds, and the progress a checkpoint carries."""
+"""What the training loop exchanges with its callers and recipes: the run's config, callbacks, result, the recipe
+protocol, what a recipe builds, and the progress a checkpoint carries."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class TrainCallbacks:
         """Called after every optimizer step with train_loss, learning_rate and throughput."""
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
-        """Called after each evaluation with the task's eval metrics (eval_loss and more)."""
+        """Called after each evaluation with the recipe's eval metrics (eval_loss and more)."""
 
     def on_checkpoint(self, step: int, path: Path) -> None:
         """Called after a checkpoint folder is complete."""
@@ -105,20 +105,20 @@ class DoesNotFit(ValueError):
 
 @dataclass(frozen=True)
 class Setup:
-    """What a task has built for the loop: the model on its device and the facts the loop reports."""
+    """What a recipe has built for the loop: the model on its device and the facts the loop reports."""
 
     model: torch.nn.Module
     num_examples: int  # training examples (rows or blocks) in one epoch
     units_per_example: int  # what throughput counts per example: 1 sample, or block_size tokens
     identity: dict[str, Any]  # what a checkpoint must match to be resumed by this run
-    info: dict[str, Any]  # task facts for on_start (sizes, labels, block size)
-    hyperparameters: dict[str, Any]  # task-specific entries of the manifest's hyperparameters
+    info: dict[str, Any]  # recipe facts for on_start (sizes, labels, block size)
+    hyperparameters: dict[str, Any]  # recipe-specific entries of the manifest's hyperparameters
     # Embedding tables a batch looks up a few rows of: updated from sparse gradients where the loop can
     # (one process on a CPU), with dense AdamW's result (worker.engines.sparse_rows).
     sparse_tables: tuple[torch.nn.Embedding, ...] = ()
 
 
-class Task(Protocol):
+class Recipe(Protocol):
     """A kind of training (classification, causal LM) as the loop sees it."""
 
     unit: str  # what throughput counts: "samples" or "tokens"

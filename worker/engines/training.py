@@ -1,4 +1,4 @@
-"""Fine-tune a sequence-classification model: the classifier task of the one training loop."""
+"""Fine-tune a sequence-classification model: the classifier recipe of the one training loop."""
 
 from __future__ import annotations
 
@@ -50,10 +50,10 @@ class TrainConfig(RunConfig):
 
 def train(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> TrainResult:
     """Run (or resume) a fine-tuning job to completion or cancellation."""
-    return run(config, ClassifierTask(config), callbacks)
+    return run(config, ClassifierRecipe(config), callbacks)
 
 
-class ClassifierTask:
+class ClassifierRecipe:
     """Texts and labels from a table, a classification head on a base model, cross-entropy, accuracy and F1."""
 
     unit = "samples"

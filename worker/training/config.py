@@ -10,9 +10,9 @@ from sqlalchemy.orm import Session
 
 from core.hyperparams import TrainingHyperparameters
 from core.jobspec import kind_of, stored_hyperparameters
-from core.models import Job
 from core.paths import job_checkpoints_dir, job_model_dir
 from core.protocol import ErrorCode
+from core.rows import Job
 from core.settings import Settings
 from core.storage import ArtifactStore
 from core.store import datasets as dataset_store

@@ -14,10 +14,10 @@ from core import scheduler, states
 from core.db import session_scope
 from core.errors import NotFound, StaleAttempt
 from core.logs import bound
-from core.models import ArtifactKind, EventKind, Job, JobStatus, is_valid_id, utcnow
 from core.paths import relative_to_home
 from core.protocol import ErrorCode
 from core.relay import deliver_now
+from core.rows import ArtifactKind, EventKind, Job, JobStatus, is_valid_id, utcnow
 from core.store import jobs as store
 from core.sweeps import advance_and_send
 from worker.context import WorkerContext

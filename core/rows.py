@@ -25,6 +25,18 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
+from core.vocab import (  # the rows' vocabularies, importable from here with the rows that use them
+    ACTIVE,
+    DEFAULT_TENANT,
+    TERMINAL,
+    ArtifactKind,
+    DeliveryStatus,
+    EventKind,
+    JobStatus,
+    TaskKind,
+    WebhookEventType,
+)
+
 NAMING = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_name)s",
@@ -32,6 +44,9 @@ NAMING = {
     "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
     "pk": "pk_%(table_name)s",
 }
+
+__all__ = ["ACTIVE", "DEFAULT_TENANT", "TERMINAL", "ArtifactKind", "DeliveryStatus", "EventKind", "JobStatus",
+           "TaskKind", "WebhookEventType"]  # the vocabularies (core.vocab) that callers import with the rows
 
 
 def utcnow() -> datetime:
@@ -67,82 +82,6 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value is not None and value.tzinfo is None:
             value = value.replace(tzinfo=UTC)
         return value
-
-
-class JobStatus(enum.StrEnum):
-    """Lifecycle of a job; the last three are terminal."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-class TaskKind(enum.StrEnum):
-    """The built-in kinds of job (what a job trains); core.jobspec registers each, keyed by its value."""
-
-    TEXT_CLASSIFICATION = "text-classification"
-    CAUSAL_LM = "causal-lm"
-
-
-class ArtifactKind(enum.StrEnum):
-    """What an artifact row holds."""
-
-    MODEL = "model"  # the job's final save_pretrained folder with its manifest
-    CHECKPOINT = "checkpoint"  # a resumable training state (the best and the latest are kept)
-    TENSORBOARD = "tensorboard"  # the run's TensorBoard event files
-
-
-class EventKind(enum.StrEnum):
-    """The kinds of a job's events (GET /jobs/{id}/events): its moves between statuses, named by the status it
-    reached unless a move names itself, and what the worker and the engine report while it runs."""
-
-    CREATED = "created"
-    CLAIMED = "claimed"
-    QUEUED = "queued"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"  # also the engine's own word when it stops for a cancel
-    CANCEL_REQUESTED = "cancel_requested"
-    PREEMPTED = "preempted"  # back to the queue: the worker shut down
-    REQUEUED = "requeued"  # back to the queue: the reaper found its worker silent
-    STARTED = "started"
-    EVAL = "eval"
-    CHECKPOINT = "checkpoint"
-    CHECKPOINT_NOT_STORED = "checkpoint_not_stored"
-    RESUMED = "resumed"
-    BEST_RESTORED = "best_restored"
-    SAVED = "saved"
-    OOM = "oom"  # the engine halved its micro-batches after running out of memory
-
-
-ACTIVE = frozenset({JobStatus.QUEUED, JobStatus.RUNNING})
-
-DEFAULT_TENANT = "default"
-
-TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
-
-
-class WebhookEventType(enum.StrEnum):
-    """What a webhook endpoint can subscribe to."""
-
-    JOB_QUEUED = "job.queued"
-    JOB_STARTED = "job.started"
-    JOB_CHECKPOINT = "job.checkpoint"
-    JOB_SUCCEEDED = "job.succeeded"
-    JOB_FAILED = "job.failed"
-    JOB_CANCELLED = "job.cancelled"
-    SWEEP_FINISHED = "sweep.finished"
-
-
-class DeliveryStatus(enum.StrEnum):
-    """A webhook delivery: pending (retrying) until delivered or given up (failed)."""
-
-    PENDING = "pending"
-    DELIVERED = "delivered"
-    FAILED = "failed"
 
 
 class Base(DeclarativeBase):
