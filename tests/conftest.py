@@ -26,6 +26,8 @@ PG_ADMIN_URL = os.environ.get("TRAINSERVE_TEST_DATABASE_URL", "postgresql+psycop
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 WORKER_INDEX = int(XDIST_WORKER[2:]) if XDIST_WORKER.startswith("gw") else 0
 WORKER_COUNT = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKER_COUNT > 1:  # each worker, and every process it starts, gets its share of the cores: no oversubscription
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // WORKER_COUNT)))
 
 
 def _worker_redis_urls(unit: str, integration: str) -> tuple[str, str]:
