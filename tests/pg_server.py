@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
+
+from tests.integration.conftest import _free_port
 
 BIN_DIRS = sorted(Path("/usr/lib/postgresql").glob("*/bin"))  # Debian's layout; else initdb on the PATH
 
@@ -25,12 +26,6 @@ def _binary(name: str) -> str:
     if found is None:
         raise RuntimeError(f"{name} is missing: install PostgreSQL's server package (apt-get install postgresql)")
     return found
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class PostgresServer:
