@@ -188,6 +188,7 @@ def client(settings: Settings, queue: RecordingQueue) -> Iterator[Any]:
         yield test_client
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads xdist_group marks into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Browser tests share one started service, so xdist runs them on one worker; gpu tests need CUDA."""
     for item in items:
