@@ -38,11 +38,12 @@ setup: $(VENV)/.installed $(CHROMIUM)
 run: setup
 	$(VENV)/bin/trainserve up
 
-# Two xdist workers (this machine's cores); tests that share a started service run on one (xdist_group).
+# Two xdist workers (this machine's cores). --dist loadscope runs each module on one worker, so a module-scoped
+# started service starts once (loadgroup's xdist_group is ignored under pytest 9.2: xdist 3.8 sets item._nodeid).
 # --durations prints the slowest tests of every run, so CI's log says where the time went.
 TEST_WORKERS ?= 2
 test: setup lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=25
 
 lint: setup
 	$(VENV)/bin/ruff check core app worker trainserve bench tests

@@ -188,12 +188,8 @@ def client(settings: Settings, queue: RecordingQueue) -> Iterator[Any]:
         yield test_client
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads xdist_group marks into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Browser tests share one started service, so xdist runs them on one worker; gpu tests need CUDA."""
-    for item in items:
-        if "browser" in item.path.parts:  # `pytest -n 2 --dist loadgroup` keeps a group on one worker
-            item.add_marker(pytest.mark.xdist_group("browser"))
+    """Tests marked gpu need CUDA; on a machine without it they are reported as skipped, by marker."""
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

@@ -2,7 +2,7 @@
 
 Starting them costs tens of seconds on a loaded 2-core machine (each imports torch, transformers, FastAPI), so
 tests that only need a running service share one (`scope="module"`) and keep to their own tenants and jobs;
-with pytest-xdist, mark such a module `pytest.mark.xdist_group(...)` so one worker runs all of it.
+`make test` runs xdist with `--dist loadscope`, so one worker runs the whole module and starts it once.
 """
 
 from __future__ import annotations
