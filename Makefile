@@ -9,6 +9,7 @@ export TOKENIZERS_PARALLELISM ?= false
 .PHONY: run test setup lint bench clean
 
 $(VENV)/.installed: pyproject.toml
+	@echo "setup: installing $(VENV) (torch, then .[worker,local,dev])"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch before the rest: 2.13.0 resolves to the local CPU wheel; any other version is a multi-GB download.
@@ -26,13 +27,23 @@ $(CHROMIUM):
 		     "or tests/browser fails" >&2; \
 	fi
 
+# Evaluated before anything runs, so `setup` can say what it found already in place and skipped.
+VENV_READY := $(shell [ $(VENV)/.installed -nt pyproject.toml ] && echo yes)
+CHROMIUM_READY := $(wildcard $(CHROMIUM))
+
 setup: $(VENV)/.installed $(CHROMIUM)
+	@$(if $(VENV_READY),echo "setup: $(VENV) is already installed (newer than pyproject.toml): skipped",true)
+	@$(if $(CHROMIUM_READY),echo "setup: $(CHROMIUM) is already installed: skipped",true)
 
 run: setup
 	$(VENV)/bin/trainserve up
 
+# Two xdist workers (this machine's cores). --dist loadscope runs each module on one worker, so a module-scoped
+# started service starts once (loadgroup's xdist_group is ignored under pytest 9.2: xdist 3.8 sets item._nodeid).
+# --durations prints the slowest tests of every run, so CI's log says where the time went.
+TEST_WORKERS ?= 2
 test: setup lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=25
 
 lint: setup
 	$(VENV)/bin/ruff check core app worker trainserve bench tests

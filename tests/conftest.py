@@ -22,7 +22,32 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 PG_ADMIN_URL = os.environ.get("TRAINSERVE_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-REDIS_URL = os.environ.get("TRAINSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+# Under pytest-xdist each worker process (gw0, gw1, ...) runs its share of the tests; outside it there is one.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+WORKER_INDEX = int(XDIST_WORKER[2:]) if XDIST_WORKER.startswith("gw") else 0
+WORKER_COUNT = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKER_COUNT > 1:  # each worker, and every process it starts, gets its share of the cores: no oversubscription
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // WORKER_COUNT)))
+
+
+def _worker_redis_urls(unit: str, integration: str) -> tuple[str, str]:
+    """Both test Redis URLs moved on to this worker's own databases: number + worker index.
+
+    Worker n uses databases 0+n (API and worker-level tests) and 7+n (real worker processes, emptied by each
+    test) by default, so parallel tests never see each other's keys, task messages or flushes.
+    """
+    (unit_server, unit_db), (int_server, int_db) = (u.rsplit("/", 1) for u in (unit, integration))
+    first_unit, first_int = int(unit_db or 0), int(int_db or 0)
+    blocks = [range(first_unit, first_unit + WORKER_COUNT), range(first_int, first_int + WORKER_COUNT)]
+    if max(blocks[0][-1], blocks[1][-1]) > 15 or (unit_server == int_server and set(blocks[0]) & set(blocks[1])):
+        raise pytest.UsageError(f"{WORKER_COUNT} xdist workers need Redis databases {first_unit}+ and {first_int}+ "
+                                f"of 16 without overlap: run fewer workers (-n) or move TRAINSERVE_TEST_*REDIS_URL")
+    return f"{unit_server}/{first_unit + WORKER_INDEX}", f"{int_server}/{first_int + WORKER_INDEX}"
+
+
+REDIS_URL, INTEGRATION_REDIS = _worker_redis_urls(
+    (unit := os.environ.get("TRAINSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")),
+    os.environ.get("TRAINSERVE_TEST_INTEGRATION_REDIS_URL", unit.rsplit("/", 1)[0] + "/7"))
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "data"
 
@@ -69,6 +94,22 @@ def factory(settings: Settings) -> Iterator[Any]:
     engine = make_engine(settings.resolved_database_url)
     yield make_sessionmaker(engine)
     engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny BERT (seed 0) with its tokenizer, built once per session: treat it as read-only."""
+    from tests.tiny_models import build_tiny_bert
+
+    return build_tiny_bert(tmp_path_factory.mktemp("tiny-bert") / "bert")
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny GPT-2 (seed 0, 128 positions) with the GPT-2 tokenizer, built once per session: read-only."""
+    from tests.tiny_lm import build_tiny_gpt2
+
+    return build_tiny_gpt2(tmp_path_factory.mktemp("tiny-gpt2") / "gpt2")
 
 
 @pytest.fixture(scope="session")

@@ -8,9 +8,6 @@ screenshot in var/test-screenshots/.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,12 +15,9 @@ from typing import Any
 
 import httpx
 import pytest
-import redis as redis_lib
-from sqlalchemy import create_engine, text
 
-from core.rows import Base
-from tests.conftest import ROOT, make_key
-from tests.integration.conftest import INTEGRATION_REDIS, _free_port, wait_for
+from tests.conftest import INTEGRATION_REDIS, ROOT, make_key
+from tests.service import started_service
 
 CHROMIUM = os.environ.get("TRAINSERVE_TEST_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -47,17 +41,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
     setattr(item, f"rep_{report.when}", report)
 
 
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 @pytest.fixture(scope="package")
 def service(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     """The API and two workers as separate processes on PostgreSQL and Redis, with a tiny GPT-2 to serve;
@@ -66,45 +49,16 @@ def service(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
     from tests.tiny_lm import build_tiny_gpt2
     from tests.tiny_models import build_tiny_bert
 
-    client = redis_lib.Redis.from_url(INTEGRATION_REDIS)
-    client.flushdb()  # an unreachable Redis fails the test: never a silent skip
-    client.close()
     root = tmp_path_factory.mktemp("browser")
     home = root / "home"
     build_tiny_gpt2(home / "models" / "tiny-gpt2")
     tiny_bert = build_tiny_bert(root / "models" / "bert")
-    port = _free_port()
-    env = dict(os.environ, TRAINSERVE_HOME=str(home), TRAINSERVE_DATABASE_URL=pg_url,
-               TRAINSERVE_REDIS_URL=INTEGRATION_REDIS, TRAINSERVE_MODEL_ROOTS=str(root / "models"),
-               TRAINSERVE_CHECKPOINT_STEPS="20", TRAINSERVE_EVENT_STREAMS_PER_TENANT="3",
-               TRAINSERVE_EVENT_STREAM_POLL_S="0.5", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    procs: list[subprocess.Popen[bytes]] = []
-    for name, args in (("api", ["api", "--port", str(port)]),
-                       ("training", ["worker", "--device", "cpu", "--queues", "training"]),
-                       ("generation", ["worker", "--device", "cpu", "--queues", "generation"])):
-        log = open(root / f"{name}.log", "wb")  # noqa: SIM115
-        procs.append(subprocess.Popen([sys.executable, "-m", "trainserve.cli", *args], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, cwd=ROOT))
-    base = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert procs[0].poll() is None, (root / "api.log").read_text()
-        try:
-            return httpx.get(f"{base}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_for(healthy, 60, "the API process to answer /health")
+    with started_service(pg_url, INTEGRATION_REDIS, home, root, TRAINSERVE_MODEL_ROOTS=str(root / "models"),
+                         TRAINSERVE_CHECKPOINT_STEPS="20", TRAINSERVE_EVENT_STREAMS_PER_TENANT="3",
+                         TRAINSERVE_EVENT_STREAM_POLL_S="0.5") as base:
         key = make_key(pg_url, name="browser")
         with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as api:
             yield Service(base=base, key=key, home=home, api=api, tiny_bert=tiny_bert)
-    finally:
-        _stop(procs)
-        engine = create_engine(pg_url)
-        with engine.begin() as conn:  # leave the shared test database empty for the tests after these
-            conn.execute(text(f"TRUNCATE {', '.join(t.name for t in Base.metadata.sorted_tables)} CASCADE"))
-        engine.dispose()
 
 
 @pytest.fixture(scope="package")

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,10 +17,8 @@ import redis as redis_lib
 from fastapi.testclient import TestClient
 
 from app.main import create_app
-from tests.conftest import REDIS_URL, make_key
+from tests.conftest import INTEGRATION_REDIS, make_key
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
-
-INTEGRATION_REDIS = os.environ.get("TRAINSERVE_TEST_INTEGRATION_REDIS_URL", REDIS_URL.rsplit("/", 1)[0] + "/7")
 
 
 @pytest.fixture()
@@ -125,13 +122,6 @@ def start_api(worker_env, tmp_path) -> Iterator[Callable[..., str]]:
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-@pytest.fixture(scope="session")
-def tiny_bert_dir(tmp_path_factory) -> Path:
-    from tests.tiny_models import build_tiny_bert
-
-    return build_tiny_bert(tmp_path_factory.mktemp("tiny-int") / "bert")
 
 
 def _free_port() -> int:

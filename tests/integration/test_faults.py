@@ -1,18 +1,17 @@
-"""Fault injection with real processes: Redis losing its data mid-job, PostgreSQL restarting."""
+"""Fault injection with real processes: Redis losing its data mid-job, PostgreSQL restarting (private servers)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, text
 
 from app.main import create_app
+from core.migrate import upgrade
 from tests.conftest import make_key
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 from tests.integration.conftest import wait_for
+from tests.pg_server import PostgresServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -37,27 +36,29 @@ def test_redis_losing_its_data_loses_no_job(settings, worker_env, start_worker, 
             assert job["status"] == "succeeded", job["error"]
 
 
-def _pg(action: str) -> None:
-    version = sorted(os.listdir("/etc/postgresql"))[-1]
-    result = subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", action, *(
-        ["-m", "fast"] if action == "stop" else [])], capture_output=True, text=True)
-    # exit code 2 from `start` means the cluster is already running
-    assert result.returncode == 0 or (action == "start" and result.returncode == 2), result.stderr
-
-
 @pytest.fixture()
-def restartable_postgres():
-    if not os.path.isdir("/etc/postgresql") or shutil.which("pg_ctlcluster") is None or os.geteuid() != 0:
-        pytest.fail("this test restarts the local PostgreSQL cluster and needs pg_ctlcluster as root")
-    yield
-    _pg("start")  # whatever happened, leave the server running
+def restartable_postgres(settings):
+    """A private PostgreSQL cluster, migrated, that this test may stop: the shared server never goes down."""
+    server = PostgresServer()
+    try:
+        server.start()
+        admin = create_engine(server.url(), isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text('CREATE DATABASE "trainserve"'))
+        admin.dispose()
+        upgrade(server.url("trainserve"))
+        settings.database_url = server.url("trainserve")
+        yield server
+    finally:
+        server.remove()
 
 
 def test_postgres_restart_gives_503_then_recovers(settings, restartable_postgres):
+    postgres = restartable_postgres
     with TestClient(create_app(settings=settings)) as client:
         client.headers["Authorization"] = f"Bearer {make_key(settings.resolved_database_url)}"
         assert client.get("/jobs").status_code == 200
-        _pg("stop")
+        postgres.stop()
         try:
             for path in ("/jobs", "/datasets", "/health"):
                 response = client.get(path)
@@ -67,7 +68,7 @@ def test_postgres_restart_gives_503_then_recovers(settings, restartable_postgres
             assert response.status_code == 503
             assert response.json()["error"]["code"] == "database_unavailable"
         finally:
-            _pg("start")
+            postgres.start()
         wait_for(lambda: client.get("/health").status_code == 200, 60, "the API to see the database again")
         assert client.get("/jobs").status_code == 200
         assert client.post("/datasets", files={"file": ("t.tsv", tsv_bytes(sentiment_rows()))}).status_code == 201

@@ -12,7 +12,7 @@ from core.redis_keys import BROKER_SENTINEL
 from core.rows import Job, JobStatus, utcnow
 from core.store import jobs as store
 from core.tasks import QUEUE_TRAIN, TASK_TRAIN
-from tests.conftest import REDIS_URL, RecordingQueue
+from tests.conftest import INTEGRATION_REDIS, RecordingQueue
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 from worker.recovery import EXIT_CANCEL_TIMEOUT, Heartbeat, reap, recover_broker
 
@@ -64,7 +64,7 @@ def test_reaper_requeues_silent_jobs_then_fails_them_past_the_limit(client, fact
 
 
 def test_broker_that_lost_its_data_gets_queued_jobs_again(factory, job_id, settings):
-    settings.redis_url = REDIS_URL.rsplit("/", 1)[0] + "/8"
+    settings.redis_url = INTEGRATION_REDIS  # this worker's database that every test using it empties first
     client = redis.Redis.from_url(settings.redis_url)
     client.flushdb()  # as after a restart without persistence
     queue = RecordingQueue()
