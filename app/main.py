@@ -15,6 +15,7 @@ from app.limits import BodyLimitMiddleware, UploadSlotsMiddleware
 from app.observability import HttpMetrics, ObservabilityMiddleware
 from app.routes import classify, datasets, generation, health, jobs, metrics, sweeps, webhooks
 from app.routes.dashboard import mount_dashboard
+from app.security_headers import SecurityHeadersMiddleware
 from app.services.generation import GenerationGateway
 from app.services.job_stream import StreamSlots
 from core.celery_app import make_celery
@@ -32,7 +33,8 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         resolved = settings or get_settings()
-        engine = make_engine(resolved.resolved_database_url)
+        engine = make_engine(resolved.resolved_database_url, pool_size=resolved.db_pool_size,
+                             max_overflow=resolved.db_max_overflow, pool_timeout_s=resolved.db_pool_timeout_s)
         celery = None if task_queue is not None else make_celery(resolved)
         app.state.settings = resolved
         app.state.storage = open_storage(resolved)
@@ -68,6 +70,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     # Outermost: every answer (a 413 or a CORS refusal too) gets a request id and is counted.
     app.state.metrics_registry = CollectorRegistry(auto_describe=True)
     app.add_middleware(ObservabilityMiddleware, metrics=HttpMetrics(app.state.metrics_registry))
+    app.add_middleware(SecurityHeadersMiddleware)  # outside everything: every answer carries them
     for router in (health.router, datasets.router, jobs.router, sweeps.router, classify.router, generation.router,
                    webhooks.router, metrics.router):
         app.include_router(router)

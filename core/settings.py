@@ -39,6 +39,12 @@ class Settings(BaseSettings):
     visibility_timeout_s: int = Field(7 * 24 * 3600, description="Broker redelivery timeout; longer than any job.")
     metrics_flush_s: float = Field(1.0, description="How often a running job writes buffered metric points.")
     max_active_jobs_per_tenant: int = Field(20, description="Queued plus running jobs a tenant may have (429 beyond).")
+    db_pool_size: int = Field(5, ge=1, description="Database connections one API process keeps open.")
+    db_max_overflow: int = Field(10, ge=0, description="Extra connections an API process may open under load.")
+    db_pool_timeout_s: float = Field(10.0, gt=0, description="How long a request waits for a free database "
+                                     "connection before it is answered 503 database_unavailable.")
+    max_downloads_per_tenant: int = Field(4, ge=1, description="Artifact downloads one API process streams at "
+                                          "once per tenant (429 beyond).")
     max_request_bytes: int = Field(1024 * 1024, description="Largest JSON request body (413 beyond).")
     max_model_bytes: int = Field(
         8 * 1024**3, description="Largest base model accepted (bytes of safetensors weights; 422 beyond)."
@@ -100,8 +106,14 @@ class Settings(BaseSettings):
     tenant_device_limits: str = Field("", description="Per-tenant device limits, e.g. `team-a=4,team-b=1`.")
     webhook_allow_private: bool = Field(
         False, description="Allow webhook URLs that resolve to private, loopback or link-local addresses.")
-    webhook_timeout_s: float = Field(10.0, gt=0, description="Connect/read timeout of one webhook delivery.")
+    webhook_timeout_s: float = Field(10.0, gt=0, description="Longest one webhook delivery attempt may take in all: "
+                                     "DNS, connect, sending and the whole response, under one deadline.")
     webhook_concurrency: int = Field(8, ge=1, description="Webhook deliveries one sender makes at once.")
+    webhook_per_tenant: int = Field(4, ge=1, description="Deliveries in flight for one tenant's endpoints per "
+                                    "sender (its share of TRAINSERVE_WEBHOOK_CONCURRENCY).")
+    webhook_dns_timeout_s: float = Field(5.0, gt=0, description="How long POST /webhooks waits for the URL's "
+                                         "host to resolve (422 beyond); no database connection is held meanwhile.")
+    max_webhook_endpoints: int = Field(20, ge=1, description="Webhook endpoints a tenant may register (429 beyond).")
     webhook_per_endpoint: int = Field(2, ge=1, description="Deliveries in flight to one endpoint (a slow endpoint "
                                       "cannot take every slot).")
     webhook_interval_s: float = Field(1.0, gt=0, description="How often the webhook sender looks for due deliveries.")

@@ -7,6 +7,8 @@ export function h(tag, attrs = {}, ...children) {
     if (value === undefined || value === null || value === false) continue;
     if (key.startsWith("on")) el.addEventListener(key.slice(2), value);
     else if (key === "dataset") Object.assign(el.dataset, value);
+    // Through the CSSOM: the Content-Security-Policy refuses style attributes (style-src without 'unsafe-inline').
+    else if (key === "style") el.style.cssText = value;
     else if (key in el && typeof value !== "string") el[key] = value;
     else el.setAttribute(key, value === true ? "" : value);
   }
