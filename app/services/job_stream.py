@@ -48,7 +48,8 @@ class Cursor:
     def parse(cls, raw: str) -> Cursor:
         """Read a Last-Event-ID header; 422 naming the header when it is not one of ours."""
         parts = raw.strip().split("-")
-        if len(parts) != 2 or not all(p.isdigit() and len(p) <= 10 for p in parts):
+        # ASCII digits only: str.isdigit() also accepts superscripts ("\u00b2") that int() refuses.
+        if len(parts) != 2 or not all(p.isascii() and p.isdigit() and len(p) <= 10 for p in parts):
             raise ValidationFailed("Last-Event-ID", "must be '<event id>-<point id>' as sent in a stream's id field")
         return cls(int(parts[0]), int(parts[1]))
 
