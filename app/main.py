@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from app.access_log import install_access_log_redaction
 from app.errors import install_error_handlers
-from app.limits import BodyLimitMiddleware, UploadSlotsMiddleware
+from app.limits import BodyLimitMiddleware, TenantSlots, UploadSlotsMiddleware
 from app.observability import HttpMetrics, ObservabilityMiddleware
 from app.routes import classify, datasets, generation, health, jobs, metrics, sweeps, webhooks
 from app.routes.dashboard import mount_dashboard
@@ -20,6 +20,7 @@ from app.services.generation import GenerationGateway
 from app.services.job_stream import StreamSlots
 from core.celery_app import make_celery
 from core.db import make_engine, make_sessionmaker
+from core.protocol import ErrorCode
 from core.queue import CeleryTaskQueue, TaskQueue
 from core.redis_client import async_redis_from_url
 from core.relay import relay_thread
@@ -45,6 +46,8 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
         app.state.redis = redis
         app.state.generation = GenerationGateway(redis, app.state.task_queue, resolved)
         app.state.event_streams = StreamSlots(resolved.event_streams_per_tenant)
+        app.state.downloads = TenantSlots(resolved.max_downloads_per_tenant, code=ErrorCode.TOO_MANY_DOWNLOADS,
+                                          what="artifact downloads are in progress")
         # Sends task messages whose fast path found the broker refusing (the job stays queued meanwhile).
         relay = relay_thread(app.state.sessionmaker, app.state.task_queue, resolved.outbox_interval_s)
         relay.start()

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from app.schemas.datasets import DatasetPreview, DatasetRead, DatasetSummary
 from app.services import idempotency
 from core.auth import Principal
+from core.db import release
 from core.errors import PayloadTooLarge, ValidationFailed
 from core.models import Dataset, new_id, utcnow
 from core.paths import dataset_key
@@ -70,6 +71,7 @@ def create_dataset(session: Session, settings: Settings, storage: ArtifactStore,
         if replayed is not None:
             part.unlink(missing_ok=True)
             return store.get_dataset(session, dataset_id=replayed)
+        release(session)  # parsing can take a while and storing may be an upload: no connection held meanwhile
         summary = summarize_file(part, fmt, max_rows=settings.max_dataset_rows,
                                  max_columns=settings.max_dataset_columns)
         storage.move_in(part, key)  # a rename, or an upload: readers never see a half-written file
@@ -143,6 +145,7 @@ def preview_dataset(session: Session, storage: ArtifactStore, principal: Princip
                     rows: int) -> DatasetPreview:
     """The first `rows` rows of a stored dataset, long cells cut short; reads only as far as it shows."""
     dataset = store.get_dataset(session, dataset_id=dataset_id, tenant=principal.scope)
+    release(session)  # the store may be remote: no connection held while it answers
     shown: list[dict[str, Any]] = []
     with storage.open(dataset.path) as stream:
         reader = cast(Generator[dict[str, Any], None, None], iter(RowReader(cast(BinaryIO, stream), dataset.format)))

@@ -15,14 +15,15 @@ from sqlalchemy.orm import Session
 from app.schemas.jobs import ArtifactRead, BestRead, JobCreate, JobRead, Progress
 from app.services import idempotency
 from core import scheduler, states
+from core.admission import admit_jobs
 from core.auth import Principal
 from core.base_models import resolve_base_model
 from core.capacity import largest_device, live_workers
-from core.errors import Conflict, NotFound, TooManyRequests, ValidationFailed
+from core.errors import Conflict, NotFound, ValidationFailed
 from core.estimate import Head, architecture, format_bytes, load_model_config, training_memory
 from core.hyperparams import EVAL_METRICS, Hyperparameters, LMHyperparameters
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
-from core.models import ACTIVE, Dataset, Job, JobStatus, TaskKind, new_id, utcnow
+from core.models import Dataset, Job, JobStatus, TaskKind, new_id, utcnow
 from core.queue import TaskQueue
 from core.relay import deliver_now
 from core.settings import Settings
@@ -51,9 +52,9 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, principal
                                        request_hash=request_hash)
     if replayed is not None:
         return store.get_job(session, job_id=replayed)
-    require_quota(session, settings, principal)
     job = prepare_job(session, settings, principal, spec=spec)
     job.rerun_of = rerun_of
+    admit_jobs(session, settings, tenant_id=principal.tenant_id)  # the tenant stays locked until the commit
     try:
         states.create(session, job)  # the row, its `created` event and its outbox message
         idempotency.remember(session, principal, route=route, key=idempotency_key, request_hash=request_hash,
@@ -78,14 +79,6 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, principal
         raise
     deliver_now(session, queue, job_id=job.id)
     return job
-
-
-def require_quota(session: Session, settings: Settings, principal: Principal, *, adding: int = 1) -> None:
-    """429 when `adding` more active jobs would exceed the tenant's limit."""
-    active = store.count_jobs(session, tenant=principal.tenant_id, statuses=sorted(ACTIVE))
-    if active + adding > settings.max_active_jobs_per_tenant:
-        raise TooManyRequests(f"{active} jobs are queued or running; the limit per tenant is "
-                              f"{settings.max_active_jobs_per_tenant}", retry_after=30, code="quota_exceeded")
 
 
 def prepare_job(session: Session, settings: Settings, principal: Principal, *, spec: JobCreate) -> Job:

@@ -128,21 +128,21 @@ def _finish(sessions, job_id, value, status=JobStatus.SUCCEEDED):
         session.commit()
 
 
-def test_advance_fills_freed_slots_once_and_names_the_best_child(client, data_id, sessions):
+def test_advance_fills_freed_slots_once_and_names_the_best_child(client, data_id, sessions, settings):
     sweep = client.post("/sweeps", json=_sweep(data_id, method="grid", count=None, parameters={
         "learning_rate": {"values": [1e-3, 1e-2, 3e-2]}})).json()
     first, second = (t["job_id"] for t in sweep["trials"][:2])
     _finish(sessions, first, 0.4)
     for _ in range(2):  # the worker's hook and the periodic round both run: one new child, not two
         with sessions() as session:
-            advance(session, sweep_id=sweep["id"])
+            advance(session, settings, sweep_id=sweep["id"])
             session.commit()
     trials = client.get(f"/sweeps/{sweep['id']}").json()["trials"]
     assert [t["status"] for t in trials] == ["succeeded", "queued", "queued"]
     _finish(sessions, second, 0.3)
     _finish(sessions, trials[2]["job_id"], 0.2, status=JobStatus.FAILED)  # failed: not a candidate
     with sessions() as session:
-        assert advance(session, sweep_id=sweep["id"]) == []
+        assert advance(session, settings, sweep_id=sweep["id"]) == []
         session.commit()
     done = client.get(f"/sweeps/{sweep['id']}").json()
     assert done["status"] == "succeeded" and done["finished_at"] is not None
