@@ -17,7 +17,7 @@ from sqlalchemy import false, func, select, update
 from sqlalchemy.orm import Session
 
 from core.errors import TooManyRequests
-from core.models import ACTIVE, ApiKey
+from core.rows import ACTIVE, ApiKey
 from core.protocol import ErrorCode
 from core.settings import Settings
 from core.store import jobs as job_store

@@ -17,13 +17,13 @@ from app.services import idempotency
 from core import scheduler, states
 from core.admission import admit_jobs
 from core.auth import Principal
-from core.base_models import resolve_base_model
+from core.pretrained import resolve_base_model
 from core.capacity import largest_device, live_workers
 from core.errors import Conflict, NotFound, ValidationFailed
 from core.estimate import Head, architecture, format_bytes, load_model_config, training_memory
 from core.hyperparams import EVAL_METRICS, Hyperparameters, LMHyperparameters
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
-from core.models import Dataset, Job, JobStatus, TaskKind, new_id, utcnow
+from core.rows import Dataset, Job, JobStatus, TaskKind, new_id, utcnow
 from core.queue import TaskQueue
 from core.relay import deliver_now
 from core.settings import Settings

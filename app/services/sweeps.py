@@ -19,7 +19,7 @@ from core.admission import waiting_reason
 from core.auth import Principal
 from core.errors import Conflict, TooManyRequests, ValidationFailed
 from core.hyperparams import greater_is_better
-from core.models import ACTIVE, Job, Sweep, SweepStatus, TaskKind, new_id, utcnow
+from core.rows import ACTIVE, Job, Sweep, SweepStatus, TaskKind, new_id, utcnow
 from core.queue import TaskQueue
 from core.relay import deliver_now
 from core.settings import Settings

@@ -25,7 +25,7 @@ import uvicorn
 from app.main import create_app
 from core import netguard
 from core.db import session_scope
-from core.models import Artifact, new_id, utcnow
+from core.rows import Artifact, new_id, utcnow
 from tests.conftest import make_key
 from tests.factories import job_body, sentiment_rows, tsv_bytes
 

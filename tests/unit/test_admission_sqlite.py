@@ -10,7 +10,7 @@ from core.admission import admit_endpoint
 from core.db import make_engine, make_sessionmaker
 from core.errors import TooManyRequests
 from core.migrate import upgrade
-from core.models import WebhookEndpoint
+from core.rows import WebhookEndpoint
 from core.settings import Settings
 from core.store import webhooks as store
 
