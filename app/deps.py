@@ -10,13 +10,19 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from core.auth import Principal, authenticate, refuse_query_credentials
+from core.db import release
 from core.queue import TaskQueue
 from core.settings import Settings
 from core.storage import ArtifactStore
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    """A session per request; services commit explicitly, anything uncommitted is rolled back."""
+    """A session per request; services commit explicitly, anything uncommitted is rolled back.
+
+    Closed when the route function returns (scope="function"), before the response goes out: a client that
+    reads slowly never holds a database connection. A route that waits on the network first calls
+    core.db.release; a connection is taken again only by the next query.
+    """
     session: Session = request.app.state.sessionmaker()
     try:
         yield session
@@ -46,11 +52,18 @@ def get_storage(request: Request) -> ArtifactStore:
 bearer = HTTPBearer(auto_error=False, description="An API key from `trainserve keys create`.")
 
 
-def get_principal(request: Request, session: Annotated[Session, Depends(get_session)],
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+
+
+def get_principal(request: Request, session: SessionDep,
                   _: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
-    """The caller, from `Authorization: Bearer <key>`; 401 otherwise, and 401 for any key in the query string."""
+    """The caller, from `Authorization: Bearer <key>`; 401 otherwise, and 401 for any key in the query string.
+
+    The key lookup's transaction ends here, so a route starts without a connection checked out."""
     refuse_query_credentials(request.query_params.multi_items())
-    return authenticate(session, authorization=request.headers.get("authorization"))
+    principal = authenticate(session, authorization=request.headers.get("authorization"))
+    release(session)
+    return principal
 
 
 def get_idempotency_key(idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None
@@ -61,7 +74,6 @@ def get_idempotency_key(idempotency_key: Annotated[str | None, Header(alias="Ide
     return check_key(idempotency_key)
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 IdempotencyKeyDep = Annotated[str | None, Depends(get_idempotency_key)]
 SettingsDep = Annotated[Settings, Depends(get_app_settings)]

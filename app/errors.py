@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.schemas.common import ErrorEnvelope
@@ -149,4 +150,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(DataError, _bad_data)
     app.add_exception_handler(OperationalError, _database_down)
     app.add_exception_handler(InterfaceError, _database_down)
+    app.add_exception_handler(PoolTimeout, _database_down)  # every pooled connection busy for pool_timeout
     app.add_exception_handler(Exception, _unhandled)

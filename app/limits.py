@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import envelope
+from core.errors import TooManyRequests
 from core.protocol import ErrorCode
 from core.settings import Settings
 
@@ -104,6 +106,39 @@ class UploadSlotsMiddleware:
             await self.app(scope, receive, releasing_send)
         finally:
             release()
+
+
+class TenantSlots:
+    """Long responses (event streams, downloads) a tenant may hold open at once in one API process; 429 beyond,
+    so no tenant's slow readers can use up the process's capacity for everyone."""
+
+    def __init__(self, per_tenant: int, *, code: str, what: str) -> None:
+        self.per_tenant = per_tenant
+        self.code = code
+        self.what = what  # e.g. "event streams are already open"
+        self.open: dict[str, int] = {}
+        self.lock = threading.Lock()  # downloads take a slot in a request thread, streams on the event loop
+
+    def check(self, tenant: str) -> None:
+        """Raise 429 (this kind's code) when the tenant has no slot left."""
+        if self.open.get(tenant, 0) >= self.per_tenant:
+            raise TooManyRequests(f"{self.per_tenant} {self.what} for this tenant; retry when one ends",
+                                  retry_after=5, code=self.code)
+
+    def acquire(self, tenant: str) -> None:
+        """Take a slot or raise 429."""
+        with self.lock:
+            self.check(tenant)
+            self.open[tenant] = self.open.get(tenant, 0) + 1
+
+    def release(self, tenant: str) -> None:
+        """Give a slot back."""
+        with self.lock:
+            left = self.open.get(tenant, 0) - 1
+            if left > 0:
+                self.open[tenant] = left
+            else:
+                self.open.pop(tenant, None)
 
 
 async def _too_large(send: Send, limit: int) -> None:

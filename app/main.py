@@ -11,14 +11,16 @@ from prometheus_client import CollectorRegistry
 
 from app.access_log import install_access_log_redaction
 from app.errors import install_error_handlers
-from app.limits import BodyLimitMiddleware, UploadSlotsMiddleware
+from app.limits import BodyLimitMiddleware, TenantSlots, UploadSlotsMiddleware
 from app.observability import HttpMetrics, ObservabilityMiddleware
 from app.routes import classify, datasets, generation, health, jobs, metrics, sweeps, webhooks
 from app.routes.dashboard import mount_dashboard
+from app.security_headers import SecurityHeadersMiddleware
 from app.services.generation import GenerationGateway
 from app.services.job_stream import StreamSlots
 from core.celery_app import make_celery
 from core.db import make_engine, make_sessionmaker
+from core.protocol import ErrorCode
 from core.queue import CeleryTaskQueue, TaskQueue
 from core.redis_client import async_redis_from_url
 from core.relay import relay_thread
@@ -32,7 +34,8 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         resolved = settings or get_settings()
-        engine = make_engine(resolved.resolved_database_url)
+        engine = make_engine(resolved.resolved_database_url, pool_size=resolved.db_pool_size,
+                             max_overflow=resolved.db_max_overflow, pool_timeout_s=resolved.db_pool_timeout_s)
         celery = None if task_queue is not None else make_celery(resolved)
         app.state.settings = resolved
         app.state.storage = open_storage(resolved)
@@ -43,6 +46,8 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
         app.state.redis = redis
         app.state.generation = GenerationGateway(redis, app.state.task_queue, resolved)
         app.state.event_streams = StreamSlots(resolved.event_streams_per_tenant)
+        app.state.downloads = TenantSlots(resolved.max_downloads_per_tenant, code=ErrorCode.TOO_MANY_DOWNLOADS,
+                                          what="artifact downloads are in progress")
         # Sends task messages whose fast path found the broker refusing (the job stays queued meanwhile).
         relay = relay_thread(app.state.sessionmaker, app.state.task_queue, resolved.outbox_interval_s)
         relay.start()
@@ -68,6 +73,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     # Outermost: every answer (a 413 or a CORS refusal too) gets a request id and is counted.
     app.state.metrics_registry = CollectorRegistry(auto_describe=True)
     app.add_middleware(ObservabilityMiddleware, metrics=HttpMetrics(app.state.metrics_registry))
+    app.add_middleware(SecurityHeadersMiddleware)  # outside everything: every answer carries them
     for router in (health.router, datasets.router, jobs.router, sweeps.router, classify.router, generation.router,
                    webhooks.router, metrics.router):
         app.include_router(router)

@@ -10,9 +10,17 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 
-def make_engine(url: str) -> Engine:
-    """Create an engine; SQLite gets WAL and a busy timeout because API and workers share the file."""
+def make_engine(url: str, *, pool_size: int | None = None, max_overflow: int | None = None,
+                pool_timeout_s: float | None = None) -> Engine:
+    """Create an engine; SQLite gets WAL and a busy timeout because API and workers share the file.
+
+    Pool bounds default to SQLAlchemy's (5 + 10 overflow, 30 s wait); the API passes its settings, and a
+    request that waits longer than `pool_timeout_s` for a connection gets 503 database_unavailable.
+    """
     kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    for name, value in (("pool_size", pool_size), ("max_overflow", max_overflow), ("pool_timeout", pool_timeout_s)):
+        if value is not None:
+            kwargs[name] = value
     if url.startswith("sqlite"):
         kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
     engine = create_engine(url, **kwargs)
@@ -32,6 +40,12 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     """Sessions that keep loaded attributes after commit, so rows can be serialised afterwards."""
     return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+def release(session: Session) -> None:
+    """End the session's transaction and give its connection back to the pool before a wait on a client or
+    the network; rows already loaded stay readable (expire_on_commit is off), a later query takes a fresh one."""
+    session.commit()
 
 
 @contextmanager

@@ -39,12 +39,44 @@ def split_url(url: str) -> tuple[str, str, int]:
     return parts.scheme, parts.hostname, port or SCHEMES[parts.scheme]
 
 
-def is_public(address: str) -> bool:
-    """Whether an IP address is globally routable unicast (IPv4-mapped IPv6 judged by its IPv4 address)."""
-    ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+# IPv6 ranges whose last 32 bits are an IPv4 address a gateway or the host's stack forwards to: IPv4-compatible
+# (deprecated, ::/96), IPv4-translated (SIIT, ::ffff:0:0:0/96) and the well-known NAT64 prefix (64:ff9b::/96).
+EMBEDDING_LOW_32 = tuple(ipaddress.IPv6Network(n) for n in ("::/96", "::ffff:0:0:0/96", "64:ff9b::/96"))
+# RFC 8215's local-use NAT64 prefix: where the IPv4 address sits depends on the operator's prefix length, and it
+# is only meaningful inside one network, so no address in it is public.
+LOCAL_NAT64 = ipaddress.IPv6Network("64:ff9b:1::/48")
+
+
+def embedded_ipv4(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 address carries: mapped, compatible, translated, NAT64, 6to4 and Teredo."""
+    found = [ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)] if any(ip in n for n in EMBEDDING_LOW_32) else []
+    if ip.ipv4_mapped is not None:
+        found.append(ip.ipv4_mapped)
+    if ip.sixtofour is not None:
+        found.append(ip.sixtofour)
+    if ip.teredo is not None:
+        found.extend(ip.teredo)  # (server, client): a packet reaches both
+    return found
+
+
+def _public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     return ip.is_global and not ip.is_multicast
+
+
+def is_public(address: str) -> bool:
+    """Whether an IP address is globally routable unicast; an IPv6 address that embeds an IPv4 one (mapped,
+    compatible, NAT64, 6to4, Teredo) is public only when every embedded address is."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv4Address):
+        return _public(ip)
+    if ip in LOCAL_NAT64:
+        return False
+    embedded = embedded_ipv4(ip)
+    if any(not _public(v4) for v4 in embedded):
+        return False
+    if ip.ipv4_mapped is not None:  # ::ffff:a.b.c.d is the IPv4 address itself, judged as such above
+        return True
+    return _public(ip) and ip not in EMBEDDING_LOW_32[0]  # IPv4-compatible is deprecated (RFC 4291): refused whole
 
 
 def resolve(host: str, port: int, *, allow_private: bool) -> list[str]:

@@ -35,6 +35,7 @@ class ErrorCode(StrEnum):
     QUOTA_EXCEEDED = "quota_exceeded"
     TOO_MANY_UPLOADS = "too_many_uploads"
     TOO_MANY_STREAMS = "too_many_streams"
+    TOO_MANY_DOWNLOADS = "too_many_downloads"
     OVERLOADED = "overloaded"
     IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
     BROKER_UNAVAILABLE = "broker_unavailable"

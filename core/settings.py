@@ -29,6 +29,12 @@ class Settings(BaseSettings):
 
     # --- The API process: requests, uploads, CORS, logs, its /metrics ---
     max_request_bytes: int = Field(1024 * 1024, description="Largest JSON request body (413 beyond).")
+    db_pool_size: int = Field(5, ge=1, description="Database connections one API process keeps open.")
+    db_max_overflow: int = Field(10, ge=0, description="Extra connections an API process may open under load.")
+    db_pool_timeout_s: float = Field(10.0, gt=0, description="How long a request waits for a free database "
+                                     "connection before it is answered 503 database_unavailable.")
+    max_downloads_per_tenant: int = Field(4, ge=1, description="Artifact downloads one API process streams at "
+                                          "once per tenant (429 beyond).")
     max_upload_bytes: int = Field(100 * 1024 * 1024, description="Largest accepted dataset file.")
     max_dataset_rows: int = Field(2_000_000, description="Most rows accepted in one dataset.")
     max_dataset_columns: int = Field(256, description="Most columns accepted in one dataset (413 beyond).")
@@ -121,8 +127,14 @@ class Settings(BaseSettings):
     # --- Webhooks ---
     webhook_allow_private: bool = Field(
         False, description="Allow webhook URLs that resolve to private, loopback or link-local addresses.")
-    webhook_timeout_s: float = Field(10.0, gt=0, description="Connect/read timeout of one webhook delivery.")
+    webhook_timeout_s: float = Field(10.0, gt=0, description="Longest one webhook delivery attempt may take in all: "
+                                     "DNS, connect, sending and the whole response, under one deadline.")
     webhook_concurrency: int = Field(8, ge=1, description="Webhook deliveries one sender makes at once.")
+    webhook_per_tenant: int = Field(4, ge=1, description="Deliveries in flight for one tenant's endpoints per "
+                                    "sender (its share of TRAINSERVE_WEBHOOK_CONCURRENCY).")
+    webhook_dns_timeout_s: float = Field(5.0, gt=0, description="How long POST /webhooks waits for the URL's "
+                                         "host to resolve (422 beyond); no database connection is held meanwhile.")
+    max_webhook_endpoints: int = Field(20, ge=1, description="Webhook endpoints a tenant may register (429 beyond).")
     webhook_per_endpoint: int = Field(2, ge=1, description="Deliveries in flight to one endpoint (a slow endpoint "
                                       "cannot take every slot).")
     webhook_interval_s: float = Field(1.0, gt=0, description="How often the webhook sender looks for due deliveries.")

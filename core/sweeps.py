@@ -2,7 +2,8 @@
 
 `advance` is the one place children are made. It runs under the sweep's row lock, creates the next trials'
 jobs (each with its outbox message, in the caller's transaction) until `parallelism` children are queued or
-running, and finishes the sweep once every trial has ended. The API calls it when a sweep is created, the
+running, never past the tenant's job limit (core/admission: a sweep at the limit waits for room), and
+finishes the sweep once every trial has ended. The API calls it when a sweep is created, the
 worker after each child ends, and a periodic round on every training worker catches what a crash missed:
 running it twice creates nothing twice (one child per trial index, enforced by a unique constraint).
 
@@ -23,25 +24,31 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core import states
+from core.admission import job_room
 from core.periodic import Periodic
 from core.queue import TaskQueue
 from core.relay import deliver_now
 from core.rows import ACTIVE, Job, JobStatus, MetricPoint, Sweep, SweepStatus, WebhookEventType, new_id, utcnow
+from core.settings import Settings
 from core.store import webhooks
 
 log = logging.getLogger(__name__)
 
 
-def advance(session: Session, *, sweep_id: str) -> list[str]:
-    """Create children up to the parallelism limit and finish a sweep whose trials all ended; the caller commits."""
+def advance(session: Session, settings: Settings, *, sweep_id: str) -> list[str]:
+    """Create children up to the parallelism limit and the tenant's room under its job limit, and finish a sweep
+    whose trials all ended; the caller commits (which releases the tenant's admission lock)."""
     sweep = session.scalars(select(Sweep).where(Sweep.id == sweep_id).with_for_update()).first()
     if sweep is None or sweep.status != SweepStatus.RUNNING:
         return []
     children = list(session.scalars(select(Job).where(Job.sweep_id == sweep_id)))
     active = sum(1 for child in children if child.status in ACTIVE)
     index = max((child.sweep_index or 0 for child in children), default=-1) + 1
-    created = []
-    while active < sweep.parallelism and index < len(sweep.trials):
+    created: list[str] = []
+    room = 0
+    if active < sweep.parallelism and index < len(sweep.trials):
+        room, _ = job_room(session, settings, tenant_id=sweep.tenant_id)  # the sweep row first, then the tenant
+    while active < sweep.parallelism and index < len(sweep.trials) and len(created) < room:
         job = Job(id=new_id("job"), tenant_id=sweep.tenant_id, status=JobStatus.QUEUED, metrics={},
                   created_at=utcnow(), sweep_id=sweep.id, sweep_index=index,
                   hyperparameters=sweep.trials[index]["hyperparameters"], **sweep.template)
@@ -60,11 +67,12 @@ def advance(session: Session, *, sweep_id: str) -> list[str]:
     return created
 
 
-def advance_and_send(factory: sessionmaker[Session], queue: TaskQueue, *, sweep_id: str) -> list[str]:
+def advance_and_send(factory: sessionmaker[Session], queue: TaskQueue, settings: Settings, *,
+                     sweep_id: str) -> list[str]:
     """advance() in its own transaction, then send the new children's messages (the relay retries refusals)."""
     try:
         with factory() as session:
-            created = advance(session, sweep_id=sweep_id)
+            created = advance(session, settings, sweep_id=sweep_id)
             session.commit()
     except IntegrityError:  # another process advanced the same sweep at the same moment (SQLite has no row lock)
         log.info("sweep %s was advanced concurrently; the next round sees its children", sweep_id)
@@ -75,16 +83,17 @@ def advance_and_send(factory: sessionmaker[Session], queue: TaskQueue, *, sweep_
     return created
 
 
-def advance_all(factory: sessionmaker[Session], queue: TaskQueue) -> int:
+def advance_all(factory: sessionmaker[Session], queue: TaskQueue, settings: Settings) -> int:
     """One periodic round: advance every running sweep; returns how many children it created."""
     with factory() as session:
         running = list(session.scalars(select(Sweep.id).where(Sweep.status == SweepStatus.RUNNING)))
-    return sum(len(advance_and_send(factory, queue, sweep_id=sweep_id)) for sweep_id in running)
+    return sum(len(advance_and_send(factory, queue, settings, sweep_id=sweep_id)) for sweep_id in running)
 
 
-def sweep_thread(factory: sessionmaker[Session], queue: TaskQueue, interval: float) -> Periodic:
-    """A daemon thread that advances running sweeps every `interval` seconds (a crash-safe backstop)."""
-    return Periodic("sweep-advance", interval, lambda: advance_all(factory, queue))
+def sweep_thread(factory: sessionmaker[Session], queue: TaskQueue, settings: Settings) -> Periodic:
+    """A daemon thread that advances running sweeps every `sweep_interval_s` (a crash-safe backstop, and how a
+    sweep waiting for its tenant's job limit resumes when a job outside it ends)."""
+    return Periodic("sweep-advance", settings.sweep_interval_s, lambda: advance_all(factory, queue, settings))
 
 
 def best_child(sweep: Sweep, children: list[Job]) -> Job | None:

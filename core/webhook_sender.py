@@ -2,7 +2,9 @@
 
 Every round (a Periodic thread in each training worker) leases due deliveries with a conditional UPDATE and
 hands them to a thread pool: at most `webhook_concurrency` in flight, at most `webhook_per_endpoint` per
-endpoint, each attempt bounded by `webhook_timeout_s`, so one slow endpoint cannot hold the others up.
+endpoint and `webhook_per_tenant` per tenant, each attempt under one deadline of `webhook_timeout_s` over DNS,
+connect, sending and the whole response (a receiver that answers one byte at a time is cut off at it, not
+after a read timeout per byte), so neither one slow endpoint nor one tenant's many can hold the others up.
 A 2xx delivers; anything else is logged as an attempt and retried with doubling delays until
 `webhook_retry_for_s` after the event, always with the same webhook-id (the event's id).
 """
@@ -16,7 +18,9 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
 
+import anyio
 import httpx
 from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks import Webhook
@@ -40,6 +44,7 @@ class Attempt:
 
     delivery_id: int
     endpoint_id: str
+    tenant_id: str
     url: str
     secrets: tuple[str, ...]
     event_id: str
@@ -71,23 +76,32 @@ def retry_at(settings: Settings, *, event_created: datetime, attempts: int, now:
 
 
 def post(settings: Settings, url: str, headers: dict[str, str], payload: str) -> tuple[int, str]:
-    """POST to the URL's checked address (not a second DNS answer); returns status code and the body's start."""
+    """POST to the URL's checked address (not a second DNS answer); returns status code and the body's start.
+
+    One deadline covers the whole attempt; TimeoutError when it passes, wherever the attempt was."""
+    return anyio.run(_post, settings, url, headers, payload)
+
+
+async def _post(settings: Settings, url: str, headers: dict[str, str], payload: str) -> tuple[int, str]:
     scheme, host, port = split_url(url)
-    address = resolve(host, port, allow_private=settings.webhook_allow_private)[0]
-    target = httpx.URL(url).copy_with(host=address)
-    default_port = port == (443 if scheme == "https" else 80)
-    headers = {**headers, "host": host if default_port else f"{host}:{port}"}
-    extensions = {"sni_hostname": host} if scheme == "https" else {}
-    # A fresh client per attempt: pooled connections are keyed by address, and TLS names must not mix.
-    with httpx.Client(timeout=settings.webhook_timeout_s, follow_redirects=False, trust_env=False) as client:
-        with client.stream("POST", target, content=payload.encode(), headers=headers,
-                           extensions=extensions) as response:
-            body = b""
-            for chunk in response.iter_bytes():
-                body += chunk
-                if len(body) >= READ_LIMIT:
-                    break
-            return response.status_code, body[:READ_LIMIT].decode("utf-8", "replace")
+    with anyio.fail_after(settings.webhook_timeout_s):
+        addresses = await anyio.to_thread.run_sync(
+            partial(resolve, host, port, allow_private=settings.webhook_allow_private), abandon_on_cancel=True)
+        target = httpx.URL(url).copy_with(host=addresses[0])
+        default_port = port == (443 if scheme == "https" else 80)
+        headers = {**headers, "host": host if default_port else f"{host}:{port}"}
+        extensions = {"sni_hostname": host} if scheme == "https" else {}
+        # A fresh client per attempt: pooled connections are keyed by address, and TLS names must not mix.
+        async with httpx.AsyncClient(timeout=settings.webhook_timeout_s, follow_redirects=False,
+                                     trust_env=False) as client:
+            async with client.stream("POST", target, content=payload.encode(), headers=headers,
+                                     extensions=extensions) as response:
+                body = b""
+                async for chunk in response.aiter_bytes():
+                    body += chunk
+                    if len(body) >= READ_LIMIT:
+                        break
+                return response.status_code, body[:READ_LIMIT].decode("utf-8", "replace")
 
 
 class WebhookSender:
@@ -97,7 +111,8 @@ class WebhookSender:
         self.factory = factory
         self.settings = settings
         self.pool = ThreadPoolExecutor(settings.webhook_concurrency, thread_name_prefix="webhook")
-        self.in_flight: Counter[str] = Counter()
+        self.in_flight: Counter[str] = Counter()  # per endpoint
+        self.tenant_in_flight: Counter[str] = Counter()
         self.lock = threading.Lock()
         self.rounds = 0
 
@@ -106,37 +121,42 @@ class WebhookSender:
         with self.lock:
             room = self.settings.webhook_concurrency - sum(self.in_flight.values())
             busy = {e for e, n in self.in_flight.items() if n >= self.settings.webhook_per_endpoint}
+            busy_tenants = {t for t, n in self.tenant_in_flight.items() if n >= self.settings.webhook_per_tenant}
         self.rounds += 1
         if self.rounds % PRUNE_EVERY == 1:
             with session_scope(self.factory) as session:
                 store.prune(session, before=utcnow() - store.KEEP_FINISHED)
         if room <= 0:
             return 0
-        taken = self._lease(room, busy)
+        taken = self._lease(room, busy, busy_tenants)
         for attempt in taken:
             self.pool.submit(self._send, attempt)
         return len(taken)
 
-    def _lease(self, room: int, busy: set[str]) -> list[Attempt]:
+    def _lease(self, room: int, busy: set[str], busy_tenants: set[str]) -> list[Attempt]:
         now = utcnow()
-        # Long enough for one attempt; a sender that dies mid-attempt leaves the delivery due again after it.
-        until = now + timedelta(seconds=self.settings.webhook_timeout_s * 3 + 30)
+        # Longer than one attempt (its deadline); a sender that dies mid-attempt leaves the delivery due after it.
+        until = now + timedelta(seconds=self.settings.webhook_timeout_s + 30)
         taken: list[Attempt] = []
-        per_endpoint = Counter(self.in_flight)
+        per_endpoint, per_tenant = Counter(self.in_flight), Counter(self.tenant_in_flight)
         with session_scope(self.factory) as session:
-            for delivery in store.due(session, now=now, limit=room * 4, exclude=busy):
+            for delivery in store.due(session, now=now, limit=room * 4, exclude=busy, exclude_tenants=busy_tenants):
                 if len(taken) >= room or per_endpoint[delivery.endpoint_id] >= self.settings.webhook_per_endpoint:
                     continue
                 endpoint = session.get(WebhookEndpoint, delivery.endpoint_id)
-                if endpoint is None or not store.lease(session, delivery=delivery, until=until):
+                if endpoint is None or per_tenant[endpoint.tenant_id] >= self.settings.webhook_per_tenant:
+                    continue
+                if not store.lease(session, delivery=delivery, until=until):
                     continue
                 per_endpoint[delivery.endpoint_id] += 1
-                taken.append(Attempt(delivery.id, endpoint.id, endpoint.url, active_secrets(endpoint, now),
-                                     delivery.event.id, delivery.event.payload, delivery.event.created_at,
-                                     delivery.attempts))
+                per_tenant[endpoint.tenant_id] += 1
+                taken.append(Attempt(delivery.id, endpoint.id, endpoint.tenant_id, endpoint.url,
+                                     active_secrets(endpoint, now), delivery.event.id, delivery.event.payload,
+                                     delivery.event.created_at, delivery.attempts))
         with self.lock:
             for attempt in taken:
                 self.in_flight[attempt.endpoint_id] += 1
+                self.tenant_in_flight[attempt.tenant_id] += 1
         return taken
 
     def _send(self, attempt: Attempt) -> None:
@@ -148,6 +168,8 @@ class WebhookSender:
             status, body = post(self.settings, attempt.url, headers, attempt.payload)
         except UnsafeAddress as exc:
             error = exc.message
+        except TimeoutError:
+            error = f"no complete answer within {self.settings.webhook_timeout_s:g} s (the attempt's deadline)"
         except httpx.HTTPError as exc:
             error = f"{type(exc).__name__}: {exc}"
         except Exception as exc:  # noqa: BLE001 - whatever happened is this attempt's recorded outcome
@@ -166,9 +188,10 @@ class WebhookSender:
         finally:
             with self.lock:
                 self.in_flight[attempt.endpoint_id] -= 1
+                self.tenant_in_flight[attempt.tenant_id] -= 1
 
     def close(self) -> None:
-        """Stop taking work and wait for attempts in flight (each bounded by the timeout)."""
+        """Stop taking work and wait for attempts in flight (each bounded by its deadline)."""
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 

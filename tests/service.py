@@ -17,9 +17,9 @@ from pathlib import Path
 
 import httpx
 import redis as redis_lib
-from core.rows import Base
 from sqlalchemy import create_engine, text
 
+from core.rows import Base
 from tests.conftest import ROOT
 from tests.integration.conftest import _free_port, wait_for
 

@@ -18,11 +18,16 @@ class Received:
 
 @dataclass
 class Receiver:
-    """Records requests; `status` is what it answers, `delay_s` how long it takes. stop()/start() keep the port."""
+    """Records requests; `status` is what it answers, `delay_s` how long it takes. stop()/start() keep the port.
+
+    `trickle_s` makes it a slow loris: the answer's status line and headers go out one byte every `trickle_s`
+    seconds and never end (each read of the sender gets a byte in time, so only a deadline over the whole
+    attempt stops it)."""
 
     port: int = 0
     status: int = 200
     delay_s: float = 0.0
+    trickle_s: float = 0.0
     requests: list[Received] = field(default_factory=list)
     server: ThreadingHTTPServer | None = None
 
@@ -35,6 +40,16 @@ class Receiver:
                 time.sleep(receiver.delay_s)
                 status = receiver.status
                 receiver.requests.append(Received({k.lower(): v for k, v in self.headers.items()}, body, status))
+                if receiver.trickle_s:
+                    self.close_connection = True
+                    for byte in b"HTTP/1.1 200 OK\r\nx-slow: " + b"a" * 1000:
+                        try:
+                            self.wfile.write(bytes([byte]))
+                            self.wfile.flush()
+                        except OSError:
+                            return  # the sender gave up
+                        time.sleep(receiver.trickle_s)
+                    return
                 self.send_response(status)
                 self.send_header("content-type", "text/plain")
                 self.end_headers()

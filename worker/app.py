@@ -54,7 +54,7 @@ def _start_background_threads(**_: Any) -> None:
     reaper_thread(ctx.sessions, ctx.settings, ctx.queue).start()
     relay_thread(ctx.sessions, ctx.queue, ctx.settings.outbox_interval_s).start()
     sender_thread(ctx.sessions, ctx.settings).start()
-    sweep_thread(ctx.sessions, ctx.queue, ctx.settings.sweep_interval_s).start()
+    sweep_thread(ctx.sessions, ctx.queue, ctx.settings).start()
 
 
 worker_ready.connect(lambda **_: start_reporting(context()), weak=False)  # device capacity, for admission

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request
-from fastapi.responses import FileResponse, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import StreamingResponse
 
 from app.deps import IdempotencyKeyDep, PrincipalDep, QueueDep, SessionDep, SettingsDep, StorageDep
 from app.errors import ERROR_RESPONSES
+from app.limits import TenantSlots
 from app.routes.generation import SSE_HEADERS, STREAM_DOC
 from app.schemas.common import Page
 from app.schemas.jobs import (
@@ -137,12 +138,20 @@ def cancel_job(job_id: str, session: SessionDep, queue: QueueDep, principal: Pri
     return service.job_read(service.cancel_job(session, queue, principal, job_id=job_id))
 
 
-@router.get("/{job_id}/artifacts/{artifact_id}/download", response_class=FileResponse,
+@router.get("/{job_id}/artifacts/{artifact_id}/download", response_class=StreamingResponse,
             responses={200: {"content": {"application/x-tar": {}}}})
-def download_artifact(job_id: str, artifact_id: str, session: SessionDep, storage: StorageDep,
-                      principal: PrincipalDep) -> FileResponse:
-    """A model or checkpoint folder as a tar archive, from the artifact store."""
-    path, filename = artifact_service.pack_artifact(session, storage, principal, job_id=job_id,
-                                                    artifact_id=artifact_id)
-    return FileResponse(path, media_type="application/x-tar", filename=filename,
-                        background=BackgroundTask(path.unlink, missing_ok=True))
+def download_artifact(job_id: str, artifact_id: str, request: Request, session: SessionDep, storage: StorageDep,
+                      principal: PrincipalDep) -> StreamingResponse:
+    """A model or checkpoint folder as a tar archive, streamed from the artifact store (429 beyond the tenant's
+    concurrent downloads)."""
+    slots: TenantSlots = request.app.state.downloads
+    slots.check(principal.tenant_id)
+    download = artifact_service.find_download(session, principal, job_id=job_id, artifact_id=artifact_id)
+    session.close()  # the archive streams for as long as the client reads: never with a database connection
+    download = artifact_service.list_files(storage, download, artifact_id=artifact_id)
+    slots.acquire(principal.tenant_id)
+    return artifact_service.SlotResponse(
+        artifact_service.tar_stream(storage, download), release=partial(slots.release, principal.tenant_id),
+        media_type="application/x-tar",
+        headers={"content-length": str(download.size),
+                 "content-disposition": f'attachment; filename="{download.filename}"'})

@@ -21,22 +21,24 @@ def create_sweep(spec: SweepCreate, session: SessionDep, settings: SettingsDep, 
     """Start a hyperparameter sweep; its first `parallelism` children are queued at once. A retry with the same
     Idempotency-Key and body returns the first sweep."""
     sweep = service.create_sweep(session, settings, queue, principal, spec=spec, idempotency_key=idempotency_key)
-    return service.sweep_read(sweep)
+    return service.sweep_read(sweep, service.sweep_waiting(session, settings, sweep))
 
 
 @router.get("", response_model=Page[SweepRead])
-def list_sweeps(session: SessionDep, principal: PrincipalDep, limit: Annotated[int, Query(ge=1, le=50)] = 20,
+def list_sweeps(session: SessionDep, settings: SettingsDep, principal: PrincipalDep,
+                limit: Annotated[int, Query(ge=1, le=50)] = 20,
                 cursor: Annotated[str | None, Query(max_length=200)] = None) -> Page[SweepRead]:
     """Sweeps, newest first."""
     rows, next_cursor = service.list_sweeps(session, principal, limit=limit, cursor=cursor)
-    return Page[SweepRead](data=[service.sweep_read(r) for r in rows], has_more=next_cursor is not None,
-                           next_cursor=next_cursor)
+    data = [service.sweep_read(r, service.sweep_waiting(session, settings, r)) for r in rows]
+    return Page[SweepRead](data=data, has_more=next_cursor is not None, next_cursor=next_cursor)
 
 
 @router.get("/{sweep_id}", response_model=SweepRead)
-def get_sweep(sweep_id: str, session: SessionDep, principal: PrincipalDep) -> SweepRead:
-    """Every trial's settings, status and best metric, and the best child."""
-    return service.sweep_read(service.get_sweep(session, principal, sweep_id=sweep_id))
+def get_sweep(sweep_id: str, session: SessionDep, settings: SettingsDep, principal: PrincipalDep) -> SweepRead:
+    """Every trial's settings, status and best metric, the best child, and why it waits (if it does)."""
+    sweep = service.get_sweep(session, principal, sweep_id=sweep_id)
+    return service.sweep_read(sweep, service.sweep_waiting(session, settings, sweep))
 
 
 @router.post("/{sweep_id}/cancel", response_model=SweepRead)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
+from starlette.concurrency import run_in_threadpool
 
 from app.deps import PrincipalDep, SessionDep, SettingsDep
 from app.errors import ERROR_RESPONSES
@@ -17,10 +18,11 @@ router = APIRouter(prefix="/webhooks", tags=["webhooks"], responses=ERROR_RESPON
 
 
 @router.post("", status_code=201, response_model=WebhookRead)
-def create_webhook(spec: WebhookCreate, session: SessionDep, settings: SettingsDep, principal: PrincipalDep
-                   ) -> WebhookRead:
+async def create_webhook(spec: WebhookCreate, session: SessionDep, settings: SettingsDep, principal: PrincipalDep
+                         ) -> WebhookRead:
     """Register an endpoint for some event types; the answer carries its signing secret (shown once)."""
-    endpoint = service.create_endpoint(session, settings, principal, spec=spec)
+    await service.check_url(settings, spec.url)  # DNS: no database connection is held while it answers
+    endpoint = await run_in_threadpool(service.create_endpoint, session, settings, principal, spec=spec)
     return service.webhook_read(endpoint, with_secret=True)
 
 

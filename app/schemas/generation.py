@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from app.schemas.structured import StructuredFields
 
 
-def _stops(value: str | list[str] | None) -> list[str]:
-    items = [] if value is None else [value] if isinstance(value, str) else list(value)
+def _stops(value: Any) -> list[str]:
+    """A string or a list of up to 4 strings of 1-100 characters; any other JSON type is a 422, never a 500."""
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise ValueError("stop must be a string or a list of up to 4 strings")
     if len(items) > 4:
         raise ValueError("at most 4 stop sequences")
     if any(not 1 <= len(item) <= 100 for item in items):
         raise ValueError("stop sequences must be 1-100 characters")
-    return items
+    return list(items)
+
+
+_STOP = {"type": "string", "minLength": 1, "maxLength": 100}
+# Always a list once validated; the documented shape is OpenAI's (a string, or a list of up to 4).
+StopSequences = Annotated[list[str], BeforeValidator(_stops), WithJsonSchema(
+    {"anyOf": [_STOP, {"type": "array", "items": _STOP, "maxItems": 4}]})]
 
 
 class GenerateRequest(BaseModel):
@@ -30,15 +41,10 @@ class GenerateRequest(BaseModel):
     top_k: int = Field(0, ge=0, le=10_000, description="0 disables top-k.")
     top_p: float = Field(1.0, gt=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
-    stop: list[str] = Field(default_factory=list, description="Up to 4 stop sequences.")
+    stop: StopSequences = Field(default_factory=list, description="A string or up to 4 stop sequences.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same text, whatever shares the batch.")
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop(cls, value: Any) -> list[str]:
-        return _stops(value)
 
 
 class GeneratedChoice(BaseModel):
@@ -71,7 +77,7 @@ class CompletionRequest(StructuredFields):
     top_p: float | None = Field(1.0, gt=0, le=1)
     n: int | None = Field(1, ge=1, le=16)
     stream: bool | None = False
-    stop: str | list[str] | None = None
+    stop: StopSequences | None = Field(None, description="A string or up to 4 stop sequences.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=5, description="The sampled token's logprob and the top N (0-5).")

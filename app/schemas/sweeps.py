@@ -96,3 +96,5 @@ class SweepRead(BaseModel):
     base_job: dict[str, Any] = Field(serialization_alias="job", description="The base job as submitted.")
     created_at: datetime
     finished_at: datetime | None
+    waiting_reason: str | None = Field(None, description="Why no trial starts now although some are left: the "
+                                       "tenant is at its job limit (TRAINSERVE_MAX_ACTIVE_JOBS_PER_TENANT).")

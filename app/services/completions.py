@@ -192,9 +192,7 @@ def openai_params(body: CompletionRequest) -> tuple[str, SamplingParams]:
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if len(prompts) != 1 or not prompts[0]:
         raise ValidationFailed("prompt", "send exactly one non-empty prompt per request")
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stop) > 4 or any(not 1 <= len(s) <= 100 for s in stop):
-        raise ValidationFailed("stop", "up to 4 stop sequences of 1-100 characters")
+    stop = body.stop or []  # the schema checked it: a string or up to 4 strings, as a list
     return prompts[0], sampling(max_new_tokens=body.max_tokens or 16,
                                 temperature=1.0 if body.temperature is None else body.temperature, top_k=0,
                                 top_p=1.0 if body.top_p is None else body.top_p, repetition_penalty=1.0, stop=stop,

@@ -17,6 +17,7 @@ from app.schemas.datasets import DatasetPreview, DatasetRead, DatasetSummary
 from app.services import idempotency
 from core.auth import Principal
 from core.chat_data import open_rows, summarize_upload
+from core.db import release
 from core.errors import PayloadTooLarge, ValidationFailed
 from core.paths import dataset_key
 from core.rows import Dataset, new_id, utcnow
@@ -71,6 +72,7 @@ def create_dataset(session: Session, settings: Settings, storage: ArtifactStore,
         if replayed is not None:
             part.unlink(missing_ok=True)
             return store.get_dataset(session, dataset_id=replayed)
+        release(session)  # parsing can take a while and storing may be an upload: no connection held meanwhile
         # A JSON Lines file of conversations, preference pairs or prompt/completion pairs is a chat dataset.
         summary = summarize_upload(part, fmt, max_rows=settings.max_dataset_rows,
                                    max_columns=settings.max_dataset_columns)
@@ -145,6 +147,7 @@ def preview_dataset(session: Session, storage: ArtifactStore, principal: Princip
                     rows: int) -> DatasetPreview:
     """The first `rows` rows of a stored dataset, long cells cut short; reads only as far as it shows."""
     dataset = store.get_dataset(session, dataset_id=dataset_id, tenant=principal.scope)
+    release(session)  # the store may be remote: no connection held while it answers
     shown: list[dict[str, Any]] = []
     with storage.open(dataset.path) as stream:
         reader = cast(Generator[dict[str, Any], None, None], iter(open_rows(cast(BinaryIO, stream), dataset.format)))

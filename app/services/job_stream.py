@@ -20,6 +20,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
+from app.limits import TenantSlots
 from app.schemas.jobs import EventRead
 from app.sse import COMPACT, sse_comment, sse_message, sse_retry
 from core.errors import TooManyRequests, ValidationFailed
@@ -48,36 +49,18 @@ class Cursor:
     def parse(cls, raw: str) -> Cursor:
         """Read a Last-Event-ID header; 422 naming the header when it is not one of ours."""
         parts = raw.strip().split("-")
-        if len(parts) != 2 or not all(p.isdigit() and len(p) <= 10 for p in parts):
+        # ASCII digits only: str.isdigit() also accepts superscripts ("\u00b2") that int() refuses.
+        if len(parts) != 2 or not all(p.isascii() and p.isdigit() and len(p) <= 10 for p in parts):
             raise ValidationFailed("Last-Event-ID", "must be '<event id>-<point id>' as sent in a stream's id field")
         return cls(int(parts[0]), int(parts[1]))
 
 
-class StreamSlots:
+class StreamSlots(TenantSlots):
     """Open streams per tenant, bounded so that no tenant's dashboards can use up the API's capacity."""
 
     def __init__(self, per_tenant: int) -> None:
-        self.per_tenant = per_tenant
-        self.open: dict[str, int] = {}
-
-    def check(self, tenant: str) -> None:
-        """Raise 429 too_many_streams when the tenant has no slot left (the route answers it before streaming)."""
-        if self.open.get(tenant, 0) >= self.per_tenant:
-            raise TooManyRequests(f"{self.per_tenant} event streams are already open for this tenant; close one "
-                                  "or poll /jobs/{id}/events", retry_after=5, code=ErrorCode.TOO_MANY_STREAMS)
-
-    def acquire(self, tenant: str) -> None:
-        """Take a slot or raise 429 too_many_streams."""
-        self.check(tenant)
-        self.open[tenant] = self.open.get(tenant, 0) + 1
-
-    def release(self, tenant: str) -> None:
-        """Give a slot back."""
-        left = self.open.get(tenant, 0) - 1
-        if left > 0:
-            self.open[tenant] = left
-        else:
-            self.open.pop(tenant, None)
+        super().__init__(per_tenant, code=ErrorCode.TOO_MANY_STREAMS,
+                         what="event streams are already open (close one or poll /jobs/{id}/events)")
 
 
 @dataclass

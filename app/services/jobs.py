@@ -13,9 +13,10 @@ from sqlalchemy.orm import Session
 from app.schemas.jobs import ArtifactRead, BestRead, JobRead, Progress
 from app.services import idempotency
 from core import scheduler, states
+from core.admission import admit_jobs
 from core.auth import Principal
 from core.capacity import largest_device, live_workers
-from core.errors import Conflict, NotFound, TooManyRequests, ValidationFailed
+from core.errors import Conflict, NotFound, ValidationFailed
 from core.estimate import Head, architecture, format_bytes, load_model_config, training_memory
 from core.hyperparams import Hyperparameters, LMHyperparameters
 from core.jobspec import CausalLMJob, ClassificationJob, JobSpec, kind_of
@@ -25,7 +26,7 @@ from core.pretrained import resolve_base_model
 from core.protocol import ErrorCode
 from core.queue import TaskQueue
 from core.relay import deliver_now
-from core.rows import ACTIVE, Dataset, EventKind, Job, JobStatus, new_id, utcnow
+from core.rows import Dataset, EventKind, Job, JobStatus, new_id, utcnow
 from core.settings import Settings
 from core.store import datasets as dataset_store
 from core.store import history
@@ -52,9 +53,9 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, principal
                                        request_hash=request_hash)
     if replayed is not None:
         return store.get_job(session, job_id=replayed)
-    require_quota(session, settings, principal)
     job = prepare_job(session, settings, principal, spec=spec)
     job.rerun_of = rerun_of
+    admit_jobs(session, settings, tenant_id=principal.tenant_id)  # the tenant stays locked until the commit
     try:
         states.create(session, job)  # the row, its `created` event and its outbox message
         idempotency.remember(session, principal, route=route, key=idempotency_key, request_hash=request_hash,
@@ -79,14 +80,6 @@ def create_job(session: Session, settings: Settings, queue: TaskQueue, principal
         raise
     deliver_now(session, queue, job_id=job.id)
     return job
-
-
-def require_quota(session: Session, settings: Settings, principal: Principal, *, adding: int = 1) -> None:
-    """429 when `adding` more active jobs would exceed the tenant's limit."""
-    active = store.count_jobs(session, tenant=principal.tenant_id, statuses=sorted(ACTIVE))
-    if active + adding > settings.max_active_jobs_per_tenant:
-        raise TooManyRequests(f"{active} jobs are queued or running; the limit per tenant is "
-                              f"{settings.max_active_jobs_per_tenant}", retry_after=30, code=ErrorCode.QUOTA_EXCEEDED)
 
 
 def prepare_job(session: Session, settings: Settings, principal: Principal, *, spec: JobSpec) -> Job:

@@ -14,14 +14,17 @@ from sqlalchemy.orm import Session
 from app.schemas.jobs import BestRead
 from app.schemas.sweeps import ParameterSpec, PruningSpec, SweepBest, SweepCreate, SweepRead, SweepTrialRead
 from app.services import idempotency
-from app.services.jobs import prepare_job, request_cancel, require_quota
+from app.services.jobs import prepare_job, request_cancel
+from core.admission import waiting_reason
 from core.auth import Principal
-from core.errors import Conflict, ValidationFailed
+from core.errors import Conflict, TooManyRequests, ValidationFailed
 from core.jobspec import kind_of, validate_spec
+from core.protocol import ErrorCode
 from core.queue import TaskQueue
 from core.relay import deliver_now
 from core.rows import ACTIVE, Job, Sweep, SweepStatus, new_id, utcnow
 from core.settings import Settings
+from core.store import jobs as job_store
 from core.store import sweeps as store
 from core.store.paging import decode_cursor, split_page
 from core.sweeps import advance, best_child, format_params
@@ -79,7 +82,6 @@ def create_sweep(session: Session, settings: Settings, queue: TaskQueue, princip
         raise ValidationFailed("parameters.metric_for_best", "a sweep compares its children by one metric; set "
                                                              "it in job.hyperparameters")
     trial_params = expand_trials(spec, settings.max_sweep_trials)
-    require_quota(session, settings, principal, adding=min(spec.parallelism, len(trial_params)))
     jobs = [_trial_job(session, settings, principal, spec, index, params) for index, params in enumerate(trial_params)]
     first = jobs[0]
     metric = first.hyperparameters["metric_for_best"]
@@ -100,7 +102,11 @@ def create_sweep(session: Session, settings: Settings, queue: TaskQueue, princip
     try:
         session.add(sweep)
         session.flush()
-        created = advance(session, sweep_id=sweep.id)  # the first children and their outbox messages
+        created = advance(session, settings, sweep_id=sweep.id)  # the first children (as many as the quota allows)
+        if not created:  # the tenant is at its job limit: nothing could start, so the sweep is refused
+            raise TooManyRequests(f"the tenant has {settings.max_active_jobs_per_tenant} jobs queued or running, "
+                                  "its limit; a sweep needs room for its first child", retry_after=30,
+                                  code=ErrorCode.QUOTA_EXCEEDED)
         idempotency.remember(session, principal, route=ROUTE, key=idempotency_key, request_hash=request_hash,
                              resource_id=sweep.id)
         session.commit()
@@ -160,8 +166,20 @@ def cancel_sweep(session: Session, queue: TaskQueue, principal: Principal, *, sw
     return sweep
 
 
-def sweep_read(sweep: Sweep) -> SweepRead:
-    """The public sweep object: every trial with its child's status and best, and the best child."""
+def sweep_waiting(session: Session, settings: Settings, sweep: Sweep) -> str | None:
+    """Why a running sweep with trials left starts none now (its tenant is at its job limit), else None."""
+    children = list(sweep.children)
+    active = sum(1 for child in children if child.status in ACTIVE)
+    if sweep.status != SweepStatus.RUNNING or len(children) >= len(sweep.trials) or active >= sweep.parallelism:
+        return None
+    tenant_active = job_store.count_jobs(session, tenant=sweep.tenant_id, statuses=sorted(ACTIVE))
+    if tenant_active < settings.max_active_jobs_per_tenant:
+        return None  # room again: the next advance (after a child ends, or the periodic round) starts a trial
+    return waiting_reason(tenant_active, settings)
+
+
+def sweep_read(sweep: Sweep, waiting: str | None = None) -> SweepRead:
+    """The public sweep object: every trial with its child's status and best, the best child, and why it waits."""
     children = {child.sweep_index: child for child in sweep.children}
     trials = []
     for index, trial in enumerate(sweep.trials):
@@ -181,4 +199,4 @@ def sweep_read(sweep: Sweep) -> SweepRead:
         parameters={k: ParameterSpec.model_validate(v) for k, v in sweep.parameters.items()},
         parallelism=sweep.parallelism, metric=sweep.metric, greater_is_better=sweep.greater_is_better,
         pruning=PruningSpec.model_validate(sweep.pruning) if sweep.pruning else None, best=best, trials=trials,
-        base_job=sweep.job_spec, created_at=sweep.created_at, finished_at=sweep.finished_at)
+        base_job=sweep.job_spec, created_at=sweep.created_at, finished_at=sweep.finished_at, waiting_reason=waiting)

@@ -5,19 +5,22 @@ from __future__ import annotations
 import base64
 import secrets
 from datetime import timedelta
+from functools import partial
 
+import anyio
 from sqlalchemy.orm import Session
 
 from app.schemas.webhooks import AttemptRead, DeliveryPage, DeliveryRead, WebhookCreate, WebhookRead
+from core.admission import admit_endpoint
 from core.auth import Principal
-from core.errors import TooManyRequests
-from core.netguard import resolve, split_url
-from core.protocol import ErrorCode
+from core.netguard import UnsafeAddress, resolve, split_url
 from core.rows import WebhookEndpoint, utcnow
 from core.settings import Settings
 from core.store import webhooks as store
 
-MAX_ENDPOINTS = 20  # per tenant: every event fans out to each, so the number is bounded
+# Threads that may wait on DNS for POST /webhooks at once, per API process: a slow resolver holds these, never
+# the request thread pool (that /health and every other route share) nor a database connection.
+DNS_THREADS = anyio.CapacityLimiter(8)
 
 
 def new_secret() -> str:
@@ -25,14 +28,21 @@ def new_secret() -> str:
     return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
 
 
+async def check_url(settings: Settings, url: str) -> None:
+    """The URL resolves, within the DNS deadline, to public addresses only (unless allowed); 422 naming `url`."""
+    _, host, port = split_url(url)
+    try:
+        with anyio.fail_after(settings.webhook_dns_timeout_s):
+            await anyio.to_thread.run_sync(partial(resolve, host, port, allow_private=settings.webhook_allow_private),
+                                           limiter=DNS_THREADS, abandon_on_cancel=True)
+    except TimeoutError:
+        raise UnsafeAddress(f"{host!r} did not resolve within {settings.webhook_dns_timeout_s:g} s") from None
+
+
 def create_endpoint(session: Session, settings: Settings, principal: Principal, *, spec: WebhookCreate
                     ) -> WebhookEndpoint:
-    """Check the URL resolves to public addresses (unless allowed), store the endpoint with a fresh secret."""
-    _, host, port = split_url(spec.url)
-    resolve(host, port, allow_private=settings.webhook_allow_private)
-    if store.count_endpoints(session, tenant=principal.tenant_id) >= MAX_ENDPOINTS:
-        raise TooManyRequests(f"a tenant may register at most {MAX_ENDPOINTS} webhook endpoints",
-                              code=ErrorCode.QUOTA_EXCEEDED)
+    """Store the endpoint with a fresh secret, within the tenant's endpoint limit (the URL is checked already)."""
+    admit_endpoint(session, settings, tenant_id=principal.tenant_id)  # locks the tenant until the commit
     endpoint = store.add_endpoint(session, tenant_id=principal.tenant_id, url=spec.url,
                                   event_types=sorted(set(spec.event_types)), description=spec.description,
                                   secret=new_secret())

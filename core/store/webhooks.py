@@ -95,13 +95,18 @@ def list_deliveries(session: Session, *, endpoint_id: str, limit: int, before_id
     return list(session.scalars(query))
 
 
-def due(session: Session, *, now: datetime, limit: int, exclude: set[str]) -> list[WebhookDelivery]:
-    """Pending deliveries whose next attempt is due, oldest first, skipping busy endpoints."""
+def due(session: Session, *, now: datetime, limit: int, exclude: set[str],
+        exclude_tenants: set[str] | frozenset[str] = frozenset()) -> list[WebhookDelivery]:
+    """Pending deliveries whose next attempt is due, oldest first, skipping busy endpoints and busy tenants
+    (so a tenant with many due deliveries cannot fill the page with ones the sender has no slot for)."""
     query = (select(WebhookDelivery).where(WebhookDelivery.status == DeliveryStatus.PENDING,
                                            WebhookDelivery.next_attempt_at <= now)
              .order_by(WebhookDelivery.next_attempt_at, WebhookDelivery.id).limit(limit))
     if exclude:
         query = query.where(WebhookDelivery.endpoint_id.not_in(sorted(exclude)))
+    if exclude_tenants:
+        query = (query.join(WebhookEndpoint, WebhookEndpoint.id == WebhookDelivery.endpoint_id)
+                 .where(WebhookEndpoint.tenant_id.not_in(sorted(exclude_tenants))))
     return list(session.scalars(query))
 
 

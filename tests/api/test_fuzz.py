@@ -165,3 +165,68 @@ def test_fuzz_unicode_digit_labels_and_concurrent_delete(client, monkeypatch):
             assert client.post(f"/jobs/{response.json()['id']}/cancel").status_code == 200
 
     run()
+
+
+# Every JSON type, for fields that expect another one (`stop: 5` once reached list(5) and a 500).
+WRONG_TYPES = [5, True, 1.5, [1], ["a"] * 5, {"a": 1}, None, "²"]
+DIGIT_HEADER = st.text(alphabet=UNICODE_DIGITS + "0123456789-", min_size=1, max_size=12)
+
+
+def _body_fields(app) -> dict[tuple[str, str], list[str]]:
+    """(METHOD, path template) -> the top-level fields of its JSON body, from the OpenAPI document."""
+    document = app.openapi()
+    found: dict[tuple[str, str], list[str]] = {}
+    for path, item in document["paths"].items():
+        for method, operation in item.items():
+            schema = operation.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+            ref = schema.get("$ref") or next((s["$ref"] for s in schema.get("anyOf", []) if "$ref" in s), None)
+            if ref:
+                found[(method.upper(), path)] = sorted(document["components"]["schemas"][ref.rsplit("/", 1)[1]]
+                                                       .get("properties", {}))
+    return found
+
+
+def _header_params(app) -> dict[tuple[str, str], list[str]]:
+    return {(method.upper(), path): [p["name"] for p in operation.get("parameters", []) if p["in"] == "header"]
+            for path, item in app.openapi()["paths"].items() for method, operation in item.items()}
+
+
+def test_fuzz_wrong_json_types_for_every_field_and_unicode_digits_in_headers(fuzz_target, client):
+    """Each body field of each operation given every other JSON type, and header parameters given Unicode
+    digits (streams asked for, so Last-Event-ID is parsed): always a 4xx envelope, never a 5xx or a reset."""
+    app, key = fuzz_target
+    client._transport.raise_server_exceptions = False
+    dataset = upload(client, tsv_bytes(sentiment_rows()), name="typed").json()["id"]
+    valid = {("POST", "/jobs"): job_body(dataset), ("POST", "/generate"): {"model": "tiny", "prompt": "hi"},
+             ("POST", "/v1/completions"): {"model": "tiny", "prompt": "hi"},
+             ("POST", "/webhooks"): {"url": "https://example.com/hook", "event_types": ["job.succeeded"]}}
+    headers_of = _header_params(app)
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+    for route, fields in _body_fields(app).items():
+        for field in fields:
+            for value in WRONG_TYPES:
+                body = {**valid.get(route, {}), field: value}
+                response = client.request(route[0], route[1].replace("{", "").replace("}", ""), json=body,
+                                          headers={"Authorization": f"Bearer {key}"})
+                assert response.status_code < 500, (route, field, value, response.text[:300])
+                if response.status_code >= 400:
+                    assert response.json()["error"]["message"], (route, field, value)
+    for operation in [result.ok() for result in schema.get_all_operations()]:
+        names = headers_of.get((operation.method.upper(), operation.path), [])
+        if names:
+            _header_fuzzer(operation, names, client, key)()
+
+
+def _header_fuzzer(operation, names: list[str], client, key: str):
+    @given(case=operation.as_strategy(), value=DIGIT_HEADER)
+    @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    def run(case, value):
+        # As a client's raw bytes: '²' is one byte in Latin-1, the encoding servers decode header values with.
+        raw = value.encode("latin-1") if all(ord(c) < 256 for c in value) else value.encode()
+        headers = {"Authorization": f"Bearer {key}", **{name: raw for name in names}}
+        query = {**(case.query or {}), "stream": "true"} if operation.method.upper() == "GET" else case.query
+        response = client.request(case.method, case.formatted_path, params=query, json=case.body
+                                  if case.media_type == "application/json" else None, headers=headers)
+        assert response.status_code < 500, (case.method, case.formatted_path, value, response.text[:300])
+
+    return run

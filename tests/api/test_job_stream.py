@@ -121,8 +121,10 @@ def test_stream_sends_backlog_state_and_end_then_resumes_from_last_event_id(clie
 
 
 def test_stream_refuses_bad_ids_and_a_tenant_over_its_stream_bound(client, running_job):
-    response = client.get(f"/jobs/{running_job}/events", params={"stream": True}, headers={"Last-Event-ID": "x"})
-    assert response.status_code == 422 and response.json()["error"]["field"] == "Last-Event-ID"
+    # "x", and Unicode digits str.isdigit() accepts but int() refuses ('\xb2' is '²' in Latin-1: once a 500).
+    for bad in (b"x", b"\xb2-1", b"1-\xb9", "٣-1".encode()):
+        response = client.get(f"/jobs/{running_job}/events", params={"stream": True}, headers={"Last-Event-ID": bad})
+        assert response.status_code == 422 and response.json()["error"]["field"] == "Last-Event-ID", bad
     assert client.get("/jobs/job_nope/events", params={"stream": True}).status_code == 404
     slots = client.app.state.event_streams
     for _ in range(slots.per_tenant):

@@ -128,21 +128,21 @@ def _finish(sessions, job_id, value, status=JobStatus.SUCCEEDED):
         session.commit()
 
 
-def test_advance_fills_freed_slots_once_and_names_the_best_child(client, data_id, sessions):
+def test_advance_fills_freed_slots_once_and_names_the_best_child(client, data_id, sessions, settings):
     sweep = client.post("/sweeps", json=_sweep(data_id, method="grid", count=None, parameters={
         "learning_rate": {"values": [1e-3, 1e-2, 3e-2]}})).json()
     first, second = (t["job_id"] for t in sweep["trials"][:2])
     _finish(sessions, first, 0.4)
     for _ in range(2):  # the worker's hook and the periodic round both run: one new child, not two
         with sessions() as session:
-            advance(session, sweep_id=sweep["id"])
+            advance(session, settings, sweep_id=sweep["id"])
             session.commit()
     trials = client.get(f"/sweeps/{sweep['id']}").json()["trials"]
     assert [t["status"] for t in trials] == ["succeeded", "queued", "queued"]
     _finish(sessions, second, 0.3)
     _finish(sessions, trials[2]["job_id"], 0.2, status=JobStatus.FAILED)  # failed: not a candidate
     with sessions() as session:
-        assert advance(session, sweep_id=sweep["id"]) == []
+        assert advance(session, settings, sweep_id=sweep["id"]) == []
         session.commit()
     done = client.get(f"/sweeps/{sweep['id']}").json()
     assert done["status"] == "succeeded" and done["finished_at"] is not None
@@ -164,3 +164,35 @@ def test_median_rule_prunes_a_child_behind_the_others_at_the_same_step(client, d
         reason = prune_reason(session, job_id=c, sweep_id=sweep_id, step=4)
         assert reason is not None and "median 0.4500 of 2 other trial(s)" in reason
         assert prune_reason(session, job_id=b, sweep_id=sweep_id, step=4) is None  # 0.4 is ahead of 0.525
+
+
+def _active(client) -> int:
+    return sum(1 for j in client.get("/jobs", params={"limit": 100}).json()["data"]
+               if j["status"] in ("queued", "running"))
+
+
+def test_sweep_children_stay_within_the_tenant_job_limit_and_the_sweep_waits(client, data_id, sessions, settings):
+    """Cancelling children so that advance refills them (the way past the limit once) never exceeds it."""
+    settings.max_active_jobs_per_tenant = 4
+    plain = client.post("/jobs", json=job_body(data_id)).json()["id"]
+    sweep = client.post("/sweeps", json=_sweep(data_id, parallelism=5, count=6)).json()
+    assert sum(1 for t in sweep["trials"] if t["job_id"]) == 3 and _active(client) == 4
+    assert sweep["waiting_reason"] == ("tenant at its job limit (4 of 4 jobs queued or running); the next trial "
+                                       "starts when one ends")
+    refused = client.post("/sweeps", json=_sweep(data_id, parallelism=5, count=6))
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "quota_exceeded"
+    for trial in sweep["trials"][:2]:
+        assert client.post(f"/jobs/{trial['job_id']}/cancel").status_code == 200
+    for _ in range(3):  # the worker's hook and the periodic rounds: refilled up to the limit, never past it
+        with sessions() as session:
+            advance(session, settings, sweep_id=sweep["id"])
+            session.commit()
+    assert _active(client) == 4
+    client.post(f"/jobs/{plain}/cancel")
+    with sessions() as session:
+        advance(session, settings, sweep_id=sweep["id"])
+        session.commit()
+    now = client.get(f"/sweeps/{sweep['id']}").json()
+    assert _active(client) == 4 and sum(1 for t in now["trials"] if t["job_id"]) == 6
+    assert now["waiting_reason"] is None  # every trial has its child: nothing left to wait for
+    assert client.post("/jobs", json=job_body(data_id)).status_code == 429

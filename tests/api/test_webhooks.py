@@ -129,6 +129,43 @@ def test_a_slow_endpoint_does_not_hold_up_the_others(client, settings, factory, 
         slow.stop()
 
 
+def test_slow_loris_receivers_of_one_tenant_do_not_delay_another_tenants_delivery(client, settings, factory,
+                                                                                 receiver):
+    """Ten endpoints of tenant-a answer one byte every 0.3 s, forever; tenant-b's fast endpoint still gets its
+    delivery within seconds, and every slow attempt ends at the deadline over the whole attempt."""
+    settings.webhook_allow_private = True
+    settings.webhook_timeout_s = 2.0  # concurrency 8, 2 per endpoint, 4 per tenant: the defaults
+    slow = [Receiver(trickle_s=0.3).start() for _ in range(10)]
+    other = {"Authorization": f"Bearer {make_key(settings.resolved_database_url, tenant='tenant-b')}"}
+    sender = WebhookSender(factory, settings)
+    try:
+        for server in slow:
+            _register(client, server.url, types=["job.queued"])
+        train = upload(client, tsv_bytes(sentiment_rows())).json()["id"]
+        for _ in range(3):  # 30 deliveries to slow endpoints, all due before tenant-b's one
+            assert client.post("/jobs", json=job_body(train)).status_code == 201
+        fast = client.post("/webhooks", json={"url": receiver.url, "event_types": ["job.queued"]}, headers=other)
+        assert fast.status_code == 201, fast.text
+        train_b = client.post("/datasets", files={"file": ("t.tsv", tsv_bytes(sentiment_rows()))}, headers=other)
+        assert client.post("/jobs", json=job_body(train_b.json()["id"]), headers=other).status_code == 201
+        started = time.monotonic()
+        while not receiver.requests and time.monotonic() - started < 15:
+            sender.round()
+            time.sleep(0.1)
+        waited = time.monotonic() - started
+        assert receiver.requests and waited < 5, f"tenant-b's delivery waited {waited:.1f} s"
+        time.sleep(settings.webhook_timeout_s + 1)
+        sender.round()
+        log = client.get(f"/webhooks/{client.get('/webhooks').json()[0]['id']}/deliveries").json()["data"]
+        attempts = [a for d in log for a in d["attempt_log"]]
+        assert attempts and all(a["duration_ms"] < (settings.webhook_timeout_s + 1) * 1000 for a in attempts)
+        assert all("deadline" in a["error"] for a in attempts), attempts
+    finally:
+        sender.close()
+        for server in slow:
+            server.stop()
+
+
 def test_retries_back_off_exponentially_and_stop_after_the_retry_period(settings):
     now = utcnow()
     delays = [(retry_at(settings, event_created=now, attempts=n, now=now) - now).total_seconds() for n in (1, 2, 3)]

@@ -53,7 +53,7 @@ def run_training_job(ctx: WorkerContext, job_id: str) -> str:
             sweep_id = session.scalar(select(Job.sweep_id).where(Job.id == ran[0]))
         if sweep_id is not None:
             try:
-                advance_and_send(ctx.sessions, ctx.queue, sweep_id=sweep_id)
+                advance_and_send(ctx.sessions, ctx.queue, ctx.settings, sweep_id=sweep_id)
             except Exception:  # noqa: BLE001 - the periodic sweep round creates them instead
                 log.warning("sweep %s: could not advance after job %s ended", sweep_id, ran[0], exc_info=True)
     return status
