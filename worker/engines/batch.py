@@ -7,6 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from core.protocol import SamplingParams
+from worker.engines.detokenize import Pieces
 from worker.engines.sampling import TextStream, row_seed
 
 OnToken = Callable[[int, str], None]
@@ -67,10 +68,10 @@ class Request:
                    for s in self.sequences]
         return GenerationResult(self.request_id, choices, len(self.prompt), sum(len(c.token_ids) for c in choices))
 
-    def open(self, table: list[bytes]) -> list[SequenceState]:
-        """Create the request's n sequences, each with its own seed (seed + index when seeded)."""
+    def open(self, pieces: Callable[[], Pieces]) -> list[SequenceState]:
+        """Create the request's n sequences, each with its own seed (seed + index when seeded) and text decoder."""
         for index in range(self.params.n):
-            self.sequences.append(SequenceState(self, index, TextStream(table, self.params.stop),
+            self.sequences.append(SequenceState(self, index, TextStream(pieces(), self.params.stop),
                                                 row_seed(self.params, index)))
         return self.sequences
 
