@@ -7,8 +7,9 @@ Two ways, chosen once per tokenizer by `piece_decoders`:
   vLLM's prefix/read offsets. The text of the tokens after the last emitted boundary is decoded with and
   without the newest ones and the difference is emitted, so decoder rules that depend on the neighbours
   (Metaspace dropping the first token's space, Strip, byte-fallback runs) apply as in one whole decode.
-  A byte-fallback run (`<0xE2><0x82><0xAC>`) is held back until a non-byte token ends it: HF decodes a
-  run as a whole (one U+FFFD per byte when the run is not valid UTF-8), so an early guess could be wrong.
+  A byte-fallback run (`<0xE2><0x82><0xAC>`) is held back until a non-byte, non-special token ends it: HF
+  decodes a run as a whole (one U+FFFD per byte when the run is not valid UTF-8, special tokens removed
+  first), so an early guess could be wrong.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class WindowPieces:
 
     def __init__(self, decode: Callable[[list[int]], str], held: frozenset[int]) -> None:
         self._decode = decode
-        self._held = held  # byte-fallback tokens: wait for the end of their run
+        self._held = held  # byte-fallback and special tokens: wait for the next token that ends a byte run
         self._ids: list[int] = []
         self._prefix = 0  # where the decoded window starts (its first token's text is decoded as a first token)
         self._read = 0  # tokens before this have been emitted
@@ -77,6 +78,12 @@ class WindowPieces:
         return text[len(before):]
 
 
+def special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Ids that decode(skip_special_tokens=True) drops: the named specials and every added token marked special."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return set(tokenizer.all_special_ids) | {index for index, token in added.items() if token.special}
+
+
 def token_bytes(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[bytes] | None:
     """The exact bytes each token id stands for in a byte-level BPE (special tokens: none); None for others."""
     from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
@@ -88,10 +95,10 @@ def token_bytes(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[byt
         return None  # decode() rewrites " ." and the like: only the windowed decoder stays exact
     byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
     added = set(tokenizer.get_added_vocab())
-    special = set(tokenizer.all_special_tokens)
+    special = special_ids(tokenizer)
     table = [b""] * vocab_size  # ids past the tokenizer (a padded embedding matrix) decode to nothing
     for token, index in tokenizer.get_vocab().items():
-        if index >= vocab_size or token in special:  # skip_special_tokens=True: specials have no text
+        if index >= vocab_size or index in special:  # skip_special_tokens=True: specials have no text
             continue
         if token in added or any(char not in byte_of for char in token):
             table[index] = token.encode("utf-8")  # added tokens are stored as plain text
@@ -108,8 +115,10 @@ def piece_decoders(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> Calla
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"tokenizer {type(tokenizer).__name__} is not a fast (tokenizer.json) tokenizer")
     model = json.loads(tokenizer.backend_tokenizer.to_str()).get("model", {})
-    held = frozenset(index for token, index in tokenizer.get_vocab().items() if BYTE_TOKEN.match(token)) \
-        if model.get("byte_fallback") else frozenset()
+    byte_tokens = {index for token, index in tokenizer.get_vocab().items() if BYTE_TOKEN.match(token)} \
+        if model.get("byte_fallback") else set()
+    # A skipped special token is no boundary either: decode drops it first, so the bytes around it form one run.
+    held = frozenset(byte_tokens | special_ids(tokenizer))
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
