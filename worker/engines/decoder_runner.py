@@ -18,8 +18,8 @@ from core.architectures import LLAMA_FAMILY, SERVED_MODEL_TYPES
 from worker.engines.decoder_weights import DecoderWeights, load_decoder
 from worker.engines.device import DevicePlan, linear
 from worker.engines.gpt2_weights import ACTIVATIONS, load_gpt2, model_type
-from worker.engines.lm_loading import Gpt2Runner
 from worker.engines.kv_cache import PrefillLayout, SlotCache, trim_heap
+from worker.engines.lm_loading import Gpt2Runner
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, 1, head_dim] in the compute dtype
 
@@ -163,4 +163,5 @@ def open_runner(model: str | Path, plan: DevicePlan, *, max_rows: int) -> Gpt2Ru
         return Gpt2Runner(load_gpt2(model, plan), plan, max_rows=max_rows)
     if kind in LLAMA_FAMILY:
         return DecoderRunner(load_decoder(model, plan), plan, max_rows=max_rows)
-    raise ValueError(f"{model}: model_type {kind!r} is not supported; the engine serves {', '.join(SERVED_MODEL_TYPES)}")
+    raise ValueError(f"{model}: model_type {kind!r} is not supported; "
+                     f"the engine serves {', '.join(SERVED_MODEL_TYPES)}")

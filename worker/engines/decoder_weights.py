@@ -123,7 +123,8 @@ def load_decoder(model: str | Path, plan: DevicePlan, *, pack: bool = True) -> D
             qkv=matrix(*(f"{n}.weight" for n in qkv)), qkv_bias=bias(*qkv),
             o=matrix(f"{attn}.o_proj.weight"), o_bias=bias(f"{attn}.o_proj"),
             gate_up=matrix(f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), down=matrix(f"{mlp}.down_proj.weight"),
-            input_norm=get(f"{prefix}.input_layernorm.weight"), post_norm=get(f"{prefix}.post_attention_layernorm.weight"),
+            input_norm=get(f"{prefix}.input_layernorm.weight"),
+            post_norm=get(f"{prefix}.post_attention_layernorm.weight"),
             q_norm=get(f"{attn}.q_norm.weight") if has_norm else None,
             k_norm=get(f"{attn}.k_norm.weight") if has_norm else None,
             window=_window(config, index, layer_types)))

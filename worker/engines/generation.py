@@ -1,4 +1,5 @@
-"""Serve a decoder LM (GPT-2, Llama, Mistral, Qwen2/3): continuous batching over a shared KV cache, one scheduler thread, per-request sampling.
+"""Serve a decoder LM (GPT-2, Llama, Mistral, Qwen2/3): continuous batching over a shared KV cache, per-request
+sampling, one scheduler thread.
 
 Threads call `submit`; the scheduler thread owns the model. Each loop it admits waiting requests (FIFO)
 while the batch has room, prefills their prompts into free cache rows, then runs one decode step for all
@@ -32,9 +33,9 @@ from worker.engines.batch import (
     check_fits,
     prompt_ids,
 )
-from worker.engines.device import DevicePlan, resolve_device
 from worker.engines.decoder_runner import open_runner
 from worker.engines.detokenize import piece_decoders
+from worker.engines.device import DevicePlan, resolve_device
 from worker.engines.lm_loading import load_tokenizer
 from worker.engines.sampling import RowParams, next_tokens
 

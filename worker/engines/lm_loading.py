@@ -11,7 +11,6 @@ from transformers import GPT2TokenizerFast, PreTrainedTokenizerBase, PreTrainedT
 
 from core.paths import GPT2_TOKENIZER_DIR
 from worker.engines.device import DevicePlan, linear
-from worker.engines.kv_cache import PrefillLayout, SlotCache, trim_heap
 from worker.engines.gpt2_weights import (
     ACTIVATIONS,
     PROJECTIONS,
@@ -20,6 +19,7 @@ from worker.engines.gpt2_weights import (
     pack_weights,
     resolve_folder,
 )
+from worker.engines.kv_cache import PrefillLayout, SlotCache, trim_heap
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -191,7 +191,8 @@ class Gpt2Runner(SlotCache):
         if prefill is not None:
             layout = PrefillLayout(*prefill, self.device)
             prompt_positions = torch.arange(layout.width, device=self.device)
-            parts.append((self._embed(wte, layout.ids) + self._embed(wpe, prompt_positions)[None]).view(-1, self.n_embd))
+            embedded = self._embed(wte, layout.ids) + self._embed(wpe, prompt_positions)[None]
+            parts.append(embedded.view(-1, self.n_embd))
         hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
 
         def attend(index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import secrets
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -185,7 +184,7 @@ class TextStream:
         return self._feed(self._pieces.push(token_id))
 
     def finish(self) -> str:
-        """End of generation: flush what the pieces held (incomplete bytes as U+FFFD, like decode) and held-back text."""
+        """End of generation: flush what the pieces held (incomplete bytes as U+FFFD, as decode) and held-back text."""
         delta = self._feed(self._pieces.finish())
         if self.stopped:
             return delta
