@@ -217,7 +217,13 @@ def main() -> None:
             headers = {"Authorization": f"Bearer {key}"}
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers) as client:
                 idle_rss = generation_worker_rss(proc.pid)
-                one_request(client, name, "warm up", 4)  # loads the model into the generation worker
+                for attempt in range(5):  # loads the model into the generation worker (slow on a busy machine)
+                    try:
+                        one_request(client, name, "warm up", 4)
+                        break
+                    except httpx.HTTPStatusError:
+                        if attempt == 4:
+                            raise
                 precision = served_precision(home)
                 for _ in range(args.repeats):
                     load = os.getloadavg()[0]
