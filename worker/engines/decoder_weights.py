@@ -60,7 +60,6 @@ class DecoderWeights:
     head: torch.Tensor
     norm: torch.Tensor
     layers: list[DecoderLayer] = field(default_factory=list)
-    packed: bool = False
 
 
 def load_decoder(model: str | Path, plan: DevicePlan, *, pack: bool = True) -> DecoderWeights:
@@ -113,7 +112,7 @@ def load_decoder(model: str | Path, plan: DevicePlan, *, pack: bool = True) -> D
         config=config, eos_token_ids=eos_ids(folder, config), dtype=dtype, heads=heads, kv_heads=kv_heads,
         head_dim=head_dim, eps=config.rms_norm_eps, act=config.hidden_act, context_length=context,
         inv_freq=inv_freq.float(), rope_scale=float(rope_scale), embed=embed, head=head,
-        norm=get("model.norm.weight"), packed=packing and head.is_mkldnn)
+        norm=get("model.norm.weight"))
     for index in range(config.num_hidden_layers):
         prefix = f"model.layers.{index}"
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
