@@ -123,10 +123,19 @@ def test_other_model_types_are_refused_by_name(tmp_path) -> None:
 def test_serving_a_llama_imports_no_hf_modeling_code(built) -> None:
     folder, _, _ = built("qwen3")
     code = ("import sys; from worker.engines.generation import GenerationEngine; "
-            f"e = GenerationEngine({str(folder)!r}, device='cpu', max_batch_size=2); "
+            f"e = GenerationEngine({str(folder)!r}, device='cpu', precision='fp32', max_batch_size=2); "
             "print(e.generate('Hi', __import__('core.protocol').protocol.SamplingParams(max_new_tokens=2, "
             "temperature=0)).completion_tokens); e.close(); "
             "print(sorted(m for m in ('sklearn', 'pandas', 'accelerate', 'transformers.modeling_utils') "
             "if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.split() == ["2", "[]"]
+
+
+def test_a_llama_without_a_fast_tokenizer_is_refused(built, tmp_path) -> None:
+    folder, _, _ = built("llama")
+    copy = tmp_path / "no-tokenizer"
+    shutil.copytree(folder, copy)
+    (copy / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        GenerationEngine(copy, device="cpu", precision="fp32")

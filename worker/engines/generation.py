@@ -63,8 +63,8 @@ class GenerationEngine:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.plan: DevicePlan = resolve_device(device, precision, generation=True)
-        self.tokenizer = load_tokenizer(model)
         self._runner = open_runner(model, self.plan, max_rows=max_batch_size)  # GPT-2 or a llama-family decoder
+        self.tokenizer = load_tokenizer(model)
         self.config = self._runner.config
         self.context_length: int = self._runner.max_length
         self.vocab_size: int = self.config.vocab_size

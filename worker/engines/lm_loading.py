@@ -36,10 +36,13 @@ def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
     """The checkpoint's own fast tokenizer, or the bundled GPT-2 BPE when its folder has no tokenizer files."""
     # Concrete classes, not AutoTokenizer: the auto class imports HF's modeling code (see gpt2_weights).
     folder = resolve_folder(model)
+    kind = model_type(folder)
+    if kind != "gpt2":  # Llama, Mistral, Qwen: whatever their tokenizer.json says
+        if not (folder / "tokenizer.json").is_file():
+            raise ValueError(f"{model}: no tokenizer.json; a {kind} model is served with the fast tokenizer it ships")
+        return PreTrainedTokenizerFast.from_pretrained(folder)
     if not any((folder / name).exists() for name in _TOKENIZER_FILES):
         return GPT2TokenizerFast.from_pretrained(ASSETS_TOKENIZER)
-    if (folder / "tokenizer.json").is_file() and model_type(folder) != "gpt2":
-        return PreTrainedTokenizerFast.from_pretrained(folder)  # Llama, Mistral, Qwen: whatever tokenizer.json says
     return GPT2TokenizerFast.from_pretrained(folder)
 
 
