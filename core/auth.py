@@ -13,7 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.errors import DomainError, NotFound
-from core.models import ApiKey, new_id, utcnow
+from core.rows import ApiKey, new_id, utcnow
 
 KEY_PREFIX = "ts_"
 # The shape of a raw key: the prefix and 43 URL-safe base64 characters (32 random bytes); a little slack

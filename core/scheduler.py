@@ -19,7 +19,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import ColumnElement, and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from core.models import Job, JobStatus, WebhookEventType
+from core.rows import Job, JobStatus, WebhookEventType
 from core.settings import Settings
 from core.store import webhooks
 

@@ -14,10 +14,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.architectures import unsupported_reason
-from core.base_models import HUB_ID, hub_model_available
+from core.pretrained import HUB_ID, hub_model_available
 from core.errors import NotFound, ValidationFailed
 from core.estimate import load_model_config
-from core.models import Job, JobStatus, TaskKind, is_valid_id
+from core.rows import Job, JobStatus, TaskKind, is_valid_id
 from core.settings import Settings
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")

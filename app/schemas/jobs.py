@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from core.models import JobStatus, TaskKind
+from core.rows import JobStatus, TaskKind
 from core.tasks import MAX_JOB_DEVICES
 
 INT32_MAX = 2**31 - 1  # steps, event ids and model_config values are 32-bit integer columns or smaller

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from app.schemas.jobs import BestRead, CheckpointList, CheckpointRead
 from core.auth import Principal
 from core.hyperparams import EVAL_METRICS
-from core.models import JobStatus
+from core.rows import JobStatus
 from core.store import jobs as store
 
 

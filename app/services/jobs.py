@@ -16,13 +16,13 @@ from app.schemas.jobs import ArtifactRead, BestRead, JobCreate, JobRead, Progres
 from app.services import idempotency
 from core import scheduler, states
 from core.auth import Principal
-from core.base_models import resolve_base_model
+from core.pretrained import resolve_base_model
 from core.capacity import largest_device, live_workers
 from core.errors import Conflict, NotFound, TooManyRequests, ValidationFailed
 from core.estimate import Head, architecture, format_bytes, load_model_config, training_memory
 from core.hyperparams import EVAL_METRICS, Hyperparameters, LMHyperparameters
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
-from core.models import ACTIVE, Dataset, Job, JobStatus, TaskKind, new_id, utcnow
+from core.rows import ACTIVE, Dataset, Job, JobStatus, TaskKind, new_id, utcnow
 from core.queue import TaskQueue
 from core.relay import deliver_now
 from core.settings import Settings

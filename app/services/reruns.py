@@ -10,7 +10,7 @@ from app.schemas.jobs import Difference, JobComparison, JobCreate
 from app.services.jobs import create_job
 from core.auth import Principal
 from core.errors import ValidationFailed
-from core.models import Job
+from core.rows import Job
 from core.queue import TaskQueue
 from core.settings import Settings
 from core.store import jobs as store

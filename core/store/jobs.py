@@ -12,7 +12,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from core.errors import NotFound, StaleAttempt
-from core.models import Artifact, Job, JobEvent, JobStatus, MetricPoint, WebhookEventType, is_valid_id, utcnow
+from core.rows import Artifact, Job, JobEvent, JobStatus, MetricPoint, WebhookEventType, is_valid_id, utcnow
 from core.states import sources
 from core.store import webhooks
 from core.store.owned import get_owned

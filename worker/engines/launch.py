@@ -26,14 +26,14 @@ from pydantic import TypeAdapter
 
 from core.protocol import RankMessage
 from worker.engines.distributed import Dist, leave
-from worker.engines.lm_training import CausalLMTask, LMTrainConfig
+from worker.engines.lm_training import CausalLMRecipe, LMTrainConfig
 from worker.engines.loop import RunConfig, Task, TrainCallbacks, TrainResult, run
-from worker.engines.training import ClassifierTask, TrainConfig
+from worker.engines.training import ClassifierRecipe, TrainConfig
 
 log = logging.getLogger(__name__)
 
-_KINDS: dict[str, tuple[type[RunConfig], type]] = {"classification": (TrainConfig, ClassifierTask),
-                                                   "causal-lm": (LMTrainConfig, CausalLMTask)}
+_KINDS: dict[str, tuple[type[RunConfig], type]] = {"classification": (TrainConfig, ClassifierRecipe),
+                                                   "causal-lm": (LMTrainConfig, CausalLMRecipe)}
 _ADDRESS, _AUTHKEY = "TRAINSERVE_RANK0_ADDRESS", "TRAINSERVE_RANK0_AUTHKEY"
 _ROOT = Path(__file__).resolve().parents[2]  # the folder holding the `worker` package, for the ranks' imports
 

@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from core.hyperparams import greater_is_better
-from core.models import Job, TaskKind
+from core.rows import Job, TaskKind
 from core.paths import job_checkpoints_dir, job_model_dir
 from core.protocol import ErrorCode
 from core.settings import Settings

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import session_scope
 from core.errors import StaleAttempt
-from core.models import Artifact, WebhookEventType, new_id, utcnow
+from core.rows import Artifact, WebhookEventType, new_id, utcnow
 from core.paths import relative_to_home
 from core.settings import Settings
 from core.storage import ArtifactStore, open_storage
