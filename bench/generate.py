@@ -1,6 +1,8 @@
 """Benchmark: N concurrent HTTP clients against `trainserve up` vs batched and sequential `model.generate`.
 
-All sides use the same GPT-2 (GPT-2-small shape by default, random weights from a fixed seed), the same
+All sides use the same model (GPT-2-small shape by default, or with `--arch llama` a Llama of about the same
+size: 12 layers, hidden 768, 12 query / 4 kv heads, SwiGLU 2048, rotary, tied head; random weights from a
+fixed seed, the GPT-2 BPE as tokenizer for both), the same
 prompts and the same number of new tokens per prompt, greedy, in one invocation, interleaved round by round
 (`--repeats` rounds; medians and spread printed). Baselines, in this process:
 - "hf-batched fp32" and "hf-batched bf16" (the headline baselines): one `model.generate` per `--concurrency`
@@ -16,6 +18,7 @@ the fp32 checkpoint's size and against the weight bytes the worker holds.
 
     python bench/generate.py                      # GPT-2 small, 32 prompts x 64 tokens, 16 clients, 3 rounds
     python bench/generate.py --layers 2 --requests 8 --max-new-tokens 16 --repeats 1   # quick smoke run
+    python bench/generate.py --arch llama         # the Llama-shaped model through the llama-family runner
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from pathlib import Path
 
 import httpx
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast, LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from core.paths import GPT2_TOKENIZER_DIR  # noqa: E402
@@ -51,10 +54,16 @@ def prompts(count: int) -> list[str]:
     return [lines[(i * 37) % len(lines)] for i in range(count)]
 
 
-def build_model(folder: Path, layers: int) -> None:
-    """GPT-2-small shape (or fewer layers), random weights, saved as safetensors with the GPT-2 tokenizer."""
+def build_model(folder: Path, layers: int, arch: str = "gpt2") -> None:
+    """GPT-2-small shape or a Llama of that size (or fewer layers), random weights, safetensors, GPT-2 tokenizer."""
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=layers))
+    if arch == "llama":  # ~115M parameters (GPT-2 small: 124M): GQA 3:1, SwiGLU, rotary, the embedding tied
+        config = LlamaConfig(vocab_size=50257, hidden_size=768, intermediate_size=2048, num_hidden_layers=layers,
+                             num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024,
+                             tie_word_embeddings=True, bos_token_id=50256, eos_token_id=50256)
+        model = AutoModelForCausalLM.from_config(config)
+    else:
+        model = GPT2LMHeadModel(GPT2Config(n_layer=layers))
     # The eos id never wins under random weights in practice; suppress it anyway so both sides always
     # generate exactly max_new_tokens and the token counts are equal.
     model.config.eos_token_id = None
@@ -69,7 +78,7 @@ class HfSide:
     def __init__(self, folder: Path, max_new_tokens: int, dtype: torch.dtype = torch.float32) -> None:
         self.tokenizer = GPT2TokenizerFast.from_pretrained(folder)
         self.tokenizer.pad_token = self.tokenizer.eos_token  # any id: padded positions are masked out
-        self.model = GPT2LMHeadModel.from_pretrained(folder, dtype=dtype).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
         self.max_new_tokens = max_new_tokens
         with torch.inference_mode():  # warm-up, not timed
             self.model.generate(**self.tokenizer(["warm up"], return_tensors="pt"), do_sample=False,
@@ -182,6 +191,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--arch", default="gpt2", choices=("gpt2", "llama"), help="the model's architecture")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every side")
     parser.add_argument("--sequential", type=int, default=4, help="prompts the slow hf-sequential side runs")
     parser.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
@@ -195,8 +205,9 @@ def main() -> None:
     latencies: dict[str, list[float]] = {"ttft": [], "itl": []}
     with tempfile.TemporaryDirectory(prefix="trainserve-bench-") as tmp:
         home = Path(tmp)
-        folder = home / "models" / "gpt2-bench"
-        build_model(folder, args.layers)
+        name = f"{args.arch}-bench"
+        folder = home / "models" / name
+        build_model(folder, args.layers, args.arch)
         hf = {"fp32": HfSide(folder, args.max_new_tokens), "bf16": HfSide(folder, args.max_new_tokens, torch.bfloat16)}
         parameters = sum(p.numel() for p in hf["fp32"].model.parameters())  # tied embedding once
         port = free_port()
@@ -206,7 +217,13 @@ def main() -> None:
             headers = {"Authorization": f"Bearer {key}"}
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers) as client:
                 idle_rss = generation_worker_rss(proc.pid)
-                one_request(client, "gpt2-bench", "warm up", 4)  # loads the model into the generation worker
+                for attempt in range(5):  # loads the model into the generation worker (slow on a busy machine)
+                    try:
+                        one_request(client, name, "warm up", 4)
+                        break
+                    except httpx.HTTPStatusError:
+                        if attempt == 4:
+                            raise
                 precision = served_precision(home)
                 for _ in range(args.repeats):
                     load = os.getloadavg()[0]
@@ -217,7 +234,7 @@ def main() -> None:
                         seconds, outputs[side] = hf[dtype].run(texts, args.concurrency)
                         runs[side].append((seconds, sum(map(len, outputs[side])), load))
                     load = os.getloadavg()[0]
-                    seconds, served = service(client, "gpt2-bench", texts, args.max_new_tokens, args.concurrency)
+                    seconds, served = service(client, name, texts, args.max_new_tokens, args.concurrency)
                     runs["trainserve"].append((seconds, sum(r["tokens"] for r in served), load))
                     for result in served:
                         latencies["ttft"].append(result["times"][0] if result["times"] else 0.0)
@@ -229,7 +246,9 @@ def main() -> None:
             proc.send_signal(signal.SIGINT)
             proc.wait(120)
     decode = hf["fp32"].tokenizer.decode
-    print(f"model: GPT-2 shape, {args.layers} layers, random weights; {args.requests} prompts x "
+    shape = "GPT-2" if args.arch == "gpt2" else "Llama (GQA 12/4, SwiGLU 2048, rotary, tied)"
+    print(f"model: {shape} shape, {parameters / 1e6:.0f}M parameters, {args.layers} layers, random weights; "
+          f"{args.requests} prompts x "
           f"{args.max_new_tokens} new tokens, greedy; {args.repeats} interleaved rounds; torch threads "
           f"{torch.get_num_threads()}; hf-sequential (fp32) over the first {args.sequential} prompts")
     print(f"service precision: {args.precision} -> {precision} (as the generation worker resolved it)")

@@ -13,7 +13,9 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core.errors import NotFound
+from core.architectures import unsupported_reason
+from core.errors import NotFound, ValidationFailed
+from core.estimate import load_model_config
 from core.pretrained import HUB_ID, hub_model_available
 from core.rows import Job, JobStatus, TaskKind, is_valid_id
 from core.settings import Settings
@@ -41,6 +43,23 @@ def _is_causal_lm(folder: Path) -> bool:
     has_weights = any(folder.glob("*.safetensors"))
     return has_weights and (any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in architectures)
                             or config.get("model_type") == "gpt2")
+
+
+def check_servable(name: str, config: dict | None) -> None:
+    """Refuse (422 naming `model`) a model whose config.json names an architecture the engine does not run.
+
+    A config that cannot be read here (a hub model not cached yet) passes: the worker refuses it when loading.
+    """
+    reason = unsupported_reason(config) if config is not None else None
+    if reason is not None:
+        raise ValidationFailed("model", f"model {name!r}: {reason}")
+
+
+def _job_config(job: Job) -> dict | None:
+    """The config.json that a causal-lm job's model shares with its base (a GPT-2 when built from model_config)."""
+    if job.base_model_path is None:
+        return {"model_type": "gpt2"}
+    return load_model_config(job.base_model_path)
 
 
 def is_job_model(path: str) -> bool:
@@ -81,12 +100,15 @@ def resolve_served_model(session: Session, settings: Settings, *, name: str, ten
         job = get_owned(session, Job, name, what="model", tenant=tenant, field="model")
         if job.task != TaskKind.CAUSAL_LM or job.status != JobStatus.SUCCEEDED:
             raise NotFound(f"job {name!r} is not a finished causal-lm job", field="model")
+        check_servable(name, _job_config(job))
         return _job_model(job)
     if NAME_RE.match(name):
         folder = settings.home / "models" / name  # NAME_RE admits no separators, so this stays under models/
         if folder.is_dir() and _is_causal_lm(folder):
+            check_servable(name, load_model_config(str(folder)))
             return ServedModel(id=name, path=str(folder.resolve()), owned_by="local",
                                created=int(folder.stat().st_mtime))
     if "/" in name and HUB_ID.match(name) and hub_model_available(name, max_bytes=settings.max_model_bytes):
+        check_servable(name, load_model_config(name))
         return ServedModel(id=name, path=name, owned_by="hub", created=0)
     raise NotFound(f"model {name!r} not found; GET /v1/models lists what can be served", field="model")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis as redis_lib
@@ -197,3 +198,44 @@ def test_a_concurrent_burst_gets_exactly_the_bound_of_slots(settings, queue):
     assert first.count("rate_limited") == 14 and first.count("overloaded") == 2  # 4 admitted: the bound, not zero
     second = asyncio.run(burst(Principal(key_id=f"key_b{time.time_ns()}", tenant_id="t", is_admin=False)))
     assert second.count("rate_limited") == 14 and second.count("overloaded") == 6  # slots still held by the first
+
+
+@pytest.fixture()
+def served_decoders(settings, worker_ctx):
+    """A tiny Llama (Llama-2-style tokenizer) and a tiny Qwen3 (byte-level BPE) served by one worker."""
+    from tests.tiny_llama import build_tiny_decoder
+
+    return {name: build_tiny_decoder(name, settings.home / "models" / name) for name in ("llama", "qwen3")}
+
+
+def test_llama_and_qwen3_complete_greedily_as_hf_generate_side_by_side(client, served_decoders):
+    openai = pytest.importorskip("openai")
+    api = openai.OpenAI(base_url="http://testserver/v1", api_key=client.headers["Authorization"].split()[1],
+                        http_client=client, max_retries=0)
+    prompts = {"llama": "Café naïve 🤖 First Citizen:", "qwen3": "Before we proceed any further, déjà vu"}
+
+    def complete(name: str):
+        return api.completions.create(model=name, prompt=prompts[name], max_tokens=12, temperature=0)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # both models served at once by the one worker
+        completions = dict(zip(prompts, pool.map(complete, prompts), strict=True))
+    for name, (model, tokenizer) in served_decoders.items():
+        ids = tokenizer(prompts[name])["input_ids"]  # the Llama tokenizer adds its BOS, as the engine does
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, pad_token_id=0)
+        assert completions[name].choices[0].text == tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+        assert completions[name].usage.prompt_tokens == len(ids)
+        chunks = api.completions.create(model=name, prompt=prompts[name], max_tokens=12, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == completions[name].choices[0].text
+
+
+def test_an_unsupported_architecture_is_refused_naming_model(client, settings, worker_ctx):
+    folder = settings.home / "models" / "neox"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt_neox",
+                                                    "architectures": ["GPTNeoXForCausalLM"]}))
+    (folder / "model.safetensors").write_bytes(b"")
+    response = client.post("/v1/completions", json={"model": "neox", "prompt": "Hi", "max_tokens": 2})
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["field"] == "model" and "gpt_neox" in error["message"] and "llama" in error["message"]

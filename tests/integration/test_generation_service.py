@@ -66,3 +66,25 @@ def test_train_a_gpt2_then_generate_stream_and_burst(live_client, start_worker, 
             assert r.json()["choices"][0]["finish_reason"] in ("length", "eos", "stop")
         else:
             assert r.headers["retry-after"]
+
+
+def test_a_generation_worker_process_serves_llama_and_qwen3_as_hf_generate(live_client, start_worker, settings):
+    from tests.tiny_llama import build_tiny_decoder
+
+    models = {name: build_tiny_decoder(name, settings.home / "models" / name) for name in ("llama", "qwen3")}
+    settings.generation_wait_s = 120  # the first request of each model waits for its load on a busy machine
+    start_worker("generation", device="cpu", TRAINSERVE_GENERATION_PRECISION="fp32")  # fp32: HF-exact
+    prompt = "Café naïve 🤖 First Citizen:"
+
+    def complete(name: str):
+        return live_client.post("/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 10,
+                                                         "temperature": 0})
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # one worker process, both models at once
+        responses = dict(zip(models, pool.map(complete, models), strict=True))
+    for name, (model, tokenizer) in models.items():
+        assert responses[name].status_code == 200, responses[name].text
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=0)
+        expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        assert responses[name].json()["choices"][0]["text"] == expected

@@ -12,7 +12,7 @@ from transformers.generation.logits_process import (
 )
 
 from tests.tiny_lm import ASSETS_TOKENIZER
-from worker.engines.lm_loading import token_bytes
+from worker.engines.detokenize import BytePieces, token_bytes
 from worker.engines.sampling import (
     RowParams,
     SamplingParams,
@@ -124,7 +124,7 @@ def test_multibyte_characters_are_never_split(tokenizer, table) -> None:
     text = "naïve café ✓ 日本語 🤖!"
     ids = tokenizer.encode(text)
     assert len(ids) > len(text.split())  # some characters span several byte tokens
-    stream = TextStream(table)
+    stream = TextStream(BytePieces(table))
     deltas = [stream.push(t) for t in ids] + [stream.finish()]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == stream.text == text
@@ -132,7 +132,7 @@ def test_multibyte_characters_are_never_split(tokenizer, table) -> None:
 
 def test_incomplete_bytes_at_the_end_decode_like_the_tokenizer(tokenizer, table) -> None:
     ids = tokenizer.encode("🤖")[:-1]  # cut inside the character
-    stream = TextStream(table)
+    stream = TextStream(BytePieces(table))
     text = "".join(stream.push(t) for t in ids) + stream.finish()
     assert text == stream.text == tokenizer.decode(ids)
 
@@ -149,7 +149,7 @@ def test_incomplete_bytes_at_the_end_decode_like_the_tokenizer(tokenizer, table)
 )
 def test_stop_sequences_hold_back_and_truncate(pieces, stops, text, stopped) -> None:
     table = [p.encode() for p in pieces]
-    stream = TextStream(table, stops)
+    stream = TextStream(BytePieces(table), stops)
     deltas = []
     for index in range(len(pieces)):
         deltas.append(stream.push(index))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.protocol import SamplingParams, TokenLogprob
+from worker.engines.detokenize import Pieces
 from worker.engines.sampling import TextStream, row_seed
 
 # on_token(choice index, text delta); a request with params.logprobs set gets a third argument, the logprobs
@@ -72,11 +73,11 @@ class Request:
                    for s in self.sequences]
         return GenerationResult(self.request_id, choices, len(self.prompt), sum(len(c.token_ids) for c in choices))
 
-    def open(self, table: list[bytes]) -> list[SequenceState]:
-        """Create the request's n sequences, each with its own seed (seed + index when seeded)."""
+    def open(self, pieces: Callable[[], Pieces]) -> list[SequenceState]:
+        """Create the request's n sequences, each with its own seed (seed + index when seeded) and text decoder."""
         for index in range(self.params.n):
             self.sequences.append(SequenceState(
-                self, index, TextStream(table, self.params.stop), row_seed(self.params, index),
+                self, index, TextStream(pieces(), self.params.stop), row_seed(self.params, index),
                 matcher=self.matchers[index] if self.matchers else None,
                 logprobs=[] if self.params.logprobs is not None else None))
         return self.sequences

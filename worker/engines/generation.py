@@ -1,11 +1,11 @@
-"""Serve a GPT-2: continuous batching over a shared KV cache, one scheduler thread, per-request sampling.
+"""Serve a decoder LM (GPT-2, Llama, Mistral, Qwen2/3): continuous batching over a shared KV cache, per-request
+sampling, one scheduler thread.
 
 Threads call `submit`; the scheduler thread owns the model. Each loop it admits waiting requests (FIFO)
 while the batch has room, prefills their prompts into free cache rows, then runs one decode step for all
 running sequences; a finished sequence leaves at once and its row is reused. A cancelled request
-(is_cancelled() polled before every step, or named by the engine's cancelled_ids hook, asked once per step
-for all requests) resolves with finish_reason "cancelled" and the text so far;
-a deadline only applies while a request waits (DeadlineExceeded).
+(is_cancelled() polled before every step, or named by the cancelled_ids hook once per step) resolves with
+finish_reason "cancelled" and the text so far; a deadline only applies while a request waits (DeadlineExceeded).
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ from worker.engines.batch import (
     check_fits,
     prompt_ids,
 )
+from worker.engines.decoder_runner import open_runner
+from worker.engines.detokenize import logprob_table, piece_decoders
 from worker.engines.device import DevicePlan, resolve_device
 from worker.engines.generation_outcomes import RequestOutcomes
-from worker.engines.gpt2_weights import load_gpt2
 from worker.engines.grammar import Grammars
-from worker.engines.lm_loading import Gpt2Runner, load_tokenizer, token_bytes
+from worker.engines.lm_loading import load_tokenizer
 from worker.engines.row_outputs import chat_ids, constrained_logits, record_logprobs
 from worker.engines.sampling import RowParams, next_tokens
 
@@ -47,7 +48,7 @@ PREFILL_TOKENS = 4096
 
 
 class GenerationEngine(RequestOutcomes):
-    """A GPT-2 loaded once, decoding many requests together; submit() is thread-safe.
+    """A decoder LM loaded once, decoding many requests together; submit() is thread-safe.
 
     on_token(choice_index, text_delta) runs on the scheduler thread (keep it short); the deltas of a
     choice concatenate to its final text. A callback that raises fails its own request only.
@@ -64,12 +65,12 @@ class GenerationEngine(RequestOutcomes):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.plan: DevicePlan = resolve_device(device, precision, generation=True)
+        self._runner = open_runner(model, self.plan, max_rows=max_batch_size)  # GPT-2 or a llama-family decoder
         self.tokenizer = load_tokenizer(model)
-        weights = load_gpt2(model, self.plan)
-        self.config = weights.config
-        self.context_length: int = self.config.n_positions
+        self.config = self._runner.config
+        self.context_length: int = self._runner.max_length
         self.vocab_size: int = self.config.vocab_size
-        self.eos_token_ids = weights.eos_token_ids
+        self.eos_token_ids = self._runner.eos_token_ids  # generation_config.json's (one id or a list)
         self.max_batch_size = max_batch_size
         self.max_tokens_in_flight = max_tokens_in_flight
         self.max_queue = max_queue
@@ -77,9 +78,9 @@ class GenerationEngine(RequestOutcomes):
         self._cancelled_ids = cancelled_ids
         # Told the batch size of every decode step (the worker's metrics); runs on the scheduler thread.
         self._on_step = on_step
-        self._table = token_bytes(self.tokenizer, self.vocab_size)
+        self._pieces = piece_decoders(self.tokenizer, self.vocab_size)
+        self._table = logprob_table(self.tokenizer, self.vocab_size)  # each token's bytes, for logprobs
         self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self._runner = Gpt2Runner(weights, self.plan, max_rows=max_batch_size)
         self._device = torch.device(self.plan.device)
         self._encode_lock = threading.Lock()  # HF fast tokenizers are not safe to call from many threads
         self._lock = threading.RLock()
@@ -98,9 +99,9 @@ class GenerationEngine(RequestOutcomes):
         self._thread.start()
 
     def encode(self, prompt: str) -> list[int]:
-        """Token ids of a prompt (no special tokens added, as GPT-2 expects)."""
+        """Token ids of a prompt with the tokenizer's own special tokens (Llama's BOS; none for GPT-2), as vLLM does."""
         with self._encode_lock:
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Prompt ids of a chat through the model's own chat template (NoChatTemplate when it has none)."""
@@ -149,12 +150,11 @@ class GenerationEngine(RequestOutcomes):
         with self._lock:
             rows = list(self._rows)
             rows_cap, positions_cap = self._runner.capacity
-            return {
-                "running": len({id(s.request) for s in rows}), "running_sequences": len(rows),
-                "waiting": len(self._waiting), "tokens_in_flight": self._tokens_in_flight,
-                "max_batch_size": self.max_batch_size, "max_tokens_in_flight": self.max_tokens_in_flight,
-                "cache_rows": rows_cap, "cache_positions": positions_cap, "closed": self._closed, **self._counters,
-            }
+            return {"running": len({id(s.request) for s in rows}), "running_sequences": len(rows),
+                    "waiting": len(self._waiting), "tokens_in_flight": self._tokens_in_flight,
+                    "max_batch_size": self.max_batch_size, "max_tokens_in_flight": self.max_tokens_in_flight,
+                    "cache_rows": rows_cap, "cache_positions": positions_cap, "closed": self._closed,
+                    **self._counters}
 
     def close(self) -> None:
         """Stop the scheduler; requests still waiting or running fail with EngineClosed."""
@@ -336,7 +336,7 @@ class GenerationEngine(RequestOutcomes):
         """New rows for the fresh requests' sequences (their prompts marked as seen), the cache grown to fit."""
         start = len(self._rows)
         for request in fresh:
-            self._rows.extend(request.open(self._table))
+            self._rows.extend(request.open(self._pieces))
         self._runner.reserve(len(self._rows), max(len(s.request.prompt) + s.request.params.max_new_tokens
                                                   for s in self._rows))
         for row, sequence in enumerate(self._rows[start:], start=start):

@@ -65,6 +65,11 @@ def resolve_folder(model: str | Path) -> Path:
     return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.txt"]))
 
 
+def model_type(model: str | Path) -> str:
+    """config.json's model_type of a checkpoint folder or hub id (no weights read)."""
+    return str(json.loads((resolve_folder(model) / "config.json").read_text()).get("model_type"))
+
+
 def load_gpt2(model: str | Path, plan: DevicePlan) -> Gpt2Weights:
     """Config and weights of a GPT-2 safetensors checkpoint (a .bin is never unpickled), on the plan's device."""
     folder = resolve_folder(model)
@@ -77,8 +82,8 @@ def load_gpt2(model: str | Path, plan: DevicePlan) -> Gpt2Weights:
         raise ValueError(f"{model}: activation {config.activation_function!r} is not supported")
     tensors: dict[str, torch.Tensor] = {}
     regions: dict[str, tuple[mmap.mmap, int, int]] = {}
-    for file in _safetensors_files(folder):
-        for name, (tensor, region) in _map_tensors(file).items():
+    for file in safetensors_files(folder):
+        for name, (tensor, region) in map_tensors(file).items():
             tensors[name.removeprefix("transformer.")] = tensor
             regions[name.removeprefix("transformer.")] = region
     expected = ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"] + [
@@ -97,7 +102,7 @@ def load_gpt2(model: str | Path, plan: DevicePlan) -> Gpt2Weights:
     on_cpu = torch.device(plan.device).type == "cpu"
     tensors = {name: t if on_cpu and _is_large(name) else t.to(device=plan.device, dtype=dtype)
                for name, t in tensors.items()}
-    return Gpt2Weights(config, _eos_ids(folder, config), tensors, regions, tied, dtype)
+    return Gpt2Weights(config, eos_ids(folder, config), tensors, regions, tied, dtype)
 
 
 def _is_large(name: str) -> bool:
@@ -168,7 +173,7 @@ def _drop_pages(mapping: mmap.mmap, begin: int, end: int) -> None:
         mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
+def safetensors_files(folder: Path) -> list[Path]:
     single, index = folder / WEIGHTS_FILE, folder / INDEX_FILE
     if single.is_file():
         return [single]
@@ -178,7 +183,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
     raise OSError(f"{folder}: no safetensors weights ({WEIGHTS_FILE}); other formats are not loaded (no unpickling)")
 
 
-def _map_tensors(file: Path) -> dict[str, tuple[torch.Tensor, tuple[mmap.mmap, int, int]]]:
+def map_tensors(file: Path) -> dict[str, tuple[torch.Tensor, tuple[mmap.mmap, int, int]]]:
     """Every tensor of a safetensors file as a view of a private (copy-on-write) mapping: read lazily, by page."""
     with file.open("rb") as handle:
         (header_size,) = struct.unpack("<Q", handle.read(8))
@@ -200,7 +205,7 @@ def _map_tensors(file: Path) -> dict[str, tuple[torch.Tensor, tuple[mmap.mmap, i
     return tensors
 
 
-def _eos_ids(folder: Path, config: PretrainedConfig) -> frozenset[int]:
+def eos_ids(folder: Path, config: PretrainedConfig) -> frozenset[int]:
     """The ids that end a choice: generation_config.json's eos, else the model config's."""
     eos = None
     generation = folder / "generation_config.json"

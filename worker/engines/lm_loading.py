@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from transformers import GPT2TokenizerFast, PreTrainedTokenizerBase
-from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+from transformers import GPT2TokenizerFast, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from core.paths import GPT2_TOKENIZER_DIR
 from worker.engines.device import DevicePlan, linear
-from worker.engines.gpt2_weights import ACTIVATIONS, PROJECTIONS, Gpt2Weights, pack_weights, resolve_folder
+from worker.engines.gpt2_weights import (
+    ACTIVATIONS,
+    PROJECTIONS,
+    Gpt2Weights,
+    model_type,
+    pack_weights,
+    resolve_folder,
+)
+from worker.engines.kv_cache import PrefillLayout, SlotCache, trim_heap
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -26,9 +32,14 @@ _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
 
 
 def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
-    """The checkpoint's own tokenizer, or the bundled GPT-2 BPE when its folder has no tokenizer files."""
-    # GPT2TokenizerFast, not AutoTokenizer: the auto class imports HF's modeling code (see gpt2_weights).
+    """The checkpoint's own fast tokenizer, or the bundled GPT-2 BPE when its folder has no tokenizer files."""
+    # Concrete classes, not AutoTokenizer: the auto class imports HF's modeling code (see gpt2_weights).
     folder = resolve_folder(model)
+    kind = model_type(folder)
+    if kind != "gpt2":  # Llama, Mistral, Qwen: whatever their tokenizer.json says
+        if not (folder / "tokenizer.json").is_file():
+            raise ValueError(f"{model}: no tokenizer.json; a {kind} model is served with the fast tokenizer it ships")
+        return PreTrainedTokenizerFast.from_pretrained(folder)
     if not any((folder / name).exists() for name in _TOKENIZER_FILES):
         return GPT2TokenizerFast.from_pretrained(GPT2_TOKENIZER_DIR)
     return GPT2TokenizerFast.from_pretrained(folder)
@@ -48,30 +59,7 @@ def load_causal_lm(model: str | Path, plan: DevicePlan) -> PreTrainedModel:
     return lm.to(device=plan.device, dtype=plan.autocast_dtype or torch.float32).eval()
 
 
-def token_bytes(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[bytes]:
-    """The exact bytes each token id stands for (byte-level BPE), so text can be decoded incrementally."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decoder_kind = type(backend.decoder).__name__ if backend is not None and backend.decoder is not None else None
-    if decoder_kind != "ByteLevel":
-        raise ValueError(f"tokenizer {type(tokenizer).__name__} is not a byte-level BPE (decoder {decoder_kind})")
-    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
-    added = set(tokenizer.get_added_vocab())
-    table = [b""] * vocab_size  # ids past the tokenizer (a padded embedding matrix) decode to nothing
-    for token, index in tokenizer.get_vocab().items():
-        if index >= vocab_size:
-            continue
-        if token in added or any(char not in byte_of for char in token):
-            table[index] = token.encode("utf-8")  # added tokens are stored as plain text
-        else:
-            table[index] = bytes(byte_of[char] for char in token)
-    return table
-
-
-def _next_pow2(value: int) -> int:
-    return 1 << max(0, value - 1).bit_length()
-
-
-class Gpt2Runner:
+class Gpt2Runner(SlotCache):
     """GPT-2 forward passes over a KV cache with one row per running sequence.
 
     Row r holds positions 0..len-1 of one sequence, so sequences of any length share a batch without
@@ -84,6 +72,8 @@ class Gpt2Runner:
     def __init__(self, weights: Gpt2Weights, plan: DevicePlan, *, max_rows: int, pack: bool = True) -> None:
         config = weights.config
         self.weights = weights
+        self.config = config
+        self.eos_token_ids = weights.eos_token_ids
         self.tensors = weights.tensors
         self.device = torch.device(plan.device)
         self.dtype = weights.dtype
@@ -94,7 +84,7 @@ class Gpt2Runner:
         # for GPT-2 small at 16 rows: attention then reads twice the bytes from memory, and it is twice the size.)
         self.attention_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.n_layer = config.n_layer
-        self.n_head = config.n_head
+        self.n_head = self.cache_heads = config.n_head
         self.n_embd = config.n_embd
         self.head_dim = config.n_embd // config.n_head
         self.eps = config.layer_norm_epsilon
@@ -110,13 +100,11 @@ class Gpt2Runner:
                 scale /= index + 1
             default = config.scale_attn_weights and not config.scale_attn_by_inverse_layer_idx
             self.scales.append(None if default else scale)
-        self.keys: torch.Tensor | None = None  # [layer, row, head, position, head_dim]
-        self.values: torch.Tensor | None = None
         packable = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
         self.packed = pack_weights(weights) if pack and packable else None
         if self.packed is None:
             weights.cast_all()  # plain matmuls need every weight in the compute dtype
-        _trim_heap()  # packing's transposed temporaries came from the heap: give them back
+        trim_heap()  # packing's transposed temporaries came from the heap: give them back
         # oneDNN's gelu_tanh post-op computes HF's gelu_new (within float rounding: a few 1e-7).
         self.fused_gelu = config.activation_function in ("gelu_new", "gelu_pytorch_tanh")
 
@@ -126,39 +114,6 @@ class Gpt2Runner:
         held = sum(t.numel() * t.element_size() for t in self.tensors.values())
         packed = sum(t.numel() * t.element_size() for layer in self.packed or [] for t in layer)
         return held + packed
-
-    @property
-    def capacity(self) -> tuple[int, int]:
-        """(rows, positions) the cache holds now; (0, 0) when released."""
-        return (0, 0) if self.keys is None else (self.keys.shape[1], self.keys.shape[3])
-
-    def reserve(self, rows: int, length: int) -> None:
-        """Grow the cache (by doubling, keeping its contents) to hold `rows` sequences of `length` positions."""
-        have_rows, have_length = self.capacity
-        if rows <= have_rows and length <= have_length:
-            return
-        new_rows = min(self.max_rows, max(have_rows, _next_pow2(rows)))
-        new_length = min(self.max_length, max(have_length, _next_pow2(length)))
-        shape = (self.n_layer, new_rows, self.n_head, new_length, self.head_dim)
-        # Zeros, not empty: masked positions still meet V in the P@V product and 0 * NaN would be NaN.
-        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self.keys is not None and self.values is not None:
-            keys[:, :have_rows, :, :have_length] = self.keys
-            values[:, :have_rows, :, :have_length] = self.values
-        self.keys, self.values = keys, values
-
-    def release(self) -> None:
-        """Drop the cache (it is rebuilt on the next reserve) and hand freed heap memory back to the system."""
-        if self.keys is not None:
-            self.keys = self.values = None
-            _trim_heap()
-
-    def move_row(self, source: int, target: int, length: int) -> None:
-        """Copy the first `length` positions of row `source` into row `target` (compaction after a finish)."""
-        assert self.keys is not None and self.values is not None
-        self.keys[:, target, :, :length] = self.keys[:, source, :, :length]
-        self.values[:, target, :, :length] = self.values[:, source, :, :length]
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, **kwargs) -> torch.Tensor:
         """SDPA in the attention dtype, the result in the compute dtype (no casts when they are the same)."""
@@ -230,63 +185,39 @@ class Gpt2Runner:
         if decode is not None:
             tokens, positions, span = decode
             batch = tokens.shape[0]
-            # Where each row's new key/value vectors go in a layer's cache seen as [rows * head * position,
-            # head_dim]: one index_copy_ per layer instead of an index_put with two advanced indices (slower).
-            length = keys.shape[3]
-            heads = torch.arange(self.n_head, device=self.device)
-            rows = torch.arange(batch, device=self.device)
-            slots = ((rows[:, None] * self.n_head + heads[None]) * length + positions[:, None]).reshape(-1)
+            slots = self.decode_slots(positions)
             # Row b may see its own positions 0..positions[b]; later slots hold stale or padding keys.
             mask = (torch.arange(span, device=self.device)[None] <= positions[:, None])[:, None, None]
             parts.append(self._embed(wte, tokens) + self._embed(wpe, positions))
-        prompts_n, width = 0, 0
+        layout = None
         if prefill is not None:
-            prompts, groups = prefill
-            prompts_n = len(prompts)
-            lengths = [len(prompt) for prompt in prompts]
-            width = max(lengths)
-            # Right padding needs no mask: with causal attention a real position never sees a later pad.
-            ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
-            target = torch.tensor([row for group in groups for row in group], dtype=torch.long, device=self.device)
-            source = torch.tensor([i for i, group in enumerate(groups) for _ in group], dtype=torch.long,
-                                  device=self.device)
-            prompt_positions = torch.arange(width, device=self.device)
-            parts.append((self._embed(wte, ids) + self._embed(wpe, prompt_positions)[None]).view(-1, self.n_embd))
+            layout = PrefillLayout(*prefill, self.device)
+            prompt_positions = torch.arange(layout.width, device=self.device)
+            embedded = self._embed(wte, layout.ids) + self._embed(wpe, prompt_positions)[None]
+            parts.append(embedded.view(-1, self.n_embd))
         hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
 
         def attend(index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
             out = []
             if decode is not None:
-                layer_keys, layer_values = keys[index], values[index]
-                layer_keys.view(-1, self.head_dim).index_copy_(0, slots, key[:batch].reshape(-1, self.head_dim))
-                layer_values.view(-1, self.head_dim).index_copy_(0, slots, value[:batch].reshape(-1, self.head_dim))
+                self.write_decode(index, slots, key[:batch], value[:batch])
                 q = query[:batch].view(batch, self.n_head, 1, self.head_dim)
-                attended = self._attention(q, layer_keys[:batch, :, :span], layer_values[:batch, :, :span],
+                attended = self._attention(q, keys[index, :batch, :, :span], values[index, :batch, :, :span],
                                            index, attn_mask=mask)
                 out.append(attended.reshape(batch, self.n_embd))
-            if prefill is not None:
-                shape = (prompts_n, width, self.n_head, self.head_dim)
+            if layout is not None:
+                shape = (layout.count, layout.width, self.n_head, self.head_dim)
                 q, k, v = (t[batch:].view(shape).transpose(1, 2) for t in (query, key, value))
-                keys[index, target, :, :width] = k.index_select(0, source)
-                values[index, target, :, :width] = v.index_select(0, source)
+                layout.store(keys, index, k)
+                layout.store(values, index, v)
                 attended = self._attention(q, k, v, index, is_causal=True)
-                out.append(attended.transpose(1, 2).reshape(prompts_n * width, self.n_embd))
+                out.append(attended.transpose(1, 2).reshape(layout.count * layout.width, self.n_embd))
             return out[0] if len(out) == 1 else torch.cat(out)
 
         for index in range(self.n_layer):
             hidden = self._block(index, hidden, attend)
         # Only the decode rows and each prompt's last position need logits: the LM head is the largest matmul.
-        if prefill is not None:
-            last = torch.tensor([batch + i * width + n - 1 for i, n in enumerate(lengths)], device=self.device)
-            picked = last if decode is None else torch.cat([torch.arange(batch, device=self.device), last])
-            hidden = hidden.index_select(0, picked)
+        if layout is not None:
+            hidden = hidden.index_select(0, layout.picked(batch, self.device))
         return self._logits(hidden)
 
-
-def _trim_heap() -> None:
-    # glibc keeps freed heap memory (per-thread arenas, and chunks below its adaptive mmap threshold) resident
-    # until asked; elsewhere this is a no-op.
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

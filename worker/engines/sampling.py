@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import codecs
 import math
 import secrets
+from typing import TYPE_CHECKING
 
 import torch
 
 from core.protocol import MAX_SEED, SamplingParams
+
+if TYPE_CHECKING:
+    from worker.engines.detokenize import Pieces
 
 # Top-k/top-p rows are processed on their best candidates instead of a full-vocabulary sort (the sort of a
 # [16, 50257] batch costs ~100 ms on a small CPU); the set grows only when it does not cover the nucleus.
@@ -206,12 +209,11 @@ def step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], t
 
 
 class TextStream:
-    """Bytes of generated tokens -> text deltas: whole characters only, held back while a stop may be forming."""
+    """Generated tokens -> text deltas: whole characters only (detokenize.Pieces), held back while a stop may form."""
 
-    def __init__(self, table: list[bytes], stop: tuple[str, ...] = ()) -> None:
-        self._table = table
+    def __init__(self, pieces: Pieces, stop: tuple[str, ...] = ()) -> None:
+        self._pieces = pieces
         self._stop = stop
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._parts: list[str] = []
         self._pending = ""  # decoded but not yet handed out: a possible start of a stop sequence
         self.stopped = False
@@ -223,11 +225,11 @@ class TextStream:
 
     def push(self, token_id: int) -> str:
         """Add a token; returns the text that is now safe to emit ("" while held back). Sets `stopped`."""
-        return self._feed(self._decoder.decode(self._table[token_id]))
+        return self._feed(self._pieces.push(token_id))
 
     def finish(self) -> str:
-        """End of generation: flush incomplete bytes (as U+FFFD, like tokenizer.decode) and held-back text."""
-        delta = self._feed(self._decoder.decode(b"", final=True))
+        """End of generation: flush what the pieces held (incomplete bytes as U+FFFD, as decode) and held-back text."""
+        delta = self._feed(self._pieces.finish())
         if self.stopped:
             return delta
         rest, self._pending = self._pending, ""

@@ -1,0 +1,141 @@
+"""Llama-family decoders (llama, mistral, qwen2, qwen3) in the continuous batcher: greedy equals HF `generate`.
+
+Each variant of tests/tiny_llama.py (head counts, GQA/MQA, tied and untied heads, rope theta/linear/llama3/
+yarn/dynamic, qwen2 biases, qwen3 q/k norms, sliding windows shorter than the prompts) serves a batch of
+prompts of mixed lengths (accents and emoji included) in one prefill; each row equals HF generating it alone.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from tests.tiny_llama import VARIANTS, build_tiny_decoder
+from worker.engines.generation import GenerationEngine, SamplingParams
+
+PROMPTS = [
+    "First Citizen:",
+    "Before we proceed any further, hear me speak. You are all resolved rather to die than to famish?",
+    "Café naïve — déjà vu 🤖🎉 über",
+    "O",
+]
+WAIT = 60
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory):
+    """Each variant built once per module, lazily: name -> (folder, fp32 HF model, tokenizer)."""
+    root = tmp_path_factory.mktemp("decoders")
+    cache: dict[str, tuple[Path, PreTrainedModel, PreTrainedTokenizerFast]] = {}
+
+    def get(name: str) -> tuple[Path, PreTrainedModel, PreTrainedTokenizerFast]:
+        if name not in cache:
+            cache[name] = (root / name, *build_tiny_decoder(name, root / name))
+        return cache[name]
+
+    return get
+
+
+def hf_greedy(model: PreTrainedModel, ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def greedy(max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_greedy_equals_hf_generate_for_mixed_prompts_in_one_batch(built, name) -> None:
+    folder, model, tokenizer = built(name)
+    lengths = [20, 9, 16, 24]
+    streamed: dict[int, list[str]] = {i: [] for i in range(len(PROMPTS))}
+    with GenerationEngine(folder, device="cpu", precision="fp32", max_batch_size=8) as engine:
+        assert engine.context_length == model.config.max_position_embeddings
+        with engine._lock:  # everything queued meanwhile is admitted together: one batched prefill
+            futures = [engine.submit(p, greedy(n), on_token=lambda _, d, i=i: streamed[i].append(d))
+                       for i, (p, n) in enumerate(zip(PROMPTS, lengths, strict=True))]
+        results = [f.result(WAIT) for f in futures]
+        assert engine.stats()["prefills"] == 1
+    for index, (prompt, result) in enumerate(zip(PROMPTS, results, strict=True)):
+        ids = tokenizer(prompt)["input_ids"]  # with BOS for the Llama-2-style tokenizer, as the engine encodes
+        choice = result.choices[0]
+        assert result.prompt_tokens == len(ids)
+        assert choice.token_ids == hf_greedy(model, ids, lengths[index]), (name, prompt)
+        assert choice.text == tokenizer.decode(choice.token_ids, skip_special_tokens=True)
+        assert "".join(streamed[index]) == choice.text
+
+
+def test_sliding_window_is_applied(built, tmp_path) -> None:
+    # Without the window the same weights continue a long prompt differently: the window is live, and equal to HF's.
+    folder, _, tokenizer = built("mistral")
+    unwindowed = tmp_path / "full"
+    shutil.copytree(folder, unwindowed)
+    config = json.loads((unwindowed / "config.json").read_text())
+    (unwindowed / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
+    outputs = []
+    for path in (folder, unwindowed):
+        with GenerationEngine(path, device="cpu", precision="fp32") as engine:
+            outputs.append(engine.generate(PROMPTS[1], greedy(12)).choices[0].token_ids)
+    assert outputs[0] != outputs[1]
+
+
+def test_eos_ids_from_generation_config_may_be_a_list(built, tmp_path) -> None:
+    folder, model, tokenizer = built("llama")
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    free = hf_greedy(model, ids, 8)
+    stopper = next(t for t in free[2:] if t not in free[:2])  # a token the model emits later, not earlier
+    copy = tmp_path / "eos-list"
+    shutil.copytree(folder, copy)
+    generation = json.loads((copy / "generation_config.json").read_text())
+    (copy / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [2, stopper]}))
+    with GenerationEngine(copy, device="cpu", precision="fp32") as engine:
+        assert engine.eos_token_ids == frozenset({2, stopper})
+        choice = engine.generate(PROMPTS[0], greedy(8)).choices[0]
+    assert choice.finish_reason == "eos" and choice.token_ids == free[:free.index(stopper) + 1]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_bf16_weights_follow_fp32(built, name) -> None:
+    folder, model, tokenizer = built(name)
+    with GenerationEngine(folder, device="cpu", precision="bf16") as engine:
+        assert engine.plan.precision == "bf16"
+        choice = engine.generate(PROMPTS[1], greedy(4)).choices[0]
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    assert choice.token_ids[:2] == hf_greedy(model, ids, 2)  # bf16 keeps 8 bits: the first tokens agree
+
+
+def test_other_model_types_are_refused_by_name(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "vocab_size": 10}))
+    with pytest.raises(ValueError, match="model_type 'gpt_neox' is not supported"):
+        GenerationEngine(tmp_path, device="cpu", precision="fp32")
+
+
+def test_serving_a_llama_imports_no_hf_modeling_code(built) -> None:
+    folder, _, _ = built("qwen3")
+    code = ("import sys; from worker.engines.generation import GenerationEngine; "
+            f"e = GenerationEngine({str(folder)!r}, device='cpu', precision='fp32', max_batch_size=2); "
+            "print(e.generate('Hi', __import__('core.protocol').protocol.SamplingParams(max_new_tokens=2, "
+            "temperature=0)).completion_tokens); e.close(); "
+            "print(sorted(m for m in ('sklearn', 'pandas', 'accelerate', 'transformers.modeling_utils') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split() == ["2", "[]"]
+
+
+def test_a_llama_without_a_fast_tokenizer_is_refused(built, tmp_path) -> None:
+    folder, _, _ = built("llama")
+    copy = tmp_path / "no-tokenizer"
+    shutil.copytree(folder, copy)
+    (copy / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        GenerationEngine(copy, device="cpu", precision="fp32")
