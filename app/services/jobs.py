@@ -334,7 +334,7 @@ def job_read(job: Job, best: dict[str, float] | None = None, *, placement: tuple
         architecture=job.model_config_,
         train_dataset=job.train_dataset_id, eval_dataset=job.eval_dataset_id,
         text_column=job.text_column, label_column=job.label_column, labels=job.labels,
-        hyperparameters=job.hyperparameters, devices=job.devices,
+        hyperparameters=job.hyperparameters, adapter=job.adapter, method=job.method, devices=job.devices,
         progress=Progress(step=job.step, total_steps=total, epoch=round(job.epoch, 4), fraction=round(fraction, 4)),
         eta_seconds=None if job.is_terminal else job.eta_seconds,
         metrics=job.metrics or {}, best_metrics=best or {}, device=job.device, error=job.error, attempts=job.attempts,
