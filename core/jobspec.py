@@ -101,7 +101,7 @@ class ClassificationJob(JobSpec):
     task: Literal[TaskKind.TEXT_CLASSIFICATION] = TaskKind.TEXT_CLASSIFICATION
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
     adapter: AdapterConfig | None = Field(
-        None, description="LoRA: train a low-rank adapter (and the new head) on the frozen base instead of all weights.")
+        None, description="LoRA: train a low-rank adapter (and the new head) on the frozen base, not all weights.")
 
 
 class CausalLMJob(JobSpec):

@@ -12,12 +12,21 @@ from sqlalchemy.orm import Session
 
 from app.schemas.jobs import ArtifactRead, BestRead, JobRead, Progress
 from app.services import idempotency
+from app.services.job_methods import is_chat, method_fields
 from core import scheduler, states
+from core.adapters import AdapterConfig
 from core.auth import Principal
 from core.base_models import resolve_base_model
 from core.capacity import largest_device, live_workers
 from core.errors import Conflict, NotFound, TooManyRequests, ValidationFailed
-from core.estimate import Head, architecture, format_bytes, load_model_config, training_memory
+from core.estimate import (
+    Head,
+    adapter_parameter_count,
+    architecture,
+    format_bytes,
+    load_model_config,
+    training_memory,
+)
 from core.hyperparams import Hyperparameters, LMHyperparameters
 from core.jobspec import CausalLMJob, ClassificationJob, JobSpec, kind_of
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
@@ -93,11 +102,10 @@ def prepare_job(session: Session, settings: Settings, principal: Principal, *, s
     """Validate a request against its datasets and the server's limits; the new (unsaved) queued job."""
     train = _dataset(session, principal, spec.train_dataset, "train_dataset")
     evaluation = _dataset(session, principal, spec.eval_dataset, "eval_dataset") if spec.eval_dataset else None
-    _require_column(train, spec.text_column, "text_column")
-    _require_text(train, spec.text_column, "train_dataset")
-    if evaluation is not None:
-        _require_column(evaluation, spec.text_column, "eval_dataset")
-        _require_text(evaluation, spec.text_column, "eval_dataset")
+    for field, dataset in (("text_column", train), ("eval_dataset", evaluation)):
+        if dataset is not None and not is_chat(dataset):  # chat records are rendered, they have no text column
+            _require_column(dataset, spec.text_column, field)
+            _require_text(dataset, spec.text_column, "train_dataset" if dataset is train else field)
     _require_devices(settings, spec.devices)
     if isinstance(spec, CausalLMJob):
         fields = _causal_lm_fields(settings, spec)
@@ -105,6 +113,7 @@ def prepare_job(session: Session, settings: Settings, principal: Principal, *, s
         fields = _classification_fields(settings, spec, train, evaluation)
     else:  # a kind with no checks of its own beyond its spec
         fields = {"base_model_path": None, "labels": []}
+    fields.update(method_fields(spec, train, evaluation, fields.get("base_model_path")))
     _require_best_metric(spec, has_eval=evaluation is not None)
     fields["hyperparameters"] = spec.hyperparameters.model_dump(mode="json")  # the row keeps the typed model
     return Job(id=new_id("job"), tenant_id=principal.tenant_id, status=JobStatus.QUEUED, task=spec.task,
@@ -154,7 +163,7 @@ def _classification_fields(settings: Settings, spec: ClassificationJob, train: D
         if unseen:
             raise ValidationFailed("eval_dataset", f"labels not present in the training data: {unseen[:10]}")
     _require_fit(settings, load_model_config(base_path), "base_model", head="classifier", hp=hp,
-                 seq_len=hp.max_length, num_labels=len(labels), devices=spec.devices)
+                 seq_len=hp.max_length, num_labels=len(labels), devices=spec.devices, adapter=spec.adapter)
     return {"base_model_path": base_path, "label_column": label_column, "labels": labels}
 
 
@@ -172,7 +181,7 @@ def _causal_lm_fields(settings: Settings, spec: CausalLMJob) -> dict[str, Any]:
         context = base_config.get("max_position_embeddings") or base_config.get("n_positions")
         default_block = min(context, DEFAULT_BLOCK_SIZE) if isinstance(context, int) else DEFAULT_BLOCK_SIZE
         _require_fit(settings, base_config, "base_model", head="causal-lm", hp=hp,
-                     seq_len=hp.block_size or default_block, devices=spec.devices)
+                     seq_len=hp.block_size or default_block, devices=spec.devices, adapter=spec.adapter)
         return {"base_model_path": base_path, "labels": []}
     try:
         architecture = validate_model_config(spec.architecture or {})
@@ -203,7 +212,8 @@ def _require_devices(settings: Settings, devices: int) -> None:
 
 
 def _require_fit(settings: Settings, model_config: dict[str, Any] | None, model_field: str, *, head: Head,
-                 hp: Hyperparameters | LMHyperparameters, seq_len: int, num_labels: int = 2, devices: int = 1) -> None:
+                 hp: Hyperparameters | LMHyperparameters, seq_len: int, num_labels: int = 2, devices: int = 1,
+                 adapter: AdapterConfig | None = None) -> None:
     """Refuse (422 does_not_fit) a job whose estimated peak memory exceeds the largest device a live worker
     reported, or TRAINSERVE_ASSUMED_DEVICE_BYTES while none has; without a config to estimate from, admit."""
     arch = architecture(model_config) if model_config else None
@@ -220,9 +230,11 @@ def _require_fit(settings: Settings, model_config: dict[str, Any] | None, model_
                      auto_precision(is_cuda=device.is_cuda, bf16_supported=device.bf16))
     # GPUs run attention fused (no seq_len^2 scores); a CPU keeps the scores.
     # On N devices each one runs a share of every micro-batch (the job's batch_size is the global one).
+    trainable = None if adapter is None else adapter_parameter_count(arch, adapter.r, adapter.target_modules, head,
+                                                                     num_labels)
     estimate = training_memory(arch, head=head, batch_size=math.ceil(hp.batch_size / devices), seq_len=seq_len,
-                               precision=precision,
-                               fused_attention=device is None or device.is_cuda, num_labels=num_labels)
+                               precision=precision, fused_attention=device is None or device.is_cuda,
+                               num_labels=num_labels, trainable=trainable)
     if estimate.total_bytes <= limit:
         return
     where = (f"the largest device a live worker has reported ({device.device} on {device.worker}, "

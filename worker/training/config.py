@@ -23,8 +23,9 @@ EngineConfig = RunConfig  # each kind's frozen config (worker.engines.kinds)
 
 
 def build_config(settings: Settings, job: Job, train_path: Path, eval_path: Path | None, hashes: dict[str, str],
-                 device: str) -> EngineConfig:
-    """The engine's frozen config from a job row: its kind's typed hyperparameters, rebuilt from the row."""
+                 device: str, data_format: str = "") -> EngineConfig:
+    """The engine's frozen config from a job row: its kind's typed hyperparameters, rebuilt from the row; the
+    training data's format picks the kind's entry (chat data: kinds.engine_name)."""
     hp = stored_hyperparameters(job.task, job.hyperparameters)
     common: dict[str, Any] = {
         "train_file": train_path, "eval_file": eval_path, "output_dir": job_model_dir(settings, job.id),
@@ -32,7 +33,7 @@ def build_config(settings: Settings, job: Job, train_path: Path, eval_path: Path
         "checkpoint_steps": settings.checkpoint_steps, "device": device, "devices": job.devices,
         "memory_limit_bytes": settings.worker_memory_bytes or None,
         "base_model_name": job.base_model or "", "dataset_hashes": hashes, **best_fields(job.task, hp)}
-    return kinds.build(job.task, common, job, hp)
+    return kinds.build(kinds.engine_name(job.task, data_format), common, job, hp)
 
 
 def best_fields(task: str, hp: TrainingHyperparameters) -> dict[str, Any]:
@@ -56,6 +57,7 @@ class JobInputs:
     train: str
     eval: str | None
     hashes: dict[str, str]
+    train_format: str = ""  # the dataset's format (csv, jsonl, txt, or a chat format: core.chat_data)
 
 
 def job_inputs(session: Session, job: Job) -> JobInputs:
@@ -69,7 +71,7 @@ def job_inputs(session: Session, job: Job) -> JobInputs:
         eval_ds = dataset_store.get_dataset(session, dataset_id=job.eval_dataset_id)
         eval_key = eval_ds.path
         hashes["eval"] = eval_ds.sha256
-    return JobInputs(train=train_ds.path, eval=eval_key, hashes=hashes)
+    return JobInputs(train=train_ds.path, eval=eval_key, hashes=hashes, train_format=train_ds.format)
 
 
 def config_for(settings: Settings, storage: ArtifactStore, job: Job, inputs: JobInputs, device: str) -> EngineConfig:
@@ -79,4 +81,4 @@ def config_for(settings: Settings, storage: ArtifactStore, job: Job, inputs: Job
         eval_path = storage.fetch_file(inputs.eval) if inputs.eval is not None else None
     except FileNotFoundError as exc:
         raise DatasetMissing(str(exc)) from exc
-    return build_config(settings, job, train_path, eval_path, inputs.hashes, device)
+    return build_config(settings, job, train_path, eval_path, inputs.hashes, device, inputs.train_format)
