@@ -12,14 +12,44 @@ from __future__ import annotations
 
 from typing import Any
 
+from sqlalchemy.orm import Session
+
 from core.adapters import PreferenceConfig
-from core.base_models import has_chat_template
+from core.auth import Principal
+from core.base_models import builtin_aliases, has_chat_template, resolve_base_model
 from core.chat_data import CHAT_FORMATS
-from core.errors import ValidationFailed
+from core.errors import NotFound, ValidationFailed
 from core.jobspec import CausalLMJob, JobSpec
-from core.models import Dataset
+from core.models import Dataset, Job, JobStatus
+from core.served_models import NAME_RE, is_job_model
+from core.settings import Settings
+from core.store.owned import get_owned
 
 NEEDS_TEMPLATE = ("chat", "preference")
+
+
+def resolve_base(session: Session, settings: Settings, principal: Principal, spec: JobSpec) -> str | None:
+    """Where the worker loads the job's base_model from (the row's base_model_path), in the one model namespace
+    GET /v1/models lists: a built-in alias, a folder under <home>/models by its name, a finished job of the same
+    kind by its id (the worker fetches its model; an adapter is folded into its base first), an allowed local
+    folder, or a hub id. None without a base_model."""
+    name = spec.base_model
+    if name is None:
+        return None
+    if is_job_model(name):
+        try:
+            job = get_owned(session, Job, name, what="job", tenant=principal.scope, field="base_model")
+        except NotFound as exc:
+            raise ValidationFailed("base_model", f"job {name!r} does not exist") from exc
+        if job.status != JobStatus.SUCCEEDED or job.task != spec.task:
+            raise ValidationFailed("base_model", f"job {name!r} is a {job.status} {job.task} job; a {spec.task} "
+                                                 f"job continues from a succeeded {spec.task} job")
+        return job.id
+    models = settings.home / "models"
+    roots = settings.local_model_roots
+    if name not in builtin_aliases() and NAME_RE.match(name) and (models / name).is_dir():
+        name, roots = str(models / name), [*roots, models]  # NAME_RE admits no separators: it stays under models/
+    return resolve_base_model(name, local_roots=roots, max_bytes=settings.max_model_bytes)
 
 
 def is_chat(dataset: Dataset | None) -> bool:

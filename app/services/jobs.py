@@ -12,11 +12,10 @@ from sqlalchemy.orm import Session
 
 from app.schemas.jobs import ArtifactRead, BestRead, JobRead, Progress
 from app.services import idempotency
-from app.services.job_methods import is_chat, method_fields
+from app.services.job_methods import is_chat, method_fields, resolve_base
 from core import scheduler, states
 from core.adapters import AdapterConfig
 from core.auth import Principal
-from core.base_models import resolve_base_model
 from core.capacity import largest_device, live_workers
 from core.errors import Conflict, NotFound, TooManyRequests, ValidationFailed
 from core.estimate import (
@@ -107,10 +106,11 @@ def prepare_job(session: Session, settings: Settings, principal: Principal, *, s
             _require_column(dataset, spec.text_column, field)
             _require_text(dataset, spec.text_column, "train_dataset" if dataset is train else field)
     _require_devices(settings, spec.devices)
+    base_path = resolve_base(session, settings, principal, spec)
     if isinstance(spec, CausalLMJob):
-        fields = _causal_lm_fields(settings, spec)
+        fields = _causal_lm_fields(settings, spec, base_path)
     elif isinstance(spec, ClassificationJob):
-        fields = _classification_fields(settings, spec, train, evaluation)
+        fields = _classification_fields(settings, spec, train, evaluation, base_path)
     else:  # a kind with no checks of its own beyond its spec
         fields = {"base_model_path": None, "labels": []}
     fields.update(method_fields(spec, train, evaluation, fields.get("base_model_path")))
@@ -138,20 +138,18 @@ def _require_best_metric(spec: JobSpec, *, has_eval: bool) -> None:
         raise ValidationFailed("eval_dataset", "early_stopping_patience needs an eval_dataset to evaluate on")
 
 
-def _classification_fields(settings: Settings, spec: ClassificationJob, train: Dataset, evaluation: Dataset | None
-                           ) -> dict[str, Any]:
+def _classification_fields(settings: Settings, spec: ClassificationJob, train: Dataset, evaluation: Dataset | None,
+                           base_path: str | None) -> dict[str, Any]:
     """Checks and resolved columns of a text-classification job."""
     if spec.architecture is not None:
         raise ValidationFailed("model_config", "model_config applies to causal-lm jobs only")
-    if spec.base_model is None:
+    if spec.base_model is None or base_path is None:
         raise ValidationFailed("base_model", "text-classification needs a base_model (e.g. minilm-l6)")
     hp = spec.hyperparameters
     if hp.max_length > settings.max_text_length:
         raise ValidationFailed("hyperparameters.max_length",
                                f"must be at most {settings.max_text_length} on this server")
     label_column = spec.label_column or "label"
-    base_path = resolve_base_model(spec.base_model, local_roots=settings.local_model_roots,
-                                   max_bytes=settings.max_model_bytes)
     _require_column(train, label_column, "label_column")
     labels = _labels(train, label_column, "train_dataset")
     if len(labels) < 2:
@@ -167,16 +165,14 @@ def _classification_fields(settings: Settings, spec: ClassificationJob, train: D
     return {"base_model_path": base_path, "label_column": label_column, "labels": labels}
 
 
-def _causal_lm_fields(settings: Settings, spec: CausalLMJob) -> dict[str, Any]:
+def _causal_lm_fields(settings: Settings, spec: CausalLMJob, base_path: str | None) -> dict[str, Any]:
     """Checks of a causal-lm job: continue from a causal LM, or train a fresh GPT-2 of a given shape."""
     if spec.label_column is not None:
         raise ValidationFailed("label_column", "causal-lm jobs have no labels")
     hp = spec.hyperparameters
-    if spec.base_model is not None:
+    if base_path is not None:
         if spec.architecture is not None:
             raise ValidationFailed("model_config", "give either base_model or model_config, not both")
-        base_path = resolve_base_model(spec.base_model, local_roots=settings.local_model_roots,
-                                       max_bytes=settings.max_model_bytes)
         base_config = load_model_config(base_path) or {}
         context = base_config.get("max_position_embeddings") or base_config.get("n_positions")
         default_block = min(context, DEFAULT_BLOCK_SIZE) if isinstance(context, int) else DEFAULT_BLOCK_SIZE

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,11 +16,15 @@ from core.jobspec import kind_of, stored_hyperparameters
 from core.models import Job
 from core.paths import job_checkpoints_dir, job_model_dir
 from core.protocol import ErrorCode
+from core.served_models import is_job_model
 from core.settings import Settings
 from core.storage import ArtifactStore
 from core.store import datasets as dataset_store
 from worker.engines import kinds
+from worker.engines.adapters import ADAPTER_FILES, export_merged
+from worker.engines.artifacts import MANIFEST_NAME
 from worker.engines.loop import RunConfig
+from worker.sync import fetch_model
 
 EngineConfig = RunConfig  # each kind's frozen config (worker.engines.kinds)
 
@@ -81,4 +88,24 @@ def config_for(settings: Settings, storage: ArtifactStore, job: Job, inputs: Job
         eval_path = storage.fetch_file(inputs.eval) if inputs.eval is not None else None
     except FileNotFoundError as exc:
         raise DatasetMissing(str(exc)) from exc
-    return build_config(settings, job, train_path, eval_path, inputs.hashes, device, inputs.train_format)
+    config = build_config(settings, job, train_path, eval_path, inputs.hashes, device, inputs.train_format)
+    base = getattr(config, "base_model", None)
+    if isinstance(base, str) and is_job_model(base):  # continue from a finished job's model
+        config = dataclasses.replace(config, base_model=str(job_base(storage, base)))  # type: ignore[type-var]
+    return config
+
+
+def job_base(storage: ArtifactStore, job_id: str) -> Path:
+    """A local folder with a finished job's full model: its model folder, or for an adapter the base with the
+    adapter folded in (written once per host next to the fetched copy)."""
+    folder = fetch_model(storage, job_id)
+    if not (folder / ADAPTER_FILES[0]).is_file():
+        return folder
+    merged = folder.parent / f"{folder.name}.merged"
+    if not (merged / MANIFEST_NAME).is_file():
+        staging = folder.parent / f".{folder.name}.merged.{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        export_merged(folder, staging)
+        shutil.rmtree(merged, ignore_errors=True)
+        os.replace(staging, merged)
+    return merged
