@@ -57,6 +57,13 @@ def is_chat(dataset: Dataset | None) -> bool:
     return dataset is not None and dataset.format in CHAT_FORMATS
 
 
+def require_table_data(spec: JobSpec, train: Dataset, evaluation: Dataset | None) -> None:
+    """Chat datasets train causal-lm jobs only (checked before any column of a table is looked for)."""
+    if not isinstance(spec, CausalLMJob) and (is_chat(train) or is_chat(evaluation)):
+        field = "train_dataset" if is_chat(train) else "eval_dataset"
+        raise ValidationFailed(field, f"{spec.task} jobs train on tables; chat datasets train causal-lm jobs")
+
+
 def method_fields(spec: JobSpec, train: Dataset, evaluation: Dataset | None,
                   base_path: str | None) -> dict[str, Any]:
     """The row's adapter and method columns, after checking the data suits them (422 naming the field)."""
@@ -64,9 +71,6 @@ def method_fields(spec: JobSpec, train: Dataset, evaluation: Dataset | None,
     if adapter is not None and spec.base_model is None:
         raise ValidationFailed("adapter", "an adapter trains on top of a base_model; a fresh model trains in full")
     if not isinstance(spec, CausalLMJob):
-        if is_chat(train) or is_chat(evaluation):
-            field = "train_dataset" if is_chat(train) else "eval_dataset"
-            raise ValidationFailed(field, f"{spec.task} jobs train on tables; chat datasets train causal-lm jobs")
         return {"adapter": adapter.model_dump(mode="json") if adapter else None, "method": None}
     dpo = isinstance(spec.method, PreferenceConfig)
     wanted = ("preference",) if dpo else ("chat", "completion")

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from app.schemas.jobs import ArtifactRead, BestRead, JobRead, Progress
 from app.services import idempotency
-from app.services.job_methods import is_chat, method_fields, resolve_base
+from app.services.job_methods import is_chat, method_fields, require_table_data, resolve_base
 from core import scheduler, states
 from core.adapters import AdapterConfig
 from core.auth import Principal
@@ -101,6 +101,7 @@ def prepare_job(session: Session, settings: Settings, principal: Principal, *, s
     """Validate a request against its datasets and the server's limits; the new (unsaved) queued job."""
     train = _dataset(session, principal, spec.train_dataset, "train_dataset")
     evaluation = _dataset(session, principal, spec.eval_dataset, "eval_dataset") if spec.eval_dataset else None
+    require_table_data(spec, train, evaluation)
     for field, dataset in (("text_column", train), ("eval_dataset", evaluation)):
         if dataset is not None and not is_chat(dataset):  # chat records are rendered, they have no text column
             _require_column(dataset, spec.text_column, field)
