@@ -118,7 +118,7 @@ def adapter_parameter_count(arch: Architecture, r: int, target_modules: str | Se
                             num_labels: int = 2) -> int:
     """LoRA parameters: r x (in + out) for each targeted linear layer of each block ('all-linear': every one;
     names: those matching LORA_SHAPES, an unknown name counted as a hidden x hidden layer), and a classifier's
-    new head, which trains in full."""
+    new output layer, which trains in full (PEFT's modules_to_save)."""
     h, i, kv = arch.hidden, arch.intermediate, arch.kv_hidden
     shapes = {"q": (h, h), "k": (h, kv), "v": (h, kv), "o": (h, h), "up": (h, i), "down": (i, h)}
     if arch.gated_mlp:
@@ -128,7 +128,7 @@ def adapter_parameter_count(arch: Architecture, r: int, target_modules: str | Se
     else:
         chosen = [shapes.get(LORA_SHAPES.get(name.rsplit(".", 1)[-1], ""), (h, h)) for name in target_modules]
     per_layer = sum(r * (rows + cols) for rows, cols in chosen)
-    new_head = 0 if head == "causal-lm" else h * h + h + h * num_labels + num_labels
+    new_head = 0 if head == "causal-lm" else h * num_labels + num_labels  # PEFT trains the classifier, not the pooler
     return arch.layers * per_layer + new_head
 
 

@@ -110,7 +110,8 @@ def test_base_model_names_a_finished_job_or_a_folder_under_home_models(client, s
     response = client.post("/jobs", json=_lm(chat_id, first, adapter=ADAPTER))
     assert response.status_code == 201, response.text
     assert response.json()["base_model"] == first
-    assert "does not exist" in _error(client.post("/jobs", json=_lm(chat_id, first[:-1] + ("1" if first[-1] == "0" else "0"))), "base_model")
+    missing = first[:-1] + ("1" if first[-1] == "0" else "0")
+    assert "does not exist" in _error(client.post("/jobs", json=_lm(chat_id, missing)), "base_model")
     shutil.copytree(tiny_llama_dir, settings.home / "models" / "house-llama")
     response = client.post("/jobs", json=_lm(chat_id, "house-llama", adapter=ADAPTER))
     assert response.status_code == 201, response.text
