@@ -182,7 +182,7 @@ def save_final(output_dir: Path, model: transformers.PreTrainedModel, tokenizer:
         folder = output_dir / MERGED_DIR
         model.merge_and_unload().save_pretrained(folder, safe_serialization=True)  # type: ignore[operator]
         tokenizer.save_pretrained(folder)
-        manifest = {**manifest, "merged": MERGED_DIR}
+        manifest["merged"] = MERGED_DIR  # in place: the caller returns (and may rewrite) this manifest
     write_manifest(output_dir, manifest)
     return output_dir
 
