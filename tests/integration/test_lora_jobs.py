@@ -125,3 +125,9 @@ def test_a_sigkilled_lora_job_resumes_to_the_uninterrupted_adapter(live_client, 
     assert first.keys() == second.keys() and first
     for name in first:
         torch.testing.assert_close(first[name], second[name], rtol=0, atol=1e-6, msg=name)
+    # base_model: a finished adapter job's id continues from its weights (the adapter folded into its base)
+    follow = _finished(live_client, _submit(live_client, {**body, "base_model": straight["id"],
+                                                          "hyperparameters": {**LM_HP, "max_steps": 4}}))
+    assert follow["base_model"] == straight["id"]
+    folder = _download(live_client, follow, tmp_path / follow["id"])
+    assert load_file(folder / "adapter_model.safetensors").keys() == first.keys()
