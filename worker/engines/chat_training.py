@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from core.adapters import AdapterConfig, PreferenceConfig
-from core.chat_data import read_records
+from core.chat_data import MAX_LENGTH, read_records
 from core.errors import DomainError
 from core.estimate import adapter_parameter_count, architecture, training_memory
 from worker.engines import adapters, artifacts, data
@@ -37,7 +37,7 @@ class ChatTrainConfig(RunConfig):
     base_model: str
     adapter: AdapterConfig | None = None
     preference: PreferenceConfig | None = None
-    max_length: int = 1024  # tokens per rendered conversation; the start is kept
+    max_length: int = MAX_LENGTH  # tokens per rendered conversation; the start is kept
     epochs: float = 3.0
     batch_size: int = 4
     learning_rate: float = 1e-4
