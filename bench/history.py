@@ -22,7 +22,7 @@ from app.main import create_app
 from core.auth import create_key
 from core.db import make_engine, make_sessionmaker, session_scope
 from core.migrate import upgrade
-from core.models import utcnow
+from core.rows import utcnow
 from core.settings import Settings
 from core.store import jobs as store
 
@@ -32,7 +32,7 @@ NAMES = ("train_loss", "learning_rate", "samples_per_second", "grad_norm")
 
 def seed(url: str, steps: int) -> tuple[str, str]:
     """A dataset, a running job with `steps` steps of four metrics, and a key."""
-    from core.models import Dataset, Job, JobStatus, new_id
+    from core.rows import Dataset, Job, JobStatus, new_id
 
     engine = make_engine(url)
     with session_scope(make_sessionmaker(engine)) as session:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core.base_models import builtin_aliases  # noqa: E402
+from core.pretrained import builtin_aliases  # noqa: E402
 from core.settings import Settings  # noqa: E402
 from core.storage import open_storage  # noqa: E402
 from tests.s3_server import S3Server  # noqa: E402

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.errors import DomainError, NotFound
-from core.models import ApiKey, new_id, utcnow
+from core.rows import ApiKey, new_id, utcnow
 from core.protocol import ErrorCode
 
 KEY_PREFIX = "ts_"

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapt
 from core.adapters import AdapterConfig, PreferenceConfig, SupervisedConfig
 from core.errors import ValidationFailed
 from core.hyperparams import Hyperparameters, LMHyperparameters, TrainingHyperparameters
-from core.models import TaskKind
+from core.rows import TaskKind
 from core.tasks import MAX_JOB_DEVICES
 
 INT32_MAX = 2**31 - 1  # steps, event ids and model_config values are 32-bit integer columns or smaller

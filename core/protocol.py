@@ -289,7 +289,7 @@ class RankBest(_Rank):
 
 
 class RankEvent(_Rank):
-    """on_event: an engine event of the job's log (core.models.EventKind)."""
+    """on_event: an engine event of the job's log (core.rows.EventKind)."""
 
     kind: Literal["event"] = "event"
     event: str

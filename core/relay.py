@@ -8,7 +8,7 @@ from datetime import timedelta
 from sqlalchemy.orm import Session, sessionmaker
 
 from core.errors import BrokerUnavailable
-from core.models import JobStatus, utcnow
+from core.rows import JobStatus, utcnow
 from core.periodic import Periodic
 from core.queue import TaskQueue
 from core.store import outbox as store

@@ -20,7 +20,7 @@ from sqlalchemy import ColumnElement, and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from core import states
-from core.models import Job, JobStatus
+from core.rows import Job, JobStatus
 from core.settings import Settings
 
 SCHEDULER_LOCK = 7_310_452  # pg_advisory_xact_lock key of the claim decision

@@ -13,9 +13,9 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core.base_models import HUB_ID, hub_model_available
+from core.pretrained import HUB_ID, hub_model_available
 from core.errors import NotFound
-from core.models import Job, JobStatus, TaskKind, is_valid_id
+from core.rows import Job, JobStatus, TaskKind, is_valid_id
 from core.settings import Settings
 from core.store.owned import get_owned
 

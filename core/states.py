@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from core.errors import IllegalTransition, StaleAttempt
 from core.logs import task_headers
-from core.models import TERMINAL, EventKind, Job, JobEvent, JobStatus, WebhookEventType, utcnow
+from core.rows import TERMINAL, EventKind, Job, JobEvent, JobStatus, WebhookEventType, utcnow
 from core.store import outbox, webhooks
 
 TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {

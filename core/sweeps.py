@@ -23,7 +23,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from core import states
-from core.models import ACTIVE, Job, JobStatus, MetricPoint, Sweep, SweepStatus, WebhookEventType, new_id, utcnow
+from core.rows import ACTIVE, Job, JobStatus, MetricPoint, Sweep, SweepStatus, WebhookEventType, new_id, utcnow
 from core.periodic import Periodic
 from core.queue import TaskQueue
 from core.relay import deliver_now

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks import Webhook
 
 from core.db import session_scope
-from core.models import WebhookEndpoint, utcnow
+from core.rows import WebhookEndpoint, utcnow
 from core.netguard import UnsafeAddress, resolve, split_url
 from core.periodic import Periodic
 from core.settings import Settings

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 ${imports if imports else ""}
-import core.models
+import core.rows
 
 revision: str = ${repr(up_revision)}
 down_revision: str | None = ${repr(down_revision)}

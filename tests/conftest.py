@@ -14,7 +14,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from core.migrate import upgrade
-from core.models import Base
+from core.rows import Base
 from core.settings import Settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.models import DEFAULT_TENANT
+from core.rows import DEFAULT_TENANT
 from core.settings import Settings
 from trainserve.redis_server import start_redis
 

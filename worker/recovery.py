@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from core import states
 from core.db import session_scope
 from core.errors import StaleAttempt
-from core.models import EventKind, JobStatus, utcnow
+from core.rows import EventKind, JobStatus, utcnow
 from core.periodic import Periodic
 from core.protocol import ErrorCode
 from core.queue import TaskQueue

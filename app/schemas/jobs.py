@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from core.jobspec import INT32_MAX as INT32_MAX
 from core.jobspec import JobCreate as JobCreate
 from core.jobspec import ModelConfigValue
-from core.models import JobStatus
+from core.rows import JobStatus
 
 
 class Progress(BaseModel):

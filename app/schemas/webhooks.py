@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from core.models import WebhookEventType
+from core.rows import WebhookEventType
 
 
 class WebhookCreate(BaseModel):

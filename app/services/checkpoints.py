@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from app.schemas.jobs import BestRead, CheckpointList, CheckpointRead
 from core.auth import Principal
 from core.jobspec import KINDS
-from core.models import ArtifactKind, JobStatus
+from core.rows import ArtifactKind, JobStatus
 from core.store import jobs as store
 
 

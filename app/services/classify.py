@@ -20,7 +20,7 @@ from app.errors import from_wire
 from core.auth import Principal
 from core.errors import BrokerUnavailable, ClientGone, NotFound, ValidationFailed, WorkerTimeout
 from core.logs import task_headers
-from core.models import JobStatus, TaskKind
+from core.rows import JobStatus, TaskKind
 from core.protocol import ClassifyResult, ClassifyTask, Prediction
 from core.queue import TaskQueue
 from core.redis_keys import abandoned_key, classify_reply_key

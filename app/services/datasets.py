@@ -18,7 +18,7 @@ from app.services import idempotency
 from core.auth import Principal
 from core.chat_data import open_rows, summarize_upload
 from core.errors import PayloadTooLarge, ValidationFailed
-from core.models import Dataset, new_id, utcnow
+from core.rows import Dataset, new_id, utcnow
 from core.paths import dataset_key
 from core.settings import Settings
 from core.storage import ArtifactStore

@@ -16,11 +16,11 @@ from sqlalchemy.orm import Session
 
 from core.adapters import PreferenceConfig
 from core.auth import Principal
-from core.base_models import builtin_aliases, has_chat_template, resolve_base_model
+from core.pretrained import builtin_aliases, has_chat_template, resolve_base_model
 from core.chat_data import CHAT_FORMATS
 from core.errors import NotFound, ValidationFailed
 from core.jobspec import CausalLMJob, JobSpec
-from core.models import Dataset, Job, JobStatus
+from core.rows import Dataset, Job, JobStatus
 from core.served_models import NAME_RE, is_job_model
 from core.settings import Settings
 from core.store.owned import get_owned

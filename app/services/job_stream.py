@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from app.schemas.jobs import EventRead
 from app.sse import COMPACT, sse_comment, sse_message, sse_retry
 from core.errors import TooManyRequests, ValidationFailed
-from core.models import TERMINAL, JobStatus
+from core.rows import TERMINAL, JobStatus
 from core.protocol import ErrorCode
 from core.settings import Settings
 from core.store import history

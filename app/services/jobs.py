@@ -30,7 +30,7 @@ from core.estimate import (
 from core.hyperparams import Hyperparameters, LMHyperparameters
 from core.jobspec import CausalLMJob, ClassificationJob, JobSpec, kind_of
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
-from core.models import ACTIVE, Dataset, EventKind, Job, JobStatus, new_id, utcnow
+from core.rows import ACTIVE, Dataset, EventKind, Job, JobStatus, new_id, utcnow
 from core.precision import auto_precision
 from core.protocol import ErrorCode
 from core.queue import TaskQueue

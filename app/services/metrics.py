@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from sqlalchemy.orm import Session
 
-from core.models import JobStatus, utcnow
+from core.rows import JobStatus, utcnow
 from core.store import jobs as store
 from core.tasks import QUEUE_GENERATE, QUEUE_INFERENCE, QUEUE_TRAIN
 

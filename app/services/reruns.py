@@ -11,7 +11,7 @@ from app.services.jobs import create_job
 from core.auth import Principal
 from core.errors import ValidationFailed
 from core.jobspec import validate_spec
-from core.models import Job
+from core.rows import Job
 from core.queue import TaskQueue
 from core.settings import Settings
 from core.store import jobs as store

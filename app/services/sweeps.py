@@ -18,7 +18,7 @@ from app.services.jobs import prepare_job, request_cancel, require_quota
 from core.auth import Principal
 from core.errors import Conflict, ValidationFailed
 from core.jobspec import kind_of, validate_spec
-from core.models import ACTIVE, Job, Sweep, SweepStatus, new_id, utcnow
+from core.rows import ACTIVE, Job, Sweep, SweepStatus, new_id, utcnow
 from core.queue import TaskQueue
 from core.relay import deliver_now
 from core.settings import Settings

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from app.schemas.webhooks import AttemptRead, DeliveryPage, DeliveryRead, WebhookCreate, WebhookRead
 from core.auth import Principal
 from core.errors import TooManyRequests
-from core.models import WebhookEndpoint, utcnow
+from core.rows import WebhookEndpoint, utcnow
 from core.netguard import resolve, split_url
 from core.protocol import ErrorCode
 from core.settings import Settings

@@ -6,7 +6,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, defer
 
 from core.errors import Conflict
-from core.models import ACTIVE, Dataset, Job
+from core.rows import ACTIVE, Dataset, Job
 from core.store.owned import get_owned
 from core.store.paging import before_cursor
 from core.store.sweeps import running_sweep_using

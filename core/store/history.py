@@ -10,7 +10,7 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from core.models import MetricPoint
+from core.rows import MetricPoint
 
 SCAN_BATCH = 5000  # rows fetched per round trip while downsampling: memory stays bounded by the output
 

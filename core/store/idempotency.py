@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core.models import IdempotencyRecord, utcnow
+from core.rows import IdempotencyRecord, utcnow
 
 
 def find_record(session: Session, *, tenant_id: str, route: str, key: str) -> IdempotencyRecord | None:

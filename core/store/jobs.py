@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from core import states
 from core.errors import NotFound, StaleAttempt
-from core.models import Artifact, Job, JobEvent, JobStatus, MetricPoint, is_valid_id, utcnow
+from core.rows import Artifact, Job, JobEvent, JobStatus, MetricPoint, is_valid_id, utcnow
 from core.states import sources
 from core.store.owned import get_owned
 from core.store.paging import before_cursor

@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from core.models import Job, JobStatus, OutboxMessage, utcnow
+from core.rows import Job, JobStatus, OutboxMessage, utcnow
 from core.tasks import TASK_TRAIN, train_queue
 
 

@@ -8,7 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.errors import NotFound
-from core.models import is_valid_id
+from core.rows import is_valid_id
 
 Row = TypeVar("Row")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core.models import Sweep, SweepStatus
+from core.rows import Sweep, SweepStatus
 from core.store.owned import get_owned
 from core.store.paging import before_cursor
 

@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, selectinload
 
-from core.models import (
+from core.rows import (
     DeliveryStatus,
     Job,
     WebhookAttempt,

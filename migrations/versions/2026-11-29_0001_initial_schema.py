@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-import core.models
+import core.rows
 
 revision: str = '0001'
 down_revision: str | None = None
@@ -30,7 +30,7 @@ def upgrade() -> None:
     sa.Column('sha256', sa.String(length=64), nullable=False),
     sa.Column('size_bytes', sa.BigInteger(), nullable=False),
     sa.Column('path', sa.String(length=500), nullable=False),
-    sa.Column('created_at', core.models.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('created_at', core.rows.UTCDateTime(timezone=True), nullable=False),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_datasets'))
     )
     with op.batch_alter_table('datasets', schema=None) as batch_op:
@@ -59,11 +59,11 @@ def upgrade() -> None:
     sa.Column('error', sa.JSON(), nullable=True),
     sa.Column('attempts', sa.Integer(), nullable=False),
     sa.Column('task_id', sa.String(length=64), nullable=True),
-    sa.Column('cancel_requested_at', core.models.UTCDateTime(timezone=True), nullable=True),
-    sa.Column('heartbeat_at', core.models.UTCDateTime(timezone=True), nullable=True),
-    sa.Column('created_at', core.models.UTCDateTime(timezone=True), nullable=False),
-    sa.Column('started_at', core.models.UTCDateTime(timezone=True), nullable=True),
-    sa.Column('finished_at', core.models.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('cancel_requested_at', core.rows.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('heartbeat_at', core.rows.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('created_at', core.rows.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('started_at', core.rows.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('finished_at', core.rows.UTCDateTime(timezone=True), nullable=True),
     sa.ForeignKeyConstraint(['eval_dataset_id'], ['datasets.id'], name=op.f('fk_jobs_eval_dataset_id_datasets'), ondelete='SET NULL'),
     sa.ForeignKeyConstraint(['train_dataset_id'], ['datasets.id'], name=op.f('fk_jobs_train_dataset_id_datasets'), ondelete='SET NULL'),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_jobs'))
@@ -80,7 +80,7 @@ def upgrade() -> None:
     sa.Column('step', sa.Integer(), nullable=True),
     sa.Column('size_bytes', sa.BigInteger(), nullable=False),
     sa.Column('files', sa.JSON(), nullable=False),
-    sa.Column('created_at', core.models.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('created_at', core.rows.UTCDateTime(timezone=True), nullable=False),
     sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], name=op.f('fk_artifacts_job_id_jobs'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_artifacts'))
     )
@@ -94,7 +94,7 @@ def upgrade() -> None:
     sa.Column('level', sa.String(length=10), nullable=False),
     sa.Column('message', sa.Text(), nullable=False),
     sa.Column('data', sa.JSON(), nullable=True),
-    sa.Column('created_at', core.models.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('created_at', core.rows.UTCDateTime(timezone=True), nullable=False),
     sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], name=op.f('fk_job_events_job_id_jobs'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_job_events'))
     )
@@ -108,7 +108,7 @@ def upgrade() -> None:
     sa.Column('name', sa.String(length=64), nullable=False),
     sa.Column('value', sa.Float(), nullable=False),
     sa.Column('epoch', sa.Float(), nullable=False),
-    sa.Column('created_at', core.models.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('created_at', core.rows.UTCDateTime(timezone=True), nullable=False),
     sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], name=op.f('fk_metric_points_job_id_jobs'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_metric_points')),
     sa.UniqueConstraint('job_id', 'name', 'step', name='uq_metric_points_job_name_step')

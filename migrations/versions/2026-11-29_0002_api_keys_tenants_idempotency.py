@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-import core.models
+import core.rows
 
 revision: str = '0002'
 down_revision: str | None = '0001'
@@ -26,8 +26,8 @@ def upgrade() -> None:
     sa.Column('key_hash', sa.String(length=64), nullable=False),
     sa.Column('prefix', sa.String(length=16), nullable=False),
     sa.Column('is_admin', sa.Boolean(), nullable=False),
-    sa.Column('created_at', core.models.UTCDateTime(timezone=True), nullable=False),
-    sa.Column('revoked_at', core.models.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('created_at', core.rows.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('revoked_at', core.rows.UTCDateTime(timezone=True), nullable=True),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_api_keys')),
     sa.UniqueConstraint('key_hash', name=op.f('uq_api_keys_key_hash'))
     )
@@ -41,7 +41,7 @@ def upgrade() -> None:
     sa.Column('key', sa.String(length=255), nullable=False),
     sa.Column('request_hash', sa.String(length=64), nullable=False),
     sa.Column('resource_id', sa.String(length=40), nullable=False),
-    sa.Column('created_at', core.models.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('created_at', core.rows.UTCDateTime(timezone=True), nullable=False),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_idempotency_records')),
     sa.UniqueConstraint('tenant_id', 'route', 'key', name='uq_idempotency_records_tenant_route_key')
     )

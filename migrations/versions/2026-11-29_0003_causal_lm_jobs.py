@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-import core.models
+import core.rows
 
 revision: str = '0003'
 down_revision: str | None = '0002'

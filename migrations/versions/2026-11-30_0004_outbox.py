@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-import core.models
+import core.rows
 
 revision: str = '0004'
 down_revision: str | None = '0003'
@@ -25,8 +25,8 @@ def upgrade() -> None:
         sa.Column('task', sa.String(length=100), nullable=False),
         sa.Column('queue', sa.String(length=40), nullable=False),
         sa.Column('args', sa.JSON(), nullable=False),
-        sa.Column('created_at', core.models.UTCDateTime(timezone=True), nullable=False),
-        sa.Column('sent_at', core.models.UTCDateTime(timezone=True), nullable=True),
+        sa.Column('created_at', core.rows.UTCDateTime(timezone=True), nullable=False),
+        sa.Column('sent_at', core.rows.UTCDateTime(timezone=True), nullable=True),
         sa.Column('attempts', sa.Integer(), nullable=False),
         sa.Column('last_error', sa.Text(), nullable=True),
         sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], name=op.f('fk_outbox_job_id_jobs'), ondelete='CASCADE'),

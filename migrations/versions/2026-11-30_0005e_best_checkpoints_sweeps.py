@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-import core.models
+import core.rows
 
 revision: str = '0005e'
 down_revision: str | None = '0005p'
@@ -33,8 +33,8 @@ def upgrade() -> None:
         sa.Column('greater_is_better', sa.Boolean(), nullable=False),
         sa.Column('pruning', sa.JSON(), nullable=True),
         sa.Column('best_job_id', sa.String(length=40), nullable=True),
-        sa.Column('created_at', core.models.UTCDateTime(timezone=True), nullable=False),
-        sa.Column('finished_at', core.models.UTCDateTime(timezone=True), nullable=True),
+        sa.Column('created_at', core.rows.UTCDateTime(timezone=True), nullable=False),
+        sa.Column('finished_at', core.rows.UTCDateTime(timezone=True), nullable=True),
         sa.PrimaryKeyConstraint('id', name=op.f('pk_sweeps')),
     )
     with op.batch_alter_table('sweeps', schema=None) as batch_op:

@@ -9,14 +9,14 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-import core.models
+import core.rows
 
 revision: str = '0005t'
 down_revision: str | None = '0005m'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-UTC = core.models.UTCDateTime(timezone=True)
+UTC = core.rows.UTCDateTime(timezone=True)
 
 
 def upgrade() -> None:

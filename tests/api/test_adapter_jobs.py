@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from core.db import make_engine, make_sessionmaker, session_scope
-from core.models import Job, JobStatus
+from core.rows import Job, JobStatus
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 from tests.tiny_chat import build_tiny_llama, chat_jsonl, drop_chat_template, preference_jsonl
 

@@ -9,7 +9,7 @@ from sqlalchemy import create_engine, text
 
 from app.services import jobs as job_service
 from core.db import make_engine, make_sessionmaker, session_scope
-from core.models import Dataset, utcnow
+from core.rows import Dataset, utcnow
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 
 

@@ -11,7 +11,7 @@ import pytest
 from app.services import job_stream
 from core import states
 from core.db import make_engine, make_sessionmaker, session_scope
-from core.models import JobStatus, utcnow
+from core.rows import JobStatus, utcnow
 from core.store import jobs as store
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 

@@ -128,7 +128,7 @@ def test_cancel_running_sets_a_request_the_worker_sees(client, settings, train_i
     engine = make_engine(settings.resolved_database_url)
     factory = make_sessionmaker(engine)
     with session_scope(factory) as session:
-        from core.models import utcnow
+        from core.rows import utcnow
 
         store.claim_job(session, job_id=job["id"], device="cpu", now=utcnow(), stale_before=utcnow())
     body = client.post(f"/jobs/{job['id']}/cancel").json()
@@ -154,7 +154,7 @@ def test_metrics_history_since_step(client, settings, train_id):
     job = client.post("/jobs", json=job_body(train_id)).json()
     engine = make_engine(settings.resolved_database_url)
     with session_scope(make_sessionmaker(engine)) as session:
-        from core.models import utcnow
+        from core.rows import utcnow
 
         # metric points are written by the attempt that holds the job: claim it first (attempt 1)
         store.claim_job(session, job_id=job["id"], device="cpu", now=utcnow(), stale_before=utcnow())

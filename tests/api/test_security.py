@@ -42,7 +42,7 @@ def test_every_route_but_health_and_docs_needs_a_key(client):
 def test_revoked_key_stops_working(client, settings):
     from core.auth import revoke_key
     from core.db import make_engine, make_sessionmaker, session_scope
-    from core.models import ApiKey
+    from core.rows import ApiKey
 
     raw = make_key(settings.resolved_database_url, name="temp")
     assert client.get("/jobs", headers={"Authorization": f"Bearer {raw}"}).status_code == 200

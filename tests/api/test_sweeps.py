@@ -7,7 +7,7 @@ from sqlalchemy import update
 
 from core import states
 from core.db import make_engine, make_sessionmaker
-from core.models import Job, JobStatus, MetricPoint
+from core.rows import Job, JobStatus, MetricPoint
 from core.store import jobs as store
 from core.sweeps import advance, prune_reason
 from tests.conftest import make_key

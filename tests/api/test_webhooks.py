@@ -9,7 +9,7 @@ import pytest
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
-from core.models import utcnow
+from core.rows import utcnow
 from core.webhook_sender import WebhookSender, retry_at
 from tests.conftest import make_key
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload

@@ -21,7 +21,7 @@ import pytest
 import redis as redis_lib
 from sqlalchemy import create_engine, text
 
-from core.models import Base
+from core.rows import Base
 from tests.conftest import ROOT, make_key
 from tests.integration.conftest import INTEGRATION_REDIS, _free_port, wait_for
 

@@ -18,7 +18,7 @@ import pytest
 import redis as redis_lib
 
 from core.db import make_engine, make_sessionmaker, session_scope
-from core.models import Job, JobStatus, TaskKind, new_id
+from core.rows import Job, JobStatus, TaskKind, new_id
 from core.protocol import DoneEvent, parse_event
 from core.redis_keys import cancel_key, stream_key
 from core.tasks import QUEUE_INFERENCE

@@ -12,7 +12,7 @@ def test_app_main_does_not_import_torch():
 
 
 def test_core_imports_neither_fastapi_nor_torch():
-    code = ("import sys, core.settings, core.db, core.models, core.store.jobs, core.store.datasets, core.queue, "
-            "core.celery_app, core.tabular, core.base_models; "
+    code = ("import sys, core.settings, core.db, core.rows, core.store.jobs, core.store.datasets, core.queue, "
+            "core.celery_app, core.tabular, core.pretrained; "
             "bad = [m for m in ('torch', 'fastapi') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -7,7 +7,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
 
 from core.migrate import upgrade
-from core.models import Base
+from core.rows import Base
 
 
 def _diff(url: str) -> list:

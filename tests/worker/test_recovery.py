@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from core.db import session_scope
-from core.models import Job, JobStatus, utcnow
+from core.rows import Job, JobStatus, utcnow
 from core.redis_keys import BROKER_SENTINEL
 from core.store import jobs as store
 from core.tasks import QUEUE_TRAIN, TASK_TRAIN

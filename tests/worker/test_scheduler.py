@@ -6,7 +6,7 @@ from datetime import timedelta
 
 from core import scheduler, states
 from core.db import session_scope
-from core.models import Job, JobStatus, OutboxMessage, new_id, utcnow
+from core.rows import Job, JobStatus, OutboxMessage, new_id, utcnow
 from core.store import jobs as store
 
 

@@ -15,7 +15,7 @@ from core import states
 from core.auth import Principal
 from core.db import session_scope
 from core.errors import Conflict, StaleAttempt
-from core.models import TERMINAL, Job, JobStatus, OutboxMessage, new_id, utcnow
+from core.rows import TERMINAL, Job, JobStatus, OutboxMessage, new_id, utcnow
 from core.store import jobs as store
 from tests.conftest import RecordingQueue
 from worker.recovery import Heartbeat, reap

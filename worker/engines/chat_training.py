@@ -46,13 +46,13 @@ class ChatTrainConfig(RunConfig):
 
 def train_chat(config: ChatTrainConfig, callbacks: TrainCallbacks | None = None) -> TrainResult:
     """Run (or resume) a chat fine-tune or a DPO run to completion or cancellation."""
-    return run(config, ChatTask(config), callbacks)
+    return run(config, ChatRecipe(config), callbacks)
 
 
 Example = Rendered | tuple[Rendered, Rendered]  # a conversation, or a (preferred, non-preferred) pair
 
 
-class ChatTask:
+class ChatRecipe:
     """Rendered conversations (or pairs), an optionally adapted causal LM, assistant-token loss or DPO's."""
 
     unit = "samples"

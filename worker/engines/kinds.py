@@ -21,11 +21,11 @@ from pydantic import BaseModel
 
 from core.adapters import AdapterConfig, PreferenceConfig
 from core.chat_data import CHAT_FORMATS
-from core.models import TaskKind
-from worker.engines.chat_training import ChatTask, ChatTrainConfig
-from worker.engines.lm_training import CausalLMTask, LMTrainConfig
+from core.rows import TaskKind
+from worker.engines.chat_training import ChatRecipe, ChatTrainConfig
+from worker.engines.lm_training import CausalLMRecipe, LMTrainConfig
 from worker.engines.loop import RunConfig, Task
-from worker.engines.training import ClassifierTask, TrainConfig
+from worker.engines.training import ClassifierRecipe, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -91,9 +91,9 @@ def run_task(config: RunConfig) -> Task:
 
 
 register(TaskKind.TEXT_CLASSIFICATION, EngineKind(
-    TrainConfig, ClassifierTask,
+    TrainConfig, ClassifierRecipe,
     lambda row: {"base_model": row.base_model_path, "label_column": row.label_column, "adapter": adapter_of(row)}))
 register(TaskKind.CAUSAL_LM, EngineKind(
-    LMTrainConfig, CausalLMTask,
+    LMTrainConfig, CausalLMRecipe,
     lambda row: {"base_model": row.base_model_path, "model_config": row.model_config_, "adapter": adapter_of(row)}))
-register(f"{TaskKind.CAUSAL_LM}/chat", EngineKind(ChatTrainConfig, ChatTask, _chat_fields))
+register(f"{TaskKind.CAUSAL_LM}/chat", EngineKind(ChatTrainConfig, ChatRecipe, _chat_fields))

@@ -59,10 +59,10 @@ class LMTrainConfig(RunConfig):
 
 def train_lm(config: LMTrainConfig, callbacks: TrainCallbacks | None = None) -> TrainResult:
     """Run (or resume) a causal-LM job to completion or cancellation."""
-    return run(config, CausalLMTask(config), callbacks)
+    return run(config, CausalLMRecipe(config), callbacks)
 
 
-class CausalLMTask:
+class CausalLMRecipe:
     """One token stream cut into blocks, a GPT-2 (fresh or loaded), next-token loss, perplexity."""
 
     unit = "tokens"

@@ -52,10 +52,10 @@ class TrainConfig(RunConfig):
 
 def train(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> TrainResult:
     """Run (or resume) a fine-tuning job to completion or cancellation."""
-    return run(config, ClassifierTask(config), callbacks)
+    return run(config, ClassifierRecipe(config), callbacks)
 
 
-class ClassifierTask:
+class ClassifierRecipe:
     """Texts and labels from a table, a classification head on a base model, cross-entropy, accuracy and F1."""
 
     unit = "samples"

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from core.hyperparams import TrainingHyperparameters
 from core.jobspec import kind_of, stored_hyperparameters
-from core.models import Job
+from core.rows import Job
 from core.paths import job_checkpoints_dir, job_model_dir
 from core.protocol import ErrorCode
 from core.served_models import is_job_model

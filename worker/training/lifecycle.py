@@ -14,7 +14,7 @@ from core import scheduler, states
 from core.db import session_scope
 from core.errors import NotFound, StaleAttempt
 from core.logs import bound
-from core.models import ArtifactKind, EventKind, Job, JobStatus, is_valid_id, utcnow
+from core.rows import ArtifactKind, EventKind, Job, JobStatus, is_valid_id, utcnow
 from core.paths import relative_to_home
 from core.protocol import ErrorCode
 from core.relay import deliver_now

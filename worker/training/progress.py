@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.db import session_scope
 from core.errors import StaleAttempt
-from core.models import utcnow
+from core.rows import utcnow
 from core.store import jobs as store
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from core.models import Artifact, WebhookEventType, new_id, utcnow
+from core.rows import Artifact, WebhookEventType, new_id, utcnow
 from core.paths import relative_to_home
 from core.settings import Settings
 from core.storage import ArtifactStore

@@ -8,7 +8,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from core.models import Job
+from core.rows import Job
 from worker.engines.artifacts import library_versions
 from worker.training.config import EngineConfig
 
