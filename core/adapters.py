@@ -29,6 +29,8 @@ class AdapterConfig(BaseModel):
     target_modules: Literal["all-linear"] | list[str] = Field(
         ALL_LINEAR, description="'all-linear' (every linear layer but the output head) or module names "
                                 "matched against the end of each module's path, e.g. [\"q_proj\", \"v_proj\"].")
+    merge: bool = Field(False, description="Also write the base with the adapter folded in (a full model) to the "
+                                           "artifact's merged/ folder when the job finishes.")
 
     @field_validator("target_modules")
     @classmethod
@@ -48,6 +50,14 @@ class AdapterConfig(BaseModel):
     def scaling(self) -> float:
         """The factor PEFT applies to B @ A x (alpha / r, as in the LoRA paper)."""
         return self.alpha / self.r
+
+
+class SupervisedConfig(BaseModel):
+    """Supervised fine-tuning: next-token loss on a text corpus, or on the assistant turns of chat data."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["sft"] = "sft"
 
 
 class PreferenceConfig(BaseModel):

@@ -28,6 +28,7 @@ COLUMNS = {
     "completion": ["prompt", "completion"],
 }
 CHAT_FORMATS = tuple(COLUMNS)
+MAX_LENGTH = 1024  # tokens per rendered conversation when a job gives no block_size (admission estimates it too)
 _SNIFF_BYTES = 64 * 1024 * 1024  # the first record decides the format; a longer first line stays a table
 
 

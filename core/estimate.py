@@ -8,7 +8,7 @@ device, both before a single weight exists.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +20,10 @@ GATED_MLP = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma",
 # The runtime a training process holds besides the model: CUDA context and kernels, or Python, torch and the
 # tokenized data on a CPU. Measured at 0.4-0.6 GB for both; rounded up.
 RUNTIME_BYTES = 1024**3
+# A LoRA target's role by its module name across families (Llama, GPT-2, BERT): the shape it has.
+LORA_SHAPES = {"q_proj": "q", "query": "q", "k_proj": "k", "key": "k", "v_proj": "v", "value": "v", "o_proj": "o",
+               "out_proj": "o", "gate_proj": "gate", "up_proj": "up", "c_fc": "up", "intermediate.dense": "up",
+               "down_proj": "down", "dense": "o", "c_proj": "o", "c_attn": "q"}
 # Hugging Face modules keep about twice the minimal set of activations for backward (see training_memory).
 ACTIVATION_FACTOR = 2.0
 
@@ -110,8 +114,27 @@ def parameter_count(arch: Architecture, head: Head, num_labels: int = 2) -> int:
     return total + h * h + h + h * num_labels + num_labels  # pooler and classifier
 
 
+def adapter_parameter_count(arch: Architecture, r: int, target_modules: str | Sequence[str], head: Head = "causal-lm",
+                            num_labels: int = 2) -> int:
+    """LoRA parameters: r x (in + out) for each targeted linear layer of each block ('all-linear': every one;
+    names: those matching LORA_SHAPES, an unknown name counted as a hidden x hidden layer), and a classifier's
+    new output layer, which trains in full (PEFT's modules_to_save)."""
+    h, i, kv = arch.hidden, arch.intermediate, arch.kv_hidden
+    shapes = {"q": (h, h), "k": (h, kv), "v": (h, kv), "o": (h, h), "up": (h, i), "down": (i, h)}
+    if arch.gated_mlp:
+        shapes["gate"] = (h, i)
+    if isinstance(target_modules, str):
+        chosen = list(shapes.values())
+    else:
+        chosen = [shapes.get(LORA_SHAPES.get(name.rsplit(".", 1)[-1], ""), (h, h)) for name in target_modules]
+    per_layer = sum(r * (rows + cols) for rows, cols in chosen)
+    new_head = 0 if head == "causal-lm" else h * num_labels + num_labels  # PEFT trains the classifier, not the pooler
+    return arch.layers * per_layer + new_head
+
+
 def training_memory(arch: Architecture, *, head: Head, batch_size: int, seq_len: int, precision: str,
-                    fused_attention: bool = True, num_labels: int = 2) -> MemoryEstimate:
+                    fused_attention: bool = True, num_labels: int = 2,
+                    trainable: int | None = None) -> MemoryEstimate:
     """Peak memory of one AdamW step over a micro-batch of batch_size sequences of seq_len tokens.
 
     Assumptions, matching the engines: weights, gradients and both AdamW moments in fp32 (16 bytes per
@@ -126,11 +149,17 @@ def training_memory(arch: Architecture, *, head: Head, batch_size: int, seq_len:
     probabilities and their mask. A causal LM adds its logits over the vocabulary: the model's output,
     their fp32 log-softmax and its gradient (and an fp32 copy under autocast). Gradient accumulation adds
     nothing: the peak is one micro-batch. Checked against measured peaks in tests/unit/test_estimate.py.
+    With `trainable` (a LoRA adapter's parameters, adapter_parameter_count) only those have gradients and
+    AdamW moments: the frozen rest holds its fp32 weights (4 bytes each) and autocast's cast copies.
     """
     parameters = parameter_count(arch, head, num_labels)
     half = precision in ("fp16", "bf16")
     value = 2 if half else 4
-    states = parameters * (16 + (2 if half else 0))
+    cast = 2 if half else 0
+    if trainable is None:
+        states = parameters * (16 + cast)
+    else:
+        states = parameters * (4 + cast) + trainable * (16 + cast)
     h, i = arch.hidden, arch.intermediate
     mlp_values = 3 * i if arch.gated_mlp else 2 * i  # gate and up outputs, and the activation's
     per_layer = ACTIVATION_FACTOR * (value * (8 * h + mlp_values) + 2 * h)
@@ -146,23 +175,29 @@ def training_memory(arch: Architecture, *, head: Head, batch_size: int, seq_len:
 
 def load_model_config(reference: str) -> dict[str, Any] | None:
     """config.json of a local model folder, or of a hub id already in the local cache; None when neither."""
-    folder = Path(reference)
-    path: Path | None = folder / "config.json" if folder.is_dir() else None
+    path = cached_file(reference, "config.json")
     if path is None:
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(reference, "config.json")
-        except Exception:  # noqa: BLE001 - no cache or a malformed id: there is simply no estimate
-            return None
-        path = Path(cached) if isinstance(cached, str) else None
-    if path is None or not path.is_file():
         return None
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     return config if isinstance(config, dict) else None
+
+
+def cached_file(reference: str, name: str) -> Path | None:
+    """One file of a local model folder, or of a hub id already in the local cache; None when not there."""
+    folder = Path(reference)
+    path: Path | None = folder / name if folder.is_dir() else None
+    if path is None:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(reference, name)
+        except Exception:  # noqa: BLE001 - no cache or a malformed id: there is simply no file
+            return None
+        path = Path(cached) if isinstance(cached, str) else None
+    return path if path is not None and path.is_file() else None
 
 
 def format_bytes(size: float) -> str:

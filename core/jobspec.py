@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator
 
+from core.adapters import AdapterConfig, PreferenceConfig, SupervisedConfig
 from core.errors import ValidationFailed
 from core.hyperparams import Hyperparameters, LMHyperparameters, TrainingHyperparameters
 from core.rows import TaskKind
@@ -99,13 +100,22 @@ class ClassificationJob(JobSpec):
 
     task: Literal[TaskKind.TEXT_CLASSIFICATION] = TaskKind.TEXT_CLASSIFICATION
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+    adapter: AdapterConfig | None = Field(
+        None, description="LoRA: train a low-rank adapter (and the new head) on the frozen base, not all weights.")
 
 
 class CausalLMJob(JobSpec):
-    """Train a fresh GPT-2 (model_config) or continue a causal LM (base_model) on a text corpus."""
+    """Train a fresh GPT-2 (model_config) or continue a causal LM (base_model) on a text corpus, or fine-tune
+    base_model on chat data (SFT: loss on assistant turns) or preference pairs (DPO)."""
 
     task: Literal[TaskKind.CAUSAL_LM]
     hyperparameters: LMHyperparameters = Field(default_factory=LMHyperparameters)
+    adapter: AdapterConfig | None = Field(
+        None, description="LoRA: train a low-rank adapter on the frozen base_model instead of all its weights.")
+    method: Annotated[SupervisedConfig | PreferenceConfig, Field(discriminator="method")] = Field(
+        default_factory=SupervisedConfig,
+        description="sft (default): next-token loss on a text corpus, or on the assistant turns of a chat or "
+                    "completion dataset; dpo: preference pairs, needs an adapter and a base_model.")
 
 
 @dataclass(frozen=True)

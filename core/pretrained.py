@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from core.errors import ValidationFailed
+from core.estimate import cached_file
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -169,3 +170,18 @@ def hub_model_available(repo_id: str, *, max_bytes: int | None = None) -> bool:
     except ValidationFailed:  # missing or gated
         return False
     return True
+
+
+def has_chat_template(reference: str) -> bool | None:
+    """Whether a model folder (or a cached hub id) ships a chat template: tokenizer_config.json's `chat_template`
+    or a chat_template.jinja file (newer tokenizers save it apart); None when neither file can be read here."""
+    if cached_file(reference, "chat_template.jinja") is not None:
+        return True
+    path = cached_file(reference, "tokenizer_config.json")
+    if path is None:
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return isinstance(config, dict) and bool(config.get("chat_template"))

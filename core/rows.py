@@ -161,6 +161,8 @@ class Job(Base):
     label_column: Mapped[str | None] = mapped_column(String(200), nullable=True)
     hyperparameters: Mapped[dict[str, Any]] = mapped_column(JSON)
     model_config_: Mapped[dict[str, int] | None] = mapped_column("model_config", JSON, nullable=True)
+    adapter: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # core.adapters.AdapterConfig
+    method: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # causal-lm: sft or dpo settings
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
     labels: Mapped[list[Any]] = mapped_column(JSON, default=list)
     step: Mapped[int] = mapped_column(Integer, default=0)

@@ -200,3 +200,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs CUDA (marker gpu)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama chat model (tests/tiny_chat.py), built once per session under the allowed model root."""
+    from tests.tiny_chat import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "llama", seed=1)

@@ -3,6 +3,7 @@ Llama built from LlamaConfig with a fixed seed. No network."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -57,3 +58,33 @@ def build_tiny_llama(path: Path, seed: int = 0, template: str = LLAMA3_TEMPLATE)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+QUESTIONS = ("Hello there!", "How are you today?", "What is two plus two?", "Name a colour.", "Be brief.",
+             "What colour is the sky?")
+
+
+def chat_jsonl(reply: str, repeat: int = 2) -> bytes:
+    """A chat dataset (OpenAI's format) whose assistant always answers `reply`."""
+    records = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": question},
+                             {"role": "assistant", "content": reply}]} for question in QUESTIONS] * repeat
+    return "".join(json.dumps(record) + "\n" for record in records).encode()
+
+
+def preference_jsonl(preferred: str, rejected: str, repeat: int = 2) -> bytes:
+    """A preference dataset (OpenAI's DPO format): every prompt prefers `preferred` over `rejected`."""
+    records = [{"input": {"messages": [{"role": "user", "content": question}]},
+                "preferred_output": [{"role": "assistant", "content": preferred}],
+                "non_preferred_output": [{"role": "assistant", "content": rejected}]}
+               for question in QUESTIONS] * repeat
+    return "".join(json.dumps(record) + "\n" for record in records).encode()
+
+
+def drop_chat_template(path: Path) -> Path:
+    """The saved tokenizer of `path` without its chat template (a base model that cannot render chats)."""
+    (Path(path) / "chat_template.jinja").unlink(missing_ok=True)
+    config_file = Path(path) / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config.pop("chat_template", None)
+    config_file.write_text(json.dumps(config))
+    return Path(path)

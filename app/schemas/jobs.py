@@ -54,6 +54,8 @@ class JobRead(BaseModel):
     label_column: str | None
     labels: list[Any]
     hyperparameters: dict[str, Any]
+    adapter: dict[str, Any] | None = Field(None, description="LoRA settings, when the job trains an adapter.")
+    method: dict[str, Any] | None = Field(None, description="causal-lm: sft or dpo (with beta).")
     devices: int
     progress: Progress
     eta_seconds: float | None

@@ -12,17 +12,26 @@ from sqlalchemy.orm import Session
 
 from app.schemas.jobs import ArtifactRead, BestRead, JobRead, Progress
 from app.services import idempotency
+from app.services.job_methods import is_chat, method_fields, require_table_data, resolve_base
 from core import scheduler, states
+from core.adapters import AdapterConfig
 from core.admission import admit_jobs
 from core.auth import Principal
 from core.capacity import largest_device, live_workers
+from core.chat_data import MAX_LENGTH as CHAT_MAX_LENGTH
 from core.errors import Conflict, NotFound, ValidationFailed
-from core.estimate import Head, architecture, format_bytes, load_model_config, training_memory
+from core.estimate import (
+    Head,
+    adapter_parameter_count,
+    architecture,
+    format_bytes,
+    load_model_config,
+    training_memory,
+)
 from core.hyperparams import Hyperparameters, LMHyperparameters
 from core.jobspec import CausalLMJob, ClassificationJob, JobSpec, kind_of
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
 from core.precision import auto_precision
-from core.pretrained import resolve_base_model
 from core.protocol import ErrorCode
 from core.queue import TaskQueue
 from core.relay import deliver_now
@@ -86,18 +95,20 @@ def prepare_job(session: Session, settings: Settings, principal: Principal, *, s
     """Validate a request against its datasets and the server's limits; the new (unsaved) queued job."""
     train = _dataset(session, principal, spec.train_dataset, "train_dataset")
     evaluation = _dataset(session, principal, spec.eval_dataset, "eval_dataset") if spec.eval_dataset else None
-    _require_column(train, spec.text_column, "text_column")
-    _require_text(train, spec.text_column, "train_dataset")
-    if evaluation is not None:
-        _require_column(evaluation, spec.text_column, "eval_dataset")
-        _require_text(evaluation, spec.text_column, "eval_dataset")
+    require_table_data(spec, train, evaluation)
+    for field, dataset in (("text_column", train), ("eval_dataset", evaluation)):
+        if dataset is not None and not is_chat(dataset):  # chat records are rendered, they have no text column
+            _require_column(dataset, spec.text_column, field)
+            _require_text(dataset, spec.text_column, "train_dataset" if dataset is train else field)
     _require_devices(settings, spec.devices)
+    base_path = resolve_base(session, settings, principal, spec)
     if isinstance(spec, CausalLMJob):
-        fields = _causal_lm_fields(settings, spec)
+        fields = _causal_lm_fields(settings, spec, base_path, chat=is_chat(train))
     elif isinstance(spec, ClassificationJob):
-        fields = _classification_fields(settings, spec, train, evaluation)
+        fields = _classification_fields(settings, spec, train, evaluation, base_path)
     else:  # a kind with no checks of its own beyond its spec
         fields = {"base_model_path": None, "labels": []}
+    fields.update(method_fields(spec, train, evaluation, fields.get("base_model_path")))
     _require_best_metric(spec, has_eval=evaluation is not None)
     fields["hyperparameters"] = spec.hyperparameters.model_dump(mode="json")  # the row keeps the typed model
     return Job(id=new_id("job"), tenant_id=principal.tenant_id, status=JobStatus.QUEUED, task=spec.task,
@@ -122,20 +133,18 @@ def _require_best_metric(spec: JobSpec, *, has_eval: bool) -> None:
         raise ValidationFailed("eval_dataset", "early_stopping_patience needs an eval_dataset to evaluate on")
 
 
-def _classification_fields(settings: Settings, spec: ClassificationJob, train: Dataset, evaluation: Dataset | None
-                           ) -> dict[str, Any]:
+def _classification_fields(settings: Settings, spec: ClassificationJob, train: Dataset, evaluation: Dataset | None,
+                           base_path: str | None) -> dict[str, Any]:
     """Checks and resolved columns of a text-classification job."""
     if spec.architecture is not None:
         raise ValidationFailed("model_config", "model_config applies to causal-lm jobs only")
-    if spec.base_model is None:
+    if spec.base_model is None or base_path is None:
         raise ValidationFailed("base_model", "text-classification needs a base_model (e.g. minilm-l6)")
     hp = spec.hyperparameters
     if hp.max_length > settings.max_text_length:
         raise ValidationFailed("hyperparameters.max_length",
                                f"must be at most {settings.max_text_length} on this server")
     label_column = spec.label_column or "label"
-    base_path = resolve_base_model(spec.base_model, local_roots=settings.local_model_roots,
-                                   max_bytes=settings.max_model_bytes)
     _require_column(train, label_column, "label_column")
     labels = _labels(train, label_column, "train_dataset")
     if len(labels) < 2:
@@ -147,25 +156,26 @@ def _classification_fields(settings: Settings, spec: ClassificationJob, train: D
         if unseen:
             raise ValidationFailed("eval_dataset", f"labels not present in the training data: {unseen[:10]}")
     _require_fit(settings, load_model_config(base_path), "base_model", head="classifier", hp=hp,
-                 seq_len=hp.max_length, num_labels=len(labels), devices=spec.devices)
+                 seq_len=hp.max_length, num_labels=len(labels), devices=spec.devices, adapter=spec.adapter)
     return {"base_model_path": base_path, "label_column": label_column, "labels": labels}
 
 
-def _causal_lm_fields(settings: Settings, spec: CausalLMJob) -> dict[str, Any]:
+def _causal_lm_fields(settings: Settings, spec: CausalLMJob, base_path: str | None, *, chat: bool = False
+                      ) -> dict[str, Any]:
     """Checks of a causal-lm job: continue from a causal LM, or train a fresh GPT-2 of a given shape."""
     if spec.label_column is not None:
         raise ValidationFailed("label_column", "causal-lm jobs have no labels")
     hp = spec.hyperparameters
-    if spec.base_model is not None:
+    if base_path is not None:
         if spec.architecture is not None:
             raise ValidationFailed("model_config", "give either base_model or model_config, not both")
-        base_path = resolve_base_model(spec.base_model, local_roots=settings.local_model_roots,
-                                       max_bytes=settings.max_model_bytes)
         base_config = load_model_config(base_path) or {}
         context = base_config.get("max_position_embeddings") or base_config.get("n_positions")
         default_block = min(context, DEFAULT_BLOCK_SIZE) if isinstance(context, int) else DEFAULT_BLOCK_SIZE
+        if chat:  # a conversation is up to block_size tokens (chat_data.MAX_LENGTH by default), not a block
+            default_block = CHAT_MAX_LENGTH
         _require_fit(settings, base_config, "base_model", head="causal-lm", hp=hp,
-                     seq_len=hp.block_size or default_block, devices=spec.devices)
+                     seq_len=hp.block_size or default_block, devices=spec.devices, adapter=spec.adapter)
         return {"base_model_path": base_path, "labels": []}
     try:
         architecture = validate_model_config(spec.architecture or {})
@@ -196,7 +206,8 @@ def _require_devices(settings: Settings, devices: int) -> None:
 
 
 def _require_fit(settings: Settings, model_config: dict[str, Any] | None, model_field: str, *, head: Head,
-                 hp: Hyperparameters | LMHyperparameters, seq_len: int, num_labels: int = 2, devices: int = 1) -> None:
+                 hp: Hyperparameters | LMHyperparameters, seq_len: int, num_labels: int = 2, devices: int = 1,
+                 adapter: AdapterConfig | None = None) -> None:
     """Refuse (422 does_not_fit) a job whose estimated peak memory exceeds the largest device a live worker
     reported, or TRAINSERVE_ASSUMED_DEVICE_BYTES while none has; without a config to estimate from, admit."""
     arch = architecture(model_config) if model_config else None
@@ -213,9 +224,11 @@ def _require_fit(settings: Settings, model_config: dict[str, Any] | None, model_
                      auto_precision(is_cuda=device.is_cuda, bf16_supported=device.bf16))
     # GPUs run attention fused (no seq_len^2 scores); a CPU keeps the scores.
     # On N devices each one runs a share of every micro-batch (the job's batch_size is the global one).
+    trainable = None if adapter is None else adapter_parameter_count(arch, adapter.r, adapter.target_modules, head,
+                                                                     num_labels)
     estimate = training_memory(arch, head=head, batch_size=math.ceil(hp.batch_size / devices), seq_len=seq_len,
-                               precision=precision,
-                               fused_attention=device is None or device.is_cuda, num_labels=num_labels)
+                               precision=precision, fused_attention=device is None or device.is_cuda,
+                               num_labels=num_labels, trainable=trainable)
     if estimate.total_bytes <= limit:
         return
     where = (f"the largest device a live worker has reported ({device.device} on {device.worker}, "
@@ -327,7 +340,7 @@ def job_read(job: Job, best: dict[str, float] | None = None, *, placement: tuple
         architecture=job.model_config_,
         train_dataset=job.train_dataset_id, eval_dataset=job.eval_dataset_id,
         text_column=job.text_column, label_column=job.label_column, labels=job.labels,
-        hyperparameters=job.hyperparameters, devices=job.devices,
+        hyperparameters=job.hyperparameters, adapter=job.adapter, method=job.method, devices=job.devices,
         progress=Progress(step=job.step, total_steps=total, epoch=round(job.epoch, 4), fraction=round(fraction, 4)),
         eta_seconds=None if job.is_terminal else job.eta_seconds,
         metrics=job.metrics or {}, best_metrics=best or {}, device=job.device, error=job.error, attempts=job.attempts,

@@ -32,7 +32,9 @@ def rerun_job(session: Session, settings: Settings, queue: TaskQueue, principal:
         "train_dataset": original.train_dataset_id, "eval_dataset": original.eval_dataset_id,
         "text_column": original.text_column, "label_column": original.label_column,
         "hyperparameters": dict(original.hyperparameters), "metadata": dict(original.metadata_ or {}),
-        "priority": original.priority})
+        "priority": original.priority,
+        **({"adapter": original.adapter} if original.adapter else {}),
+        **({"method": original.method} if original.method else {})})
     return create_job(session, settings, queue, principal, spec=spec, idempotency_key=idempotency_key,
                       route=RERUN_ROUTE, rerun_of=original.id)
 

@@ -32,7 +32,7 @@ from core.sweeps import advance, best_child, format_params
 ROUTE = "POST /sweeps"
 # Job columns every child shares; the trial only changes the hyperparameters.
 TEMPLATE = ("task", "base_model", "base_model_path", "train_dataset_id", "eval_dataset_id", "text_column",
-            "label_column", "labels", "model_config_", "metadata_", "devices")
+            "label_column", "labels", "model_config_", "metadata_", "devices", "adapter", "method")
 
 
 def expand_trials(spec: SweepCreate, max_trials: int) -> list[dict[str, Any]]:

@@ -26,6 +26,8 @@ ADAPTER_WEIGHTS = "adapter.safetensors"  # an adapter run's checkpoint: its trai
 STATE = "state.json"  # written last inside a checkpoint: its presence marks a complete one
 
 
+MERGED_DIR = "merged"  # an adapter artifact's full-model copy, when its adapter asks for one (merge: true)
+
 def checkpoint_path(checkpoint_dir: Path, step: int) -> Path:
     """Folder of the checkpoint taken after optimizer step `step`."""
     return Path(checkpoint_dir) / f"checkpoint-{step}"
@@ -166,12 +168,21 @@ def library_versions() -> dict[str, str]:
 
 
 def save_final(output_dir: Path, model: transformers.PreTrainedModel, tokenizer: Any,
-               manifest: dict[str, Any]) -> Path:
-    """Save model and tokenizer with save_pretrained, then the manifest last as the completion mark."""
+               manifest: dict[str, Any], *, merged: bool = False) -> Path:
+    """Save model and tokenizer with save_pretrained, then the manifest last as the completion mark.
+
+    `merged` (an adapted model whose adapter asks for it): also the base with the adapter folded in, a full
+    model, in merged/ (PEFT's merge_and_unload, which consumes the wrapper: call it last).
+    """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output_dir, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
+    if merged:
+        folder = output_dir / MERGED_DIR
+        model.merge_and_unload().save_pretrained(folder, safe_serialization=True)  # type: ignore[operator]
+        tokenizer.save_pretrained(folder)
+        manifest["merged"] = MERGED_DIR  # in place: the caller returns (and may rewrite) this manifest
     write_manifest(output_dir, manifest)
     return output_dir
 

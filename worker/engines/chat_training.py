@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from core.adapters import AdapterConfig, PreferenceConfig
-from core.chat_data import read_records
+from core.chat_data import MAX_LENGTH, read_records
 from core.errors import DomainError
-from core.estimate import architecture, training_memory
+from core.estimate import adapter_parameter_count, architecture, training_memory
 from worker.engines import adapters, artifacts, data
 from worker.engines.chat_render import IGNORE, Rendered, collate, render_preference, render_record
 from worker.engines.device import DevicePlan
@@ -37,7 +37,7 @@ class ChatTrainConfig(RunConfig):
     base_model: str
     adapter: AdapterConfig | None = None
     preference: PreferenceConfig | None = None
-    max_length: int = 1024  # tokens per rendered conversation; the start is kept
+    max_length: int = MAX_LENGTH  # tokens per rendered conversation; the start is kept
     epochs: float = 3.0
     batch_size: int = 4
     learning_rate: float = 1e-4
@@ -79,9 +79,11 @@ class ChatRecipe:
         model_config = AutoConfig.from_pretrained(config.base_model, trust_remote_code=False)
         arch = architecture(model_config.to_dict())
         rows = config.batch_size * (2 if config.preference else 1)
+        trainable = None if arch is None or config.adapter is None else adapter_parameter_count(
+            arch, config.adapter.r, config.adapter.target_modules)
         estimate = None if arch is None else training_memory(
             arch, head="causal-lm", batch_size=rows, seq_len=int(self.lengths.max()), precision=plan.precision,
-            fused_attention=plan.is_cuda)
+            fused_attention=plan.is_cuda, trainable=trainable)
         require_fit(estimate, plan, config.memory_limit_bytes)
         self.model = AutoModelForCausalLM.from_pretrained(config.base_model, config=model_config,
                                                           trust_remote_code=False, use_safetensors=True)
@@ -173,7 +175,8 @@ class ChatRecipe:
         manifest["method"] = "dpo" if config.preference else "sft"
         if config.adapter is not None:
             manifest["adapter"] = adapters.adapter_summary(self.model, config.adapter)  # type: ignore[arg-type]
-        artifacts.save_final(config.output_dir, self.model, self.tokenizer, manifest)  # type: ignore[arg-type]
+        artifacts.save_final(config.output_dir, self.model, self.tokenizer, manifest,  # type: ignore[arg-type]
+                             merged=bool(config.adapter and config.adapter.merge))
         return manifest
 
 

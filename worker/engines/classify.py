@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from worker.engines import artifacts, data
+from worker.engines import adapters, artifacts, data
 from worker.engines.device import DevicePlan, release_memory, resolve_device
 
 DEFAULT_MAX_LENGTH = 512
@@ -24,9 +24,12 @@ class Classifier:
         self.plan: DevicePlan = resolve_device(device)
         manifest = artifacts.read_manifest(self.model_dir) or {}
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            self.model_dir, use_safetensors=True, trust_remote_code=False,
-        ).to(self.plan.device)
+        if (self.model_dir / adapters.ADAPTER_FILES[0]).is_file():  # a LoRA job's artifact: its base plus the adapter
+            self.model = adapters.load_adapted(self.model_dir).to(self.plan.device)
+        else:
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                self.model_dir, use_safetensors=True, trust_remote_code=False,
+            ).to(self.plan.device)
         self.model.eval()
         id2label = self.model.config.id2label
         # The manifest keeps the labels' original types (ints stay ints); config.json only has strings.

@@ -2,7 +2,12 @@
 
 `build(kind, common, job, hp)` makes a kind's config: every field the config shares with the kind's
 hyperparameters model comes from the model (so a new hyperparameter is one field in each), the rest from
-`common` (paths, device, settings) and the kind's `from_row` (what its row resolved: base model, labels).
+`common` (paths, device, settings: those the config has) and the kind's `from_row` (what its row resolved: base
+model, labels, adapter, method).
+
+A kind may train differently on chat data (core.chat_data's formats): its entry `<kind>/chat`
+(`engine_name`) then runs those jobs, e.g. causal-lm over chat, completion or preference records is chat SFT or
+DPO (worker.engines.chat_training), over a text corpus next-token training (worker.engines.lm_training).
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from core.adapters import AdapterConfig, PreferenceConfig
+from core.chat_data import CHAT_FORMATS
 from core.rows import TaskKind
+from worker.engines.chat_training import ChatRecipe, ChatTrainConfig
 from worker.engines.lm_training import CausalLMRecipe, LMTrainConfig
 from worker.engines.loop import Recipe, RunConfig
 from worker.engines.training import ClassifierRecipe, TrainConfig
@@ -49,12 +57,32 @@ def kind_name(config: RunConfig) -> str:
     return next(name for name, kind in ENGINE_KINDS.items() if type(config) is kind.config)
 
 
+def engine_name(task: str, data_format: str) -> str:
+    """The entry that runs a job of kind `task` on data of that format: `<task>/chat` for chat data when the
+    kind has one, else the kind's own."""
+    chat = f"{task}/chat"
+    return chat if data_format in CHAT_FORMATS and chat in ENGINE_KINDS else task
+
+
 def build(name: str, common: Mapping[str, Any], row: Any, hyperparameters: BaseModel) -> RunConfig:
-    """The frozen config of a run of kind `name` from its typed hyperparameters, its row and `common`."""
+    """The frozen config of a run of entry `name` from its typed hyperparameters, its row and `common`."""
     kind = ENGINE_KINDS[name]
     names = {f.name for f in dataclasses.fields(kind.config)}
-    from_model = {key: value for key, value in hyperparameters.model_dump().items() if key in names}
-    return kind.config(**{**from_model, **common, **kind.from_row(row)})
+    values = {**hyperparameters.model_dump(), **common, **kind.from_row(row)}
+    return kind.config(**{key: value for key, value in values.items() if key in names})
+
+
+def adapter_of(row: Any) -> AdapterConfig | None:
+    """The row's adapter settings, typed (None: the job trains every weight)."""
+    return AdapterConfig.model_validate(row.adapter) if row.adapter else None
+
+
+def _chat_fields(row: Any) -> Mapping[str, Any]:
+    method = row.method or {}
+    block = (row.hyperparameters or {}).get("block_size")
+    return {"base_model": row.base_model_path, "adapter": adapter_of(row),
+            "preference": PreferenceConfig.model_validate(method) if method.get("method") == "dpo" else None,
+            **({"max_length": block} if block else {})}
 
 
 def run_task(config: RunConfig) -> Recipe:
@@ -64,7 +92,8 @@ def run_task(config: RunConfig) -> Recipe:
 
 register(TaskKind.TEXT_CLASSIFICATION, EngineKind(
     TrainConfig, ClassifierRecipe,
-    lambda row: {"base_model": row.base_model_path, "label_column": row.label_column}))
+    lambda row: {"base_model": row.base_model_path, "label_column": row.label_column, "adapter": adapter_of(row)}))
 register(TaskKind.CAUSAL_LM, EngineKind(
     LMTrainConfig, CausalLMRecipe,
-    lambda row: {"base_model": row.base_model_path, "model_config": row.model_config_}))
+    lambda row: {"base_model": row.base_model_path, "model_config": row.model_config_, "adapter": adapter_of(row)}))
+register(f"{TaskKind.CAUSAL_LM}/chat", EngineKind(ChatTrainConfig, ChatRecipe, _chat_fields))

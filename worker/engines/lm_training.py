@@ -21,7 +21,7 @@ from transformers import (
 )
 
 from core.adapters import AdapterConfig
-from core.estimate import architecture, training_memory
+from core.estimate import adapter_parameter_count, architecture, training_memory
 from core.hyperparams import LMHyperparameters, default
 from core.lm_config import DEFAULT_BLOCK_SIZE, resolve_block_size, validate_model_config
 from core.paths import GPT2_TOKENIZER_DIR
@@ -87,9 +87,11 @@ class CausalLMRecipe:
                                                       self.model_config.vocab_size)
         self.eval_order = lm_data.eval_indices(len(self.eval_set), MAX_EVAL_BLOCKS)
         arch = architecture(self.model_config.to_dict())
+        trainable = None if arch is None or config.adapter is None else adapter_parameter_count(
+            arch, config.adapter.r, config.adapter.target_modules)
         estimate = None if arch is None else training_memory(
             arch, head="causal-lm", batch_size=config.batch_size, seq_len=self.block_size, precision=plan.precision,
-            fused_attention=plan.is_cuda)
+            fused_attention=plan.is_cuda, trainable=trainable)
         require_fit(estimate, plan, config.memory_limit_bytes)
         self.model = _build_model(config, self.model_config)
         if config.adapter is not None:
@@ -149,7 +151,8 @@ class CausalLMRecipe:
                             "held_out": config.eval_file is None, "block_size": self.block_size,
                             "num_train_blocks": len(self.train_set), "num_train_tokens": self.train_set.num_tokens,
                             "num_eval_blocks": blocks, "num_eval_tokens": blocks * self.block_size}
-        artifacts.save_final(config.output_dir, self.model, self.tokenizer, manifest)
+        artifacts.save_final(config.output_dir, self.model, self.tokenizer, manifest,
+                             merged=bool(config.adapter and config.adapter.merge))
         return manifest
 
 

@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
-from core.estimate import architecture, training_memory
+from core.adapters import AdapterConfig
+from core.estimate import adapter_parameter_count, architecture, training_memory
 from core.hyperparams import Hyperparameters, default
-from worker.engines import artifacts, data
+from worker.engines import adapters, artifacts, data
 from worker.engines.device import DevicePlan
 from worker.engines.encoder import attention_implementation, last_layer_at_cls
 from worker.engines.loop import (
@@ -46,6 +47,7 @@ class TrainConfig(RunConfig):
     learning_rate: float = default(Hyperparameters, "learning_rate")
     weight_decay: float = default(Hyperparameters, "weight_decay")
     freeze_word_embeddings: bool = default(Hyperparameters, "freeze_word_embeddings")
+    adapter: AdapterConfig | None = None  # LoRA on the base: the adapter and the new head train and are saved
 
 
 def train(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> TrainResult:
@@ -73,25 +75,31 @@ class ClassifierRecipe:
         model_config = AutoConfig.from_pretrained(config.base_model, trust_remote_code=False)
         arch = architecture(model_config.to_dict())
         longest = int(self.train_set.lengths.max()) if len(self.train_set) else config.max_length
+        adapter = config.adapter
+        trainable = None if arch is None or adapter is None else adapter_parameter_count(
+            arch, adapter.r, adapter.target_modules, "classifier", len(self.labels))
         estimate = None if arch is None else training_memory(
             arch, head="classifier", batch_size=config.batch_size, seq_len=longest, precision=plan.precision,
-            fused_attention=plan.is_cuda, num_labels=len(self.labels))
+            fused_attention=plan.is_cuda, num_labels=len(self.labels), trainable=trainable)
         require_fit(estimate, plan, config.memory_limit_bytes)
         self.model = _load_model(config.base_model, self.labels, attention_implementation(plan))
         cls_only = last_layer_at_cls(self.model)
         if config.freeze_word_embeddings:
             freeze_word_embeddings(self.model)
+        if adapter is not None:
+            self.model = adapters.apply_adapter(self.model, adapter, "text-classification")
+        settings = {"adapter": adapter.model_dump()} if adapter else {}
         self.model.to(plan.device)  # in place for modules
         num_eval = len(self.eval_set) if self.eval_set is not None else 0
         return Setup(
             model=self.model, num_examples=len(self.train_set), units_per_example=1,
             identity={"num_train": len(self.train_set), "batch_size": config.batch_size,
                       "gradient_accumulation_steps": config.gradient_accumulation_steps, "seed": config.seed,
-                      "labels": self.labels},
+                      "labels": self.labels, **settings},
             info={"num_train": len(self.train_set), "num_eval": num_eval, "labels": self.labels},
             hyperparameters={"max_length": config.max_length, "length_grouped": True, "last_layer_at_cls": cls_only,
                              "attention": self.model.config._attn_implementation,
-                             "freeze_word_embeddings": config.freeze_word_embeddings},
+                             "freeze_word_embeddings": config.freeze_word_embeddings, **settings},
             sparse_tables=(self.model.get_input_embeddings(),),
         )
 
@@ -133,7 +141,10 @@ class ClassifierRecipe:
                              "num_train": len(self.train_set),
                              "num_eval": len(self.eval_set) if self.eval_set is not None else 0},
         )
-        artifacts.save_final(config.output_dir, self.model, self.tokenizer, manifest)
+        if config.adapter is not None:
+            manifest["adapter"] = adapters.adapter_summary(self.model, config.adapter)  # type: ignore[arg-type]
+        artifacts.save_final(config.output_dir, self.model, self.tokenizer, manifest,
+                             merged=bool(config.adapter and config.adapter.merge))
         return manifest
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,18 +16,23 @@ from core.jobspec import kind_of, stored_hyperparameters
 from core.paths import job_checkpoints_dir, job_model_dir
 from core.protocol import ErrorCode
 from core.rows import Job
+from core.served_models import is_job_model
 from core.settings import Settings
 from core.storage import ArtifactStore
 from core.store import datasets as dataset_store
 from worker.engines import kinds
+from worker.engines.adapters import ADAPTER_FILES, export_merged
+from worker.engines.artifacts import MANIFEST_NAME
 from worker.engines.loop import RunConfig
+from worker.sync import fetch_model
 
 EngineConfig = RunConfig  # each kind's frozen config (worker.engines.kinds)
 
 
 def build_config(settings: Settings, job: Job, train_path: Path, eval_path: Path | None, hashes: dict[str, str],
-                 device: str) -> EngineConfig:
-    """The engine's frozen config from a job row: its kind's typed hyperparameters, rebuilt from the row."""
+                 device: str, data_format: str = "") -> EngineConfig:
+    """The engine's frozen config from a job row: its kind's typed hyperparameters, rebuilt from the row; the
+    training data's format picks the kind's entry (chat data: kinds.engine_name)."""
     hp = stored_hyperparameters(job.task, job.hyperparameters)
     common: dict[str, Any] = {
         "train_file": train_path, "eval_file": eval_path, "output_dir": job_model_dir(settings, job.id),
@@ -32,7 +40,7 @@ def build_config(settings: Settings, job: Job, train_path: Path, eval_path: Path
         "checkpoint_steps": settings.checkpoint_steps, "device": device, "devices": job.devices,
         "memory_limit_bytes": settings.worker_memory_bytes or None,
         "base_model_name": job.base_model or "", "dataset_hashes": hashes, **best_fields(job.task, hp)}
-    return kinds.build(job.task, common, job, hp)
+    return kinds.build(kinds.engine_name(job.task, data_format), common, job, hp)
 
 
 def best_fields(task: str, hp: TrainingHyperparameters) -> dict[str, Any]:
@@ -56,6 +64,7 @@ class JobInputs:
     train: str
     eval: str | None
     hashes: dict[str, str]
+    train_format: str = ""  # the dataset's format (csv, jsonl, txt, or a chat format: core.chat_data)
 
 
 def job_inputs(session: Session, job: Job) -> JobInputs:
@@ -69,7 +78,7 @@ def job_inputs(session: Session, job: Job) -> JobInputs:
         eval_ds = dataset_store.get_dataset(session, dataset_id=job.eval_dataset_id)
         eval_key = eval_ds.path
         hashes["eval"] = eval_ds.sha256
-    return JobInputs(train=train_ds.path, eval=eval_key, hashes=hashes)
+    return JobInputs(train=train_ds.path, eval=eval_key, hashes=hashes, train_format=train_ds.format)
 
 
 def config_for(settings: Settings, storage: ArtifactStore, job: Job, inputs: JobInputs, device: str) -> EngineConfig:
@@ -79,4 +88,24 @@ def config_for(settings: Settings, storage: ArtifactStore, job: Job, inputs: Job
         eval_path = storage.fetch_file(inputs.eval) if inputs.eval is not None else None
     except FileNotFoundError as exc:
         raise DatasetMissing(str(exc)) from exc
-    return build_config(settings, job, train_path, eval_path, inputs.hashes, device)
+    config = build_config(settings, job, train_path, eval_path, inputs.hashes, device, inputs.train_format)
+    base = getattr(config, "base_model", None)
+    if isinstance(base, str) and is_job_model(base):  # continue from a finished job's model
+        config = dataclasses.replace(config, base_model=str(job_base(storage, base)))  # type: ignore[type-var]
+    return config
+
+
+def job_base(storage: ArtifactStore, job_id: str) -> Path:
+    """A local folder with a finished job's full model: its model folder, or for an adapter the base with the
+    adapter folded in (written once per host next to the fetched copy)."""
+    folder = fetch_model(storage, job_id)
+    if not (folder / ADAPTER_FILES[0]).is_file():
+        return folder
+    merged = folder.parent / f"{folder.name}.merged"
+    if not (merged / MANIFEST_NAME).is_file():
+        staging = folder.parent / f".{folder.name}.merged.{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        export_merged(folder, staging)
+        shutil.rmtree(merged, ignore_errors=True)
+        os.replace(staging, merged)
+    return merged

@@ -1,0 +1,100 @@
+"""What a job's adapter and method ask of its datasets and base model, checked at POST /jobs.
+
+A causal-lm job trains on a text corpus (a table's text column, or .txt) with next-token loss, or on a chat
+dataset (core.chat_data): a chat or completion dataset with method sft (loss on the replies), a preference
+dataset with method dpo. DPO needs a base_model and an adapter (its reference model is the base with the
+adapter switched off); chat data needs a base_model whose tokenizer has a chat template (a completion dataset
+renders without one). Text-classification jobs train on tables only. The worker picks the engine by the same
+rule (core.jobspec.engine_name).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from core.adapters import PreferenceConfig
+from core.auth import Principal
+from core.chat_data import CHAT_FORMATS
+from core.errors import NotFound, ValidationFailed
+from core.jobspec import CausalLMJob, JobSpec
+from core.pretrained import builtin_aliases, has_chat_template, resolve_base_model
+from core.rows import Dataset, Job, JobStatus
+from core.served_models import NAME_RE, is_job_model
+from core.settings import Settings
+from core.store.owned import get_owned
+
+NEEDS_TEMPLATE = ("chat", "preference")
+
+
+def resolve_base(session: Session, settings: Settings, principal: Principal, spec: JobSpec) -> str | None:
+    """Where the worker loads the job's base_model from (the row's base_model_path), in the one model namespace
+    GET /v1/models lists: a built-in alias, a folder under <home>/models by its name, a finished job of the same
+    kind by its id (the worker fetches its model; an adapter is folded into its base first), an allowed local
+    folder, or a hub id. None without a base_model."""
+    name = spec.base_model
+    if name is None:
+        return None
+    if is_job_model(name):
+        try:
+            job = get_owned(session, Job, name, what="job", tenant=principal.scope, field="base_model")
+        except NotFound as exc:
+            raise ValidationFailed("base_model", f"job {name!r} does not exist") from exc
+        if job.status != JobStatus.SUCCEEDED or job.task != spec.task:
+            raise ValidationFailed("base_model", f"job {name!r} is a {job.status} {job.task} job; a {spec.task} "
+                                                 f"job continues from a succeeded {spec.task} job")
+        return job.id
+    models = settings.home / "models"
+    roots = settings.local_model_roots
+    if name not in builtin_aliases() and NAME_RE.match(name) and (models / name).is_dir():
+        name, roots = str(models / name), [*roots, models]  # NAME_RE admits no separators: it stays under models/
+    return resolve_base_model(name, local_roots=roots, max_bytes=settings.max_model_bytes)
+
+
+def is_chat(dataset: Dataset | None) -> bool:
+    """A chat, preference or completion dataset (no text column: its records are rendered)."""
+    return dataset is not None and dataset.format in CHAT_FORMATS
+
+
+def require_table_data(spec: JobSpec, train: Dataset, evaluation: Dataset | None) -> None:
+    """Chat datasets train causal-lm jobs only (checked before any column of a table is looked for)."""
+    if not isinstance(spec, CausalLMJob) and (is_chat(train) or is_chat(evaluation)):
+        field = "train_dataset" if is_chat(train) else "eval_dataset"
+        raise ValidationFailed(field, f"{spec.task} jobs train on tables; chat datasets train causal-lm jobs")
+
+
+def method_fields(spec: JobSpec, train: Dataset, evaluation: Dataset | None,
+                  base_path: str | None) -> dict[str, Any]:
+    """The row's adapter and method columns, after checking the data suits them (422 naming the field)."""
+    adapter = getattr(spec, "adapter", None)
+    if adapter is not None and spec.base_model is None:
+        raise ValidationFailed("adapter", "an adapter trains on top of a base_model; a fresh model trains in full")
+    if not isinstance(spec, CausalLMJob):
+        return {"adapter": adapter.model_dump(mode="json") if adapter else None, "method": None}
+    dpo = isinstance(spec.method, PreferenceConfig)
+    wanted = ("preference",) if dpo else ("chat", "completion")
+    for field, dataset in (("train_dataset", train), ("eval_dataset", evaluation)):
+        if dataset is None:
+            continue
+        if dpo and dataset.format not in wanted:
+            raise ValidationFailed(field, f"method dpo trains on a preference dataset; {dataset.id} is "
+                                          f"{dataset.format}")
+        if not dpo and dataset.format == "preference":
+            raise ValidationFailed(field, f"{dataset.id} is a preference dataset: train it with "
+                                          "method {\"method\": \"dpo\"} and an adapter")
+        if field == "eval_dataset" and is_chat(dataset) != is_chat(train):
+            raise ValidationFailed(field, "the eval dataset must be chat data when the training data is, "
+                                          "and a text corpus when it is one")
+    if dpo and adapter is None:
+        raise ValidationFailed("adapter", "method dpo needs an adapter: its reference model is the base with "
+                                          "the adapter switched off")
+    if is_chat(train):
+        if spec.base_model is None or base_path is None:
+            raise ValidationFailed("base_model", f"a {train.format} dataset fine-tunes a base_model")
+        if train.format in NEEDS_TEMPLATE and has_chat_template(base_path) is False:
+            raise ValidationFailed("base_model", f"{spec.base_model} has no chat template (tokenizer_config.json "
+                                                 "chat_template), so its conversations cannot be rendered; use a "
+                                                 "chat model or a completion dataset")
+    return {"adapter": adapter.model_dump(mode="json") if adapter else None,
+            "method": spec.method.model_dump(mode="json")}
