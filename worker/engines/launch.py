@@ -11,8 +11,8 @@ next message, and torchrun stops the other ranks.
 
 from __future__ import annotations
 
-import logging
 import importlib
+import logging
 import os
 import signal
 import subprocess
