@@ -12,20 +12,20 @@ from core.auth import Principal
 from core.db import session_scope
 from core.jobspec import parse_spec, register, unregister
 from tests.factories import sentiment_rows, tsv_bytes, upload
-from tests.toy_kind import TOY, ToyJob
 
+TOY = "text-length"  # tests.toy_kind's kind; imported only by the fixture, so no other test sees it registered
 TENANT = Principal(key_id="key", tenant_id="tenant-a", is_admin=False)  # the tenant of the client's key
 
 
 @pytest.fixture(scope="module")
 def toy_kind():
-    from tests import toy_engine, toy_kind
+    from tests import toy_engine, toy_kind  # importing registers the kind; the fixture takes it out again
     from worker.engines.kinds import ENGINE_KINDS
     from worker.engines.kinds import register as register_engine
 
     register(toy_kind.KIND)  # again: an earlier test may have removed it after importing the module
     register_engine(TOY, toy_engine.ENGINE)
-    yield
+    yield toy_kind
     unregister(TOY)
     ENGINE_KINDS.pop(TOY)
 
@@ -39,7 +39,7 @@ def test_a_kind_added_through_the_registry_runs_end_to_end_on_a_worker(toy_kind,
     body = {"task": TOY, "train_dataset": dataset, "text_column": "sentence",
             "hyperparameters": {"max_steps": 30, "eval_steps": 10}}
     spec = parse_spec(body)
-    assert isinstance(spec, ToyJob) and spec.hyperparameters.learning_rate == 0.05  # defaults from the model
+    assert isinstance(spec, toy_kind.ToyJob) and spec.hyperparameters.learning_rate == 0.05  # defaults from the model
     ctx = WorkerContext(settings, queue)
     try:
         with session_scope(ctx.sessions) as session:
