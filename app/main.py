@@ -20,6 +20,7 @@ from app.services.generation import GenerationGateway
 from app.services.job_stream import StreamSlots
 from core.celery_app import make_celery
 from core.db import make_engine, make_sessionmaker
+from core.jobspec import load_kind_modules
 from core.protocol import ErrorCode
 from core.queue import CeleryTaskQueue, TaskQueue
 from core.redis_client import async_redis_from_url
@@ -61,6 +62,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
             if celery is not None:
                 celery.close()
 
+    load_kind_modules((settings or get_settings()).job_kind_module_names)  # before any request or the document
     app = FastAPI(title="trainserve", version="0.1.0", lifespan=lifespan,
                   description="Fine-tune BERT classifiers and serve the results.")
     install_error_handlers(app)

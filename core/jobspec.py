@@ -7,16 +7,33 @@ it always was); each kind is a `JobSpec` subclass whose `hyperparameters` is tha
 
 `KINDS` is the registry: kind -> `JobKind` (spec model, eval metrics and which way each is better, the
 metric_for_best choices). The worker keys its engine pieces (config, Task) by the same names
-(worker.engines.kinds). Adding a kind is one `register` here and one there.
+(worker.engines.kinds). Adding a kind is one `register` here and one there; a kind shipped outside this
+package lives in a module named by TRAINSERVE_JOB_KIND_MODULES, which the API imports when it builds its app
+and every worker when it starts (`load_kind_modules`). The request body (`JobCreate`) validates against the
+kinds registered when a request arrives, and the OpenAPI document lists those registered when it is built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import importlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, core_schema
 
 from core.adapters import AdapterConfig, PreferenceConfig, SupervisedConfig
 from core.errors import ValidationFailed
@@ -125,6 +142,9 @@ class JobKind:
     spec: type[JobSpec]
     metrics: Mapping[str, bool]  # the eval metrics it reports -> whether greater is better (metric_for_best)
     holds_out_eval: bool = False  # without an eval_dataset it evaluates on a share of the training data
+    # A kind from a plugin module: the module that registers its engine pieces (worker.engines.kinds), which
+    # only workers import, so the API process never loads the ML stack. None: built in (registered there).
+    engine_module: str | None = None
 
     @property
     def name(self) -> str:
@@ -181,12 +201,36 @@ def spec_union() -> Any:
                                    custom_error_context={"expected": expected, "field": "task"})]
 
 
-def parse_spec(data: Any) -> JobSpec:
-    """Validate a request body (or a stored one) into its kind's spec; pydantic's ValidationError if invalid."""
+def _spec_adapter() -> TypeAdapter[JobSpec]:
     global _adapter
     if _adapter is None:
         _adapter = TypeAdapter(spec_union())
-    return _adapter.validate_python(data)
+    return _adapter
+
+
+def parse_spec(data: Any) -> JobSpec:
+    """Validate a request body (or a stored one) into its kind's spec; pydantic's ValidationError if invalid."""
+    return _spec_adapter().validate_python(data)
+
+
+def load_kind_modules(modules: Iterable[str]) -> None:
+    """Import each module (TRAINSERVE_JOB_KIND_MODULES) so it registers its kinds; ImportError names a missing one."""
+    for name in modules:
+        importlib.import_module(name)
+
+
+class RegisteredSpec:
+    """The request body type (`JobCreate`): a body is validated by `parse_spec`, so against the kinds registered
+    when it arrives (plugin modules load after this module), with the same error locations as the union; its
+    JSON schema is the union of the kinds registered when the OpenAPI document is built."""
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        return core_schema.no_info_plain_validator_function(parse_spec)
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        return handler(_spec_adapter().core_schema)
 
 
 def field_of(loc: tuple[Any, ...], ctx: Any = None) -> str | None:
@@ -219,4 +263,4 @@ register(JobKind(CausalLMJob, {"eval_loss": False, "perplexity": False}, holds_o
 if TYPE_CHECKING:
     JobCreate = JobSpec
 else:
-    JobCreate = spec_union()  # the API's request body (its OpenAPI schema): the kinds registered at import
+    JobCreate = RegisteredSpec  # the API's request body (and a sweep's base job)

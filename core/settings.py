@@ -58,6 +58,10 @@ class Settings(BaseSettings):
     checkpoint_steps: int = Field(200, description="Optimizer steps between training checkpoints.")
     metrics_flush_s: float = Field(1.0, description="How often a running job writes buffered metric points.")
     max_sweep_trials: int = Field(100, description="Most trials one sweep may have (422 beyond).")
+    job_kind_modules: str = Field(
+        "", description="Comma-separated importable modules that add job kinds: each registers its spec "
+                        "(core.jobspec.register, naming its engine_module) at import. The API imports them when it "
+                        "builds its app, every worker when it starts (and the engine modules too).")
 
     # --- Training workers: devices, capacity reports, their /metrics ---
     worker_device: str = Field("auto", description="This worker's device (set by `trainserve worker --device`).")
@@ -160,6 +164,11 @@ class Settings(BaseSettings):
     def device_limit(self, tenant: str) -> int:
         """Devices `tenant` may hold at once (0: no limit)."""
         return int(parse_tenant_map(self.tenant_device_limits).get(tenant, self.max_devices_per_tenant))
+
+    @property
+    def job_kind_module_names(self) -> list[str]:
+        """TRAINSERVE_JOB_KIND_MODULES as a list of module names."""
+        return [name.strip() for name in self.job_kind_modules.split(",") if name.strip()]
 
     @property
     def resolved_database_url(self) -> str:

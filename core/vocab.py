@@ -53,6 +53,8 @@ class EventKind(enum.StrEnum):
     BEST_RESTORED = "best_restored"
     SAVED = "saved"
     OOM = "oom"  # the engine halved its micro-batches after running out of memory
+    EARLY_STOPPING = "early_stopping"  # a run ended early, as completed: its eval metric stopped improving
+    PRUNED = "pruned"  # a run ended early, as completed: its sweep's pruning rule stopped it
 
 
 ACTIVE = frozenset({JobStatus.QUEUED, JobStatus.RUNNING})

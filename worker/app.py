@@ -14,6 +14,20 @@ from worker.context import WorkerContext, takes_training_jobs
 celery = make_celery()
 celery.conf.update(include=["worker.tasks"])
 
+
+def _load_job_kinds() -> None:
+    """The job kinds of TRAINSERVE_JOB_KIND_MODULES, spec and engine, before the pool forks or any task runs."""
+    from core.settings import get_settings
+
+    modules = get_settings().job_kind_module_names
+    if modules:
+        from worker.engines.kinds import load_plugins
+
+        load_plugins(modules)
+
+
+_load_job_kinds()
+
 # Celery sends worker_shutting_down from inside its signal handler, which may interrupt context() while it
 # holds the lock: the handler sets this event, created up front, and never takes the lock.
 _shutdown = threading.Event()

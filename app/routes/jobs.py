@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Body, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
 from app.deps import IdempotencyKeyDep, PrincipalDep, QueueDep, SessionDep, SettingsDep, StorageDep
@@ -37,7 +37,7 @@ StatusFilter = Annotated[str | None, Query(pattern="^(queued|running|succeeded|f
 
 
 @router.post("", status_code=201, response_model=JobRead)
-def create_job(spec: JobCreate, session: SessionDep, settings: SettingsDep, queue: QueueDep,
+def create_job(spec: Annotated[JobCreate, Body()], session: SessionDep, settings: SettingsDep, queue: QueueDep,
                principal: PrincipalDep, idempotency_key: IdempotencyKeyDep) -> JobRead:
     """Start a fine-tune; answers at once with the queued job. A retry with the same Idempotency-Key and
     body returns the first job."""

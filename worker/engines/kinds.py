@@ -8,12 +8,14 @@ model, labels, adapter, method).
 A kind may train differently on chat data (core.chat_data's formats): its entry `<kind>/chat`
 (`engine_name`) then runs those jobs, e.g. causal-lm over chat, completion or preference records is chat SFT or
 DPO (worker.engines.chat_training), over a text corpus next-token training (worker.engines.lm_training).
+A kind from a plugin module registers here from its core entry's `engine_module` (`load_plugins`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import importlib
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,7 @@ from pydantic import BaseModel
 
 from core.adapters import AdapterConfig, PreferenceConfig
 from core.chat_data import CHAT_FORMATS
+from core.jobspec import KINDS, load_kind_modules
 from core.rows import TaskKind
 from worker.engines.chat_training import ChatRecipe, ChatTrainConfig
 from worker.engines.lm_training import CausalLMRecipe, LMTrainConfig
@@ -50,6 +53,19 @@ def register(name: str, kind: EngineKind) -> EngineKind:
 def engine_kind(name: str) -> EngineKind:
     """The engine pieces of a registered kind (KeyError for one this worker does not know)."""
     return ENGINE_KINDS[name]
+
+
+def load_plugins(modules: Iterable[str]) -> None:
+    """Import the job-kind modules (TRAINSERVE_JOB_KIND_MODULES), then the engine module of every kind they added."""
+    load_kind_modules(modules)
+    for kind in list(KINDS.values()):
+        if kind.engine_module is not None:
+            importlib.import_module(kind.engine_module)
+
+
+def engine_module(name: str) -> str | None:
+    """The module that registers the engine pieces of kind `name` (None: built in)."""
+    return KINDS[name].engine_module if name in KINDS else None
 
 
 def kind_name(config: RunConfig) -> str:

@@ -11,6 +11,7 @@ next message, and torchrun stops the other ranks.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import signal
@@ -40,7 +41,7 @@ from core.protocol import (
     RankStopReason,
 )
 from worker.engines.distributed import Dist, leave
-from worker.engines.kinds import engine_kind, kind_name
+from worker.engines.kinds import engine_kind, engine_module, kind_name
 from worker.engines.loop import Recipe, RunConfig, TrainCallbacks, TrainResult, run
 
 log = logging.getLogger(__name__)
@@ -66,9 +67,10 @@ def train_on_devices(config: RunConfig, callbacks: TrainCallbacks | None = None)
         config_file.write_bytes(TypeAdapter(type(config)).dump_json(config))
         address, authkey = str(Path(folder) / "rank0.sock"), os.urandom(32)
         with Listener(address, family="AF_UNIX", authkey=authkey) as listener, output.open("wb") as sink:
+            plugin = engine_module(kind)  # a kind from a plugin: each rank imports its engine module too
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
                        f"--nproc-per-node={config.devices}", "--max-restarts=0", "-m", __name__, kind,
-                       str(config_file)]
+                       str(config_file), *([plugin] if plugin else [])]
             # A new session: a signal meant for the worker (Ctrl+C, a warm shutdown) reaches the ranks only
             # through should_stop, so they checkpoint instead of dying mid-step.
             process = subprocess.Popen(command, env=_rank_env(config, address, authkey), stdout=sink,
@@ -206,7 +208,9 @@ class RankZeroCallbacks(TrainCallbacks):
 
 def main(argv: list[str]) -> int:
     """One rank: read the config, run the loop as rank RANK of WORLD_SIZE; rank 0 reports to the launcher."""
-    kind, config_file = argv
+    kind, config_file, *plugins = argv
+    for module in plugins:
+        importlib.import_module(module)  # registers the engine pieces of a kind from a plugin module
     engine = engine_kind(kind)
     config = TypeAdapter(engine.config).validate_json(Path(config_file).read_bytes())
     dist = Dist.from_env()

@@ -54,6 +54,7 @@ class LMTrainConfig(RunConfig):
     batch_size: int = default(LMHyperparameters, "batch_size")
     learning_rate: float = default(LMHyperparameters, "learning_rate")
     weight_decay: float = default(LMHyperparameters, "weight_decay")
+    seed: int = default(LMHyperparameters, "seed")
     adapter: AdapterConfig | None = None  # LoRA on the base model: only the adapter trains and is saved
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from core.vocab import EventKind
 from worker.engines import artifacts
 from worker.engines.best import BestTracker
 from worker.engines.data import steps_per_epoch
@@ -140,7 +141,7 @@ class _Run:
             if self.tracker is not None:
                 self.tracker.restore(state.get("best"))
             resumed_from = self.progress.step
-            self.callbacks.on_event("resumed", f"resumed from {checkpoint.name} at step {self.progress.step}")
+            self.callbacks.on_event(EventKind.RESUMED, f"resumed from {checkpoint.name} at step {self.progress.step}")
         plan = self.plan
         self.callbacks.on_start({
             "total_steps": self.total_steps, "steps_per_epoch": self.per_epoch, "warmup_steps": self.warmup_steps,
@@ -189,7 +190,8 @@ class _Run:
         """After an evaluation: why the run ends now (patience exhausted, the callbacks' reason), or None."""
         tracker, reason = self.tracker, None
         if evaluated:
-            reason = "early_stopping" if tracker is not None and tracker.exhausted else self.callbacks.stop_reason()
+            exhausted = tracker is not None and tracker.exhausted
+            reason = EventKind.EARLY_STOPPING if exhausted else self.callbacks.stop_reason()
         if self.replica is not None and self.replica.agree(reason is not None) and reason is None:
             reason = "stopped_by_rank_0"  # the other ranks follow rank 0's early stop
         if reason is not None and self.main:
@@ -214,7 +216,7 @@ class _Run:
 
     def cancelled(self) -> TrainResult:
         """The result of a cancelled run."""
-        self.callbacks.on_event("cancelled", f"stopped at step {self.progress.step} of {self.total_steps}")
+        self.callbacks.on_event(EventKind.CANCELLED, f"stopped at step {self.progress.step} of {self.total_steps}")
         return TrainResult("cancelled", self.progress.step, self.total_steps, self.progress.metrics(), None, {})
 
     def finish(self, stop_reason: str) -> TrainResult:
@@ -232,14 +234,14 @@ class _Run:
             if tracker.step != progress.step:
                 artifacts.load_weights(artifacts.checkpoint_path(config.checkpoint_dir, tracker.step), self.model,
                                        self.plan)
-                self.callbacks.on_event("best_restored", f"the model is the best evaluation's: step {tracker.step}, "
-                                                         f"{tracker.metric}={tracker.value:.4f}")
+                self.callbacks.on_event(EventKind.BEST_RESTORED, f"the model is the best evaluation's: step "
+                                        f"{tracker.step}, {tracker.metric}={tracker.value:.4f}")
             metrics.update(tracker.metrics)
         best = tracker.best() if tracker is not None else None
         manifest = self.recipe.save(metrics, self.hyperparameters(), self.plan)
         manifest = dict(manifest, best=best, stop_reason=stop_reason, stopped_at_step=progress.step)
         artifacts.write_manifest(config.output_dir, manifest)
-        self.callbacks.on_event("saved", f"model saved to {config.output_dir}")
+        self.callbacks.on_event(EventKind.SAVED, f"model saved to {config.output_dir}")
         return TrainResult("completed", progress.step, self.total_steps, metrics, Path(config.output_dir), manifest,
                            stop_reason=stop_reason, best=best)
 
@@ -314,7 +316,7 @@ def _back_off(exc: BaseException, micro_batches: list[Any], split: int, optimize
     if current <= 1:
         raise OutOfMemory(f"out of memory on {plan.device} with a micro-batch of one example "
                           f"(sequence length too long for this device?): {exc}") from exc
-    callbacks.on_event("oom", f"out of memory with micro-batches of {current}; continuing with "
+    callbacks.on_event(EventKind.OOM, f"out of memory with micro-batches of {current}; continuing with "
                               f"{math.ceil(current / 2)} and twice the gradient accumulation (same effective batch)")
     return split * 2
 
@@ -322,7 +324,7 @@ def _back_off(exc: BaseException, micro_batches: list[Any], split: int, optimize
 def _stop_message(reason: str, step: int, tracker: BestTracker | None) -> str:
     """The event text of an early end: why, and which evaluation the model will be."""
     best = f"; keeping step {tracker.step} ({tracker.metric}={tracker.value:.4f})" if tracker and tracker.best() else ""
-    if reason == "early_stopping" and tracker is not None:
+    if reason == EventKind.EARLY_STOPPING and tracker is not None:
         return (f"stopped early at step {step}: {tracker.bad_evaluations} evaluations without {tracker.metric} "
                 f"improving by more than {tracker.threshold:g}{best}")
     return f"stopped at step {step}: {reason}{best}"

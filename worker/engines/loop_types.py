@@ -10,33 +10,39 @@ from typing import Any, Protocol
 
 import torch
 
+from core.hyperparams import TrainingHyperparameters, default
 from core.protocol import ErrorCode
 from worker.engines.device import DevicePlan
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    """What every training run shares: data files, outputs, schedule, precision, seed; hyperparameters validated."""
+    """What every training run shares: data files, outputs, schedule, precision, seed; hyperparameters validated.
+
+    Defaults of hyperparameters are the models' (core.hyperparams): what every kind shares from
+    TrainingHyperparameters here, each kind's own in its config (worker.engines.kinds fills them from the model).
+    """
 
     train_file: Path
     eval_file: Path | None
     output_dir: Path
     checkpoint_dir: Path
     epochs: float
-    max_steps: int | None = None
+    max_steps: int | None = default(TrainingHyperparameters, "max_steps")
     batch_size: int
     learning_rate: float
-    warmup_ratio: float = 0.0
+    warmup_ratio: float = default(TrainingHyperparameters, "warmup_ratio")
     weight_decay: float
-    gradient_accumulation_steps: int = 1
-    precision: str = "auto"
-    seed: int = 42
-    eval_steps: int | None = None
+    gradient_accumulation_steps: int = default(TrainingHyperparameters, "gradient_accumulation_steps")
+    precision: str = default(TrainingHyperparameters, "precision")
+    seed: int = 42  # a kind whose hyperparameters have a seed takes that model's default (its config)
+    eval_steps: int | None = default(TrainingHyperparameters, "eval_steps")
     checkpoint_steps: int | None = None
     metric_for_best: str | None = None  # None: the final model is the last one, nothing tracked
     greater_is_better: bool = False
-    early_stopping_patience: int | None = None  # evaluations without improvement before stopping; None: never
-    early_stopping_threshold: float = 0.0  # an improvement must exceed this to reset the patience
+    # Evaluations without improvement before stopping (None: never); an improvement must exceed the threshold.
+    early_stopping_patience: int | None = default(TrainingHyperparameters, "early_stopping_patience")
+    early_stopping_threshold: float = default(TrainingHyperparameters, "early_stopping_threshold")
     device: str = "auto"
     devices: int = 1  # processes (one per device) of a data-parallel run; more than one runs under torchrun
     memory_limit_bytes: int | None = None  # memory this run may use; None: the device's total (RAM on a CPU)

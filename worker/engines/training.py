@@ -48,6 +48,7 @@ class TrainConfig(RunConfig):
     weight_decay: float = default(Hyperparameters, "weight_decay")
     freeze_word_embeddings: bool = default(Hyperparameters, "freeze_word_embeddings")
     adapter: AdapterConfig | None = None  # LoRA on the base: the adapter and the new head train and are saved
+    seed: int = default(Hyperparameters, "seed")
 
 
 def train(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> TrainResult:

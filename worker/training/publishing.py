@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from core.paths import relative_to_home
-from core.rows import Artifact, WebhookEventType, new_id, utcnow
+from core.rows import Artifact, ArtifactKind, EventKind, WebhookEventType, new_id, utcnow
 from core.settings import Settings
 from core.storage import ArtifactStore
 from core.store import jobs as store
@@ -43,18 +43,18 @@ class CheckpointPublisher:
             push_checkpoint(self.storage, job_id, path)
         except Exception as exc:  # noqa: BLE001 - training goes on; the next checkpoint is uploaded again
             log.warning("job %s: checkpoint at step %d not stored", job_id, step, exc_info=True)
-            writer.event("checkpoint_not_stored", f"checkpoint at step {step} could not be stored ({exc}); "
+            writer.event(EventKind.CHECKPOINT_NOT_STORED, f"checkpoint at step {step} could not be stored ({exc}); "
                          "training goes on and the next one is tried", level="warning")
             return
         with writer.fenced() as session:
             store.fence(session, job_id=job_id, attempt=writer.attempt)
             job = store.get_job(session, job_id=job_id)
-            for old in [a for a in job.artifacts if a.kind == "checkpoint"]:
+            for old in [a for a in job.artifacts if a.kind == ArtifactKind.CHECKPOINT]:
                 if not self.storage.exists(old.path):  # rotated away
                     session.delete(old)
-            store.add_artifact(session, artifact=artifact_row(self.settings, job_id, "checkpoint", path, step),
-                               attempt=writer.attempt)
-            store.add_event(session, job_id=job_id, kind="checkpoint", message=f"checkpoint at step {step}",
+            row = artifact_row(self.settings, job_id, ArtifactKind.CHECKPOINT, path, step)
+            store.add_artifact(session, artifact=row, attempt=writer.attempt)
+            store.add_event(session, job_id=job_id, kind=EventKind.CHECKPOINT, message=f"checkpoint at step {step}",
                             attempt=writer.attempt)
             webhooks.emit(session, tenant_id=job.tenant_id, type=WebhookEventType.JOB_CHECKPOINT,
                           data=webhooks.job_data(job, checkpoint_step=step))

@@ -20,6 +20,7 @@ from typing import Any
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.rows import EventKind
 from core.settings import Settings
 from core.storage import ArtifactStore, open_storage
 from core.store import jobs as store
@@ -65,7 +66,7 @@ class JobReporter(TrainCallbacks):
             values["receipt"] = {**self.receipt, "device": info.get("device"), "precision": info.get("precision")}
         with self.writer.fenced() as session:
             store.update_progress(session, job_id=self.job_id, attempt=self.attempt, values=values)
-            store.add_event(session, job_id=self.job_id, kind="started", message=message, attempt=self.attempt,
+            store.add_event(session, job_id=self.job_id, kind=EventKind.STARTED, message=message, attempt=self.attempt,
                             data={k: v for k, v in info.items() if isinstance(v, (int, float, str))})
         self.observers.notify("on_start", info)
 
@@ -84,7 +85,7 @@ class JobReporter(TrainCallbacks):
         self.observers.notify("on_eval", step, metrics)
         self.writer.try_flush()
         summary = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
-        self.writer.event("eval", f"step {step}: {summary}", data=dict(metrics))
+        self.writer.event(EventKind.EVAL, f"step {step}: {summary}", data=dict(metrics))
 
     def on_checkpoint(self, step: int, path: Path) -> None:
         self.checkpoints.publish(step, path)

@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from core.rows import EventKind
 from core.sweeps import prune_reason
 from worker.engines.loop import TrainCallbacks
 
@@ -36,11 +37,11 @@ class SweepPruning:
                                            step=self.last_eval_step)
         except OperationalError:
             return None  # database briefly away: keep training; the next evaluation asks again
-        return "pruned" if self.detail else None
+        return EventKind.PRUNED if self.detail else None
 
     def message(self, kind: str, message: str) -> str:
         """An event's message, with the rule's reason in front of a pruned one."""
-        return f"{self.detail}; {message}" if kind == "pruned" and self.detail else message
+        return f"{self.detail}; {message}" if kind == EventKind.PRUNED and self.detail else message
 
 
 class Observers:
