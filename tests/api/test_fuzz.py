@@ -16,7 +16,6 @@ from schemathesis.specs.openapi.checks import (
 )
 from sqlalchemy import create_engine, text
 
-from app.services import jobs as job_service
 from tests.conftest import make_key
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 
@@ -128,7 +127,8 @@ def _edge_fuzzer(operation, names: list[str], valid, client, key: str, limit: in
 def test_fuzz_unicode_digit_labels_and_concurrent_delete(client, monkeypatch):
     """Random label cells (Unicode digits among them), with the dataset deleted mid-request half the time."""
     client._transport.raise_server_exceptions = False
-    resolve = job_service.resolve_base_model
+    from app.services import job_methods
+    resolve = job_methods.resolve_base_model
     doomed: list[str] = []
 
     def resolve_while_deleting(*args, **kwargs):
@@ -139,7 +139,7 @@ def test_fuzz_unicode_digit_labels_and_concurrent_delete(client, monkeypatch):
             engine.dispose()
         return resolve(*args, **kwargs)
 
-    monkeypatch.setattr(job_service, "resolve_base_model", resolve_while_deleting)
+    monkeypatch.setattr(job_methods, "resolve_base_model", resolve_while_deleting)
 
     @given(labels=st.lists(st.text(alphabet=UNICODE_DIGITS + "0123456789-+ ", min_size=1, max_size=4),
                            min_size=2, max_size=6),

@@ -7,7 +7,6 @@ import json
 import pytest
 from sqlalchemy import create_engine, text
 
-from app.services import jobs as job_service
 from core.db import make_engine, make_sessionmaker, session_scope
 from core.rows import Dataset, utcnow
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
@@ -93,7 +92,8 @@ def test_integer_query_parameters_are_bounded(no_server_errors, value):
 def test_job_created_while_its_dataset_is_deleted_is_409(no_server_errors, settings, queue, monkeypatch):
     client = no_server_errors
     ds = upload(client, tsv_bytes(sentiment_rows())).json()["id"]
-    resolve = job_service.resolve_base_model
+    from app.services import job_methods
+    resolve = job_methods.resolve_base_model
 
     def resolve_then_delete(*args, **kwargs):
         # The dataset was checked a moment ago; another request deletes it before the job row is written.
@@ -103,7 +103,7 @@ def test_job_created_while_its_dataset_is_deleted_is_409(no_server_errors, setti
         engine.dispose()
         return resolve(*args, **kwargs)
 
-    monkeypatch.setattr(job_service, "resolve_base_model", resolve_then_delete)
+    monkeypatch.setattr(job_methods, "resolve_base_model", resolve_then_delete)
     _error(client.post("/jobs", json=job_body(ds)), 409, "train_dataset", "conflict")
     monkeypatch.undo()
     assert client.get("/jobs").json()["data"] == [] and queue.sent == []
