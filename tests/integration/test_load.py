@@ -83,7 +83,8 @@ def _hostile(base: str, key: str, home, pg_url: str, tiny_bert_dir, stop: thread
     for _ in range(4):
         assert api.post("/webhooks", json={"url": loris.url, "event_types": EVENTS}).status_code == 201
     dataset = api.post("/datasets", files={"file": ("h.tsv", tsv_bytes(sentiment_rows()))}).json()["id"]
-    sweep = api.post("/sweeps", json={"job": job_body(dataset, base_model=str(tiny_bert_dir), hyperparameters=TINY),
+    sweep = api.post("/sweeps", json={"job": job_body(dataset, dataset, base_model=str(tiny_bert_dir),
+                                                         hyperparameters=TINY),
                                       "method": "random", "count": 4, "seed": 7, "parallelism": 4,
                                       "parameters": {"learning_rate": {"low": 1e-4, "high": 1e-2, "log": True}}})
     assert sweep.status_code == 201, sweep.text
