@@ -34,7 +34,7 @@ LIMITS = {"TRAINSERVE_MAX_ACTIVE_JOBS_PER_TENANT": "3", "TRAINSERVE_MAX_DOWNLOAD
           "TRAINSERVE_WEBHOOK_TIMEOUT_S": "3", "TRAINSERVE_WEBHOOK_PER_TENANT": "2",
           "TRAINSERVE_FAIR_SHARE_QUANTUM_S": "3600"}
 EVENTS = ["job.queued", "job.started", "job.checkpoint", "job.succeeded", "job.failed"]
-TINY = {"max_steps": 2, "batch_size": 8, "max_length": 16}
+TINY = {"max_steps": 2, "batch_size": 8, "max_length": 16, "eval_steps": 2}
 
 
 class Health:
