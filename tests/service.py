@@ -23,7 +23,7 @@ from core.rows import Base
 from tests.conftest import ROOT
 from tests.integration.conftest import _free_port, wait_for
 
-ROLES = (("training", ["worker", "--device", "cpu", "--queues", "training"]),
+ROLES = (("training", ["worker", "--device", "cpu", "--queues", "training,inference"]),
          ("generation", ["worker", "--device", "cpu", "--queues", "generation"]))
 
 

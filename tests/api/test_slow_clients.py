@@ -24,13 +24,11 @@ import uvicorn
 
 from app.main import create_app
 from core import netguard
-from core.db import session_scope
-from core.rows import Artifact, new_id, utcnow
 from tests.conftest import make_key
 from tests.factories import job_body, sentiment_rows, tsv_bytes
+from tests.hostile_clients import download_request, job_with_artifact, stalled
 
 pytestmark = pytest.mark.timeout(240)
-ARTIFACT_BYTES = 8 * 1024 * 1024  # far more than the socket buffers hold: a client that stops reading stalls it
 
 
 @contextmanager
@@ -52,40 +50,6 @@ def serve(settings, queue) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(15)
-
-
-def _job_with_artifact(base: str, key: str, settings, factory) -> tuple[str, str, bytes]:
-    """A job (through the API) with a model artifact of ARTIFACT_BYTES in the store; (job id, artifact id, data)."""
-    auth = {"Authorization": f"Bearer {key}"}
-    dataset = httpx.post(f"{base}/datasets", files={"file": ("t.tsv", tsv_bytes(sentiment_rows()))}, headers=auth)
-    job_id = httpx.post(f"{base}/jobs", json=job_body(dataset.json()["id"]), headers=auth).json()["id"]
-    data = os.urandom(ARTIFACT_BYTES)
-    folder = settings.home / "jobs" / job_id / "model"
-    folder.mkdir(parents=True)
-    (folder / "model.safetensors").write_bytes(data)
-    (folder / "config.json").write_text('{"model_type": "bert"}')
-    artifact_id = new_id("art")
-    with session_scope(factory) as session:
-        session.add(Artifact(id=artifact_id, job_id=job_id, kind="model", path=f"jobs/{job_id}/model",
-                             size_bytes=len(data), files=["config.json", "model.safetensors"], created_at=utcnow()))
-    return job_id, artifact_id, data
-
-
-def _stalled(base: str, raw_request: bytes, read: int = 0) -> socket.socket:
-    """A client that sends `raw_request`, reads `read` bytes of the answer, then neither reads nor writes."""
-    host, port = base.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.sendall(raw_request)
-    got = b""
-    while len(got) < read:
-        got += sock.recv(read - len(got))
-    return sock
-
-
-def _download_request(job_id: str, artifact_id: str, key: str) -> bytes:
-    return (f"GET /jobs/{job_id}/artifacts/{artifact_id}/download HTTP/1.1\r\nHost: t\r\n"
-            f"Authorization: Bearer {key}\r\n\r\n").encode()
 
 
 def _slow_upload_request(key: str) -> bytes:
@@ -122,9 +86,9 @@ def test_with_a_pool_of_two_slow_clients_leave_health_and_other_tenants_fast(set
     hostile, calm = make_key(settings.resolved_database_url, tenant="hostile"), \
         make_key(settings.resolved_database_url, tenant="calm")
     with serve(settings, queue) as base:
-        job_id, artifact_id, _ = _job_with_artifact(base, hostile, settings, factory)
-        held = [_stalled(base, _download_request(job_id, artifact_id, hostile), read=1024) for _ in range(6)]
-        held += [_stalled(base, _slow_upload_request(hostile)) for _ in range(3)]
+        job_id, artifact_id, _ = job_with_artifact(base, hostile, settings.home, factory)
+        held = [stalled(base, download_request(job_id, artifact_id, hostile), read=1024) for _ in range(6)]
+        held += [stalled(base, _slow_upload_request(hostile)) for _ in range(3)]
         registrations = ThreadPoolExecutor(4)
         slow_hooks = [registrations.submit(httpx.post, f"{base}/webhooks", timeout=30,
                                            json={"url": f"https://hook{i}.slow.test/x", "event_types": ["job.queued"]},
@@ -152,7 +116,7 @@ def test_downloads_stream_from_the_store_without_temporary_copies_and_are_bounde
     key, other = make_key(settings.resolved_database_url, tenant="a"), make_key(settings.resolved_database_url)
     temporary = set(os.listdir(tempfile.gettempdir()))
     with serve(settings, queue) as base:
-        job_id, artifact_id, data = _job_with_artifact(base, key, settings, factory)
+        job_id, artifact_id, data = job_with_artifact(base, key, settings.home, factory)
         url = f"{base}/jobs/{job_id}/artifacts/{artifact_id}/download"
         whole = httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
         assert whole.status_code == 200 and int(whole.headers["content-length"]) == len(whole.content)
@@ -160,7 +124,7 @@ def test_downloads_stream_from_the_store_without_temporary_copies_and_are_bounde
         with tarfile.open(fileobj=io.BytesIO(whole.content)) as tar:
             assert tar.getnames() == ["model/config.json", "model/model.safetensors"]
             assert tar.extractfile("model/model.safetensors").read() == data  # type: ignore[union-attr]
-        held = [_stalled(base, _download_request(job_id, artifact_id, key), read=1024) for _ in range(2)]
+        held = [stalled(base, download_request(job_id, artifact_id, key), read=1024) for _ in range(2)]
         time.sleep(0.5)
         refused = httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_downloads"

@@ -1,0 +1,171 @@
+"""A minute of load on the real service: a hostile tenant beside a normal one.
+
+The hostile tenant holds slow downloads and unread event streams, floods 429-bound requests (jobs past its quota,
+generation past its rate, downloads past its slots), runs a sweep at its job limit and registers slow-loris webhook
+receivers. Meanwhile the normal tenant uploads, fine-tunes a tiny BERT, classifies, generates from a tiny GPT-2 and
+gets its webhook: every one of its requests succeeds and /health, sampled every 75 ms, keeps p99 under 1 s.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import threading
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from core.db import make_engine, make_sessionmaker
+from tests.conftest import INTEGRATION_REDIS, make_key
+from tests.factories import job_body, sentiment_rows, tsv_bytes
+from tests.hostile_clients import download_request, job_with_artifact, stalled
+from tests.integration.conftest import wait_for
+from tests.service import started_service
+from tests.webhook_receiver import Receiver
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420)]
+
+LIMITS = {"TRAINSERVE_MAX_ACTIVE_JOBS_PER_TENANT": "3", "TRAINSERVE_MAX_DOWNLOADS_PER_TENANT": "3",
+          "TRAINSERVE_EVENT_STREAMS_PER_TENANT": "3", "TRAINSERVE_GENERATION_RATE_PER_MINUTE": "30",
+          "TRAINSERVE_WEBHOOK_ALLOW_PRIVATE": "1", "TRAINSERVE_WEBHOOK_INTERVAL_S": "0.2",
+          "TRAINSERVE_WEBHOOK_TIMEOUT_S": "3", "TRAINSERVE_WEBHOOK_PER_TENANT": "2",
+          "TRAINSERVE_FAIR_SHARE_QUANTUM_S": "3600"}
+EVENTS = ["job.queued", "job.started", "job.checkpoint", "job.succeeded", "job.failed"]
+TINY = {"max_steps": 2, "batch_size": 8, "max_length": 16, "eval_steps": 2}
+
+
+class Health:
+    """GET /health every 75 ms in a thread; latencies in seconds and every status seen."""
+
+    def __init__(self, base: str) -> None:
+        self.base, self.latencies, self.codes = base, [], Counter()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.base, timeout=10) as client:
+            while not self.stop.is_set():
+                started = time.monotonic()
+                try:
+                    self.codes[client.get("/health").status_code] += 1
+                except httpx.HTTPError as exc:
+                    self.codes[type(exc).__name__] += 1
+                self.latencies.append(time.monotonic() - started)
+                self.stop.wait(0.075)
+
+    def quantile(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _flood(stop: threading.Event, codes: Counter, call) -> None:
+    """Repeat a 429-bound request until told to stop, counting its statuses."""
+    while not stop.is_set():
+        try:
+            codes[call().status_code] += 1
+        except httpx.HTTPError as exc:
+            codes[type(exc).__name__] += 1
+        stop.wait(0.02)
+
+
+def _hostile(base: str, key: str, home, pg_url: str, tiny_bert_dir, stop: threading.Event) -> dict:
+    """Start the hostile tenant's load; returns what it holds and what its floods counted."""
+    api = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    engine = make_engine(pg_url)
+    job_id, artifact_id, _ = job_with_artifact(base, key, home, make_sessionmaker(engine), folder_name="big",
+                                               base_model=str(tiny_bert_dir), hyperparameters={"max_steps": 1,
+                                                                                               "batch_size": 8})
+    engine.dispose()
+    loris = Receiver(trickle_s=0.5).start()
+    for _ in range(4):
+        assert api.post("/webhooks", json={"url": loris.url, "event_types": EVENTS}).status_code == 201
+    dataset = api.post("/datasets", files={"file": ("h.tsv", tsv_bytes(sentiment_rows()))}).json()["id"]
+    sweep = api.post("/sweeps", json={"job": job_body(dataset, dataset, base_model=str(tiny_bert_dir),
+                                                         hyperparameters=TINY),
+                                      "method": "random", "count": 4, "seed": 7, "parallelism": 4,
+                                      "parameters": {"learning_rate": {"low": 1e-4, "high": 1e-2, "log": True}}})
+    assert sweep.status_code == 201, sweep.text
+    held = [stalled(base, download_request(job_id, artifact_id, key), read=1024) for _ in range(3)]
+    stream = (f"GET /jobs/{job_id}/events?stream=true HTTP/1.1\r\nHost: t\r\n"
+              f"Authorization: Bearer {key}\r\n\r\n").encode()
+    held += [stalled(base, stream) for _ in range(3)]
+    time.sleep(0.5)  # the held requests are in the server
+    floods = {name: Counter() for name in ("jobs", "generate", "download", "stream")}
+    calls = {"jobs": lambda: api.post("/jobs", json=job_body(dataset, base_model=str(tiny_bert_dir),
+                                                             hyperparameters=TINY)),
+             "generate": lambda: api.post("/generate", json={"model": "tiny-gpt2", "prompt": "x",
+                                                             "max_new_tokens": 2}),
+             "download": lambda: api.get(f"/jobs/{job_id}/artifacts/{artifact_id}/download"),
+             "stream": lambda: api.get(f"/jobs/{job_id}/events", params={"stream": "true"})}
+    threads = [threading.Thread(target=_flood, args=(stop, floods[n], calls[n]), daemon=True) for n in calls]
+    for thread in threads:
+        thread.start()
+    return {"held": held, "threads": threads, "floods": floods, "sweep": sweep.json(), "loris": loris, "api": api}
+
+
+def _normal(base: str, key: str, tiny_bert_dir, receiver: Receiver) -> dict:
+    """The normal tenant's whole flow; every request must succeed (asserted here, as it goes)."""
+    api = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    hook = api.post("/webhooks", json={"url": receiver.url, "event_types": ["job.succeeded"]})
+    assert hook.status_code == 201, hook.text
+    train = api.post("/datasets", files={"file": ("train.tsv", tsv_bytes(sentiment_rows(4)))})
+    assert train.status_code == 201, train.text
+    # lr 5e-3 with 10% warmup: the tiny BERT reaches accuracy 1.0 (tests/integration/conftest.submit_job)
+    job = api.post("/jobs", json=job_body(train.json()["id"], base_model=str(tiny_bert_dir), hyperparameters={
+        "epochs": 6, "batch_size": 8, "learning_rate": 5e-3, "warmup_ratio": 0.1, "max_length": 32}))
+    assert job.status_code == 201, job.text
+    job_id = job.json()["id"]
+    generated = api.post("/generate", json={"model": "tiny-gpt2", "prompt": "ROMEO:", "max_new_tokens": 8,
+                                            "temperature": 0})
+    assert generated.status_code == 200, generated.text
+    assert generated.json()["usage"]["completion_tokens"] > 0
+    done = wait_for(lambda: (j := api.get(f"/jobs/{job_id}").json())["status"] in ("succeeded", "failed") and j,
+                    150, "the normal tenant's fine-tune")
+    assert done["status"] == "succeeded", done["error"]
+    result = api.post("/classify", json={"model": job_id, "texts": ["superb and touching", "dull and lifeless"]})
+    assert result.status_code == 200, result.text
+    assert [p["label"] for p in result.json()["predictions"]] == [1, 0]
+    wait_for(lambda: receiver.accepted(), 30, "the normal tenant's webhook")
+    deliveries = api.get(f"/webhooks/{hook.json()['id']}/deliveries").json()["data"]
+    assert [d["status"] for d in deliveries] == ["delivered"], deliveries
+    return {"job": job_id}
+
+
+def test_a_hostile_tenant_leaves_the_normal_one_served_and_health_fast(pg_url, tmp_path, tmp_path_factory,
+                                                                       tiny_bert_dir, tiny_gpt2_dir):
+    home = tmp_path / "home"
+    shutil.copytree(tiny_gpt2_dir, home / "models" / "tiny-gpt2")
+    env = dict(LIMITS, TRAINSERVE_MODEL_ROOTS=str(tmp_path_factory.getbasetemp()))
+    with started_service(pg_url, INTEGRATION_REDIS, home, tmp_path, **env) as base:
+        hostile_key, normal_key = make_key(pg_url, tenant="hostile"), make_key(pg_url, tenant="normal")
+        receiver = Receiver().start()
+        health, stop = Health(base), threading.Event()
+        health.thread.start()
+        started = time.monotonic()
+        hostile = _hostile(base, hostile_key, home, pg_url, tiny_bert_dir, stop)
+        try:
+            _normal(base, normal_key, tiny_bert_dir, receiver)
+            sweep = hostile["api"].get(f"/sweeps/{hostile['sweep']['id']}").json()
+        finally:
+            load_s = time.monotonic() - started
+            stop.set()
+            health.stop.set()
+            for sock in hostile["held"]:
+                sock.close()
+            for thread in [*hostile["threads"], health.thread]:
+                thread.join(30)
+            hostile["loris"].stop()
+            receiver.stop()
+    floods = hostile["floods"]
+    p50, p99 = statistics.median(health.latencies), health.quantile(0.99)
+    print(f"load {load_s:.0f} s, /health n={len(health.latencies)} p50={p50 * 1000:.0f} ms p99={p99 * 1000:.0f} ms "
+          f"max={max(health.latencies) * 1000:.0f} ms, loadavg {os.getloadavg()}, floods {floods}")
+    assert set(health.codes) == {200}, health.codes
+    assert p99 < 1.0, (p50, p99, sorted(health.latencies)[-10:])
+    assert hostile["sweep"]["waiting_reason"] or sweep["waiting_reason"] or sweep["status"] != "running", sweep
+    for name, codes in floods.items():  # every flood met its bound, and nothing failed otherwise
+        assert codes[429] > 0 and set(codes) <= {200, 201, 429}, (name, codes)
+    assert hostile["loris"].requests, "the slow-loris receivers were tried"
