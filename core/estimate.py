@@ -175,7 +175,12 @@ def training_memory(arch: Architecture, *, head: Head, batch_size: int, seq_len:
 
 def load_model_config(reference: str) -> dict[str, Any] | None:
     """config.json of a local model folder, or of a hub id already in the local cache; None when neither."""
-    path = cached_file(reference, "config.json")
+    return cached_json(reference, "config.json")
+
+
+def cached_json(reference: str, name: str) -> dict[str, Any] | None:
+    """A JSON object file `name` of a local model folder or a cached hub id; None when absent or not an object."""
+    path = cached_file(reference, name)
     if path is None:
         return None
     try:

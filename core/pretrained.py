@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from core.errors import ValidationFailed
-from core.estimate import cached_file
+from core.estimate import cached_file, cached_json
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -177,11 +177,5 @@ def has_chat_template(reference: str) -> bool | None:
     or a chat_template.jinja file (newer tokenizers save it apart); None when neither file can be read here."""
     if cached_file(reference, "chat_template.jinja") is not None:
         return True
-    path = cached_file(reference, "tokenizer_config.json")
-    if path is None:
-        return None
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return isinstance(config, dict) and bool(config.get("chat_template"))
+    config = cached_json(reference, "tokenizer_config.json")
+    return None if config is None else bool(config.get("chat_template"))
