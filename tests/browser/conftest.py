@@ -99,8 +99,10 @@ def columns_line_up(page, table: str) -> int:
 @pytest.fixture()
 def page(browser: Any, service: Service, request: pytest.FixtureRequest) -> Iterator[Any]:
     """A fresh tab signed in with the service's key; a failed test leaves a screenshot."""
-    # bypass_csp: playwright's wait_for_function evaluates strings, which the strict CSP refuses (tested apart)
-    context = browser.new_context(viewport={"width": 1280, "height": 900}, bypass_csp=True)
+    # bypass_csp: playwright's wait_for_function evaluates strings, which the strict CSP refuses; a test marked
+    # enforce_csp keeps the policy in force (and waits with selectors only)
+    enforce = request.node.get_closest_marker("enforce_csp") is not None
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, bypass_csp=not enforce)
     tab = context.new_page()
     tab.set_default_timeout(30_000)
     errors: list[str] = []

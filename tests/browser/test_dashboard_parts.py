@@ -247,6 +247,7 @@ def test_chat_mode_sends_the_conversation_and_shows_logprobs_on_hover(page):
     assert page.locator("#completion-panel").is_visible()
 
 
+@pytest.mark.enforce_csp
 def test_the_dashboard_runs_under_a_csp_without_unsafe_inline(page, service: Service):
     violations: list[str] = []
     page.on("console", lambda m: violations.append(m.text) if "Content Security Policy" in m.text else None)
