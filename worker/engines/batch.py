@@ -50,6 +50,15 @@ class GenerationResult:
 
 
 @dataclass(eq=False)
+class AdapterUse:
+    """A request's LoRA adapter: its name, its weights when read before submitting, its slot once admitted."""
+
+    name: str
+    weights: Any = None  # lora_batch.LoraWeights, read off the decode loop; None when it was resident already
+    slot: int = 0  # 0: the base (no adapter slot yet)
+
+
+@dataclass(eq=False)
 class Request:
     """One submitted request: its prompt ids, sampling settings, callbacks and future."""
 
@@ -63,6 +72,7 @@ class Request:
     sequences: list[SequenceState] = field(default_factory=list)
     done: bool = False
     matchers: list[Any] = field(default_factory=list)  # one grammar matcher per choice when constrained
+    adapter: AdapterUse | None = None  # a LoRA adapter over the engine's base model (lora_engine)
 
     def result(self) -> GenerationResult:
         """The outcome from its sequences; a request dropped before it started has empty cancelled choices."""

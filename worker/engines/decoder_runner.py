@@ -20,6 +20,7 @@ from worker.engines.device import DevicePlan, linear
 from worker.engines.gpt2_weights import ACTIVATIONS, load_gpt2, model_type
 from worker.engines.kv_cache import PrefillLayout, SlotCache, trim_heap
 from worker.engines.lm_loading import Gpt2Runner
+from worker.engines.lora_rows import RunnerLora
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, 1, head_dim] in the compute dtype
 
@@ -43,6 +44,7 @@ class DecoderRunner(SlotCache):
         self.act = ACTIVATIONS[weights.act]
         self.inv_freq = weights.inv_freq.to(self.device)
         self.gqa = self.heads != self.cache_heads
+        self.lora: RunnerLora | None = None  # per-row LoRA adapters (attach_lora), for the serving engine
         trim_heap()  # joining and packing left temporaries on the heap
 
     @property
@@ -83,17 +85,27 @@ class DecoderRunner(SlotCache):
     def _block(self, index: int, hidden: torch.Tensor, rotary: Rotary, attend) -> torch.Tensor:
         """One block over flat tokens [N, hidden]; attend(index, q, k, v) -> [N, heads * head_dim] does the cache."""
         layer, n = self.weights.layers[index], hidden.shape[0]
-        qkv = linear(self._norm(hidden, layer.input_norm), layer.qkv, layer.qkv_bias)
+        normed = self._norm(hidden, layer.input_norm)
+        qkv = self._adapted(index, "qkv", normed, linear(normed, layer.qkv, layer.qkv_bias))
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=1)
         query = query.view(n, self.heads, self.head_dim)
         key = key.view(n, self.cache_heads, self.head_dim)
         if layer.q_norm is not None and layer.k_norm is not None:
             query, key = self._norm(query, layer.q_norm), self._norm(key, layer.k_norm)
         query, key = self._rotate(query, rotary), self._rotate(key, rotary)
-        hidden = hidden + linear(attend(index, query, key, value.view(n, self.cache_heads, self.head_dim)),
-                                 layer.o, layer.o_bias)
-        gate, up = linear(self._norm(hidden, layer.post_norm), layer.gate_up, None).chunk(2, dim=-1)
-        return hidden + linear(self.act(gate) * up, layer.down, None)
+        attended = attend(index, query, key, value.view(n, self.cache_heads, self.head_dim))
+        hidden = hidden + self._adapted(index, "o", attended, linear(attended, layer.o, layer.o_bias))
+        normed = self._norm(hidden, layer.post_norm)
+        gate, up = self._adapted(index, "gate_up", normed, linear(normed, layer.gate_up, None)).chunk(2, dim=-1)
+        inner = self.act(gate) * up
+        return hidden + self._adapted(index, "down", inner, linear(inner, layer.down, None))
+
+    def attach_lora(self, lora: RunnerLora) -> None:
+        """Serve LoRA adapters: each forward adds every token's adapter update (lora.set_rows names the slots)."""
+        self.lora = lora
+
+    def _adapted(self, index: int, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out if self.lora is None else self.lora.add(index, name, x, out)
 
     def forward(self, decode: tuple[torch.Tensor, torch.Tensor, int] | None,
                 prefill: tuple[list[list[int]], list[list[int]]] | None) -> torch.Tensor:
@@ -123,6 +135,8 @@ class DecoderRunner(SlotCache):
             causal = at[None] <= at[:, None]
             prefill_masks = {window: causal & (at[None] > at[:, None] - window) for window in self._windows()}
         flat_ids = ids[0] if len(ids) == 1 else torch.cat(ids)
+        if self.lora is not None:  # one plan per forward, shared by every layer
+            self.lora.begin(batch, layout.count if layout else 0, layout.width if layout else 0)
         hidden = F.embedding(flat_ids, self.weights.embed).to(self.dtype)
         rotary = self._rotary(positions[0] if len(positions) == 1 else torch.cat(positions))
 

@@ -1,11 +1,9 @@
-"""Serve a decoder LM (GPT-2, Llama, Mistral, Qwen2/3): continuous batching over a shared KV cache, per-request
-sampling, one scheduler thread.
-
-Threads call `submit`; the scheduler thread owns the model. Each loop it admits waiting requests (FIFO)
-while the batch has room, prefills their prompts into free cache rows, then runs one decode step for all
-running sequences; a finished sequence leaves at once and its row is reused. A cancelled request
-(is_cancelled() polled before every step, or named by the cancelled_ids hook once per step) resolves with
-finish_reason "cancelled" and the text so far; a deadline only applies while a request waits (DeadlineExceeded).
+"""Serve a decoder LM (GPT-2, Llama, Mistral, Qwen2/3): continuous batching over a shared KV cache, one scheduler
+thread. Threads call `submit`; the scheduler thread owns the model. Each loop it admits waiting requests (FIFO) while
+the batch has room, prefills their prompts into free cache rows, then runs one decode step for all running sequences;
+a finished sequence leaves at once and its row is reused. A cancelled request (is_cancelled() polled before every
+step, or named by the cancelled_ids hook once per step) resolves with finish_reason "cancelled" and the text so far;
+a deadline only applies while a request waits (DeadlineExceeded). Per-request sampling; adapters: lora_engine.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ import torch
 
 from core.protocol import SamplingParams
 from worker.engines.batch import (
+    AdapterUse,
     DeadlineExceeded,
     EngineClosed,
     GenerationResult,
@@ -111,7 +110,7 @@ class GenerationEngine(RequestOutcomes):
     def submit(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, request_id: str | None = None,
         on_token: OnToken | None = None, is_cancelled: Callable[[], bool] | None = None,
-        deadline: float | None = None,
+        deadline: float | None = None, adapter: AdapterUse | None = None,
     ) -> Future[GenerationResult]:
         """Queue a request; the future resolves to its GenerationResult. Raises ValueError, QueueFull."""
         params = SamplingParams() if params is None else params
@@ -120,7 +119,8 @@ class GenerationEngine(RequestOutcomes):
         ids = prompt_ids(prompt, self.encode, self.vocab_size)
         check_fits(len(ids), params, context_length=self.context_length, max_batch_size=self.max_batch_size,
                    max_tokens_in_flight=self.max_tokens_in_flight)
-        request = Request(request_id or uuid.uuid4().hex, ids, params, on_token, is_cancelled, deadline)
+        request = Request(request_id or uuid.uuid4().hex, ids, params, on_token, is_cancelled, deadline,
+                          adapter=adapter)
         if params.constraint is not None:  # compiled here, on the caller's thread: off the decode loop
             request.matchers = [self._grammars.matcher(params.constraint) for _ in range(params.n)]
         with self._lock:

@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import safetensors.torch
 import torch
@@ -191,10 +192,19 @@ def attach(model: torch.nn.Module, slots: LoraSlots) -> int:
     return len(found)
 
 
+class Slots(Protocol):
+    """What AdapterCache needs of a slot store (LoraSlots, or a serving runner's joined stacks)."""
+
+    capacity: int
+
+    def write(self, slot: int, weights: LoraWeights) -> None:
+        """Put an adapter into a slot (1..capacity)."""
+
+
 class AdapterCache:
     """Resident adapters by name, LRU-evicted when a new one needs a slot; one in use is never evicted."""
 
-    def __init__(self, slots: LoraSlots, loader: Callable[[str], LoraWeights]) -> None:
+    def __init__(self, slots: Slots, loader: Callable[[str], LoraWeights]) -> None:
         self.slots, self.loader = slots, loader
         self._resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
         self._users: dict[str, int] = {}
@@ -216,6 +226,10 @@ class AdapterCache:
         if left < 0:
             raise ValueError(f"adapter {name} was released more often than acquired")
         self._users[name] = left
+
+    def __contains__(self, name: object) -> bool:
+        """Whether adapter `name` holds a slot now (one dict lookup: safe to ask from another thread)."""
+        return name in self._resident
 
     def resident(self) -> list[str]:
         """Resident adapters, least recently used first."""

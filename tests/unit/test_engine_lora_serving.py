@@ -1,0 +1,119 @@
+"""LoRA adapters in the serving engine: one batch mixing base rows and rows of two adapters (different ranks and
+target modules, prompts of different lengths) decodes greedily, row by row, what HF `generate` gives on
+`PeftModel.from_pretrained(base, folder)` for that row alone (fp32; GQA, MQA, tied and untied heads, qwen2
+biases, qwen3 q/k norms); with one slot, a second adapter waits for the first to go idle instead of failing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from core.adapters import AdapterConfig
+from tests.tiny_llama import build_tiny_decoder
+from worker.engines import adapters
+from worker.engines.generation import SamplingParams
+from worker.engines.lora_engine import LoraGenerationEngine
+
+ADAPTERS = {"wide": AdapterConfig(r=4, alpha=8, target_modules="all-linear"),
+            "narrow": AdapterConfig(r=2, alpha=6, target_modules=["q_proj", "v_proj", "down_proj"])}
+ARCHS = ["llama", "llama3", "qwen2", "qwen3"]  # GQA untied, MQA tied, biases + windows tied, q/k norms untied
+WAIT = 60
+
+
+def make_adapters(base: Path, root: Path, configs: dict[str, AdapterConfig] = ADAPTERS) -> dict[str, Path]:
+    """PEFT adapter folders over `base`, each with random B (an effect of its own)."""
+    folders = {}
+    for seed, (name, config) in enumerate(configs.items()):
+        torch.manual_seed(seed + 10)
+        model = adapters.apply_adapter(AutoModelForCausalLM.from_pretrained(base), config, "causal-lm")
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if "lora_B" in param_name:
+                    param.normal_(0, 0.3)
+        model.save_pretrained(root / name)
+        folders[name] = root / name
+    return folders
+
+
+def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def references(base: Path, folders: dict[str, Path]) -> dict[str | None, object]:
+    models: dict[str | None, object] = {None: AutoModelForCausalLM.from_pretrained(base).eval()}
+    for name, folder in folders.items():
+        models[name] = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(folder)).eval()
+    return models
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_batch_mixing_adapters_and_the_base_equals_peft_row_by_row(arch, tmp_path):
+    base = tmp_path / "base"
+    build_tiny_decoder(arch, base)
+    folders = make_adapters(base, tmp_path)
+    want = references(base, folders)
+    gen = torch.Generator().manual_seed(0)
+    rows = [(None, 5), ("wide", 9), ("narrow", 3), ("wide", 12), (None, 7), ("narrow", 10)]
+    prompts = [torch.randint(3, 300, (length,), generator=gen).tolist() for _, length in rows]
+    later = [("narrow", 4), ("wide", 6), (None, 8)]  # arrive while the first rows decode: prefill + decode mixed
+    late_prompts = [torch.randint(3, 300, (length,), generator=gen).tolist() for _, length in later]
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    with LoraGenerationEngine(base, device="cpu", precision="fp32", max_batch_size=16, max_loras=2,
+                              adapter_folder=lambda name: folders[name]) as engine:
+        with engine._lock:  # admitted together: one prefill of every row, adapters and base
+            futures = [engine.submit(p, params, adapter=a) for (a, _), p in zip(rows, prompts, strict=True)]
+        first_tokens = engine.submit(prompts[0], SamplingParams(max_new_tokens=1, temperature=0))
+        first_tokens.result(WAIT)
+        futures += [engine.submit(p, params, adapter=a) for (a, _), p in zip(later, late_prompts, strict=True)]
+        results = [f.result(WAIT) for f in futures]
+        stats = engine.stats()
+    assert stats["peak_running_sequences"] >= len(rows) and sorted(stats["adapters"]) == ["narrow", "wide"]
+    for (adapter, _), prompt, result in zip(rows + later, prompts + late_prompts, results, strict=True):
+        assert result.choices[0].token_ids == hf_greedy(want[adapter], prompt, 12), (arch, adapter, len(prompt))
+    outputs = {adapter: result.choices[0].token_ids for (adapter, _), result in zip(rows, results[:len(rows)], strict=True)}
+    assert len({tuple(v) for v in outputs.values()}) == 3  # base and both adapters do differ
+
+
+def test_with_one_slot_an_adapter_waits_for_the_other_to_go_idle(tmp_path):
+    base = tmp_path / "base"
+    build_tiny_decoder("llama", base)
+    folders = make_adapters(base, tmp_path)
+    want = references(base, folders)
+    reads: list[str] = []
+
+    def folder(name: str) -> Path:
+        reads.append(name)
+        return folders[name]
+
+    params = SamplingParams(max_new_tokens=10, temperature=0)
+    prompt = [5, 17, 42, 99]
+    with LoraGenerationEngine(base, device="cpu", precision="fp32", max_batch_size=8, max_loras=1,
+                              adapter_folder=folder) as engine:
+        with engine._lock:
+            futures = [engine.submit(prompt, params, adapter=name) for name in ("wide", "narrow", "wide")]
+            futures.append(engine.submit(prompt, params))  # the base passes the waiting adapter
+        results = [f.result(WAIT) for f in futures]
+        # The second wide (resident) and the base pass narrow, which waits for wide to go idle, then evicts it.
+        assert engine.stats()["adapters"] == ["narrow"]
+    for name, result in zip(["wide", "narrow", "wide", None], results, strict=True):
+        assert result.choices[0].token_ids == hf_greedy(want[name], prompt, 10), name
+    assert reads == ["wide", "narrow", "wide"]  # each read in submit (none resident yet), none on the decode loop
+
+
+def test_an_adapter_of_another_base_is_refused(tmp_path):
+    base, other = tmp_path / "base", tmp_path / "other"
+    build_tiny_decoder("llama", base)
+    build_tiny_decoder("qwen3", other)  # head_dim 32: q_proj is 128 x 64, not 64 x 64
+    folders = make_adapters(other, tmp_path)
+    with LoraGenerationEngine(base, device="cpu", precision="fp32", max_loras=1,
+                              adapter_folder=lambda name: folders[name]) as engine:
+        with pytest.raises(ValueError, match="another base model"):
+            engine.submit([1, 2, 3], SamplingParams(max_new_tokens=2), adapter="wide")
+        assert engine.generate([5, 6, 7], SamplingParams(max_new_tokens=2, temperature=0)).choices
