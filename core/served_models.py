@@ -1,6 +1,7 @@
 """Causal LMs that /generate can serve: <home>/models/<name>, finished causal-lm jobs, hub ids when online.
 
-A job's model is named to the worker by its job id: the worker fetches it from the artifact store.
+A job's model is named to the worker by its job id: the worker fetches it from the artifact store. A LoRA adapter
+job is served over its base model: the worker loads the base once and batches its adapters' rows with the base's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core.architectures import unsupported_reason
+from core.architectures import LLAMA_FAMILY, unsupported_reason
 from core.errors import NotFound, ValidationFailed
 from core.estimate import load_model_config
 from core.pretrained import HUB_ID, hub_model_available
@@ -32,6 +33,7 @@ class ServedModel:
     path: str  # a folder on the worker's host, a hub id, or a job id (fetched from the artifact store)
     owned_by: str
     created: int
+    adapter: str | None = None  # a LoRA adapter job's id, served over `path` (its base model)
 
 
 def _is_causal_lm(folder: Path) -> bool:
@@ -90,8 +92,21 @@ def list_served_models(session: Session, settings: Settings, *, tenant: str | No
 
 
 def _job_model(job: Job) -> ServedModel:
-    """A finished causal-lm job as a served model, named (and fetched by the worker) by its job id."""
-    return ServedModel(id=job.id, path=job.id, owned_by=job.tenant_id, created=int(job.created_at.timestamp()))
+    """A finished causal-lm job as a served model, named by its job id: its own model, or its adapter over its base."""
+    created = int(job.created_at.timestamp())
+    if job.adapter is not None and job.base_model_path is not None:
+        return ServedModel(id=job.id, path=job.base_model_path, owned_by=job.tenant_id, created=created,
+                           adapter=job.id)
+    return ServedModel(id=job.id, path=job.id, owned_by=job.tenant_id, created=created)
+
+
+def check_adapter_base(name: str, config: dict | None) -> None:
+    """Refuse (422 naming `model`) an adapter job whose base is not a llama-family decoder (no batched LoRA path)."""
+    kind = (config or {}).get("model_type")
+    if config is not None and kind not in LLAMA_FAMILY:
+        raise ValidationFailed("model", f"model {name!r} is a LoRA adapter over a {kind} base; adapters are served "
+                                        f"over llama-family bases ({', '.join(sorted(LLAMA_FAMILY))}). Train it "
+                                        "with adapter.merge true and serve the merged/ folder instead")
 
 
 def resolve_served_model(session: Session, settings: Settings, *, name: str, tenant: str | None) -> ServedModel:
@@ -100,7 +115,10 @@ def resolve_served_model(session: Session, settings: Settings, *, name: str, ten
         job = get_owned(session, Job, name, what="model", tenant=tenant, field="model")
         if job.task != TaskKind.CAUSAL_LM or job.status != JobStatus.SUCCEEDED:
             raise NotFound(f"job {name!r} is not a finished causal-lm job", field="model")
-        check_servable(name, _job_config(job))
+        config = _job_config(job)
+        check_servable(name, config)
+        if job.adapter is not None:
+            check_adapter_base(name, config)
         return _job_model(job)
     if NAME_RE.match(name):
         folder = settings.home / "models" / name  # NAME_RE admits no separators, so this stays under models/

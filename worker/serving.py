@@ -159,18 +159,25 @@ class GenerationService:
         return cls(ctx.settings, ctx.redis, ctx.storage)
 
     def _load(self, model: str) -> Any:
-        from worker.engines.generation import GenerationEngine
+        from worker.engines.lora_engine import LoraGenerationEngine
+        from worker.training.config import job_base
 
-        if is_job_model(model):  # a trained job's model: from the artifact store, cached on this host
-            model = str(fetch_model(self.storage, model))
-        engine = GenerationEngine(model, device=self.settings.worker_device,
-                                  precision=self.settings.generation_precision,
-                                  max_batch_size=self.settings.max_batch_size,
-                                  max_queue=self.settings.generation_queue_per_model * 4,
-                                  cancelled_ids=self.cancelled_ids, on_step=metrics.observe_batch)
+        if is_job_model(model):  # a trained job's model (an adapter folded into its base): from the artifact store
+            model = str(job_base(self.storage, model))
+        # Also serves the LoRA adapter jobs trained on this model (GenerateTask.adapter), in the same batches.
+        engine = LoraGenerationEngine(model, device=self.settings.worker_device,
+                                      precision=self.settings.generation_precision,
+                                      max_batch_size=self.settings.max_batch_size,
+                                      max_queue=self.settings.generation_queue_per_model * 4,
+                                      cancelled_ids=self.cancelled_ids, on_step=metrics.observe_batch,
+                                      max_loras=self.settings.max_loras, adapter_folder=self._adapter_folder)
         log.info("generation engine loaded: %s on %s in %s, %.1f MiB of weights", model, engine.plan.device,
                  engine.plan.precision, engine.weight_bytes / MB)
         return engine
+
+    def _adapter_folder(self, job_id: str) -> Any:
+        """A LoRA adapter job's folder on this host (fetched once); called on a request's thread, off the decode loop."""
+        return fetch_model(self.storage, job_id)
 
     def cancelled_ids(self, request_ids: list[str]) -> set[str]:
         """The requests whose clients went away: one MGET per scheduler step for all of them."""
@@ -236,8 +243,9 @@ class GenerationService:
             clock.tick(index)
             writer.token(TokenEvent(index=index, text=text, logprobs=logprobs))
 
+        adapter = {"adapter": task.adapter} if task.adapter is not None else {}  # read here, before the queue
         future = engine.submit(prompt_ids, task.params, request_id=task.request_id, on_token=on_token,
-                               deadline=time.monotonic() + remaining)
+                               deadline=time.monotonic() + remaining, **adapter)
         writer.emit(AcceptedEvent(prompt_tokens=len(prompt_ids)))
         metrics.GEN_PROMPT_TOKENS.inc(len(prompt_ids))
         result = future.result(timeout=self.settings.generation_timeout_s)

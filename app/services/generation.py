@@ -77,8 +77,8 @@ class GenerationGateway:
     async def submit(self, request_id: str, model: ServedModel, prompt: str, params: SamplingParams,
                      messages: list[ChatMessage] | None = None) -> None:
         """Hand the request to a generation worker; it must start before the wait deadline."""
-        task = GenerateTask(request_id=request_id, model=model.path, prompt=prompt, params=params, messages=messages,
-                            deadline=time.time() + self.settings.generation_wait_s)
+        task = GenerateTask(request_id=request_id, model=model.path, adapter=model.adapter, prompt=prompt,
+                            params=params, messages=messages, deadline=time.time() + self.settings.generation_wait_s)
         await run_in_threadpool(self.queue.send, TASK_GENERATE, [task.model_dump(mode="json")], queue=QUEUE_GENERATE,
                                 headers=task_headers())
 

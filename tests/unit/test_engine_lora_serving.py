@@ -9,48 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM
 
-from core.adapters import AdapterConfig
+from tests.tiny_adapters import hf_greedy, make_adapters, peft_model
 from tests.tiny_llama import build_tiny_decoder
-from worker.engines import adapters
 from worker.engines.generation import SamplingParams
 from worker.engines.lora_engine import LoraGenerationEngine
 
-ADAPTERS = {"wide": AdapterConfig(r=4, alpha=8, target_modules="all-linear"),
-            "narrow": AdapterConfig(r=2, alpha=6, target_modules=["q_proj", "v_proj", "down_proj"])}
 ARCHS = ["llama", "llama3", "qwen2", "qwen3"]  # GQA untied, MQA tied, biases + windows tied, q/k norms untied
 WAIT = 60
 
 
-def make_adapters(base: Path, root: Path, configs: dict[str, AdapterConfig] = ADAPTERS) -> dict[str, Path]:
-    """PEFT adapter folders over `base`, each with random B (an effect of its own)."""
-    folders = {}
-    for seed, (name, config) in enumerate(configs.items()):
-        torch.manual_seed(seed + 10)
-        model = adapters.apply_adapter(AutoModelForCausalLM.from_pretrained(base), config, "causal-lm")
-        with torch.no_grad():
-            for param_name, param in model.named_parameters():
-                if "lora_B" in param_name:
-                    param.normal_(0, 0.3)
-        model.save_pretrained(root / name)
-        folders[name] = root / name
-    return folders
-
-
-def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
 def references(base: Path, folders: dict[str, Path]) -> dict[str | None, object]:
-    models: dict[str | None, object] = {None: AutoModelForCausalLM.from_pretrained(base).eval()}
-    for name, folder in folders.items():
-        models[name] = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(folder)).eval()
-    return models
+    return {None: peft_model(base, None), **{name: peft_model(base, folder) for name, folder in folders.items()}}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
