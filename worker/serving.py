@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -175,8 +176,8 @@ class GenerationService:
                  engine.plan.precision, engine.weight_bytes / MB)
         return engine
 
-    def _adapter_folder(self, job_id: str) -> Any:
-        """A LoRA adapter job's folder on this host (fetched once); called on a request's thread, off the decode loop."""
+    def _adapter_folder(self, job_id: str) -> Path:
+        """A LoRA adapter job's folder on this host (fetched once), on a request's thread: off the decode loop."""
         return fetch_model(self.storage, job_id)
 
     def cancelled_ids(self, request_ids: list[str]) -> set[str]:

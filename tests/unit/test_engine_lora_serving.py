@@ -47,7 +47,8 @@ def test_a_batch_mixing_adapters_and_the_base_equals_peft_row_by_row(arch, tmp_p
     assert stats["peak_running_sequences"] >= len(rows) and sorted(stats["adapters"]) == ["narrow", "wide"]
     for (adapter, _), prompt, result in zip(rows + later, prompts + late_prompts, results, strict=True):
         assert result.choices[0].token_ids == hf_greedy(want[adapter], prompt, 12), (arch, adapter, len(prompt))
-    outputs = {adapter: result.choices[0].token_ids for (adapter, _), result in zip(rows, results[:len(rows)], strict=True)}
+    outputs = {adapter: result.choices[0].token_ids
+               for (adapter, _), result in zip(rows, results[:len(rows)], strict=True)}
     assert len({tuple(v) for v in outputs.values()}) == 3  # base and both adapters do differ
 
 
