@@ -61,6 +61,10 @@ class RunnerLora:
         self._decode: list[int] = []
         self._prompts: list[int] = []
         self.plan: TokenPlan | None = None
+        # The used adapters' blocks side by side, per projection, kept while the next forwards use the same
+        # adapters (decode steps mostly do): a step then reads them without gathering them again.
+        self._gathered: dict[tuple[int, str], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._gathered_for: tuple[int, ...] = ()
         self._grow(max(MIN_RANK, _pow2(max_rank)))
 
     @property
@@ -72,6 +76,7 @@ class RunnerLora:
     def _grow(self, rank: int) -> None:
         """Re-stack with room for rank `rank`, keeping the resident adapters (rare: a larger adapter arrived)."""
         old_rank, old_a, old_b = self.max_rank, self.a, self.b
+        self.a, self.b, self._gathered = {}, {}, {}
         for layer in range(self.n_layer):
             for name, widths in self.outputs.items():
                 key = (layer, name)
@@ -102,6 +107,7 @@ class RunnerLora:
         if not 1 <= slot <= self.capacity:
             raise ValueError(f"slot {slot} is not one of 1..{self.capacity}")
         self.check(weights)
+        self._gathered = {}
         if weights.rank > self.max_rank:
             self._grow(_pow2(weights.rank))
         rank = self.max_rank
@@ -129,7 +135,10 @@ class RunnerLora:
         if not any(slot != BASE_SLOT for slot in slots):
             return
         tokens = torch.tensor(slots, device=self.device)
-        used = torch.tensor(sorted(set(slots) - {BASE_SLOT}), device=self.device)
+        ids = tuple(sorted(set(slots) - {BASE_SLOT}))
+        if ids != self._gathered_for:
+            self._gathered, self._gathered_for = {}, ids
+        used = torch.tensor(ids, device=self.device)
         rows = (tokens[:, None] == used[None, :]).to(self.dtype)
         self.plan = TokenPlan(used=used, rows=rows, rank=self.max_rank)
 
@@ -138,16 +147,27 @@ class RunnerLora:
         plan = self.plan
         if plan is None:
             return out
-        key = (layer, name)
-        a = self.a[key].index_select(0, plan.used).flatten(0, 1)  # [U * parts * R, in]: each used adapter once
-        parts = len(self.b[key])
-        t = (x @ a.T) * plan.mask(parts)  # [N, U * parts * R]
-        if parts == 1:
-            return out + t @ self.b[key][0].index_select(0, plan.used).flatten(0, 1)
-        t = t.view(x.shape[0], len(plan.used), parts, self.max_rank)
-        pieces = [t[:, :, part].reshape(x.shape[0], -1) @ b.index_select(0, plan.used).flatten(0, 1)
-                  for part, b in enumerate(self.b[key])]
+        a, bs = self._blocks((layer, name), plan.used)
+        t = (x @ a.T) * plan.mask(len(bs))  # [N, U * parts * R]
+        if len(bs) == 1:
+            return out + t @ bs[0]
+        t = t.view(x.shape[0], len(plan.used), len(bs), self.max_rank)
+        pieces = [t[:, :, part].reshape(x.shape[0], -1) @ b for part, b in enumerate(bs)]
         return out + torch.cat(pieces, dim=-1)
+
+    def _blocks(self, key: tuple[int, str], used: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A [U * parts * R, in] and each part's B [U * R, out] of the used adapters (each read once)."""
+        found = self._gathered.get(key)
+        if found is None:
+            first, count = self._gathered_for[0], len(self._gathered_for)
+            if self._gathered_for[-1] - first + 1 == count:  # consecutive slots: views, no copy
+                found = (self.a[key][first:first + count].flatten(0, 1),
+                         [b[first:first + count].flatten(0, 1) for b in self.b[key]])
+            else:
+                found = (self.a[key].index_select(0, used).flatten(0, 1),
+                         [b.index_select(0, used).flatten(0, 1) for b in self.b[key]])
+            self._gathered[key] = found
+        return found
 
 
 def runner_lora(runner, *, capacity: int, max_rank: int = MIN_RANK) -> RunnerLora:
