@@ -47,8 +47,9 @@ def build_base(folder: Path, args: argparse.Namespace) -> dict[str, int]:
     tokenizer = save_tokenizer("bytelevel", folder)
     heads = max(1, args.hidden // 64)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-                         num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
-                         max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id)
+                         num_hidden_layers=args.layers, num_attention_heads=heads,
+                         num_key_value_heads=max(1, heads // 4), max_position_embeddings=512,
+                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
