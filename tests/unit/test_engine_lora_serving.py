@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_adapters import hf_greedy, make_adapters, peft_model
+from core.adapters import AdapterConfig
+from tests.tiny_adapters import ADAPTERS, hf_greedy, make_adapters, peft_model
 from tests.tiny_llama import build_tiny_decoder
 from worker.engines.generation import SamplingParams
 from worker.engines.lora_engine import LoraGenerationEngine
@@ -88,3 +89,23 @@ def test_an_adapter_of_another_base_is_refused(tmp_path):
         with pytest.raises(ValueError, match="another base model"):
             engine.submit([1, 2, 3], SamplingParams(max_new_tokens=2), adapter="wide")
         assert engine.generate([5, 6, 7], SamplingParams(max_new_tokens=2, temperature=0)).choices
+
+
+def test_a_higher_rank_adapter_grows_the_slots_and_keeps_the_resident_one(tmp_path):
+    base = tmp_path / "base"
+    build_tiny_decoder("llama", base)
+    folders = make_adapters(base, tmp_path, {"wide": ADAPTERS["wide"], "big": AdapterConfig(
+        r=16, alpha=16, target_modules=["o_proj", "up_proj"])})
+    params = SamplingParams(max_new_tokens=10, temperature=0)
+    prompt = [5, 17, 42, 99]
+    with LoraGenerationEngine(base, device="cpu", precision="fp32", max_loras=2,
+                              adapter_folder=lambda name: folders[name]) as engine:
+        assert engine._lora is not None and engine._lora.nbytes == 0  # nothing allocated before an adapter
+        wide = engine.submit(prompt, params, adapter="wide").result(WAIT)
+        small = engine._lora.nbytes
+        big = engine.submit(prompt, params, adapter="big").result(WAIT)
+        assert engine._lora.max_rank == 16 and engine._lora.nbytes == 2 * small
+        again = engine.submit(prompt, params, adapter="wide").result(WAIT)  # resident, moved into the wider stacks
+        assert engine.stats()["adapters"] == ["big", "wide"]
+    for name, result in (("wide", wide), ("big", big), ("wide", again)):
+        assert result.choices[0].token_ids == hf_greedy(peft_model(base, folders[name]), prompt, 10), name

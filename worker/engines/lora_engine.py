@@ -61,6 +61,11 @@ class LoraGenerationEngine(GenerationEngine):
             adapter = AdapterUse(adapter, None if resident else self.read_adapter(adapter))
         return super().submit(prompt, params, adapter=adapter, **kwargs)
 
+    @property
+    def weight_bytes(self) -> int:
+        """The base's weights plus the adapter slots' stacks (allocated by the first adapter, grown with ranks)."""
+        return super().weight_bytes + (self._lora.nbytes if self._lora is not None else 0)
+
     def stats(self) -> dict:
         """GenerationEngine.stats plus the resident adapters (least recently used first)."""
         with self._lock:  # the scheduler changes the cache under this lock

@@ -9,7 +9,9 @@ the flat tokens' slots (decode rows, then each prompt's padded positions) into t
     t = (x A_U^T) * mask          one matmul for all parts of all used adapters (they share the input x)
     y[:, part] += t[:, part] B_part,U   one matmul per part (no zero blocks, unlike one block-diagonal B)
 as `lora_batch.lora_delta` does per projection (Punica's BGMV, S-LoRA). Writing a slot copies tensors only;
-reading the adapter folder happens before (`lora_batch.load_lora_weights`, off the decode loop).
+reading the adapter folder happens before (`lora_batch.load_lora_weights`, off the decode loop). The stacks
+are allocated when the first adapter arrives (a base that serves none holds nothing more) and grow when an
+adapter of a higher rank than they hold arrives.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class RunnerLora:
         # adapters (decode steps mostly do): a step then reads them without gathering them again.
         self._gathered: dict[tuple[int, str], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._gathered_for: tuple[int, ...] = ()
-        self._grow(max(MIN_RANK, _pow2(max_rank)))
+        self._first_rank = max(MIN_RANK, _pow2(max_rank))  # the stacks are allocated by the first write
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +111,7 @@ class RunnerLora:
         self.check(weights)
         self._gathered = {}
         if weights.rank > self.max_rank:
-            self._grow(_pow2(weights.rank))
+            self._grow(max(self._first_rank, _pow2(weights.rank)))
         rank = self.max_rank
         for (layer, name), a in self.a.items():
             a[slot].zero_()
