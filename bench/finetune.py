@@ -228,6 +228,16 @@ def _spread(values: list[float]) -> str:
     return f"{min(values):.1f}-{max(values):.1f}"
 
 
+def write_json(args: argparse.Namespace, runs: dict, summary: dict | None, rows: int, mean_tokens: float,
+               sample_flops: float) -> None:
+    """Every run so far and (at the end) the medians; `summary` None marks a partial file."""
+    args.json.write_text(json.dumps({
+        "model": args.model_config, "max_length": args.max_length, "batch_size": args.batch_size, "rows": rows,
+        "mean_tokens": mean_tokens, "gflop_per_sample": sample_flops / 1e9, "peak_tflops": args.peak_tflops,
+        "device": args.device, "torch": torch.__version__, "partial": summary is None, "summary": summary or {},
+        "runs": {side: results for side, results in runs.items()}}, indent=1, default=str))
+
+
 def parse_args() -> argparse.Namespace:
     """Command-line options (see bench/README.md)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -235,6 +245,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dev", type=Path, default=default_data("sst2_dev.tsv", "dev.tsv"))
     parser.add_argument("--rows", type=int, default=4000, help="first N training rows (default 4000)")
     parser.add_argument("--max-steps", type=int, default=None, help="stop every run after N steps (smoke)")
+    parser.add_argument("--epochs", type=float, default=HYPER["epochs"], help="epochs of every run (default 1)")
+    parser.add_argument("--warmup-steps", type=int, default=0,
+                        help="before the timed rounds, run every side this many steps untimed (kernels, caches)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per side, interleaved (default 3)")
     parser.add_argument("--device", default="cpu", help="cpu (the measured setting) or cuda")
     parser.add_argument("--precision", default="fp32", choices=["auto", "fp32", "bf16", "fp16"],
@@ -270,7 +283,7 @@ def main() -> None:
 
     args = parse_args()
     # One set of hyperparameters for every side; these two are options.
-    HYPER["max_length"], HYPER["batch_size"] = args.max_length, args.batch_size
+    HYPER["max_length"], HYPER["batch_size"], HYPER["epochs"] = args.max_length, args.batch_size, args.epochs
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # The engine resolves its precision the same way (one calibration per process, cached).
     engine_precision = resolve_device(args.device, args.precision, training=True).precision
@@ -304,9 +317,17 @@ def main() -> None:
                                                 attention="eager"),
             "hf-trainer": lambda: run_trainer(train_file, work, args, baseline_precision, grouped=False),
         }
-        # Interleaved repeats: a slow spell of the machine hits every side, not one of them.
-        for repeat in range(args.repeats):
+        if args.warmup_steps:  # outside the timed rounds: first-call costs (CUDA context, kernels, autotuning)
+            timed_steps, args.max_steps = args.max_steps, args.warmup_steps
             for side in args.sides:
+                runners[side]()
+                print(f"warm-up: {side}, {args.warmup_steps} steps, not timed", flush=True)
+            args.max_steps = timed_steps
+        # Interleaved repeats, the order rotating each round: a slow spell of the machine (or a warm cache)
+        # hits every side, not always the same one.
+        for repeat in range(args.repeats):
+            shift = repeat % len(args.sides)
+            for side in args.sides[shift:] + args.sides[:shift]:
                 result = runners[side]()
                 # The 1-min load average as the run ends: the run itself accounts for about one per
                 # torch thread; more means another process shared the CPU and the timing is suspect.
@@ -321,6 +342,8 @@ def main() -> None:
                 print(f"{side + ' #' + str(repeat + 1):<26}{r['precision']:>6}{r['steps']:>7}"
                       f"{r['samples_per_second']:>11.1f}{loop:>10}{r['train_runtime']:>9.1f}{r['wall']:>8.1f}"
                       f"{r['train_loss']:>8.4f}{r['dev_accuracy']:>9.4f}{r['load']:>6.1f}", flush=True)
+                if args.json:  # after every run: a run cut short by a time limit still leaves its figures
+                    write_json(args, runs, None, rows, mean_tokens, sample_flops)
 
     print(f"\n{rows} training rows, {len(dev_texts)} dev rows, {args.repeats} runs per side, interleaved")
     print(f"{'side':<26}{'prec':>6}{'median samples/s':>18}{'min-max':>14}{'TFLOP/s':>9}{'MFU':>7}{'dev acc':>9}"
@@ -352,11 +375,7 @@ def main() -> None:
             print(f"engine/best grouped Trainer ({best}, the faster of {' and '.join(trainers)}): "
                   f"{medians['engine'] / medians[best]:.2f}x median samples/s: the headline ratio")
     if args.json:
-        args.json.write_text(json.dumps({
-            "model": args.model_config, "max_length": args.max_length, "batch_size": args.batch_size, "rows": rows,
-            "mean_tokens": mean_tokens, "gflop_per_sample": sample_flops / 1e9, "peak_tflops": args.peak_tflops,
-            "device": args.device, "torch": torch.__version__, "summary": summary,
-            "runs": {side: results for side, results in runs.items()}}, indent=1, default=str))
+        write_json(args, runs, summary, rows, mean_tokens, sample_flops)
     print(f"load: 1-min load average as each run ended, min-max ({torch.get_num_threads()} of it is the run "
           f"itself); now {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
