@@ -69,6 +69,15 @@ def list_events(session: Session, *, job_id: str, after_id: int = 0, limit: int 
     return list(session.scalars(query))
 
 
+def list_events_newest_first(session: Session, *, job_id: str, before_id: int | None = None,
+                             limit: int = 20) -> list[JobEvent]:
+    """Events newest first (OpenAI's order), before a given event id."""
+    query = select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id.desc()).limit(limit)
+    if before_id is not None:
+        query = query.where(JobEvent.id < before_id)
+    return list(session.scalars(query))
+
+
 def add_metric_points(session: Session, *, job_id: str, attempt: int,
                       points: Iterable[tuple[int, float, str, float]]) -> None:
     """Insert (step, epoch, name, value) points of attempt `attempt`; a point stored for (name, step) is kept."""
