@@ -28,7 +28,7 @@ def create_fine_tuning_job(body: Annotated[FineTuningJobCreate, Body()], session
                            ) -> FineTuningJob:
     """Start a fine-tune (the same job as POST /jobs would make); answers at once with the queued job."""
     job = service.create_job(session, settings, queue, principal, body=body, idempotency_key=idempotency_key)
-    return service.fine_tuning_job(job)
+    return service.read_job(session, job)
 
 
 @router.get("", response_model=FineTuningJobList)
@@ -41,14 +41,14 @@ def list_fine_tuning_jobs(session: SessionDep, principal: PrincipalDep, after: A
 @router.get("/{job_id}", response_model=FineTuningJob)
 def retrieve_fine_tuning_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> FineTuningJob:
     """Status, resolved hyperparameters, fine_tuned_model once it succeeded, error once it failed."""
-    return service.fine_tuning_job(service.get_job(session, principal, job_id=job_id))
+    return service.read_job(session, service.get_job(session, principal, job_id=job_id))
 
 
 @router.post("/{job_id}/cancel", response_model=FineTuningJob)
 def cancel_fine_tuning_job(job_id: str, session: SessionDep, queue: QueueDep, principal: PrincipalDep
                            ) -> FineTuningJob:
     """Cancel: a queued job ends at once, a running one after its current optimizer step."""
-    return service.fine_tuning_job(jobs.cancel_job(session, queue, principal, job_id=job_id))
+    return service.read_job(session, jobs.cancel_job(session, queue, principal, job_id=job_id))
 
 
 @router.get("/{job_id}/events", response_model=FineTuningJobEventList)

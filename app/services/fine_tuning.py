@@ -130,8 +130,20 @@ def renamed(exc: ValidationFailed, names: dict[str, str], where: str) -> Validat
     return ValidationFailed(new, exc.message.replace(field, new), code=exc.code, details=exc.details)
 
 
-def fine_tuning_job(job: Job) -> FineTuningJob:
-    """A job as OpenAI's fine_tuning.job: statuses, resolved hyperparameters, fine_tuned_model once succeeded."""
+def read_jobs(session: Session, jobs: list[Job]) -> list[FineTuningJob]:
+    """Jobs as OpenAI's objects (one query for what their engines reported when they started)."""
+    started = store.started_data(session, job_ids=[j.id for j in jobs if j.status == JobStatus.SUCCEEDED])
+    return [fine_tuning_job(job, started.get(job.id)) for job in jobs]
+
+
+def read_job(session: Session, job: Job) -> FineTuningJob:
+    """One job as OpenAI's object."""
+    return read_jobs(session, [job])[0]
+
+
+def fine_tuning_job(job: Job, started: dict[str, Any] | None = None) -> FineTuningJob:
+    """A job as OpenAI's fine_tuning.job: statuses, resolved hyperparameters, fine_tuned_model once succeeded;
+    `started`: its engine's report at the start (a chat job's tokens per epoch)."""
     hp = job.hyperparameters or {}
     method = job.method or {}
     method_type = "dpo" if method.get("method") == "dpo" else "supervised"
@@ -146,7 +158,8 @@ def fine_tuning_job(job: Job) -> FineTuningJob:
         fine_tuned_model=job.id if job.status == JobStatus.SUCCEEDED else None,
         hyperparameters=resolved, model=job.base_model or "gpt2", organization_id=job.tenant_id,
         seed=int(hp.get("seed", 0)), status=job.status,  # type: ignore[arg-type]
-        trained_tokens=_trained_tokens(job), training_file=job.train_dataset_id, validation_file=job.eval_dataset_id,
+        trained_tokens=_trained_tokens(job, started or {}), training_file=job.train_dataset_id,
+        validation_file=job.eval_dataset_id,
         estimated_finish=int((job.heartbeat_at or utcnow()).timestamp() + job.eta_seconds)  # type: ignore[operator]
         if running_eta else None,
         metadata={str(k): str(v) for k, v in job.metadata_.items()} if job.metadata_ else None,
@@ -163,20 +176,26 @@ def _multiplier(job: Job) -> float | None:
     return round(float(rate) / default(kind.hyperparameters, "learning_rate"), 6)
 
 
-def _trained_tokens(job: Job) -> int | None:
-    """Tokens the training steps processed (their throughput times their time), once a token-counting job ended."""
+def _trained_tokens(job: Job, started: dict[str, Any]) -> int | None:
+    """Tokens the training steps put through the model, once the job succeeded: a text corpus's throughput times
+    its time, a chat job's tokens per epoch times its epochs."""
     metrics = job.metrics or {}
     rate, runtime = metrics.get("train_tokens_per_second"), metrics.get("train_runtime")
-    if job.status != JobStatus.SUCCEEDED or rate is None or runtime is None:
+    per_epoch = started.get("train_tokens_per_epoch")
+    if job.status != JobStatus.SUCCEEDED:
         return None
-    return round(rate * runtime)
+    if rate is not None and runtime is not None:
+        return round(rate * runtime)
+    if isinstance(per_epoch, (int, float)):
+        return round(per_epoch * job.epoch)
+    return None
 
 
 def list_jobs(session: Session, principal: Principal, *, after: str | None, limit: int) -> FineTuningJobList:
     """Jobs newest first; `after` is the id of the previous page's last job."""
     cursor = cursor_of(_job(session, principal, after, field="after")) if after else None
     rows = store.list_jobs(session, limit=limit + 1, tenant=principal.scope, after=cursor)
-    return FineTuningJobList(data=[fine_tuning_job(j) for j in rows[:limit]], has_more=len(rows) > limit)
+    return FineTuningJobList(data=read_jobs(session, rows[:limit]), has_more=len(rows) > limit)
 
 
 def _job(session: Session, principal: Principal, job_id: str, *, field: str | None = None) -> Job:
