@@ -63,6 +63,17 @@ def test_files_upload_list_retrieve_content_and_delete(api, client, chat_file):
         api.files.retrieve(batch.id)
 
 
+def test_a_file_upload_gets_the_upload_limit_not_the_json_one(api, settings):
+    settings.max_request_bytes = 1024
+    content = chat_jsonl("Blue.", repeat=20)
+    assert len(content) > 4 * settings.max_request_bytes
+    assert api.files.create(file=("big.jsonl", content), purpose="fine-tune").bytes == len(content)
+    settings.max_upload_bytes = 1024
+    with pytest.raises(openai.APIStatusError) as bad:
+        api.files.create(file=("big.jsonl", content), purpose="fine-tune")
+    assert bad.value.status_code == 413
+
+
 def test_file_validation_names_the_field_and_the_line(api):
     with pytest.raises(openai.UnprocessableEntityError) as bad:
         api.files.create(file=("chat.jsonl", chat_jsonl("Blue.")), purpose="assistants")
@@ -208,3 +219,15 @@ def test_status_events_checkpoints_and_cancel(api, settings, chat_file, tiny_lla
                                                              "field": None})
     failed = api.fine_tuning.jobs.retrieve(done.id)
     assert failed.status == "failed" and failed.error.code == "oom" and failed.fine_tuned_model is None
+
+
+def test_an_idempotency_key_returns_the_first_file_and_job(client, chat_file, tiny_llama_dir):
+    headers = {"Idempotency-Key": "ft-1"}
+    files = [client.post("/v1/files", files={"file": ("c.jsonl", chat_jsonl("Blue."))}, data={"purpose": "fine-tune"},
+                         headers=headers).json()["id"] for _ in range(2)]
+    assert files[0] == files[1]
+    body = {"model": str(tiny_llama_dir), "training_file": chat_file.id, "suffix": "a"}
+    jobs = [client.post("/v1/fine_tuning/jobs", json=body, headers=headers).json()["id"] for _ in range(2)]
+    assert jobs[0] == jobs[1]
+    reused = client.post("/v1/fine_tuning/jobs", json={**body, "suffix": "b"}, headers=headers)
+    assert reused.status_code == 409 and reused.json()["error"]["code"] == "idempotency_key_reused"
