@@ -7,7 +7,7 @@ own name (`max_steps`, `block_size`, `precision`...). Times are Unix seconds, as
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, field_validator
 
@@ -32,14 +32,6 @@ class FileObject(BaseModel):
         "processed", description="Always processed: an upload is validated row by row before it is stored.")
     expires_at: int | None = None
     status_details: str | None = None
-
-
-class FileList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[FileObject]
-    has_more: bool
-    first_id: str | None = None
-    last_id: str | None = None
 
 
 class FileDeleted(BaseModel):
@@ -177,12 +169,6 @@ class FineTuningJob(BaseModel):
     user_provided_suffix: str | None = None
 
 
-class FineTuningJobList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[FineTuningJob]
-    has_more: bool
-
-
 class FineTuningJobEvent(BaseModel):
     id: str
     object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
@@ -191,12 +177,6 @@ class FineTuningJobEvent(BaseModel):
     message: str
     data: dict[str, Any] | None = None
     type: Literal["message", "metrics"] = "message"
-
-
-class FineTuningJobEventList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[FineTuningJobEvent]
-    has_more: bool
 
 
 class FineTuningJobCheckpoint(BaseModel):
@@ -212,9 +192,26 @@ class FineTuningJobCheckpoint(BaseModel):
     step_number: int
 
 
-class FineTuningJobCheckpointList(BaseModel):
+T = TypeVar("T")
+
+
+class OpenAIList(BaseModel, Generic[T]):
+    """OpenAI's cursor page: pass the last object's id as ?after= for the next one while has_more."""
+
     object: Literal["list"] = "list"
-    data: list[FineTuningJobCheckpoint]
+    data: list[T]
     has_more: bool
     first_id: str | None = None
     last_id: str | None = None
+
+    @classmethod
+    def of(cls, items: list[T], *, has_more: bool) -> OpenAIList[T]:
+        """A page of `items` with its first and last ids."""
+        ids = [getattr(item, "id", None) for item in items]
+        return cls(data=items, has_more=has_more, first_id=ids[0] if ids else None, last_id=ids[-1] if ids else None)
+
+
+FileList = OpenAIList[FileObject]
+FineTuningJobList = OpenAIList[FineTuningJob]
+FineTuningJobEventList = OpenAIList[FineTuningJobEvent]
+FineTuningJobCheckpointList = OpenAIList[FineTuningJobCheckpoint]

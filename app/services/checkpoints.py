@@ -65,5 +65,4 @@ def fine_tuning_checkpoints(session: Session, principal: Principal, *, job_id: s
                                             "full_valid_loss": c.metrics["eval_loss"]}
                                            if "eval_loss" in c.metrics else {}), **c.metrics})
         for c in listed[:limit]]
-    return FineTuningJobCheckpointList(data=data, has_more=len(listed) > limit,
-                                       first_id=data[0].id if data else None, last_id=data[-1].id if data else None)
+    return FineTuningJobCheckpointList.of(data, has_more=len(listed) > limit)

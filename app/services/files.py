@@ -63,9 +63,7 @@ def list_files(session: Session, principal: Principal, *, after: str | None, lim
     cursor = cursor_of(get_file(session, principal, file_id=after, field="after")) if after else None
     rows = store.list_files(session, limit=limit + 1, tenant=principal.scope, purpose=purpose, after=cursor,
                             ascending=order == "asc")
-    data = [file_object(row) for row in rows[:limit]]
-    return FileList(data=data, has_more=len(rows) > limit, first_id=data[0].id if data else None,
-                    last_id=data[-1].id if data else None)
+    return FileList.of([file_object(row) for row in rows[:limit]], has_more=len(rows) > limit)
 
 
 def get_file(session: Session, principal: Principal, *, file_id: str, field: str | None = None) -> Dataset:

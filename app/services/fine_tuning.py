@@ -195,7 +195,7 @@ def list_jobs(session: Session, principal: Principal, *, after: str | None, limi
     """Jobs newest first; `after` is the id of the previous page's last job."""
     cursor = cursor_of(_job(session, principal, after, field="after")) if after else None
     rows = store.list_jobs(session, limit=limit + 1, tenant=principal.scope, after=cursor)
-    return FineTuningJobList(data=read_jobs(session, rows[:limit]), has_more=len(rows) > limit)
+    return FineTuningJobList.of(read_jobs(session, rows[:limit]), has_more=len(rows) > limit)
 
 
 def _job(session: Session, principal: Principal, job_id: str, *, field: str | None = None) -> Job:
@@ -228,4 +228,4 @@ def list_events(session: Session, principal: Principal, *, job_id: str, after: s
             raise ValidationFailed("after", "after is an event id (ftevent-<number>) from an earlier page")
         before = int(match.group(1))
     rows = store.list_events_newest_first(session, job_id=job_id, before_id=before, limit=limit + 1)
-    return FineTuningJobEventList(data=[event_read(e) for e in rows[:limit]], has_more=len(rows) > limit)
+    return FineTuningJobEventList.of([event_read(e) for e in rows[:limit]], has_more=len(rows) > limit)
