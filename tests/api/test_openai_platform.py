@@ -54,6 +54,7 @@ def test_files_upload_list_retrieve_content_and_delete(api, client, chat_file):
     assert client.get(f"/datasets/{chat_file.id}").json()["format"] == "chat"  # the same dataset
     batch = api.files.create(file=("requests.jsonl", BATCH), purpose="batch")
     assert batch.purpose == "batch" and client.get(f"/datasets/{batch.id}").json()["rows"] == 3
+    assert client.get(f"/datasets/{batch.id}/preview").json()["rows"][0]["custom_id"] == "r0"
     assert [f.id for f in api.files.list()] == [batch.id, chat_file.id]
     assert [f.id for f in api.files.list(purpose="batch")] == [batch.id]
     assert [f.id for f in api.files.list(order="asc")] == [chat_file.id, batch.id]

@@ -57,6 +57,8 @@ def test_upload_fine_tune_poll_events_checkpoints_and_chat(pg_url, tmp_path, tin
                                             messages=[{"role": "system", "content": "Be brief."},
                                                       {"role": "user", "content": "What colour is the sky?"}])
         assert reply.choices[0].message.content.strip().startswith("Blue"), reply
+        completion = api.completions.create(model=job.fine_tuned_model, prompt="The sky is", max_tokens=4)
+        assert completion.model == job.id and completion.usage.completion_tokens > 0
         # The same job through trainserve's own API.
         own = httpx.get(f"{base}/jobs/{job.id}", headers=headers).json()
         assert own["status"] == "succeeded" and own["train_dataset"] == training.id
