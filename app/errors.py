@@ -97,12 +97,23 @@ def domain_headers(exc: DomainError) -> dict[str, str]:
     return {}
 
 
-async def _domain(_: Request, exc: Exception) -> JSONResponse:
+def respond(request: Request, status: int, content: dict[str, Any], headers: dict[str, str] | None = None
+            ) -> JSONResponse:
+    """The error response; on OpenAI's /v1 routes the body also carries OpenAI's `type` and `param` (the field),
+    so official clients read every field they expect."""
+    if request.url.path.startswith("/v1/"):
+        body = content["error"]
+        body["param"] = body.get("field")
+        body["type"] = "server_error" if status >= 500 else "invalid_request_error"
+    return JSONResponse(status_code=status, content=content, headers=headers)
+
+
+async def _domain(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, DomainError)
-    return JSONResponse(status_code=status_for(exc), content=exc.envelope(), headers=domain_headers(exc))
+    return respond(request, status_for(exc), exc.envelope(), domain_headers(exc))
 
 
-async def _validation(_: Request, exc: Exception) -> JSONResponse:
+async def _validation(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
@@ -110,36 +121,35 @@ async def _validation(_: Request, exc: Exception) -> JSONResponse:
     details = [{"field": _loc_to_field(tuple(e.get("loc", ())), e.get("ctx")), "message": e.get("msg"),
                 "type": e.get("type")} for e in errors]
     message = f"{field}: {first.get('msg')}" if field else str(first.get("msg"))
-    return JSONResponse(status_code=422, content=envelope(ErrorCode.VALIDATION_ERROR, message, field, details))
+    return respond(request, 422, envelope(ErrorCode.VALIDATION_ERROR, message, field, details))
 
 
-async def _http(_: Request, exc: Exception) -> JSONResponse:
+async def _http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     code = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED,
             413: ErrorCode.PAYLOAD_TOO_LARGE}.get(exc.status_code, ErrorCode.HTTP_ERROR)
     field = None
     if exc.status_code == 400:  # the framework could not parse the body (e.g. a JSON integer of 5,000 digits)
         code, field = ErrorCode.VALIDATION_ERROR, "body"
-    return JSONResponse(status_code=exc.status_code, content=envelope(code, str(exc.detail), field),
-                        headers=getattr(exc, "headers", None))
+    return respond(request, exc.status_code, envelope(code, str(exc.detail), field), getattr(exc, "headers", None))
 
 
-async def _database_down(_: Request, exc: Exception) -> JSONResponse:
+async def _database_down(request: Request, exc: Exception) -> JSONResponse:
     log.warning("database unavailable: %s", type(exc).__name__)
-    return JSONResponse(status_code=503, headers={"Retry-After": "5"},
-                        content=envelope(ErrorCode.DATABASE_UNAVAILABLE, "the database is unavailable; retry shortly"))
+    return respond(request, 503, envelope(ErrorCode.DATABASE_UNAVAILABLE, "the database is unavailable; retry "
+                                          "shortly"), {"Retry-After": "5"})
 
 
-async def _bad_data(_: Request, exc: Exception) -> JSONResponse:
+async def _bad_data(request: Request, exc: Exception) -> JSONResponse:
     # Last line of defence: input the database refuses (e.g. NUL in text) is the client's error, not ours.
     log.warning("database refused a value: %s", type(exc).__name__)
-    return JSONResponse(status_code=422, content=envelope(ErrorCode.VALIDATION_ERROR, "a value contains characters "
-                                                          "or a size the database cannot store"))
+    return respond(request, 422, envelope(ErrorCode.VALIDATION_ERROR, "a value contains characters or a size the "
+                                                                       "database cannot store"))
 
 
-async def _unhandled(_: Request, exc: Exception) -> JSONResponse:
+async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error", exc_info=exc)
-    return JSONResponse(status_code=500, content=envelope(ErrorCode.INTERNAL_ERROR, "internal server error"))
+    return respond(request, 500, envelope(ErrorCode.INTERNAL_ERROR, "internal server error"))
 
 
 def install_error_handlers(app: FastAPI) -> None:

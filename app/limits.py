@@ -13,9 +13,9 @@ from core.errors import TooManyRequests
 from core.protocol import ErrorCode
 from core.settings import Settings
 
-# The one route that takes a file. Everything else takes JSON, whatever Content-Type a client claims:
-# a body labelled multipart/... elsewhere gets the JSON limit, not the upload limit.
-UPLOAD_ROUTES = frozenset({("POST", "/datasets")})
+# The routes that take a file (/v1/files is OpenAI's name for a dataset upload). Everything else takes JSON,
+# whatever Content-Type a client claims: a body labelled multipart/... elsewhere gets the JSON limit.
+UPLOAD_ROUTES = frozenset({("POST", "/datasets"), ("POST", "/v1/files")})
 
 
 def is_upload(scope: Scope) -> bool:

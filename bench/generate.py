@@ -5,7 +5,9 @@ size: 12 layers, hidden 768, 12 query / 4 kv heads, SwiGLU 2048, rotary, tied he
 fixed seed, the GPT-2 BPE as tokenizer for both), the same
 prompts and the same number of new tokens per prompt, greedy, in one invocation, interleaved round by round
 (`--repeats` rounds; medians and spread printed). Baselines, in this process:
-- "hf-batched fp32" and "hf-batched bf16" (the headline baselines): one `model.generate` per `--concurrency`
+- "hf-batched fp32" and "hf-batched bf16" (the headline baselines, SDPA attention; the same with " eager" loaded
+  with `attn_implementation="eager"`, and the headline ratio divides by the faster of the two): one
+  `model.generate` per `--concurrency`
   prompts, left padded, with the model loaded in fp32 and in bf16 (`dtype=torch.bfloat16`): the precision a
   user would pick for the same comparison is the service's, so both are printed, with a ratio against each;
 - "hf-sequential": fp32 `model.generate` one prompt at a time, over the first `--sequential` prompts only (it
@@ -75,10 +77,11 @@ def build_model(folder: Path, layers: int, arch: str = "gpt2") -> None:
 class HfSide:
     """The Hugging Face baselines over one loaded model, in the given dtype."""
 
-    def __init__(self, folder: Path, max_new_tokens: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, folder: Path, max_new_tokens: int, dtype: torch.dtype = torch.float32,
+                 attention: str = "sdpa") -> None:
         self.tokenizer = GPT2TokenizerFast.from_pretrained(folder)
         self.tokenizer.pad_token = self.tokenizer.eos_token  # any id: padded positions are masked out
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attention).eval()
         self.max_new_tokens = max_new_tokens
         with torch.inference_mode():  # warm-up, not timed
             self.model.generate(**self.tokenizer(["warm up"], return_tensors="pt"), do_sample=False,
@@ -196,9 +199,14 @@ def main() -> None:
     parser.add_argument("--sequential", type=int, default=4, help="prompts the slow hf-sequential side runs")
     parser.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
                         help="the service's generation precision (TRAINSERVE_GENERATION_PRECISION)")
+    parser.add_argument("--baseline-attention", default="sdpa,eager",
+                        help="attention implementations of the hf-batched sides (the faster one is the headline)")
     args = parser.parse_args()
     texts = prompts(args.requests)
-    batched_sides = {"fp32": "hf-batched fp32", "bf16": "hf-batched bf16"}
+    attentions = [a.strip() for a in args.baseline_attention.split(",") if a.strip()]
+    # One hf-batched side per (dtype, attention); "hf-batched bf16" is SDPA, "hf-batched bf16 eager" eager.
+    batched_sides = {(dtype, attention): f"hf-batched {dtype}" + ("" if attention == "sdpa" else f" {attention}")
+                     for dtype in ("fp32", "bf16") for attention in attentions}
     sides = ["hf-sequential", *batched_sides.values(), "trainserve"]
     runs: dict[str, list[tuple[float, int, float]]] = {side: [] for side in sides}
     outputs: dict[str, list[list[int]]] = {}
@@ -208,8 +216,10 @@ def main() -> None:
         name = f"{args.arch}-bench"
         folder = home / "models" / name
         build_model(folder, args.layers, args.arch)
-        hf = {"fp32": HfSide(folder, args.max_new_tokens), "bf16": HfSide(folder, args.max_new_tokens, torch.bfloat16)}
-        parameters = sum(p.numel() for p in hf["fp32"].model.parameters())  # tied embedding once
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+        hf = {key: HfSide(folder, args.max_new_tokens, dtypes[key[0]], key[1]) for key in batched_sides}
+        sequential = hf[("fp32", attentions[0])]
+        parameters = sum(p.numel() for p in sequential.model.parameters())  # tied embedding once
         port = free_port()
         proc = start_service(home, port, args.precision)
         try:
@@ -227,11 +237,11 @@ def main() -> None:
                 precision = served_precision(home)
                 for _ in range(args.repeats):
                     load = os.getloadavg()[0]
-                    seconds, outputs["hf-sequential"] = hf["fp32"].run(texts[: args.sequential], 1)
+                    seconds, outputs["hf-sequential"] = sequential.run(texts[: args.sequential], 1)
                     runs["hf-sequential"].append((seconds, sum(map(len, outputs["hf-sequential"])), load))
-                    for dtype, side in batched_sides.items():
+                    for key, side in batched_sides.items():
                         load = os.getloadavg()[0]
-                        seconds, outputs[side] = hf[dtype].run(texts, args.concurrency)
+                        seconds, outputs[side] = hf[key].run(texts, args.concurrency)
                         runs[side].append((seconds, sum(map(len, outputs[side])), load))
                     load = os.getloadavg()[0]
                     seconds, served = service(client, name, texts, args.max_new_tokens, args.concurrency)
@@ -245,7 +255,7 @@ def main() -> None:
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(120)
-    decode = hf["fp32"].tokenizer.decode
+    decode = sequential.tokenizer.decode
     shape = "GPT-2" if args.arch == "gpt2" else "Llama (GQA 12/4, SwiGLU 2048, rotary, tied)"
     print(f"model: {shape} shape, {parameters / 1e6:.0f}M parameters, {args.layers} layers, random weights; "
           f"{args.requests} prompts x "
@@ -263,6 +273,10 @@ def main() -> None:
               f"{statistics.median([load for _, _, load in runs[side]]):>7.2f}")
     print("ratio trainserve / " + "; trainserve / ".join(
         f"{side}: {tps['trainserve'] / tps[side]:.2f}x" for side in sides[:-1]) + " (median tokens/s)")
+    for dtype in ("fp32", "bf16"):
+        best = max((side for (d, _), side in batched_sides.items() if d == dtype), key=lambda side: tps[side])
+        print(f"headline {dtype}: trainserve / {best} (the faster attention of {', '.join(attentions)}): "
+              f"{tps['trainserve'] / tps[best]:.2f}x")
     for name, values in latencies.items():
         ms = [v * 1000 for v in values]
         label = "time to first token" if name == "ttft" else "inter-token latency"
@@ -270,7 +284,7 @@ def main() -> None:
               f"p90 {percentile(ms, 0.9):.0f} ms, p99 {percentile(ms, 0.99):.0f} ms ({len(ms)} samples)")
     same = {side: sum(r["text"] == decode(ids) for r, ids in zip(served, outputs[side], strict=False))
             for side in sides[:-1]}
-    same_dtype = batched_sides.get(precision, "hf-batched fp32")
+    same_dtype = batched_sides.get((precision, attentions[0]), batched_sides[("fp32", attentions[0])])
     others = "; ".join(f"{same[side]}/{len(outputs[side])} vs {side}" for side in sides[:-1] if side != same_dtype)
     print(f"greedy output equal to generate's at the service's dtype: {same[same_dtype]}/{len(served)} vs "
           f"{same_dtype}; for reference {others}")

@@ -2,7 +2,7 @@
 
 Usage: HF_HUB_OFFLINE=1 .venv/bin/python bench/generate_engine.py [--requests 32] [--concurrency 16]
        [--max-new-tokens 64] [--layers 12] [--sampling greedy|seeded] [--threads N] [--batched]
-       [--sequential N] [--json PATH]
+       [--sequential N] [--json PATH] [--repeats 3]
 Smoke run: ... --requests 4 --concurrency 2 --max-new-tokens 8 --layers 1
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -149,6 +150,26 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, round(q / 100 * len(values) + 0.5) - 1))]
 
 
+def interleaved(runners: dict, repeats: int) -> dict[str, list[dict]]:
+    """Every side `repeats` times, one round after another, the order rotating each round, so a slow spell of the
+    machine or a warm cache does not always favour the same side; each run gets its tokens/s and load average."""
+    names = list(runners)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for round_ in range(repeats):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            result = runners[name]()
+            result["tokens_per_second"] = result["tokens"] / result["seconds"]
+            result["load"] = os.getloadavg()[0]
+            runs[name].append(result)
+    return runs
+
+
+def median_run(results: list[dict]) -> dict:
+    """The run whose tokens/s is the median (the lower middle one of an even count: use an odd --repeats)."""
+    ordered = sorted(results, key=lambda r: r["tokens_per_second"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def main() -> None:
     """Parse options, run both sides on the same model and prompts, print the table and the ratio."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -170,6 +191,8 @@ def main() -> None:
                         help="sequential generate over the first N prompts only (0: all; its tokens/s does not "
                              "depend on N); -1 skips it")
     parser.add_argument("--json", type=Path, default=None, help="write the numbers here")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds of every side, interleaved, the order rotating each round (medians printed)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -184,19 +207,28 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "gpt2"
         build_model(folder, args.layers)
-        sides: dict[str, dict] = {}
+        runners = {}
         if args.sequential >= 0:
-            sides[BASELINE] = run_baseline(folder, prompts[: args.sequential or len(prompts)], args)
+            runners[BASELINE] = lambda: run_baseline(folder, prompts[: args.sequential or len(prompts)], args)
         if args.batched:
-            sides[BATCHED] = run_batched(folder, prompts, args)
-        engine = run_engine(folder, prompts, args)
-
-    rows = [*sides.items(), (f"engine ({args.concurrency} submitters)", engine)]
-    print(f"\n{'run':<32} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
+            runners[BATCHED] = lambda: run_batched(folder, prompts, args)
+        engine_name = f"engine ({args.concurrency} submitters)"
+        runners[engine_name] = lambda: run_engine(folder, prompts, args)
+        runs = interleaved(runners, args.repeats)
+    # Per side: the median run by tokens/s (its outputs and engine stats are that run's); every run's TTFT.
+    rows = [(name, median_run(results)) for name, results in runs.items()]
+    sides = dict(rows[:-1])
+    engine = rows[-1][1]
+    engine["ttft"] = sorted(t for result in runs[engine_name] for t in result["ttft"])
+    print(f"\n{'run':<32} {'tokens':>7} {'seconds':>8} {'tokens/s med [min-max]':>24} {'load':>10}")
     for name, result in rows:
-        result["tokens_per_second"] = result["tokens"] / result["seconds"]
-        print(f"{name:<32} {result['tokens']:>7} {result['seconds']:>8.2f} {result['tokens_per_second']:>9.1f}")
-    print()
+        rates = [r["tokens_per_second"] for r in runs[name]]
+        loads = [r["load"] for r in runs[name]]
+        rate = f"{result['tokens_per_second']:.1f} [{min(rates):.1f}-{max(rates):.1f}]"
+        print(f"{name:<32} {result['tokens']:>7} {result['seconds']:>8.2f} "
+              f"{rate:>24} "
+              f"{f'{min(loads):.1f}-{max(loads):.1f}':>10}")
+    print(f"{args.repeats} rounds, sides interleaved (order rotating); ratios of medians")
     for name, result in sides.items():
         print(f"ratio engine / {name}: {engine['tokens_per_second'] / result['tokens_per_second']:.2f}x")
     ttft = engine["ttft"]

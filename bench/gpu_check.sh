@@ -2,11 +2,14 @@
 # GPU check (issue 9, item 6), one prepared run sized for under 8 minutes on one lent GPU:
 #   1. the fine-tuning engine vs HF Trainer (group_by_length, fused AdamW, the same precision) on a BERT-base
 #      shaped model (BertConfig defaults, random weights) at sequence length 128, bf16 and fp16, with model
-#      FLOPs utilisation against the GPU's dense peak;
+#      FLOPs utilisation against the GPU's dense peak: 313 timed steps per run after an untimed warm-up, both
+#      sides timed over the same window (inside training steps), the order rotating each round;
 #   2. generation tokens/s at 1, 32 and 128 concurrent requests: the engine vs sequential and batched
 #      `model.generate` (GPT-2 small shape, bf16), with the engine's time to first token;
 #   3. `trainserve worker --device cuda:N` sees exactly that GPU (and --device cpu none).
-# Prints one table; writes it and the details (JSON, the full log) under $OUT when set.
+# Prints one table; writes it and the details (JSON, the full log) under $OUT when set. Every part runs under a
+# time limit (GPU_CHECK_PART_TIMEOUT, 150 s) and the table (summary.txt) is rewritten after each part, the
+# fine-tune JSON after each run, so a run cut short still reports what it measured.
 #
 #   bash bench/gpu_check.sh           # on the GPU; carry .whl made by bench/gpu_wheels.sh (see bench/README.md)
 #   bash bench/gpu_check.sh --smoke   # or GPU_CHECK_SMOKE=1: everything shrunk, on the CPU, proves the script
@@ -37,13 +40,18 @@ VOCAB=()
 
 if [[ $SMOKE == 1 ]]; then
   DEVICE=cpu PRECISIONS="bf16" CONCURRENCY="1 2 4" SEQUENTIAL=2
-  FINETUNE=(--model-config bert-mini --rows 64 --max-steps 2 --repeats 1 --max-length 32 --batch-size 8
-            --concat-rows 4 --dev "$WORK/dev.tsv")
+  FINETUNE=(--model-config bert-mini --rows 64 --max-steps 2 --warmup-steps 1 --repeats 1 --max-length 32
+            --batch-size 8 --concat-rows 4 --dev "$WORK/dev.tsv")
+  PART_TIMEOUT=300
   GENERATE=(--layers 1 --max-new-tokens 4 --precision fp32)
   head -n 65 examples/data/sst2_dev.tsv > "$WORK/dev.tsv"
 else
   DEVICE=cuda PRECISIONS="bf16 fp16" CONCURRENCY="1 32 128" SEQUENTIAL=8
-  FINETUNE=(--model-config bert-base --rows 4000 --repeats 3 --max-length 128 --batch-size 64 --concat-rows 10)
+  # 4,000 joined rows (row i: sentences i..i+9, about 128 tokens) are 63 steps of 64 per epoch: 5 epochs time 313
+  # steps per run, after 20 untimed warm-up steps per side (CUDA context, kernels, cuBLAS heuristics).
+  FINETUNE=(--model-config bert-base --rows 4000 --epochs 5 --warmup-steps 20 --repeats 3 --max-length 128
+            --batch-size 64 --concat-rows 10)
+  PART_TIMEOUT=${GPU_CHECK_PART_TIMEOUT:-150}  # seconds per part: one slow part cannot take the others' time
   GENERATE=(--layers 12 --max-new-tokens 64 --precision bf16)
 fi
 
@@ -63,11 +71,16 @@ case "$GPU_NAME" in
   *) PEAK=0 ;;
 esac
 FAILED=()
-step() {  # step NAME COMMAND...: run it, append its output to the log, remember a failure and go on
+step() {  # step NAME COMMAND...: run it under the part's time limit, log it, remember a failure, report so far
   local name=$1; shift
-  echo "== $name: $*" | tee -a "$LOG"
-  "$@" 2>&1 | grep --line-buffered -v -e "it/s\]" -e "examples/s\]" | tee -a "$LOG"
-  [[ ${PIPESTATUS[0]} == 0 ]] || FAILED+=("$name")
+  echo "== $name (limit ${PART_TIMEOUT}s): $*" | tee -a "$LOG"
+  timeout -k 10 "$PART_TIMEOUT" "$@" 2>&1 | grep --line-buffered -v -e "it/s\]" -e "examples/s\]" | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  [[ $rc == 124 || $rc == 137 ]] && echo "== $name: stopped at its ${PART_TIMEOUT}s limit (its runs so far are kept)" \
+    | tee -a "$LOG"
+  [[ $rc == 0 ]] || FAILED+=("$name")
+  # The table so far, after every part: a run that the session's limit cuts short still leaves its figures.
+  "$PY" bench/gpu_report.py "$DEST" --env "$WORK/env.txt" > /dev/null 2>&1
 }
 
 step device-pin "$PY" bench/device_pin_check.py --json "$DEST/device_pin.json"

@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 
 def _pct(value: float | None) -> str:
     return f"{100 * value:.1f}%" if value is not None else "-"
+
+
+def partial_summary(data: dict) -> dict:
+    """Medians of the runs a cut-short fine-tune part finished (its JSON is rewritten after every run)."""
+    summary = {}
+    for side, runs in data["runs"].items():
+        if runs:
+            summary[side] = {key: statistics.median(r[key] for r in runs)
+                             for key in ("samples_per_second", "tflops", "dev_accuracy")}
+            summary[side]["precision"] = runs[0]["precision"]
+            mfus = [r["mfu"] for r in runs if r.get("mfu") is not None]
+            summary[side]["mfu"] = statistics.median(mfus) if mfus else None
+    return summary
 
 
 def main() -> None:
@@ -26,11 +40,12 @@ def main() -> None:
                  f"{'dev acc':>9}  ratio")
     for path in sorted(folder.glob("finetune-*.json")):
         data = json.loads(path.read_text())
-        summary = data["summary"]
+        summary = data["summary"] or partial_summary(data)
         baseline = summary.get("hf-trainer-grouped", {}).get("samples_per_second")
         for side, s in summary.items():
             ratio = f"{s['samples_per_second'] / baseline:.2f}x" if baseline and side == "engine" else ""
-            lines.append(f"{side + ' seq ' + str(data['max_length']):<34}{s['precision']:>6}"
+            label = side + " seq " + str(data["max_length"]) + (" (partial)" if data.get("partial") else "")
+            lines.append(f"{label:<34}{s['precision']:>6}"
                          f"{s['samples_per_second']:>11.1f}{s['tflops']:>9.2f}{_pct(s['mfu']):>7}"
                          f"{s['dev_accuracy']:>9.4f}  {ratio}")
     lines += ["", f"{'generation (GPT-2 small shape)':<34}{'tokens/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}  ratio"]

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from core.batch_data import BATCH_FORMAT, BatchReader
 from core.errors import ValidationFailed
 from core.tabular import RowReader, TableSummary, Value, json_objects, short, summarize_file
 
@@ -170,6 +171,8 @@ def open_rows(stream: BinaryIO, fmt: str, *, max_rows: int | None = None,
     """The reader of a stored dataset's format: chat records or table rows."""
     if fmt in CHAT_FORMATS:
         return ChatReader(stream, fmt, max_rows=max_rows)
+    if fmt == BATCH_FORMAT:
+        return BatchReader(stream, max_rows=max_rows)
     return RowReader(stream, fmt, max_rows=max_rows, max_columns=max_columns)
 
 

@@ -104,6 +104,8 @@ class Dataset(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     path: Mapped[str] = mapped_column(String(500))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    # /v1/files' purpose ("fine-tune" or "batch"); None: uploaded through /datasets (a fine-tune file there).
+    purpose: Mapped[str | None] = mapped_column(String(20), nullable=True)
 
 
 class SweepStatus(enum.StrEnum):
@@ -164,6 +166,7 @@ class Job(Base):
     adapter: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # core.adapters.AdapterConfig
     method: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # causal-lm: sft or dpo settings
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    suffix: Mapped[str | None] = mapped_column(String(64), nullable=True)  # /v1/fine_tuning/jobs' suffix
     labels: Mapped[list[Any]] = mapped_column(JSON, default=list)
     step: Mapped[int] = mapped_column(Integer, default=0)
     total_steps: Mapped[int | None] = mapped_column(Integer, nullable=True)

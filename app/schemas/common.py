@@ -14,6 +14,8 @@ class ErrorBody(BaseModel):
     message: str = Field(description="What went wrong, for humans.")
     field: str | None = Field(None, description="The request field at fault, dotted (e.g. hyperparameters.seed).")
     details: Any = None
+    param: str | None = Field(None, description="On OpenAI's /v1 routes: the field again, under OpenAI's name.")
+    type: str | None = Field(None, description="On OpenAI's /v1 routes: invalid_request_error or server_error.")
 
 
 class ErrorEnvelope(BaseModel):

@@ -7,8 +7,10 @@ from datetime import datetime
 
 from sqlalchemy.orm import Session
 
+from app.schemas.fine_tuning import FineTuningJobCheckpoint, FineTuningJobCheckpointList
 from app.schemas.jobs import BestRead, CheckpointList, CheckpointRead
 from core.auth import Principal
+from core.errors import NotFound
 from core.jobspec import KINDS
 from core.rows import ArtifactKind, JobStatus
 from core.store import jobs as store
@@ -39,3 +41,28 @@ def list_checkpoints(session: Session, principal: Principal, *, job_id: str, sin
             created_at=created[step], artifact_id=artifact.id if artifact else None,
             download_url=f"/jobs/{job.id}/artifacts/{artifact.id}/download" if artifact else None))
     return CheckpointList(job_id=job.id, best=BestRead(**job.best) if job.best else None, data=data)
+
+
+MAX_CHECKPOINTS = 1000  # evaluations of one job listed (OpenAI pages them newest first)
+
+
+def fine_tuning_checkpoints(session: Session, principal: Principal, *, job_id: str, after: str | None,
+                            limit: int) -> FineTuningJobCheckpointList:
+    """A job's evaluations as OpenAI's checkpoints, newest first; `after` is the previous page's last id."""
+    job = store.get_job(session, job_id=job_id, tenant=principal.scope)
+    listed = list(reversed(list_checkpoints(session, principal, job_id=job_id, since_step=0,
+                                            limit=MAX_CHECKPOINTS).data))
+    if after is not None:
+        index = next((i for i, c in enumerate(listed) if c.id == after), None)
+        if index is None:
+            raise NotFound(f"checkpoint {after!r} not found on job {job_id!r}", field="after")
+        listed = listed[index + 1:]
+    served = job.status == JobStatus.SUCCEEDED
+    data = [FineTuningJobCheckpoint(
+        id=c.id, created_at=int(c.created_at.timestamp()), fine_tuning_job_id=job.id, step_number=c.step,
+        fine_tuned_model_checkpoint=job.id if c.is_best and served else c.id,
+        metrics={"step": float(c.step), **({"valid_loss": c.metrics["eval_loss"],
+                                            "full_valid_loss": c.metrics["eval_loss"]}
+                                           if "eval_loss" in c.metrics else {}), **c.metrics})
+        for c in listed[:limit]]
+    return FineTuningJobCheckpointList.of(data, has_more=len(listed) > limit)

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from app.schemas.datasets import DatasetPreview, DatasetRead, DatasetSummary
 from app.services import idempotency
 from core.auth import Principal
+from core.batch_data import summarize_batch
 from core.chat_data import open_rows, summarize_upload
 from core.db import release
 from core.errors import PayloadTooLarge, ValidationFailed
@@ -48,9 +49,10 @@ def spool_limited(stream: BinaryIO, target: Path, limit: int) -> tuple[str, int]
 
 
 def create_dataset(session: Session, settings: Settings, storage: ArtifactStore, principal: Principal, *,
-                   filename: str, stream: BinaryIO, name: str | None, idempotency_key: str | None = None) -> Dataset:
+                   filename: str, stream: BinaryIO, name: str | None, idempotency_key: str | None = None,
+                   purpose: str | None = None, route: str = ROUTE) -> Dataset:
     """Spool an upload to disk, parse and validate it row by row, then store it under a server-chosen key
-    and commit the row."""
+    and commit the row. `purpose` (/v1/files): "batch" files are checked as batch requests, not training data."""
     filename = Path(filename or "").name  # never trust a client path
     if not filename:
         raise ValidationFailed("file", "the upload has no file name; the extension selects the format")
@@ -66,16 +68,17 @@ def create_dataset(session: Session, settings: Settings, storage: ArtifactStore,
     part.parent.mkdir(parents=True, exist_ok=True)
     try:
         sha256, size = spool_limited(stream, part, settings.max_upload_bytes)
-        request_hash = idempotency.fingerprint(sha256 + "\0" + filename + "\0" + (name or ""))
-        replayed = idempotency.replayed_id(session, principal, route=ROUTE, key=idempotency_key,
+        request_hash = idempotency.fingerprint("\0".join((sha256, filename, name or "", purpose or "")))
+        replayed = idempotency.replayed_id(session, principal, route=route, key=idempotency_key,
                                            request_hash=request_hash)
         if replayed is not None:
             part.unlink(missing_ok=True)
             return store.get_dataset(session, dataset_id=replayed)
         release(session)  # parsing can take a while and storing may be an upload: no connection held meanwhile
         # A JSON Lines file of conversations, preference pairs or prompt/completion pairs is a chat dataset.
-        summary = summarize_upload(part, fmt, max_rows=settings.max_dataset_rows,
-                                   max_columns=settings.max_dataset_columns)
+        summary = (summarize_batch(part, fmt, max_rows=settings.max_dataset_rows) if purpose == "batch" else
+                   summarize_upload(part, fmt, max_rows=settings.max_dataset_rows,
+                                    max_columns=settings.max_dataset_columns))
         storage.move_in(part, key)  # a rename, or an upload: readers never see a half-written file
     except BaseException:
         part.unlink(missing_ok=True)
@@ -83,18 +86,18 @@ def create_dataset(session: Session, settings: Settings, storage: ArtifactStore,
     dataset = Dataset(
         id=dataset_id, tenant_id=principal.tenant_id, name=name or filename, filename=filename, format=summary.format,
         rows=summary.rows, columns=summary.columns, column_stats=summary.stats, sha256=sha256,
-        size_bytes=size, path=key, created_at=utcnow(),
+        size_bytes=size, path=key, created_at=utcnow(), purpose=purpose,
     )
     try:
         store.add_dataset(session, dataset=dataset)
-        idempotency.remember(session, principal, route=ROUTE, key=idempotency_key, request_hash=request_hash,
+        idempotency.remember(session, principal, route=route, key=idempotency_key, request_hash=request_hash,
                              resource_id=dataset_id)
         session.commit()
     except IntegrityError:
         # A concurrent request with the same Idempotency-Key won the race: answer with its dataset.
         session.rollback()
         _discard(storage, key)
-        replayed = idempotency.replayed_id(session, principal, route=ROUTE, key=idempotency_key,
+        replayed = idempotency.replayed_id(session, principal, route=route, key=idempotency_key,
                                            request_hash=request_hash)
         if replayed is None:
             raise

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from core.adapters import PreferenceConfig
 from core.auth import Principal
+from core.batch_data import BATCH_FORMAT
 from core.chat_data import CHAT_FORMATS
 from core.errors import NotFound, ValidationFailed
 from core.jobspec import CausalLMJob, JobSpec
@@ -58,7 +59,10 @@ def is_chat(dataset: Dataset | None) -> bool:
 
 
 def require_table_data(spec: JobSpec, train: Dataset, evaluation: Dataset | None) -> None:
-    """Chat datasets train causal-lm jobs only (checked before any column of a table is looked for)."""
+    """Chat datasets train causal-lm jobs only, batch files none (checked before any column is looked for)."""
+    for field, dataset in (("train_dataset", train), ("eval_dataset", evaluation)):
+        if dataset is not None and dataset.format == BATCH_FORMAT:
+            raise ValidationFailed(field, f"{dataset.id} is a batch file (requests to run), not training data")
     if not isinstance(spec, CausalLMJob) and (is_chat(train) or is_chat(evaluation)):
         field = "train_dataset" if is_chat(train) else "eval_dataset"
         raise ValidationFailed(field, f"{spec.task} jobs train on tables; chat datasets train causal-lm jobs")

@@ -50,20 +50,22 @@ MAX_HINT_COLUMNS = 1000  # columns searched for a "did you mean" hint
 
 
 def create_job(session: Session, settings: Settings, queue: TaskQueue, principal: Principal, *, spec: JobSpec,
-               idempotency_key: str | None = None, route: str = ROUTE, rerun_of: str | None = None) -> Job:
+               idempotency_key: str | None = None, route: str = ROUTE, rerun_of: str | None = None,
+               suffix: str | None = None) -> Job:
     """Validate a fine-tune request against its datasets, store the job and its task message, then send it.
 
     The message commits with the row: if the broker refuses, the job stays queued and the outbox relay
-    sends it once the broker is back.
+    sends it once the broker is back. `suffix`: /v1/fine_tuning/jobs' name part, kept on the row.
     """
     body = spec.request()
-    request_hash = idempotency.fingerprint({**body, "rerun_of": rerun_of} if rerun_of else body)
+    extra = {name: value for name, value in (("rerun_of", rerun_of), ("suffix", suffix)) if value}
+    request_hash = idempotency.fingerprint({**body, **extra} if extra else body)
     replayed = idempotency.replayed_id(session, principal, route=route, key=idempotency_key,
                                        request_hash=request_hash)
     if replayed is not None:
         return store.get_job(session, job_id=replayed)
     job = prepare_job(session, settings, principal, spec=spec)
-    job.rerun_of = rerun_of
+    job.rerun_of, job.suffix = rerun_of, suffix
     admit_jobs(session, settings, tenant_id=principal.tenant_id)  # the tenant stays locked until the commit
     try:
         states.create(session, job)  # the row, its `created` event and its outbox message

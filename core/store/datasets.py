@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session, defer
 from core.errors import Conflict
 from core.rows import ACTIVE, Dataset, Job
 from core.store.owned import get_owned
-from core.store.paging import before_cursor
+from core.store.paging import before_cursor, next_in_order
 from core.store.sweeps import running_sweep_using
 
 
@@ -34,6 +34,24 @@ def list_datasets(session: Session, *, limit: int, tenant: str | None = None,
         query = query.where(Dataset.tenant_id == tenant)
     if after is not None:
         query = query.where(before_cursor(Dataset, after))
+    return list(session.scalars(query))
+
+
+def list_files(session: Session, *, limit: int, tenant: str | None, purpose: str | None = None,
+               after: tuple[str, str] | None = None, ascending: bool = False) -> list[Dataset]:
+    """Datasets as /v1/files lists them: by (created_at, id), optionally of one purpose (a dataset uploaded through
+    /datasets, purpose None, is a fine-tune file)."""
+    order = (Dataset.created_at.asc(), Dataset.id.asc()) if ascending else (Dataset.created_at.desc(),
+                                                                          Dataset.id.desc())
+    query = select(Dataset).options(defer(Dataset.column_stats, raiseload=True)).order_by(*order).limit(limit)
+    if tenant is not None:
+        query = query.where(Dataset.tenant_id == tenant)
+    if purpose == "fine-tune":
+        query = query.where((Dataset.purpose == purpose) | Dataset.purpose.is_(None))
+    elif purpose is not None:
+        query = query.where(Dataset.purpose == purpose)
+    if after is not None:
+        query = query.where(next_in_order(Dataset, after, ascending=ascending))
     return list(session.scalars(query))
 
 

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from core import states
 from core.errors import NotFound, StaleAttempt
-from core.rows import Artifact, Job, JobEvent, JobStatus, MetricPoint, is_valid_id, utcnow
+from core.rows import Artifact, EventKind, Job, JobEvent, JobStatus, MetricPoint, is_valid_id, utcnow
 from core.states import sources
 from core.store.owned import get_owned
 from core.store.paging import before_cursor
@@ -67,6 +67,25 @@ def list_events(session: Session, *, job_id: str, after_id: int = 0, limit: int 
     query = (select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > after_id)
              .order_by(JobEvent.id).limit(limit))
     return list(session.scalars(query))
+
+
+def list_events_newest_first(session: Session, *, job_id: str, before_id: int | None = None,
+                             limit: int = 20) -> list[JobEvent]:
+    """Events newest first (OpenAI's order), before a given event id."""
+    query = select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id.desc()).limit(limit)
+    if before_id is not None:
+        query = query.where(JobEvent.id < before_id)
+    return list(session.scalars(query))
+
+
+def started_data(session: Session, *, job_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The data of each job's latest `started` event (what its engine reported when its last attempt began)."""
+    if not job_ids:
+        return {}
+    latest = (select(func.max(JobEvent.id)).where(JobEvent.job_id.in_(list(job_ids)),
+                                                  JobEvent.kind == EventKind.STARTED).group_by(JobEvent.job_id))
+    rows = session.execute(select(JobEvent.job_id, JobEvent.data).where(JobEvent.id.in_(latest)))
+    return {job_id: data or {} for job_id, data in rows}
 
 
 def add_metric_points(session: Session, *, job_id: str, attempt: int,

@@ -45,3 +45,16 @@ def split_page(rows: Sequence[Row], limit: int) -> tuple[list[Row], str | None]:
         return page, None
     last: Any = page[-1]
     return page, encode_cursor(last.created_at, last.id)
+
+
+def next_in_order(model: Any, after: tuple[str, str], *, ascending: bool = False) -> Any:
+    """Rows strictly after the cursor in (created_at, id) order, newest first unless `ascending`."""
+    if not ascending:
+        return before_cursor(model, after)
+    created = datetime.fromisoformat(after[0])
+    return or_(model.created_at > created, and_(model.created_at == created, model.id > after[1]))
+
+
+def cursor_of(row: Any) -> tuple[str, str]:
+    """The (created_at iso, id) cursor a row ends a page on (for APIs whose cursor is the last object's id)."""
+    return row.created_at.isoformat(), row.id

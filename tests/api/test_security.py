@@ -62,7 +62,7 @@ def test_other_tenants_get_404_on_every_route_with_an_id(client, settings, queue
     hook = client.post("/webhooks", json={"url": "http://127.0.0.1:9/hook", "event_types": ["job.failed"]}).json()
     other = {"Authorization": f"Bearer {make_key(settings.resolved_database_url, tenant='tenant-b')}"}
     ids = {"dataset_id": ds, "job_id": job, "artifact_id": "art_x", "endpoint_id": hook["id"],
-           "sweep_id": "swp_x"}
+           "sweep_id": "swp_x", "file_id": ds}
     checked = 0
     for method, path in _routes(client):
         names = re.findall(r"\{([^}]+)\}", path)

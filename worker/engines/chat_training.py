@@ -98,7 +98,7 @@ class ChatRecipe:
                       "batch_size": config.batch_size,
                       "gradient_accumulation_steps": config.gradient_accumulation_steps, **settings},
             info={"num_train": len(self.train_set), "num_eval": len(self.eval_set), "dropped": self.dropped,
-                  "format": self.format},
+                  "format": self.format, "train_tokens_per_epoch": sum(map(_tokens, self.train_set))},
             hyperparameters={"max_length": config.max_length, **settings},
         )
 
@@ -185,6 +185,12 @@ def assistant_loss(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     """Mean next-token cross-entropy over the labelled (assistant) tokens."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
     return F.cross_entropy(logits.float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE)
+
+
+def _tokens(example: Example) -> int:
+    """Tokens one example puts through the model (both sides of a pair): what /v1's trained_tokens counts."""
+    parts = example if isinstance(example, tuple) else (example,)
+    return sum(len(part.input_ids) for part in parts)
 
 
 def _length(example: Example) -> int:
