@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from core.embeddings import EmbedTask
 from core.protocol import ClassifyResult, ClassifyTask, ErrorBody, ErrorCode, Prediction
 from core.redis_keys import abandoned_key, classify_reply_key
 from worker.context import WorkerContext
@@ -33,9 +34,18 @@ def classify_texts(ctx: WorkerContext, job_id: str, texts: list[str]) -> list[di
     return result
 
 
-def abandoned(ctx: WorkerContext, task: ClassifyTask) -> bool:
+def abandoned(ctx: WorkerContext, task: ClassifyTask | EmbedTask) -> bool:
     """True when the caller has stopped waiting for this task."""
     return task.deadline <= time.time() or bool(ctx.redis.exists(abandoned_key(task.request_id)))
+
+
+def push_reply(ctx: WorkerContext, key: str, reply: str, deadline: float) -> None:
+    """Push a reply to the list its caller waits on; it expires if the caller never reads it."""
+    ttl = max(1, int(deadline - time.time()) + 60)
+    with ctx.redis.pipeline() as pipe:  # one round trip
+        pipe.rpush(key, reply)
+        pipe.expire(key, ttl)
+        pipe.execute()
 
 
 def serve_classify(ctx: WorkerContext, payload: dict[str, Any]) -> str:
@@ -54,10 +64,5 @@ def serve_classify(ctx: WorkerContext, payload: dict[str, Any]) -> str:
     except Exception as exc:  # noqa: BLE001 - the caller gets the error instead of waiting for its timeout
         log.exception("classify task %s failed", task.request_id)
         result = ClassifyResult(error=ErrorBody(code=ErrorCode.WORKER_ERROR, message=f"worker failed: {exc}"))
-    key = classify_reply_key(task.request_id)
-    ttl = max(1, int(task.deadline - time.time()) + 60)
-    with ctx.redis.pipeline() as pipe:  # one round trip; the reply expires if the caller never reads it
-        pipe.rpush(key, result.model_dump_json())
-        pipe.expire(key, ttl)
-        pipe.execute()
+    push_reply(ctx, classify_reply_key(task.request_id), result.model_dump_json(), task.deadline)
     return "failed" if result.error else "answered"
