@@ -6,22 +6,17 @@ As with /classify, a task whose caller has given up is skipped before any model 
 from __future__ import annotations
 
 import base64
-import logging
 from pathlib import Path
 from typing import Any
-
-from pydantic import ValidationError
 
 from core.embeddings import EmbedResult, EmbedTask
 from core.pretrained import builtin_aliases
 from core.protocol import ErrorBody, ErrorCode
 from core.redis_keys import embed_reply_key
 from core.served_models import is_job_model
-from worker.classification import abandoned, push_reply
+from worker.classification import serve_request
 from worker.context import WorkerContext
 from worker.sync import fetch_model
-
-log = logging.getLogger(__name__)
 
 
 def _embedders(ctx: WorkerContext) -> Any:
@@ -56,18 +51,5 @@ def embed(ctx: WorkerContext, task: EmbedTask) -> EmbedResult:
 
 def serve_embed(ctx: WorkerContext, payload: dict[str, Any]) -> str:
     """Run one /v1/embeddings task and push its result; returns "skipped", "answered" or "failed"."""
-    try:
-        task = EmbedTask.model_validate(payload)
-    except ValidationError:
-        log.exception("dropping a malformed embed task")
-        return "failed"
-    if abandoned(ctx, task):
-        log.info("skipping embed task %s: its caller has given up", task.request_id)
-        return "skipped"
-    try:
-        result = embed(ctx, task)
-    except Exception as exc:  # noqa: BLE001 - the caller gets the error instead of waiting for its timeout
-        log.exception("embed task %s failed", task.request_id)
-        result = EmbedResult(error=ErrorBody(code=ErrorCode.WORKER_ERROR, message=f"worker failed: {exc}"))
-    push_reply(ctx, embed_reply_key(task.request_id), result.model_dump_json(), task.deadline)
-    return "failed" if result.error else "answered"
+    return serve_request(ctx, payload, task_type=EmbedTask, answer=lambda task: embed(ctx, task),
+                         reply_key=embed_reply_key)

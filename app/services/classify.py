@@ -14,7 +14,6 @@ from redis.asyncio import Redis
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from app.errors import from_wire
 from app.services.inference import ask_worker
 from core.auth import Principal
 from core.errors import NotFound, ValidationFailed
@@ -53,10 +52,7 @@ async def classify(session: Session, settings: Settings, queue: TaskQueue, redis
     timeout = settings.classify_timeout_s
     task = ClassifyTask(request_id=f"cls-{uuid.uuid4().hex}", job_id=model, texts=texts,
                         deadline=time.time() + timeout)
-    reply = await ask_worker(redis, queue, task_name=TASK_CLASSIFY, payload=task.model_dump(mode="json"),
-                             request_id=task.request_id, reply_key=classify_reply_key(task.request_id),
-                             timeout=timeout, disconnected=disconnected)
-    result = ClassifyResult.model_validate_json(reply)
-    if result.error is not None:
-        raise from_wire(result.error)
+    result = await ask_worker(redis, queue, task_name=TASK_CLASSIFY, task=task,
+                              reply_key=classify_reply_key(task.request_id), reply_type=ClassifyResult,
+                              timeout=timeout, disconnected=disconnected)
     return result.predictions or []

@@ -17,7 +17,6 @@ from redis.asyncio import Redis
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from app.errors import from_wire
 from app.schemas.embeddings import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
 from app.services.inference import ask_worker
 from core.auth import Principal
@@ -89,12 +88,8 @@ async def embed(session: Session, settings: Settings, queue: TaskQueue, redis: R
     timeout = settings.embedding_timeout_s
     task = EmbedTask(request_id=f"emb-{uuid.uuid4().hex}", model=reference, texts=texts, token_ids=token_ids,
                      dimensions=body.dimensions, deadline=time.time() + timeout)
-    reply = await ask_worker(redis, queue, task_name=TASK_EMBED, payload=task.model_dump(mode="json"),
-                             request_id=task.request_id, reply_key=embed_reply_key(task.request_id),
-                             timeout=timeout, disconnected=disconnected)
-    result = EmbedResult.model_validate_json(reply)
-    if result.error is not None:
-        raise from_wire(result.error)
+    result = await ask_worker(redis, queue, task_name=TASK_EMBED, task=task, reply_key=embed_reply_key(task.request_id),
+                              reply_type=EmbedResult, timeout=timeout, disconnected=disconnected)
     vectors = result.embeddings or []
     if len(vectors) != len(texts or token_ids or []):
         raise UpstreamFailed(f"the worker returned {len(vectors)} embeddings for {len(texts or token_ids or [])} "

@@ -9,14 +9,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.concurrency import run_in_threadpool
 
+from app.errors import from_wire
+from core.embeddings import EmbedResult, EmbedTask
 from core.errors import BrokerUnavailable, ClientGone, WorkerTimeout
 from core.logs import task_headers
+from core.protocol import ClassifyResult, ClassifyTask
 from core.queue import TaskQueue
 from core.redis_keys import abandoned_key
 from core.tasks import QUEUE_INFERENCE
@@ -24,11 +27,24 @@ from core.tasks import QUEUE_INFERENCE
 # Longest single blocking read: between reads the caller's connection is checked, and it stays well below
 # the Redis client's socket timeout.
 BLOCK_S = 1.0
+Task = TypeVar("Task", ClassifyTask, EmbedTask)
+Reply = TypeVar("Reply", ClassifyResult, EmbedResult)
 
 
-async def ask_worker(redis: Redis, queue: TaskQueue, *, task_name: str, payload: dict[str, Any], request_id: str,
-                     reply_key: str, timeout: float, disconnected: Callable[[], Awaitable[bool]]) -> bytes:
-    """Send `payload` to the inference queue and return the worker's reply (WorkerTimeout after `timeout` s)."""
+async def ask_worker(redis: Redis, queue: TaskQueue, *, task_name: str, task: Task, reply_key: str,
+                     reply_type: type[Reply], timeout: float, disconnected: Callable[[], Awaitable[bool]]) -> Reply:
+    """Send `task` to the inference queue and return the worker's reply; its error as the domain error, and
+    WorkerTimeout after `timeout` s."""
+    raw = await _ask(redis, queue, task_name=task_name, payload=task.model_dump(mode="json"),
+                     request_id=task.request_id, reply_key=reply_key, timeout=timeout, disconnected=disconnected)
+    reply = reply_type.model_validate_json(raw)
+    if reply.error is not None:
+        raise from_wire(reply.error)
+    return reply
+
+
+async def _ask(redis: Redis, queue: TaskQueue, *, task_name: str, payload: dict[str, Any], request_id: str,
+               reply_key: str, timeout: float, disconnected: Callable[[], Awaitable[bool]]) -> bytes:
     task_id = await run_in_threadpool(queue.send, task_name, [payload], queue=QUEUE_INFERENCE,
                                       headers=task_headers())
     reply: bytes | None = None
