@@ -25,10 +25,12 @@ from transformers import AutoModel, AutoTokenizer
 from worker.engines import adapters, data
 from worker.engines.device import DevicePlan, resolve_device
 
-# sentence-transformers' Pooling modes, in the order it concatenates them when several are on.
-POOLING_MODES = ("cls_token", "max_tokens", "mean_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens",
-                 "lasttoken")
-SUPPORTED_MODES = {"cls_token", "max_tokens", "mean_tokens", "mean_sqrt_len_tokens", "lasttoken"}
+# sentence-transformers' Pooling modes; older configs set one flag per mode (`pooling_mode_<legacy name>`), read
+# in this order (the one they are concatenated in), newer ones name them in `pooling_mode` (a name or a list).
+LEGACY_MODES = {"cls_token": "cls", "max_tokens": "max", "mean_tokens": "mean",
+                "mean_sqrt_len_tokens": "mean_sqrt_len_tokens", "weightedmean_tokens": "weightedmean",
+                "lasttoken": "lasttoken"}
+POOLING_MODES = frozenset(LEGACY_MODES.values())
 DEFAULT_MAX_LENGTH = 512
 
 
@@ -45,7 +47,7 @@ class EmbeddingSpec:
     """How a folder's model turns hidden states into one vector."""
 
     transformer_dir: Path
-    modes: tuple[str, ...] = ("mean_tokens",)
+    modes: tuple[str, ...] = ("mean",)
     normalize: bool = True
     max_length: int | None = None  # None: the model's position limit
     matryoshka: tuple[int, ...] = ()  # declared widths; empty: not trained to be cut
@@ -60,17 +62,14 @@ def read_spec(model_dir: Path) -> EmbeddingSpec:
     modules_file = model_dir / "modules.json"
     if not modules_file.is_file():
         return EmbeddingSpec(transformer_dir=model_dir)
-    transformer_dir, modes, normalize = model_dir, ("mean_tokens",), False
+    transformer_dir, modes, normalize = model_dir, ("mean",), False
     for module in json.loads(modules_file.read_text()):
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         path = model_dir / str(module.get("path", ""))
         if kind == "Transformer":
             transformer_dir = path
         elif kind == "Pooling":
-            config = _json(path / "config.json")
-            modes = tuple(m for m in POOLING_MODES if config.get(f"pooling_mode_{m}")) or ("mean_tokens",)
-            if unsupported := set(modes) - SUPPORTED_MODES:
-                raise EmbeddingRefused("model", f"pooling mode {sorted(unsupported)} is not supported")
+            modes = pooling_modes(_json(path / "config.json"))
         elif kind == "Normalize":
             normalize = True
         else:
@@ -83,6 +82,18 @@ def read_spec(model_dir: Path) -> EmbeddingSpec:
                          matryoshka=tuple(sorted({int(d) for d in declared}, reverse=True)))
 
 
+def pooling_modes(config: dict[str, Any]) -> tuple[str, ...]:
+    """The modes of a Pooling module's config.json, in either format (mean when it names none)."""
+    named = config.get("pooling_mode")
+    if named is not None:
+        modes = (named,) if isinstance(named, str) else tuple(named)
+    else:
+        modes = tuple(mode for legacy, mode in LEGACY_MODES.items() if config.get(f"pooling_mode_{legacy}"))
+    if unknown := [m for m in modes if m not in POOLING_MODES]:
+        raise EmbeddingRefused("model", f"pooling mode {unknown} is not one sentence-transformers defines")
+    return modes or ("mean",)
+
+
 def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: tuple[str, ...]) -> torch.Tensor:
     """[batch, length, width] hidden states and [batch, length] mask -> [batch, width * len(modes)], in fp32."""
     hidden = hidden.float()
@@ -90,14 +101,18 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: tuple[str, ...]) -> to
     counts = weights.sum(dim=1).clamp(min=1e-9)
     pooled = []
     for mode in modes:
-        if mode == "cls_token":
+        if mode == "cls":  # right padding: the first token is real
             pooled.append(hidden[:, 0])
-        elif mode == "max_tokens":
-            pooled.append(hidden.masked_fill(weights == 0, -1e9).max(dim=1).values)
-        elif mode == "mean_tokens":
+        elif mode == "max":
+            pooled.append(hidden.masked_fill(weights == 0, float("-inf")).max(dim=1).values)
+        elif mode == "mean":
             pooled.append((hidden * weights).sum(dim=1) / counts)
         elif mode == "mean_sqrt_len_tokens":
             pooled.append((hidden * weights).sum(dim=1) / counts.sqrt())
+        elif mode == "weightedmean":  # position i (from 1) weighs i
+            positions = torch.arange(1, hidden.shape[1] + 1, device=hidden.device, dtype=hidden.dtype)
+            ramp = weights * positions.view(1, -1, 1)
+            pooled.append((hidden * ramp).sum(dim=1) / ramp.sum(dim=1).clamp(min=1e-9))
         else:  # lasttoken: right padding, so the last real token is at length - 1
             last = mask.sum(dim=1).long() - 1
             pooled.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
