@@ -76,7 +76,7 @@ def test_follow_draws_progress_and_loss_and_resumes_after_a_dropped_stream():
     assert state["status"] == "succeeded" and state["step"] == 10
     assert seen_ids == [None, "1-5", "1-5"]  # resumed after what it had drawn
     text = out.getvalue()
-    assert "10/10" in text and "loss 0.2500" in text and "evaluation at step 10" in text
+    assert "10/10" in text and "loss 0.2500  eval 0.3000" in text and "evaluation at step 10" in text
 
 
 def test_errors_name_the_field_and_chat_streams_each_turn():

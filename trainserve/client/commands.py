@@ -8,14 +8,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainserve.client import STATUS_STYLE
+from trainserve.client import SHORT_METRICS, STATUS_STYLE
 from trainserve.client.api import Api, ApiError
 from trainserve.client.config import ConfigError, load_config
 
 if TYPE_CHECKING:  # rich is imported when a client command runs, not when `trainserve worker` starts
     from rich.console import Console
 
-SHORT = {"train_loss": "loss", "eval_loss": "eval", "eval_accuracy": "acc", "eval_f1": "f1"}
 HYPERPARAMETERS = {"epochs": int, "max_steps": int, "batch_size": int, "learning_rate": float, "max_length": int}
 
 
@@ -97,7 +96,8 @@ def _jobs(api: Api, args: argparse.Namespace, console: Console) -> int:
         table.add_column(name, overflow="fold")
     for job in page["data"]:
         progress, status = job["progress"], job["status"]
-        metrics = " ".join(f"{SHORT[k]} {v:.3g}" for k, v in sorted(job["metrics"].items()) if k in SHORT)
+        metrics = " ".join(f"{short} {job['metrics'][k]:.3g}" for k, short in SHORT_METRICS.items()
+                           if k in job["metrics"])
         base = str(job["base_model"] or "-")
         table.add_row(job["id"], f"[{STATUS_STYLE.get(status, 'white')}]{status}[/]", job["task"],
                       base.rsplit("/", 1)[-1] if base.startswith("/") else base,

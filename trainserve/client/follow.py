@@ -12,15 +12,14 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeRemainingColumn
 
-from trainserve.client import STATUS_STYLE
+from trainserve.client import SHORT_METRICS, STATUS_STYLE
 from trainserve.client.api import Api, ApiError, loads
 
 RECONNECTS = 20
 
 
 def _metrics_text(latest: dict[str, float]) -> str:
-    shown = [(name, latest[name]) for name in ("train_loss", "eval_loss", "eval_accuracy") if name in latest]
-    return "  ".join(f"{name.removeprefix('train_')} {value:.4f}" for name, value in shown)
+    return "  ".join(f"{short} {latest[name]:.4f}" for name, short in SHORT_METRICS.items() if name in latest)
 
 
 class _Feed:
@@ -51,7 +50,7 @@ class _Feed:
 
 def follow(api: Api, job_id: str, console: Console) -> dict[str, Any]:
     """Draw the job until it ends; returns its last state (status, step, metrics, error)."""
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(),
                TextColumn("{task.fields[metrics]}"), TimeRemainingColumn())
     cursor: str | None = None
     with Progress(*columns, console=console) as progress:
