@@ -180,7 +180,13 @@ def test_validation_edges(client, settings, queue, worker_ctx):
     assert "at most 256" in _refused(_embed(client, model="minilm-l6", input=["hi", "word " * 300]), 422, "input.1")
 
 
-def test_unfinished_and_non_classifier_jobs_are_refused(client, settings):
+def test_unfinished_jobs_are_refused_and_a_lost_model_is_a_worker_error(client, settings, worker_ctx):
     train = upload(client, tsv_bytes(sentiment_rows(2))).json()["id"]
     job = client.post("/jobs", json=job_body(train)).json()["id"]
     assert "queued" in _refused(_embed(client, model=job, input="a"), 422, "model")
+    engine = make_engine(settings.resolved_database_url)
+    with session_scope(make_sessionmaker(engine)) as session:
+        session.get(Job, job).status = JobStatus.SUCCEEDED  # but its model never reached the artifact store
+    engine.dispose()
+    response = _embed(client, model=job, input="a")
+    assert response.status_code == 502 and response.json()["error"]["code"] == "worker_error", response.text

@@ -47,3 +47,35 @@ def test_the_shipped_minilm_and_a_plain_folder(tmp_path):
         {"idx": 1, "name": "1", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]))
     with pytest.raises(EmbeddingRefused, match="Dense"):
         read_spec(tmp_path)
+
+
+def test_a_lora_classifier_embeds_with_its_adapter_folded_in(tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from core.adapters import AdapterConfig
+    from tests.tiny_models import build_tiny_bert
+    from worker.engines import adapters, artifacts
+    from worker.engines.embed import Embedder
+
+    base = build_tiny_bert(tmp_path / "base", seed=5)
+    torch.manual_seed(0)
+    model = adapters.apply_adapter(AutoModelForSequenceClassification.from_pretrained(base),
+                                   AdapterConfig(r=4, target_modules=["query", "value"]), "text-classification")
+    for name, param in model.named_parameters():  # a trained adapter: B is no longer zero
+        if "lora_B" in name:
+            param.data.normal_(0, 0.5)
+    folder = tmp_path / "job-model"
+    adapters.save_adapter(folder, model, AutoTokenizer.from_pretrained(base),
+                          {"task": "text-classification", "labels": [0, 1]})
+    assert (folder / adapters.ADAPTER_FILES[0]).is_file() and artifacts.read_manifest(folder)
+    embedder = Embedder(folder, device="cpu")
+    ids = embedder.tokenize(["an adapted encoder", "another sentence here"])
+    merged = model.merge_and_unload().base_model.eval()
+    batch = AutoTokenizer.from_pretrained(base)(["an adapted encoder", "another sentence here"], padding=True,
+                                                return_tensors="pt")
+    with torch.inference_mode():
+        hidden = merged(**batch).last_hidden_state
+    expected = torch.nn.functional.normalize(pool(hidden, batch["attention_mask"], ("mean",)), dim=1)
+    torch.testing.assert_close(torch.from_numpy(embedder.embed(ids)), expected, rtol=1e-4, atol=1e-5)
+    plain = Embedder(base, device="cpu").embed(ids)
+    assert not torch.allclose(torch.from_numpy(plain), expected, atol=1e-3)  # the adapter did change them
