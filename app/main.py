@@ -13,7 +13,19 @@ from app.access_log import install_access_log_redaction
 from app.errors import install_error_handlers
 from app.limits import BodyLimitMiddleware, TenantSlots, UploadSlotsMiddleware
 from app.observability import HttpMetrics, ObservabilityMiddleware
-from app.routes import classify, datasets, files, fine_tuning, generation, health, jobs, metrics, sweeps, webhooks
+from app.routes import (
+    classify,
+    datasets,
+    embeddings,
+    files,
+    fine_tuning,
+    generation,
+    health,
+    jobs,
+    metrics,
+    sweeps,
+    webhooks,
+)
 from app.routes.dashboard import mount_dashboard
 from app.security_headers import SecurityHeadersMiddleware
 from app.services.generation import GenerationGateway
@@ -76,8 +88,8 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     app.state.metrics_registry = CollectorRegistry(auto_describe=True)
     app.add_middleware(ObservabilityMiddleware, metrics=HttpMetrics(app.state.metrics_registry))
     app.add_middleware(SecurityHeadersMiddleware)  # outside everything: every answer carries them
-    for router in (health.router, datasets.router, jobs.router, sweeps.router, classify.router, generation.router,
-                   files.router, fine_tuning.router, webhooks.router, metrics.router):
+    for router in (health.router, datasets.router, jobs.router, sweeps.router, classify.router, embeddings.router,
+                   generation.router, files.router, fine_tuning.router, webhooks.router, metrics.router):
         app.include_router(router)
     mount_dashboard(app)
     return app

@@ -40,3 +40,8 @@ def classify_reply_key(request_id: str) -> str:
 def abandoned_key(request_id: str) -> str:
     """Redis key the API sets when it stops waiting, so a worker skips the task instead of running it."""
     return f"{PREFIX}classify:{request_id}:abandoned"
+
+
+def embed_reply_key(request_id: str) -> str:
+    """Redis list an inference worker pushes a /v1/embeddings call's result to."""
+    return f"{PREFIX}embed:{request_id}:reply"

@@ -101,6 +101,12 @@ class Settings(BaseSettings):
     max_classify_texts: int = Field(256, description="Most texts in one /classify request.")
     classify_timeout_s: float = Field(60.0, description="How long /classify waits for a worker.")
 
+    # --- Embeddings (/v1/embeddings, on the inference workers) ---
+    max_embedding_inputs: int = Field(2048, ge=1, description="Most inputs in one /v1/embeddings request.")
+    max_embedding_input_chars: int = Field(50_000, ge=1, description="Longest text input, in characters (inputs "
+                                           "longer than the model's token limit are refused by the worker).")
+    embedding_timeout_s: float = Field(60.0, gt=0, description="How long /v1/embeddings waits for a worker.")
+
     # --- Generation (/generate, /v1/completions) and its workers ---
     max_new_tokens: int = Field(1024, description="Upper bound of max_new_tokens / max_tokens.")
     generation_queue_per_model: int = Field(64, description="Generation requests in flight per model (429 beyond).")

@@ -2,6 +2,7 @@
 
 TASK_TRAIN = "worker.tasks.train"
 TASK_CLASSIFY = "worker.tasks.classify"
+TASK_EMBED = "worker.tasks.embed"
 
 QUEUE_TRAIN = "training"
 QUEUE_INFERENCE = "inference"

@@ -1,4 +1,5 @@
-"""The `trainserve` command: up, api, worker, migrate, keys, health."""
+"""The `trainserve` command: up, api, worker, migrate, keys, health; and, against a running service,
+upload, train, follow, jobs and chat (trainserve/client)."""
 
 from __future__ import annotations
 
@@ -239,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "broker and database from TRAINSERVE_REDIS_URL and TRAINSERVE_DATABASE_URL")
     health.add_argument("--timeout", type=float, default=5.0)
     health.set_defaults(func=_health)
+    from trainserve.client.commands import register
+
+    register(sub)
     return parser
 
 

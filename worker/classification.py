@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
+from core.embeddings import EmbedResult, EmbedTask
 from core.protocol import ClassifyResult, ClassifyTask, ErrorBody, ErrorCode, Prediction
 from core.redis_keys import abandoned_key, classify_reply_key
 from worker.context import WorkerContext
@@ -33,31 +35,51 @@ def classify_texts(ctx: WorkerContext, job_id: str, texts: list[str]) -> list[di
     return result
 
 
-def abandoned(ctx: WorkerContext, task: ClassifyTask) -> bool:
+def abandoned(ctx: WorkerContext, task: ClassifyTask | EmbedTask) -> bool:
     """True when the caller has stopped waiting for this task."""
     return task.deadline <= time.time() or bool(ctx.redis.exists(abandoned_key(task.request_id)))
 
 
-def serve_classify(ctx: WorkerContext, payload: dict[str, Any]) -> str:
-    """Run one /classify task and push its result; returns "skipped", "answered" or "failed"."""
-    try:
-        task = ClassifyTask.model_validate(payload)
-    except ValidationError:
-        log.exception("dropping a malformed classify task")
-        return "failed"
-    if abandoned(ctx, task):
-        log.info("skipping classify task %s: its caller has given up", task.request_id)
-        return "skipped"
-    try:
-        predictions = classify_texts(ctx, task.job_id, task.texts)
-        result = ClassifyResult(predictions=[Prediction(**p) for p in predictions])
-    except Exception as exc:  # noqa: BLE001 - the caller gets the error instead of waiting for its timeout
-        log.exception("classify task %s failed", task.request_id)
-        result = ClassifyResult(error=ErrorBody(code=ErrorCode.WORKER_ERROR, message=f"worker failed: {exc}"))
-    key = classify_reply_key(task.request_id)
-    ttl = max(1, int(task.deadline - time.time()) + 60)
-    with ctx.redis.pipeline() as pipe:  # one round trip; the reply expires if the caller never reads it
-        pipe.rpush(key, result.model_dump_json())
+def push_reply(ctx: WorkerContext, key: str, reply: str, deadline: float) -> None:
+    """Push a reply to the list its caller waits on; it expires if the caller never reads it."""
+    ttl = max(1, int(deadline - time.time()) + 60)
+    with ctx.redis.pipeline() as pipe:  # one round trip
+        pipe.rpush(key, reply)
         pipe.expire(key, ttl)
         pipe.execute()
+
+
+Task = TypeVar("Task", ClassifyTask, EmbedTask)
+
+
+def serve_request(ctx: WorkerContext, payload: dict[str, Any], *, task_type: type[Task],
+                  answer: Callable[[Task], ClassifyResult | EmbedResult], reply_key: Callable[[str], str]) -> str:
+    """Validate a synchronous inference task, skip it if abandoned, answer it (an exception becomes the reply's
+    error) and push the reply; returns "skipped", "answered" or "failed"."""
+    what = task_type.__name__
+    try:
+        task = task_type.model_validate(payload)
+    except ValidationError:
+        log.exception("dropping a malformed %s", what)
+        return "failed"
+    if abandoned(ctx, task):
+        log.info("skipping %s %s: its caller has given up", what, task.request_id)
+        return "skipped"
+    try:
+        result = answer(task)
+    except Exception as exc:  # noqa: BLE001 - the caller gets the error instead of waiting for its timeout
+        log.exception("%s %s failed", what, task.request_id)
+        error = ErrorBody(code=ErrorCode.WORKER_ERROR, message=f"worker failed: {exc}")
+        result = ClassifyResult(error=error) if task_type is ClassifyTask else EmbedResult(error=error)
+    push_reply(ctx, reply_key(task.request_id), result.model_dump_json(), task.deadline)
     return "failed" if result.error else "answered"
+
+
+def serve_classify(ctx: WorkerContext, payload: dict[str, Any]) -> str:
+    """Run one /classify task and push its result; returns "skipped", "answered" or "failed"."""
+
+    def answer(task: ClassifyTask) -> ClassifyResult:
+        predictions = classify_texts(ctx, task.job_id, task.texts)
+        return ClassifyResult(predictions=[Prediction(**p) for p in predictions])
+
+    return serve_request(ctx, payload, task_type=ClassifyTask, answer=answer, reply_key=classify_reply_key)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.tasks import TASK_CLASSIFY, TASK_GENERATE, TASK_TRAIN
+from core.tasks import TASK_CLASSIFY, TASK_EMBED, TASK_GENERATE, TASK_TRAIN
 from worker.app import celery, context
 
 
@@ -22,6 +22,14 @@ def classify(payload: dict[str, Any]) -> None:
     from worker.classification import serve_classify
 
     serve_classify(context(), payload)
+
+
+@celery.task(name=TASK_EMBED, ignore_result=True)
+def embed(payload: dict[str, Any]) -> None:
+    """Answer one /v1/embeddings call (a core.embeddings.EmbedTask) on the Redis list the API waits on."""
+    from worker.embedding import serve_embed
+
+    serve_embed(context(), payload)
 
 
 @celery.task(name=TASK_GENERATE, ignore_result=True, acks_late=False)

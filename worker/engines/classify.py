@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,24 +61,26 @@ class Classifier:
 
 
 class ClassifierCache:
-    """A small LRU of warm Classifiers keyed by model folder."""
+    """A small LRU of warm models keyed by model folder: Classifiers, or what `load` builds (an Embedder)."""
 
-    def __init__(self, max_entries: int = 2, device: str = "auto") -> None:
+    def __init__(self, max_entries: int = 2, device: str = "auto",
+                 load: Callable[..., Any] = Classifier) -> None:
         if max_entries < 1:
             raise ValueError("max_entries must be at least 1")
         self.max_entries = max_entries
         self.device = device
-        self._entries: OrderedDict[str, Classifier] = OrderedDict()
+        self.load = load
+        self._entries: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, model_dir: Path) -> Classifier:
-        """The Classifier for model_dir, loading it (and evicting the least recent) on a miss."""
+    def get(self, model_dir: Path) -> Any:
+        """The model for model_dir, loading it (and evicting the least recent) on a miss."""
         key = str(Path(model_dir).resolve())
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
                 return self._entries[key]
-            classifier = Classifier(Path(key), device=self.device)
+            classifier = self.load(Path(key), device=self.device)
             self._entries[key] = classifier
             while len(self._entries) > self.max_entries:
                 _, evicted = self._entries.popitem(last=False)
