@@ -116,7 +116,12 @@ def start_service(home: Path, port: int, precision: str) -> subprocess.Popen[byt
     log = open(home / "up.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "trainserve.cli", "up", "--port", str(port), "--home", str(home)],
                             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    deadline = time.monotonic() + 90
+    return wait_healthy(proc, port, 90, home / "up.log")
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], port: int, seconds: float, log: Path) -> subprocess.Popen[bytes]:
+    """`proc` once its /health answers 200 on `port`; killed, and an error naming its log, after `seconds`."""
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
@@ -124,7 +129,7 @@ def start_service(home: Path, port: int, precision: str) -> subprocess.Popen[byt
         except httpx.HTTPError:
             time.sleep(0.3)
     proc.kill()
-    raise RuntimeError(f"trainserve up did not start; see {home / 'up.log'}")
+    raise RuntimeError(f"the server on port {port} did not start; see {log}")
 
 
 def one_request(client: httpx.Client, model: str, text: str, max_new_tokens: int) -> dict:

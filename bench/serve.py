@@ -40,7 +40,7 @@ from transformers import AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
-from bench.generate import build_model, free_port, served_precision, start_service  # noqa: E402
+from bench.generate import build_model, free_port, served_precision, start_service, wait_healthy  # noqa: E402
 
 SST2 = ROOT / "examples" / "data" / "sst2_train_4k.tsv"
 SHAKESPEARE = ROOT / "examples" / "data" / "tinyshakespeare_sample.txt"
@@ -129,15 +129,7 @@ def start_static(folder: Path, port: int, precision: str, home: Path) -> subproc
     log = open(home / "static.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "static_server.py"), "--model", str(folder),
                              "--port", str(port), "--dtype", precision], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"static_server did not start; see {home / 'static.log'}")
+    return wait_healthy(proc, port, 120, home / "static.log")
 
 
 def medians(runs: list[dict]) -> dict:
