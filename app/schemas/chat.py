@@ -6,8 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.schemas.generation import CompletionUsage
-from app.schemas.structured import StructuredFields
+from app.schemas.generation import CompletionUsage, OpenAISampling
 from core.protocol import MAX_TOP_LOGPROBS, TokenLogprob
 
 
@@ -21,31 +20,19 @@ class ChatMessageIn(BaseModel):
     name: str | None = None
 
 
-class ChatCompletionRequest(StructuredFields):
+class ChatCompletionRequest(OpenAISampling):
     """OpenAI's /v1/chat/completions body. Unknown fields and options trainserve cannot honour are refused."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(min_length=1, max_length=200)
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=1000)
     max_tokens: int | None = Field(None, ge=1, le=8192, description="Deprecated by OpenAI; max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1, le=8192, description="Default 256.")
-    temperature: float | None = Field(1.0, ge=0, le=2)
-    top_p: float | None = Field(1.0, gt=0, le=1)
-    n: int | None = Field(1, ge=1, le=16)
-    stream: bool | None = False
-    stream_options: dict[str, Any] | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    presence_penalty: float | None = 0
-    frequency_penalty: float | None = 0
-    logit_bias: dict[str, float] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    user: str | None = None
 
 
 class ChatLogprobs(BaseModel):

@@ -65,29 +65,34 @@ class GenerateResponse(BaseModel):
     usage: Usage
 
 
-class CompletionRequest(StructuredFields):
-    """OpenAI's /v1/completions body. Parameters trainserve cannot honour are refused, not ignored."""
-
-    model_config = ConfigDict(extra="allow")
+class OpenAISampling(StructuredFields):
+    """The fields /v1/completions and /v1/chat/completions share, with one set of bounds and defaults."""
 
     model: str = Field(min_length=1, max_length=200)
-    prompt: str | list[str] = Field(description="One prompt (a list with one string is accepted too).")
-    max_tokens: int | None = Field(16, ge=1, le=8192)
     temperature: float | None = Field(1.0, ge=0, le=2)
     top_p: float | None = Field(1.0, gt=0, le=1)
     n: int | None = Field(1, ge=1, le=16)
     stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
     stop: StopSequences | None = Field(None, description="A string or up to 4 stop sequences.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    echo: bool | None = False
-    logprobs: int | None = Field(None, ge=0, le=5, description="The sampled token's logprob and the top N (0-5).")
-    best_of: int | None = None
     presence_penalty: float | None = 0
     frequency_penalty: float | None = 0
     logit_bias: dict[str, float] | None = None
-    suffix: str | None = None
     user: str | None = None
-    stream_options: dict[str, Any] | None = None
+
+
+class CompletionRequest(OpenAISampling):
+    """OpenAI's /v1/completions body. Parameters trainserve cannot honour are refused, not ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt: str | list[str] = Field(description="One prompt (a list with one string is accepted too).")
+    max_tokens: int | None = Field(16, ge=1, le=8192)
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=5, description="The sampled token's logprob and the top N (0-5).")
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class LegacyLogprobs(BaseModel):

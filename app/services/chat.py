@@ -71,9 +71,7 @@ def chat_params(body: ChatCompletionRequest) -> tuple[list[ChatMessage], Samplin
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
         raise ValidationFailed("max_tokens", "max_tokens and max_completion_tokens disagree; send one")
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stop) > 4 or any(not 1 <= len(s) <= 100 for s in stop):
-        raise ValidationFailed("stop", "up to 4 stop sequences of 1-100 characters")
+    stop = body.stop or []  # the schema checked it: a string or up to 4 strings, as a list
     params = sampling(max_new_tokens=body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS,
                       temperature=1.0 if body.temperature is None else body.temperature, top_k=0,
                       top_p=1.0 if body.top_p is None else body.top_p, repetition_penalty=1.0, stop=stop,

@@ -148,6 +148,9 @@ def test_completions_logprobs_in_openai_legacy_format(api, served):
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),  # the same bounds as /v1/completions (one shared schema)
+    ({"stop": [""]}, "stop"),
+    ({"temperature": 2.5}, "temperature"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content"),
 ])
