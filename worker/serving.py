@@ -169,6 +169,7 @@ class GenerationService:
         engine = LoraGenerationEngine(model, device=self.settings.worker_device,
                                       precision=self.settings.generation_precision,
                                       max_batch_size=self.settings.max_batch_size,
+                                      prefill_chunk_tokens=self.settings.prefill_chunk_tokens,
                                       max_queue=self.settings.generation_queue_per_model * 4,
                                       cancelled_ids=self.cancelled_ids, on_step=metrics.observe_batch,
                                       max_loras=self.settings.max_loras, adapter_folder=self._adapter_folder)

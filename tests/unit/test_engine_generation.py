@@ -99,6 +99,32 @@ def test_greedy_matches_hf_generate_for_mixed_lengths_in_one_batch(engine, hf) -
         assert result.choices[0].text == engine.tokenizer.decode(result.choices[0].token_ids)
 
 
+@pytest.fixture(scope="module")
+def chunked(model_dir: Path):
+    """Prompts go into the cache 7 tokens per step: long ones take many chunks, interleaved with decode steps."""
+    with GenerationEngine(model_dir, device="cpu", precision="fp32", max_batch_size=8, prefill_chunk_tokens=7) as eng:
+        yield eng
+
+
+def test_chunked_prefill_matches_hf_alone_in_a_batch_and_joining_one(chunked, hf) -> None:
+    long = PROMPTS[2] + " " + PROMPTS[1]
+    alone = chunked.submit(long, greedy(12)).result(WAIT)
+    assert alone.choices[0].token_ids == hf_greedy(hf, ids_of(chunked, long), 12)
+    with chunked._lock:  # admitted together: chunks of several prompts share steps
+        futures = [chunked.submit(p, greedy(20)) for p in [*PROMPTS, long]]
+    started = threading.Event()
+    running = chunked.submit(PROMPTS[0], greedy(30), on_token=lambda i, d: started.set())
+    assert started.wait(WAIT)
+    joining = [chunked.submit(p, greedy(10, n=n)) for p, n in ((long, 2), (PROMPTS[2], 1))]  # n rows share chunks
+    for prompt, future, n in zip([*PROMPTS, long, PROMPTS[0], long, PROMPTS[2]], [*futures, running, *joining],
+                                 [20] * 6 + [30, 10, 10], strict=True):
+        result = future.result(WAIT)
+        for choice in result.choices:
+            assert choice.token_ids == hf_greedy(hf, ids_of(chunked, prompt), n), prompt
+    stats = chunked.stats()
+    assert stats["prefills"] > len(PROMPTS) + 4 and stats["tokens_in_flight"] == 0 and stats["running"] == 0
+
+
 def test_requests_join_a_running_batch_and_reuse_its_rows(engine, hf) -> None:
     started, order = threading.Event(), []
 
@@ -372,7 +398,7 @@ def test_a_decode_step_and_a_prefill_in_one_pass_equal_both_apart(model_dir, eng
             torch.manual_seed(0)
             each.keys.normal_()
             each.values.normal_()
-        both = together.forward((tokens, positions, 10), (prompts, rows))
+        both = together.forward((tokens, positions, 10), (prompts, rows, [0, 0]))
         step, first = apart.decode(tokens, positions, 10), apart.prefill(prompts, rows)
     torch.testing.assert_close(both, torch.cat([step, first]), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(together.keys, apart.keys, rtol=1e-4, atol=1e-5)  # same cache writes

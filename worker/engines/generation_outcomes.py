@@ -20,6 +20,7 @@ class RequestOutcomes:
     _rows: list[SequenceState]
     _waiting: deque[Request]
     _runner: Any
+    _prefilling: Any  # prefill.PrefillQueue: started requests whose prompts are not all in the cache yet
     _sweep: Callable[[], None]  # GenerationEngine's: removes finished rows and resolves completed requests
 
     def _emit(self, request: Request, index: int, delta: str, logprobs: list[TokenLogprob] | None = None) -> None:
@@ -78,7 +79,7 @@ class RequestOutcomes:
         with self._lock:
             waiting, self._waiting = list(self._waiting), deque()
         error = EngineClosed("the generation engine was closed")
-        for request in [*waiting, *(s.request for s in self._rows)]:
+        for request in [*waiting, *self._prefilling.requests, *(s.request for s in self._rows)]:
             if not request.done and not request.future.done():
                 request.done = True
                 request.future.set_exception(error)
