@@ -112,7 +112,7 @@ class Settings(BaseSettings):
     generation_threads: int = Field(64, description="Requests one generation worker keeps in flight.")
     max_batch_size: int = Field(32, description="Sequences decoded together by one generation engine.")
     prefill_chunk_tokens: int = Field(
-        512, ge=0, description="Prompt tokens one generation step prefills alongside its decode rows (chunked "
+        256, ge=0, description="Prompt tokens one generation step prefills alongside its decode rows (chunked "
         "prefill: a long prompt enters over several steps, so running streams keep their pace); 0: whole prompts.")
     generation_precision: str = Field(
         "auto", pattern="^(auto|fp32|bf16|fp16)$", description="Weights dtype of generation engines: auto (bf16 on "
