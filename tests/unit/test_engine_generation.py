@@ -8,12 +8,14 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
 from tests.tiny_lm import build_tiny_gpt2
+from worker.engines.batch import AdapterUse, Request
 from worker.engines.generation import (
     DeadlineExceeded,
     EngineClosed,
@@ -24,6 +26,7 @@ from worker.engines.generation import (
 )
 from worker.engines.gpt2_weights import load_gpt2
 from worker.engines.lm_loading import Gpt2Runner
+from worker.engines.prefix_cache import BLOCK, PrefixCache, block_keys
 
 PROMPTS = [
     "Hello",
@@ -123,6 +126,43 @@ def test_chunked_prefill_matches_hf_alone_in_a_batch_and_joining_one(chunked, hf
             assert choice.token_ids == hf_greedy(hf, ids_of(chunked, prompt), n), prompt
     stats = chunked.stats()
     assert stats["prefills"] > len(PROMPTS) + 4 and stats["tokens_in_flight"] == 0 and stats["running"] == 0
+
+
+@pytest.mark.parametrize("chunk", [0, 7])
+def test_prefix_caching_reuses_shared_prefixes_and_output_is_unchanged(model_dir, hf, chunk) -> None:
+    system = " ".join(PROMPTS[2:4] * 3)
+    prompts = [system + " Hello there", system + " The quick brown", system + " Hello there"]
+    with GenerationEngine(model_dir, device="cpu", precision="fp32", max_batch_size=8, prefill_chunk_tokens=chunk,
+                          prefix_cache_bytes=1 << 20) as eng:
+        results = [eng.submit(prompt, greedy(12)).result(WAIT) for prompt in prompts]
+        with eng._lock:  # two sharing a cached prefix admitted together, one with two choices
+            together = [eng.submit(prompts[1], greedy(8, n=2)), eng.submit(prompts[0], greedy(8))]
+        results += [future.result(WAIT) for future in together]
+    ids = [ids_of(eng, prompt) for prompt in prompts]
+    shared = next(i for i, (a, b) in enumerate(zip(ids[0], ids[1], strict=False)) if a != b)
+    assert [r.cached_tokens for r in results] == [0, shared // 16 * 16, len(ids[0]) // 16 * 16,
+                                                  len(ids[1]) // 16 * 16, len(ids[0]) // 16 * 16]
+    for result, prompt, n in zip(results, [*ids, ids[1], ids[0]], [12, 12, 12, 8, 8], strict=True):
+        for choice in result.choices:
+            assert choice.token_ids == hf_greedy(hf, prompt, n)
+
+
+def test_the_prefix_cache_evicts_least_recently_used_blocks_later_ones_first() -> None:
+    runner = SimpleNamespace(keys=torch.randn(2, 4, 3, 64, 8), values=torch.randn(2, 4, 3, 64, 8))
+    block_bytes = 2 * 2 * 3 * BLOCK * 8 * 4  # keys and values of one block: [layer, head, BLOCK, head_dim] fp32
+    store = PrefixCache(3 * block_bytes)
+    a, b = Request("a", list(range(40)), greedy(), None, None, None), Request("b", [7] * 33, greedy(), None, None, None)
+    store.remember(runner, a, 0)  # two blocks
+    store.remember(runner, b, 1)  # two more: a's second block (its chain's end, least recently used) goes
+    assert store.bytes == 3 * block_bytes and block_keys(a.prompt, None)[1] not in store.blocks
+    again = Request("c", list(range(40)), greedy(), None, None, None)
+    store.lookup(again)
+    assert again.cached_tokens == BLOCK and len(again.prefix) == 1
+    store.restore(runner, again, [2, 3])
+    torch.testing.assert_close(runner.keys[:, 2:4, :, :BLOCK], runner.keys[:, 0:1, :, :BLOCK].expand(-1, 2, -1, -1, -1))
+    adapted = Request("d", list(range(40)), greedy(), None, None, None, adapter=AdapterUse("x"))
+    store.lookup(adapted)
+    assert adapted.cached_tokens == 0  # another adapter: other keys
 
 
 def test_requests_join_a_running_batch_and_reuse_its_rows(engine, hf) -> None:

@@ -38,6 +38,7 @@ from worker.engines.generation_outcomes import RequestOutcomes
 from worker.engines.grammar import Grammars
 from worker.engines.lm_loading import load_tokenizer
 from worker.engines.prefill import Chunk, PrefillQueue
+from worker.engines.prefix_cache import PrefixCache
 from worker.engines.row_outputs import chat_ids, constrained_logits, record_logprobs
 from worker.engines.sampling import RowParams, next_tokens
 
@@ -54,14 +55,15 @@ class GenerationEngine(RequestOutcomes):
         self, model: str | Path, *, device: str = "auto", precision: str = "auto", max_batch_size: int = 32,
         max_tokens_in_flight: int = 16384, max_queue: int = 256,
         cancelled_ids: Callable[[list[str]], Collection[str]] | None = None,
-        on_step: Callable[[int], None] | None = None, prefill_chunk_tokens: int = 512,
+        on_step: Callable[[int], None] | None = None, prefill_chunk_tokens: int = 256, prefix_cache_bytes: int = 0,
     ) -> None:
         for name, value in (("max_batch_size", max_batch_size), ("max_tokens_in_flight", max_tokens_in_flight),
                             ("max_queue", max_queue)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(prefill_chunk_tokens, int) or prefill_chunk_tokens < 0:
-            raise ValueError(f"prefill_chunk_tokens must be 0 (whole prompts) or more, got {prefill_chunk_tokens!r}")
+        for name, value in (("prefill_chunk_tokens", prefill_chunk_tokens), ("prefix_cache_bytes", prefix_cache_bytes)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be 0 (off) or a positive integer, got {value!r}")
         self.plan: DevicePlan = resolve_device(device, precision, generation=True)
         self._runner = open_runner(model, self.plan, max_rows=max_batch_size)  # GPT-2 or a llama-family decoder
         self.tokenizer = load_tokenizer(model)
@@ -91,7 +93,9 @@ class GenerationEngine(RequestOutcomes):
         # Scheduler-thread state: rows of the batch, in cache-row order.
         self._rows: list[SequenceState] = []
         # Started requests whose prompts are still going into the cache, prefill_chunk_tokens per step (0: whole).
-        self._prefilling = PrefillQueue(prefill_chunk_tokens or None)
+        # With prefix_cache_bytes, the KV of shared prompt prefixes is reused (prefix_cache.py).
+        self._prefilling = PrefillQueue(prefill_chunk_tokens or None,
+                                        PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None)
         self._row_params: RowParams | None = None
         # Tokens seen per row (prompt + generated), for the repetition penalty: [max_batch_size, vocab].
         self._seen = torch.zeros(max_batch_size, self.vocab_size, dtype=torch.bool, device=self._device)
@@ -239,7 +243,7 @@ class GenerationEngine(RequestOutcomes):
         """Queue admitted requests for prefill (those cancelled meanwhile give their cache positions back)."""
         for request in admitted:
             if request.future.set_running_or_notify_cancel():
-                self._prefilling.requests.append(request)
+                self._prefilling.add(request)
             else:
                 with self._lock:
                     self._tokens_in_flight -= request.cost
@@ -280,6 +284,7 @@ class GenerationEngine(RequestOutcomes):
         groups = self._groups(chunks, first)
         prefill = ([c.tokens for c in chunks], groups, [c.start for c in chunks]) if chunks else None
         try:
+            self._prefilling.restore(self._runner, chunks, groups)
             logits = self._runner.forward(step, prefill)
         except Exception as error:
             if not chunks:
@@ -288,7 +293,7 @@ class GenerationEngine(RequestOutcomes):
             self._row_params = None
             return
         if chunks:
-            self._prefilling.advance(chunks, groups[-1][0])
+            self._prefilling.advance(self._runner, chunks, groups)
             source = torch.tensor([i for i, group in enumerate(groups[:ended]) for _ in group], dtype=torch.long,
                                   device=self._device)
             logits = torch.cat([logits[:first], logits[first:first + ended].index_select(0, source)])

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.engines.batch import Request
+from worker.engines.prefix_cache import PrefixCache
 
 # Padded prompt tokens per forward: bounds the activations of a burst of prompts (a longer single one goes alone).
 PREFILL_TOKENS = 4096
@@ -39,13 +40,24 @@ class Chunk:
 
 
 class PrefillQueue:
-    """Started requests whose prompts are not all in the cache yet, in order; budget None: whole prompts."""
+    """Started requests whose prompts are not all in the cache yet, in order; budget None: whole prompts.
 
-    def __init__(self, budget: int | None) -> None:
+    With a prefix cache a request's prompt starts after its cached prefix, copied into its rows before its first
+    chunk; a prompt that ends leaves its blocks to the cache.
+    """
+
+    def __init__(self, budget: int | None, prefix: PrefixCache | None = None) -> None:
         self.budget = budget
+        self.prefix = prefix
         self.requests: deque[Request] = deque()
         self.done = 0  # prompt tokens of the head already in the cache
         self.tail = 0  # the head's first cache row while it is part-way
+
+    def add(self, request: Request) -> None:
+        """Queue a started request (its cached prefix looked up now: held until its prefill, whatever is evicted)."""
+        if self.prefix is not None:
+            self.prefix.lookup(request)
+        self.requests.append(request)
 
     @property
     def rows(self) -> int:
@@ -62,7 +74,7 @@ class PrefillQueue:
         chunks: list[Chunk] = []
         used = width = 0
         for index, request in enumerate(self.requests):
-            start = self.done if index == 0 else 0
+            start = self.done if index == 0 and self.done else request.cached_tokens
             size = len(request.prompt) - start
             if self.budget is not None:
                 size = min(size, self.budget - used)
@@ -74,14 +86,23 @@ class PrefillQueue:
                 break  # part-way: the budget is spent
         return chunks
 
-    def advance(self, chunks: list[Chunk], first_row: int) -> None:
-        """After a forward: drop the prompts that ended, note where the part-way one stands and its rows begin."""
-        for chunk in chunks:
+    def restore(self, runner: Any, chunks: list[Chunk], groups: list[list[int]]) -> None:
+        """Before a forward: copy the cached prefixes of requests starting now into their rows."""
+        if self.prefix is not None:
+            for chunk, rows in zip(chunks, groups, strict=True):
+                if chunk.request.prefix:
+                    self.prefix.restore(runner, chunk.request, rows)
+
+    def advance(self, runner: Any, chunks: list[Chunk], groups: list[list[int]]) -> None:
+        """After a forward: drop (and cache) the prompts that ended, note where the part-way one stands."""
+        for chunk, rows in zip(chunks, groups, strict=True):
             if chunk.last:
                 self.requests.remove(chunk.request)
                 self.done = 0
+                if self.prefix is not None:
+                    self.prefix.remember(runner, chunk.request, rows[0])
             else:
-                self.done, self.tail = chunk.end, first_row
+                self.done, self.tail = chunk.end, rows[0]
 
     def remove(self, requests: list[Request]) -> None:
         """Forget failed or cancelled requests (a part-way head's rows are simply left to be overwritten)."""
