@@ -114,6 +114,9 @@ class Settings(BaseSettings):
     prefill_chunk_tokens: int = Field(
         256, ge=0, description="Prompt tokens one generation step prefills alongside its decode rows (chunked "
         "prefill: a long prompt enters over several steps, so running streams keep their pace); 0: whole prompts.")
+    prefix_cache_mb: float = Field(
+        512.0, ge=0, description="Keys and values of shared prompt prefixes one generation engine keeps for reuse "
+        "(automatic prefix caching, least recently used out); 0: off.")
     generation_precision: str = Field(
         "auto", pattern="^(auto|fp32|bf16|fp16)$", description="Weights dtype of generation engines: auto (bf16 on "
         "a GPU that has it, else fp16; on a CPU bf16 when a short calibration at load shows a decode step clearly "
