@@ -128,6 +128,23 @@ def test_chunked_prefill_matches_hf_alone_in_a_batch_and_joining_one(chunked, hf
     assert stats["prefills"] > len(PROMPTS) + 4 and stats["tokens_in_flight"] == 0 and stats["running"] == 0
 
 
+def test_a_request_cancelled_during_its_chunked_prefill_stops_there(chunked) -> None:
+    polls = []
+
+    def is_cancelled() -> bool:  # polled once at admission, then once per step: true after two chunks
+        polls.append(1)
+        return len(polls) > 3
+
+    long = " ".join([PROMPTS[2]] * 4)
+    before = chunked.stats()
+    result = chunked.submit(long, greedy(8), is_cancelled=is_cancelled).result(WAIT)
+    after = chunked.stats()
+    assert [(c.finish_reason, c.token_ids) for c in result.choices] == [("cancelled", [])]
+    assert after["cancelled"] == before["cancelled"] + 1 and after["prefilling"] == 0
+    prefilled = after["prompt_tokens"] - before["prompt_tokens"]
+    assert after["tokens_in_flight"] == 0 and prefilled < len(ids_of(chunked, long))
+
+
 @pytest.mark.parametrize("chunk", [0, 7])
 def test_prefix_caching_reuses_shared_prefixes_and_output_is_unchanged(model_dir, hf, chunk) -> None:
     system = " ".join(PROMPTS[2:4] * 3)

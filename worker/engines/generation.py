@@ -156,7 +156,8 @@ class GenerationEngine(RequestOutcomes):
             rows = list(self._rows)
             rows_cap, positions_cap = self._runner.capacity
             return {"running": len({id(s.request) for s in rows}), "running_sequences": len(rows),
-                    "waiting": len(self._waiting), "tokens_in_flight": self._tokens_in_flight,
+                    "waiting": len(self._waiting), "prefilling": len(self._prefilling.requests),
+                    "tokens_in_flight": self._tokens_in_flight,
                     "max_batch_size": self.max_batch_size, "max_tokens_in_flight": self.max_tokens_in_flight,
                     "cache_rows": rows_cap, "cache_positions": positions_cap, "closed": self._closed,
                     **self._counters}
@@ -199,8 +200,8 @@ class GenerationEngine(RequestOutcomes):
     def _flagged(self) -> frozenset[str]:
         """Ids the cancelled_ids hook names among waiting and running requests (one call for all of them)."""
         with self._lock:
-            ids = list(dict.fromkeys(
-                [r.request_id for r in self._waiting] + [q.request.request_id for q in self._rows]))
+            ids = list(dict.fromkeys([r.request_id for r in [*self._waiting, *self._prefilling.requests]]
+                                     + [q.request.request_id for q in self._rows]))
         return frozenset(self._cancelled_ids(ids)) if self._cancelled_ids is not None and ids else frozenset()
 
     def _admit(self, flagged: frozenset[str] = frozenset()) -> list[Request]:
