@@ -233,6 +233,7 @@ class Usage(BaseModel):
 
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the engine's prefix cache
 
 
 class DoneEvent(BaseModel):

@@ -117,6 +117,12 @@ class Settings(BaseSettings):
     generation_rate_per_minute: int = Field(600, description="Generation requests per API key per minute (429 beyond).")
     generation_threads: int = Field(64, description="Requests one generation worker keeps in flight.")
     max_batch_size: int = Field(32, description="Sequences decoded together by one generation engine.")
+    prefill_chunk_tokens: int = Field(
+        256, ge=0, description="Prompt tokens one generation step prefills alongside its decode rows (chunked "
+        "prefill: a long prompt enters over several steps, so running streams keep their pace); 0: whole prompts.")
+    prefix_cache_mb: float = Field(
+        512.0, ge=0, description="Keys and values of shared prompt prefixes one generation engine keeps for reuse "
+        "(automatic prefix caching, least recently used out); 0: off.")
     generation_precision: str = Field(
         "auto", pattern="^(auto|fp32|bf16|fp16)$", description="Weights dtype of generation engines: auto (bf16 on "
         "a GPU that has it, else fp16; on a CPU bf16 when a short calibration at load shows a decode step clearly "

@@ -169,6 +169,8 @@ class GenerationService:
         engine = LoraGenerationEngine(model, device=self.settings.worker_device,
                                       precision=self.settings.generation_precision,
                                       max_batch_size=self.settings.max_batch_size,
+                                      prefill_chunk_tokens=self.settings.prefill_chunk_tokens,
+                                      prefix_cache_bytes=int(self.settings.prefix_cache_mb * MB),
                                       max_queue=self.settings.generation_queue_per_model * 4,
                                       cancelled_ids=self.cancelled_ids, on_step=metrics.observe_batch,
                                       max_loras=self.settings.max_loras, adapter_folder=self._adapter_folder)
@@ -252,7 +254,8 @@ class GenerationService:
         result = future.result(timeout=self.settings.generation_timeout_s)
         return DoneEvent(choices=[ChoiceOut(index=c.index, text=c.text, finish_reason=c.finish_reason,
                                             logprobs=c.logprobs) for c in result.choices],
-                         usage=Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens))
+                         usage=Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
+                                     cached_tokens=result.cached_tokens))
 
 
 def render_chat(engine: Any, task: GenerateTask) -> list[int] | ErrorEvent:

@@ -111,10 +111,15 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (not prefilled again)
+
+
 class CompletionUsage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class Completion(BaseModel):

@@ -216,9 +216,11 @@ def openai_reason(reason: str | None) -> str | None:
     return None if reason is None else "length" if reason == "length" else "stop"
 
 
-def usage_of(usage: Any) -> dict[str, int]:
+def usage_of(usage: Any) -> dict[str, Any]:
+    """OpenAI's usage object from the worker's counts (cached_tokens: what the prefix cache spared)."""
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
 async def complete(gateway: GenerationGateway, session: Session, principal: Principal, body: CompletionRequest,

@@ -69,6 +69,7 @@ def test_chat_equals_hf_chat_template_and_generate_streamed_and_not(api, served)
     assert choice.message.role == "assistant" and choice.message.content == text
     assert choice.finish_reason in ("length", "stop")
     assert reply.usage.prompt_tokens == prompt_tokens and reply.usage.completion_tokens == 10
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0  # the engine's first sight of this chat
     assert [e.logprob for e in choice.logprobs.content] == pytest.approx(logprobs, abs=1e-3)
     assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob for e in choice.logprobs.content)
     assert "".join(bytes(e.bytes).decode("utf-8", "replace") for e in choice.logprobs.content) == text
@@ -80,6 +81,8 @@ def test_chat_equals_hf_chat_template_and_generate_streamed_and_not(api, served)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == prompt_tokens + 10
+    # The same chat again: its full 16-token blocks come from the prefix cache, and the output is unchanged.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == min(prompt_tokens // 16 * 16, prompt_tokens - 1) > 0
     streamed = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert streamed == pytest.approx(logprobs[:len(streamed)], abs=1e-3) and len(streamed) >= 9
 

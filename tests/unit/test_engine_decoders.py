@@ -54,18 +54,20 @@ def greedy(max_new_tokens: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
 
 
+@pytest.mark.parametrize("chunk", [512, 5])  # 5: chunked prefill, every prompt but "O" in several chunks
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_greedy_equals_hf_generate_for_mixed_prompts_in_one_batch(built, name) -> None:
+def test_greedy_equals_hf_generate_for_mixed_prompts_in_one_batch(built, name, chunk) -> None:
     folder, model, tokenizer = built(name)
     lengths = [20, 9, 16, 24]
     streamed: dict[int, list[str]] = {i: [] for i in range(len(PROMPTS))}
-    with GenerationEngine(folder, device="cpu", precision="fp32", max_batch_size=8) as engine:
+    with GenerationEngine(folder, device="cpu", precision="fp32", max_batch_size=8,
+                          prefill_chunk_tokens=chunk) as engine:
         assert engine.context_length == model.config.max_position_embeddings
         with engine._lock:  # everything queued meanwhile is admitted together: one batched prefill
             futures = [engine.submit(p, greedy(n), on_token=lambda _, d, i=i: streamed[i].append(d))
                        for i, (p, n) in enumerate(zip(PROMPTS, lengths, strict=True))]
         results = [f.result(WAIT) for f in futures]
-        assert engine.stats()["prefills"] == 1
+        assert (engine.stats()["prefills"] == 1) == (chunk == 512)
     for index, (prompt, result) in enumerate(zip(PROMPTS, results, strict=True)):
         ids = tokenizer(prompt)["input_ids"]  # with BOS for the Llama-2-style tokenizer, as the engine encodes
         choice = result.choices[0]

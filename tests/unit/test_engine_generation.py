@@ -8,12 +8,14 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
 from tests.tiny_lm import build_tiny_gpt2
+from worker.engines.batch import AdapterUse, Request
 from worker.engines.generation import (
     DeadlineExceeded,
     EngineClosed,
@@ -24,6 +26,7 @@ from worker.engines.generation import (
 )
 from worker.engines.gpt2_weights import load_gpt2
 from worker.engines.lm_loading import Gpt2Runner
+from worker.engines.prefix_cache import BLOCK, PrefixCache, block_keys
 
 PROMPTS = [
     "Hello",
@@ -97,6 +100,86 @@ def test_greedy_matches_hf_generate_for_mixed_lengths_in_one_batch(engine, hf) -
         assert result.prompt_tokens == len(ids)
         assert result.choices[0].token_ids == hf_greedy(hf, ids, 24)
         assert result.choices[0].text == engine.tokenizer.decode(result.choices[0].token_ids)
+
+
+@pytest.fixture(scope="module")
+def chunked(model_dir: Path):
+    """Prompts go into the cache 7 tokens per step: long ones take many chunks, interleaved with decode steps."""
+    with GenerationEngine(model_dir, device="cpu", precision="fp32", max_batch_size=8, prefill_chunk_tokens=7) as eng:
+        yield eng
+
+
+def test_chunked_prefill_matches_hf_alone_in_a_batch_and_joining_one(chunked, hf) -> None:
+    long = PROMPTS[2] + " " + PROMPTS[1]
+    alone = chunked.submit(long, greedy(12)).result(WAIT)
+    assert alone.choices[0].token_ids == hf_greedy(hf, ids_of(chunked, long), 12)
+    with chunked._lock:  # admitted together: chunks of several prompts share steps
+        futures = [chunked.submit(p, greedy(20)) for p in [*PROMPTS, long]]
+    started = threading.Event()
+    running = chunked.submit(PROMPTS[0], greedy(30), on_token=lambda i, d: started.set())
+    assert started.wait(WAIT)
+    joining = [chunked.submit(p, greedy(10, n=n)) for p, n in ((long, 2), (PROMPTS[2], 1))]  # n rows share chunks
+    for prompt, future, n in zip([*PROMPTS, long, PROMPTS[0], long, PROMPTS[2]], [*futures, running, *joining],
+                                 [20] * 6 + [30, 10, 10], strict=True):
+        result = future.result(WAIT)
+        for choice in result.choices:
+            assert choice.token_ids == hf_greedy(hf, ids_of(chunked, prompt), n), prompt
+    stats = chunked.stats()
+    assert stats["prefills"] > len(PROMPTS) + 4 and stats["tokens_in_flight"] == 0 and stats["running"] == 0
+
+
+def test_a_request_cancelled_during_its_chunked_prefill_stops_there(chunked) -> None:
+    polls = []
+
+    def is_cancelled() -> bool:  # polled once at admission, then once per step: true after two chunks
+        polls.append(1)
+        return len(polls) > 3
+
+    long = " ".join([PROMPTS[2]] * 4)
+    before = chunked.stats()
+    result = chunked.submit(long, greedy(8), is_cancelled=is_cancelled).result(WAIT)
+    after = chunked.stats()
+    assert [(c.finish_reason, c.token_ids) for c in result.choices] == [("cancelled", [])]
+    assert after["cancelled"] == before["cancelled"] + 1 and after["prefilling"] == 0
+    prefilled = after["prompt_tokens"] - before["prompt_tokens"]
+    assert after["tokens_in_flight"] == 0 and prefilled < len(ids_of(chunked, long))
+
+
+@pytest.mark.parametrize("chunk", [0, 7])
+def test_prefix_caching_reuses_shared_prefixes_and_output_is_unchanged(model_dir, hf, chunk) -> None:
+    system = " ".join(PROMPTS[2:4] * 3)
+    prompts = [system + " Hello there", system + " The quick brown", system + " Hello there"]
+    with GenerationEngine(model_dir, device="cpu", precision="fp32", max_batch_size=8, prefill_chunk_tokens=chunk,
+                          prefix_cache_bytes=1 << 20) as eng:
+        results = [eng.submit(prompt, greedy(12)).result(WAIT) for prompt in prompts]
+        with eng._lock:  # two sharing a cached prefix admitted together, one with two choices
+            together = [eng.submit(prompts[1], greedy(8, n=2)), eng.submit(prompts[0], greedy(8))]
+        results += [future.result(WAIT) for future in together]
+    ids = [ids_of(eng, prompt) for prompt in prompts]
+    shared = next(i for i, (a, b) in enumerate(zip(ids[0], ids[1], strict=False)) if a != b)
+    assert [r.cached_tokens for r in results] == [0, shared // 16 * 16, len(ids[0]) // 16 * 16,
+                                                  len(ids[1]) // 16 * 16, len(ids[0]) // 16 * 16]
+    for result, prompt, n in zip(results, [*ids, ids[1], ids[0]], [12, 12, 12, 8, 8], strict=True):
+        for choice in result.choices:
+            assert choice.token_ids == hf_greedy(hf, prompt, n)
+
+
+def test_the_prefix_cache_evicts_least_recently_used_blocks_later_ones_first() -> None:
+    runner = SimpleNamespace(keys=torch.randn(2, 4, 3, 64, 8), values=torch.randn(2, 4, 3, 64, 8))
+    block_bytes = 2 * 2 * 3 * BLOCK * 8 * 4  # keys and values of one block: [layer, head, BLOCK, head_dim] fp32
+    store = PrefixCache(3 * block_bytes)
+    a, b = Request("a", list(range(40)), greedy(), None, None, None), Request("b", [7] * 33, greedy(), None, None, None)
+    store.remember(runner, a, 0)  # two blocks
+    store.remember(runner, b, 1)  # two more: a's second block (its chain's end, least recently used) goes
+    assert store.bytes == 3 * block_bytes and block_keys(a.prompt, None)[1] not in store.blocks
+    again = Request("c", list(range(40)), greedy(), None, None, None)
+    store.lookup(again)
+    assert again.cached_tokens == BLOCK and len(again.prefix) == 1
+    store.restore(runner, again, [2, 3])
+    torch.testing.assert_close(runner.keys[:, 2:4, :, :BLOCK], runner.keys[:, 0:1, :, :BLOCK].expand(-1, 2, -1, -1, -1))
+    adapted = Request("d", list(range(40)), greedy(), None, None, None, adapter=AdapterUse("x"))
+    store.lookup(adapted)
+    assert adapted.cached_tokens == 0  # another adapter: other keys
 
 
 def test_requests_join_a_running_batch_and_reuse_its_rows(engine, hf) -> None:
@@ -372,7 +455,7 @@ def test_a_decode_step_and_a_prefill_in_one_pass_equal_both_apart(model_dir, eng
             torch.manual_seed(0)
             each.keys.normal_()
             each.values.normal_()
-        both = together.forward((tokens, positions, 10), (prompts, rows))
+        both = together.forward((tokens, positions, 10), (prompts, rows, [0, 0]))
         step, first = apart.decode(tokens, positions, 10), apart.prefill(prompts, rows)
     torch.testing.assert_close(both, torch.cat([step, first]), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(together.keys, apart.keys, rtol=1e-4, atol=1e-5)  # same cache writes

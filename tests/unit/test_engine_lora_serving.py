@@ -24,8 +24,8 @@ def references(base: Path, folders: dict[str, Path]) -> dict[str | None, object]
     return {None: peft_model(base, None), **{name: peft_model(base, folder) for name, folder in folders.items()}}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_a_batch_mixing_adapters_and_the_base_equals_peft_row_by_row(arch, tmp_path):
+@pytest.mark.parametrize(("arch", "chunk"), [(arch, 512) for arch in ARCHS] + [(ARCHS[0], 4)])
+def test_a_batch_mixing_adapters_and_the_base_equals_peft_row_by_row(arch, chunk, tmp_path):
     base = tmp_path / "base"
     build_tiny_decoder(arch, base)
     folders = make_adapters(base, tmp_path)
@@ -36,8 +36,15 @@ def test_a_batch_mixing_adapters_and_the_base_equals_peft_row_by_row(arch, tmp_p
     later = [("narrow", 4), ("wide", 6), (None, 8)]  # arrive while the first rows decode: prefill + decode mixed
     late_prompts = [torch.randint(3, 300, (length,), generator=gen).tolist() for _, length in later]
     params = SamplingParams(max_new_tokens=12, temperature=0)
+    # The chunked case caches prefixes too: the same prompt through another adapter must not hit (keys differ).
+    prefix = (1 << 20) if chunk < 16 else 0
+    if prefix:
+        prompts[1] = prompts[1] + prompts[1] + prompts[1][:5]  # 23 tokens: one full block
+        later.append(("narrow", 0))
+        late_prompts.append(prompts[1])
     with LoraGenerationEngine(base, device="cpu", precision="fp32", max_batch_size=16, max_loras=2,
-                              adapter_folder=lambda name: folders[name]) as engine:
+                              adapter_folder=lambda name: folders[name], prefill_chunk_tokens=chunk,
+                              prefix_cache_bytes=prefix) as engine:
         with engine._lock:  # admitted together: one prefill of every row, adapters and base
             futures = [engine.submit(p, params, adapter=a) for (a, _), p in zip(rows, prompts, strict=True)]
         first_tokens = engine.submit(prompts[0], SamplingParams(max_new_tokens=1, temperature=0))
@@ -45,6 +52,10 @@ def test_a_batch_mixing_adapters_and_the_base_equals_peft_row_by_row(arch, tmp_p
         futures += [engine.submit(p, params, adapter=a) for (a, _), p in zip(later, late_prompts, strict=True)]
         results = [f.result(WAIT) for f in futures]
         stats = engine.stats()
+        if prefix:  # the base's own repeat of prompts[0] (a 5-token prompt: no full block) and "narrow" miss
+            assert [r.cached_tokens for r in results] == [0] * len(results)
+            again = engine.submit(prompts[1], params, adapter="wide").result(WAIT)  # "wide" hits its own block
+            assert again.cached_tokens == 16 and again.choices[0].token_ids == results[1].choices[0].token_ids
     assert stats["peak_running_sequences"] >= len(rows) and sorted(stats["adapters"]) == ["narrow", "wide"]
     for (adapter, _), prompt, result in zip(rows + later, prompts + late_prompts, results, strict=True):
         assert result.choices[0].token_ids == hf_greedy(want[adapter], prompt, 12), (arch, adapter, len(prompt))

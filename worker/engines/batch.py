@@ -47,6 +47,7 @@ class GenerationResult:
     choices: list[Choice]
     prompt_tokens: int
     completion_tokens: int  # sum over choices
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(eq=False)
@@ -73,15 +74,18 @@ class Request:
     done: bool = False
     matchers: list[Any] = field(default_factory=list)  # one grammar matcher per choice when constrained
     adapter: AdapterUse | None = None  # a LoRA adapter over the engine's base model (lora_engine)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (prefix_cache.py)
+    prefix: list[Any] = field(default_factory=list)  # their KV blocks, until copied into the request's rows
 
     def result(self) -> GenerationResult:
         """The outcome from its sequences; a request dropped before it started has empty cancelled choices."""
         if not self.sequences:
             return GenerationResult(self.request_id, [Choice(i, "", "cancelled", []) for i in range(self.params.n)],
-                                    len(self.prompt), 0)
+                                    len(self.prompt), 0, self.cached_tokens)
         choices = [Choice(s.index, s.stream.text, s.finish_reason or "cancelled", list(s.tokens), s.logprobs)
                    for s in self.sequences]
-        return GenerationResult(self.request_id, choices, len(self.prompt), sum(len(c.token_ids) for c in choices))
+        return GenerationResult(self.request_id, choices, len(self.prompt), sum(len(c.token_ids) for c in choices),
+                                self.cached_tokens)
 
     def open(self, pieces: Callable[[], Pieces]) -> list[SequenceState]:
         """Create the request's n sequences, each with its own seed (seed + index when seeded) and text decoder."""

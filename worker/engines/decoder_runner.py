@@ -108,8 +108,11 @@ class DecoderRunner(SlotCache):
         return out if self.lora is None else self.lora.add(index, name, x, out)
 
     def forward(self, decode: tuple[torch.Tensor, torch.Tensor, int] | None,
-                prefill: tuple[list[list[int]], list[list[int]]] | None) -> torch.Tensor:
-        """A decode step for rows 0..B-1 and the prefill of new prompts in one pass: logits [B + P, V]."""
+                prefill: tuple[list[list[int]], list[list[int]], list[int]] | None) -> torch.Tensor:
+        """A decode step for rows 0..B-1 and the prefill of prompt chunks in one pass: logits [B + P, V].
+
+        prefill: the chunks, the cache rows of each, where each begins in its prompt (see PrefillLayout).
+        """
         keys, values = self.keys, self.values
         assert keys is not None and values is not None
         positions: list[torch.Tensor] = []
@@ -130,10 +133,13 @@ class DecoderRunner(SlotCache):
         if prefill is not None:
             layout = PrefillLayout(*prefill, self.device)
             ids.append(layout.ids.view(-1))
-            positions.append(torch.arange(layout.width, device=self.device).repeat(layout.count))
-            at = torch.arange(layout.width, device=self.device)
-            causal = at[None] <= at[:, None]
-            prefill_masks = {window: causal & (at[None] > at[:, None] - window) for window in self._windows()}
+            positions.append(layout.positions.view(-1))
+            if layout.chunked:  # chunks read their rows' cache: earlier chunks of the same prompt are there
+                prefill_masks = {window: layout.mask(window) for window in (*self._windows(), None)}
+            else:
+                at = torch.arange(layout.width, device=self.device)
+                causal = at[None] <= at[:, None]
+                prefill_masks = {window: causal & (at[None] > at[:, None] - window) for window in self._windows()}
         flat_ids = ids[0] if len(ids) == 1 else torch.cat(ids)
         if self.lora is not None:  # one plan per forward, shared by every layer
             self.lora.begin(batch, layout.count if layout else 0, layout.width if layout else 0)
@@ -154,7 +160,11 @@ class DecoderRunner(SlotCache):
                         for t in (key, value))
                 layout.store(keys, index, k)
                 layout.store(values, index, v)
-                mask = {"attn_mask": prefill_masks[window]} if window else {"is_causal": True}
+                if layout.chunked:
+                    k, v = layout.cached(keys, index), layout.cached(values, index)
+                    mask = {"attn_mask": prefill_masks[window]}
+                else:
+                    mask = {"attn_mask": prefill_masks[window]} if window else {"is_causal": True}
                 attended = self._attention(q, k, v, **mask)
                 out.append(attended.transpose(1, 2).reshape(layout.count * layout.width, self.q_size))
             return out[0] if len(out) == 1 else torch.cat(out)

@@ -37,14 +37,12 @@ from worker.engines.device import DevicePlan, resolve_device
 from worker.engines.generation_outcomes import RequestOutcomes
 from worker.engines.grammar import Grammars
 from worker.engines.lm_loading import load_tokenizer
+from worker.engines.prefill import Chunk, PrefillQueue
+from worker.engines.prefix_cache import PrefixCache
 from worker.engines.row_outputs import chat_ids, constrained_logits, record_logprobs
 from worker.engines.sampling import RowParams, next_tokens
 
 __all__ = ["DeadlineExceeded", "EngineClosed", "GenerationEngine", "GenerationResult", "QueueFull", "SamplingParams"]
-
-# Padded prompt tokens per prefill forward: bounds the activations of a burst of long prompts.
-PREFILL_TOKENS = 4096
-
 
 class GenerationEngine(RequestOutcomes):
     """A decoder LM loaded once, decoding many requests together; submit() is thread-safe.
@@ -57,12 +55,15 @@ class GenerationEngine(RequestOutcomes):
         self, model: str | Path, *, device: str = "auto", precision: str = "auto", max_batch_size: int = 32,
         max_tokens_in_flight: int = 16384, max_queue: int = 256,
         cancelled_ids: Callable[[list[str]], Collection[str]] | None = None,
-        on_step: Callable[[int], None] | None = None,
+        on_step: Callable[[int], None] | None = None, prefill_chunk_tokens: int = 256, prefix_cache_bytes: int = 0,
     ) -> None:
         for name, value in (("max_batch_size", max_batch_size), ("max_tokens_in_flight", max_tokens_in_flight),
                             ("max_queue", max_queue)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, value in (("prefill_chunk_tokens", prefill_chunk_tokens), ("prefix_cache_bytes", prefix_cache_bytes)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be 0 (off) or a positive integer, got {value!r}")
         self.plan: DevicePlan = resolve_device(device, precision, generation=True)
         self._runner = open_runner(model, self.plan, max_rows=max_batch_size)  # GPT-2 or a llama-family decoder
         self.tokenizer = load_tokenizer(model)
@@ -91,6 +92,10 @@ class GenerationEngine(RequestOutcomes):
                           "completed": 0, "cancelled": 0, "expired": 0, "failed": 0, "peak_running_sequences": 0}
         # Scheduler-thread state: rows of the batch, in cache-row order.
         self._rows: list[SequenceState] = []
+        # Started requests whose prompts are still going into the cache, prefill_chunk_tokens per step (0: whole).
+        # With prefix_cache_bytes, the KV of shared prompt prefixes is reused (prefix_cache.py).
+        self._prefilling = PrefillQueue(prefill_chunk_tokens or None,
+                                        PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None)
         self._row_params: RowParams | None = None
         # Tokens seen per row (prompt + generated), for the repetition penalty: [max_batch_size, vocab].
         self._seen = torch.zeros(max_batch_size, self.vocab_size, dtype=torch.bool, device=self._device)
@@ -151,7 +156,8 @@ class GenerationEngine(RequestOutcomes):
             rows = list(self._rows)
             rows_cap, positions_cap = self._runner.capacity
             return {"running": len({id(s.request) for s in rows}), "running_sequences": len(rows),
-                    "waiting": len(self._waiting), "tokens_in_flight": self._tokens_in_flight,
+                    "waiting": len(self._waiting), "prefilling": len(self._prefilling.requests),
+                    "tokens_in_flight": self._tokens_in_flight,
                     "max_batch_size": self.max_batch_size, "max_tokens_in_flight": self.max_tokens_in_flight,
                     "cache_rows": rows_cap, "cache_positions": positions_cap, "closed": self._closed,
                     **self._counters}
@@ -175,17 +181,18 @@ class GenerationEngine(RequestOutcomes):
             while self._wait_for_work():
                 try:
                     flagged = self._flagged()
-                    fresh = self._start(self._admit(flagged))
+                    self._start(self._admit(flagged))
                     self._poll_cancelled(flagged)
-                    if self._rows or fresh:
-                        self._step(fresh)
+                    chunks = self._prefilling.plan()
+                    if self._rows or chunks:
+                        self._step(chunks)
                 except Exception as error:  # noqa: BLE001 - a failed forward fails its batch, not the engine
                     self._reset(error)
         self._shutdown()
 
     def _wait_for_work(self) -> bool:
         with self._lock:
-            while not self._closed and not self._waiting and not self._rows:
+            while not self._closed and not self._waiting and not self._rows and not self._prefilling.requests:
                 self._runner.release()  # idle: give the cache back (it may have grown for one long request)
                 self._wake.wait()
             return not self._closed
@@ -193,8 +200,8 @@ class GenerationEngine(RequestOutcomes):
     def _flagged(self) -> frozenset[str]:
         """Ids the cancelled_ids hook names among waiting and running requests (one call for all of them)."""
         with self._lock:
-            ids = list(dict.fromkeys(
-                [r.request_id for r in self._waiting] + [q.request.request_id for q in self._rows]))
+            ids = list(dict.fromkeys([r.request_id for r in [*self._waiting, *self._prefilling.requests]]
+                                     + [q.request.request_id for q in self._rows]))
         return frozenset(self._cancelled_ids(ids)) if self._cancelled_ids is not None and ids else frozenset()
 
     def _admit(self, flagged: frozenset[str] = frozenset()) -> list[Request]:
@@ -214,7 +221,7 @@ class GenerationEngine(RequestOutcomes):
                 self._waiting = deque(r for r in self._waiting if id(r) not in dropped)
                 self._counters["expired"] += len(expired)
                 self._counters["cancelled"] += len(cancelled)
-            rows = len(self._rows)
+            rows = len(self._rows) + self._prefilling.rows
             while self._waiting:
                 head = self._waiting[0]
                 # FIFO: a large request at the head waits for room rather than being overtaken forever.
@@ -233,37 +240,17 @@ class GenerationEngine(RequestOutcomes):
                 request.future.set_result(request.result())
         return admitted
 
-    def _start(self, admitted: list[Request]) -> list[Request]:
-        """Split admitted requests into prefill chunks; all but the first are prefilled now, the first is returned.
-
-        The first chunk is prefilled inside the next decode step (one pass over the weights for both).
-        """
-        ready = []
+    def _start(self, admitted: list[Request]) -> None:
+        """Queue admitted requests for prefill (those cancelled meanwhile give their cache positions back)."""
         for request in admitted:
             if request.future.set_running_or_notify_cancel():
-                ready.append(request)
+                self._prefilling.add(request)
             else:
                 with self._lock:
                     self._tokens_in_flight -= request.cost
-        chunks: list[list[Request]] = []
-        width = 0
-        for request in ready:
-            width = max(width, len(request.prompt))
-            if not chunks or (len(chunks[-1]) + 1) * width > PREFILL_TOKENS:
-                chunks.append([])
-                width = len(request.prompt)
-            chunks[-1].append(request)
-        for chunk in chunks[1:]:  # a burst of long prompts: prefill the rest on their own, bounded activations
-            self._prefill_or_abort(chunk)
-        return chunks[0] if chunks else []
-
-    def _prefill_or_abort(self, requests: list[Request]) -> None:
-        try:
-            self._step(requests, decode=False)
-        except Exception as error:  # noqa: BLE001 - fail these requests; rows already running are intact
-            self._abort(requests, error)
 
     def _abort(self, requests: list[Request], error: BaseException) -> None:
+        self._prefilling.remove(requests)
         for request in requests:
             self._fail(request, error)
             if not request.sequences:
@@ -274,82 +261,82 @@ class GenerationEngine(RequestOutcomes):
         except Exception:  # noqa: BLE001
             self._reset(error)
 
-    def _step(self, fresh: list[Request], *, decode: bool = True) -> None:
-        """One decode step for every running row, with the prefill of `fresh` requests into new rows (one pass)."""
-        first = len(self._rows) if decode else 0
-        if fresh and decode:
+    def _step(self, chunks: list[Chunk]) -> None:
+        """One decode step for every running row with the prefill of `chunks` (one pass); ended prompts sample."""
+        first = len(self._rows)
+        if chunks:
             try:
-                self._open(fresh)
+                self._open(chunks)
             except Exception as error:  # noqa: BLE001 - e.g. the cache could not grow: fail only these
-                self._abort(fresh, error)
-                fresh = []
-        elif fresh:
-            first = len(self._rows)
-            self._open(fresh)
-        if not fresh and not decode:
+                self._abort([c.request for c in chunks], error)
+                chunks = []
+        ended = sum(c.last for c in chunks)
+        if not first and not chunks:
             return
-        if self._row_params is None or fresh:
+        if self._row_params is None or ended:
             rows = self._rows
             self._row_params = RowParams([s.request.params for s in rows], self._device,
                                          seeds=[s.seed for s in rows], counters=[len(s.tokens) for s in rows])
         step = None
-        if decode and first:
+        if first:
             positions = [s.position for s in self._rows[:first]]
             tokens = torch.tensor([s.tokens[-1] for s in self._rows[:first]], dtype=torch.long, device=self._device)
             step = (tokens, torch.tensor(positions, device=self._device), max(positions) + 1)
-        prefill = ([r.prompt for r in fresh], self._groups(fresh, first)) if fresh else None
+        groups = self._groups(chunks, first)
+        prefill = ([c.tokens for c in chunks], groups, [c.start for c in chunks]) if chunks else None
         try:
+            self._prefilling.restore(self._runner, chunks, groups)
             logits = self._runner.forward(step, prefill)
         except Exception as error:
-            if not fresh or not decode:
+            if not chunks:
                 raise
-            self._abort(fresh, error)  # their rows go; the running rows step again on their own
+            self._abort([c.request for c in chunks], error)  # their rows go; the running rows step again alone
             self._row_params = None
             return
-        if prefill is not None:
-            source = [i for i, group in enumerate(prefill[1]) for _ in group]
-            prompts = logits[len(logits) - len(prefill[0]):]
-            rows = prompts.index_select(0, torch.tensor(source, dtype=torch.long, device=self._device))
-            logits = rows if step is None else torch.cat([logits[:first], rows])
+        if chunks:
+            self._prefilling.advance(self._runner, chunks, groups)
+            source = torch.tensor([i for i, group in enumerate(groups[:ended]) for _ in group], dtype=torch.long,
+                                  device=self._device)
+            logits = torch.cat([logits[:first], logits[first:first + ended].index_select(0, source)])
             with self._lock:
                 self._counters["prefills"] += 1
-                self._counters["prompt_tokens"] += sum(len(r.prompt) for r in fresh)
+                self._counters["prompt_tokens"] += sum(c.end - c.start for c in chunks)
                 self._counters["peak_running_sequences"] = max(self._counters["peak_running_sequences"],
                                                                len(self._rows))
-        if step is None and first:  # a prefill alone: only the new rows draw
-            params = RowParams([s.request.params for s in self._rows[first:]], self._device,
-                               seeds=[s.seed for s in self._rows[first:]])
-            self._row_params = None
-        else:
-            params, first = self._row_params, 0
-        seen = self._seen[first:len(self._rows)] if params.penalty is not None else None
-        new = next_tokens(constrained_logits(logits, self._rows[first:]), params, seen)
-        record_logprobs(logits, new, self._rows[first:], self._table, self.eos_token_ids)
+        if not self._rows:
+            return  # only a prompt's first chunks ran: nothing to sample yet
+        params = self._row_params
+        seen = self._seen[:len(self._rows)] if params.penalty is not None else None
+        new = next_tokens(constrained_logits(logits, self._rows), params, seen)
+        record_logprobs(logits, new, self._rows, self._table, self.eos_token_ids)
         if step is not None:
             with self._lock:
                 self._counters["steps"] += 1
             if self._on_step is not None:
                 self._on_step(len(self._rows))
-        self._accept(first, new)
+        self._accept(0, new)
 
-    def _open(self, fresh: list[Request]) -> None:
-        """New rows for the fresh requests' sequences (their prompts marked as seen), the cache grown to fit."""
+    def _open(self, chunks: list[Chunk]) -> None:
+        """Rows for the requests whose prompts end in `chunks` (prompts marked as seen), the cache grown to fit all."""
         start = len(self._rows)
-        for request in fresh:
-            self._rows.extend(request.open(self._pieces))
-        self._runner.reserve(len(self._rows), max(len(s.request.prompt) + s.request.params.max_new_tokens
-                                                  for s in self._rows))
+        for chunk in chunks:
+            if chunk.last:
+                self._rows.extend(chunk.request.open(self._pieces))
+        extra = 0 if chunks[-1].last else chunks[-1].request.params.n  # a part-way prompt's rows, after the batch's
+        requests = [s.request for s in self._rows] + [c.request for c in chunks]
+        self._runner.reserve(len(self._rows) + extra, max(len(r.prompt) + r.params.max_new_tokens for r in requests))
         for row, sequence in enumerate(self._rows[start:], start=start):
             if sequence.request.params.repetition_penalty != 1.0:
                 self._seen[row].zero_()
                 self._seen[row, torch.tensor(sequence.request.prompt, device=self._device)] = True
 
-    def _groups(self, fresh: list[Request], first: int) -> list[list[int]]:
-        """Cache rows of each fresh request's sequences (rows first.. in order)."""
+    @staticmethod
+    def _groups(chunks: list[Chunk], first: int) -> list[list[int]]:
+        """Cache rows of each chunk's request (rows first.. in order; a part-way prompt's last)."""
         groups, row = [], first
-        for request in fresh:
-            groups.append(list(range(row, row + len(request.sequences))))
-            row += len(request.sequences)
+        for chunk in chunks:
+            groups.append(list(range(row, row + chunk.request.params.n)))
+            row += chunk.request.params.n
         return groups
 
     def _accept(self, first: int, tokens: torch.Tensor) -> None:
@@ -383,6 +370,7 @@ class GenerationEngine(RequestOutcomes):
                 self._rows.pop()
                 self._tokens_in_flight -= len(sequence.request.prompt) + sequence.request.params.max_new_tokens
                 finished[id(sequence.request)] = sequence.request
+            self._prefilling.follow(self._runner, len(self._rows))
         self._row_params = None
         for request in finished.values():
             if not request.done and all(s.finish_reason is not None for s in request.sequences):
@@ -390,11 +378,14 @@ class GenerationEngine(RequestOutcomes):
 
     def _reset(self, error: BaseException) -> None:
         """After a failed forward the cache is suspect: fail every running request and start clean."""
-        for sequence in self._rows:
-            self._fail(sequence.request, error)
+        prefilling = list(self._prefilling.requests)
+        self._prefilling.remove(prefilling)
+        for request in [*(s.request for s in self._rows), *prefilling]:
+            self._fail(request, error)
         with self._lock:
             for sequence in self._rows:
                 self._tokens_in_flight -= len(sequence.request.prompt) + sequence.request.params.max_new_tokens
+            self._tokens_in_flight -= sum(request.cost for request in prefilling)
             self._rows.clear()
         self._row_params = None
         self._runner.release()

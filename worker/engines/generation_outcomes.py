@@ -20,6 +20,8 @@ class RequestOutcomes:
     _rows: list[SequenceState]
     _waiting: deque[Request]
     _runner: Any
+    _prefilling: Any  # prefill.PrefillQueue: started requests whose prompts are not all in the cache yet
+    _tokens_in_flight: int
     _sweep: Callable[[], None]  # GenerationEngine's: removes finished rows and resolves completed requests
 
     def _emit(self, request: Request, index: int, delta: str, logprobs: list[TokenLogprob] | None = None) -> None:
@@ -43,6 +45,17 @@ class RequestOutcomes:
             return True
 
     def _poll_cancelled(self, flagged: frozenset[str] = frozenset()) -> None:
+        # Requests still being prefilled: dropped at once (a long prompt's remaining chunks are not run).
+        dropped = [r for r in self._prefilling.requests
+                   if (r.is_cancelled is not None or r.request_id in flagged) and self._cancelled(r, flagged)]
+        self._prefilling.remove(dropped)
+        for request in dropped:
+            with self._lock:
+                self._tokens_in_flight -= request.cost
+                self._counters["cancelled"] += not request.done
+            if not request.done:  # (is_cancelled raised: already failed)
+                request.done = True
+                request.future.set_result(request.result())
         requests = {id(s.request): s.request for s in self._rows
                     if s.request.is_cancelled is not None or s.request.request_id in flagged}
         hit = False
@@ -78,7 +91,7 @@ class RequestOutcomes:
         with self._lock:
             waiting, self._waiting = list(self._waiting), deque()
         error = EngineClosed("the generation engine was closed")
-        for request in [*waiting, *(s.request for s in self._rows)]:
+        for request in [*waiting, *self._prefilling.requests, *(s.request for s in self._rows)]:
             if not request.done and not request.future.done():
                 request.done = True
                 request.future.set_exception(error)

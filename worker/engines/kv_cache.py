@@ -88,21 +88,51 @@ class SlotCache:
 
 
 class PrefillLayout:
-    """New prompts right-padded to one width, and the cache rows each fills (n choices share one prefill)."""
+    """New prompt chunks right-padded to one width, and the cache rows each fills (n choices share one prefill).
 
-    def __init__(self, prompts: list[list[int]], groups: list[list[int]], device: torch.device) -> None:
+    starts[i] is where chunk i begins in its prompt (0: a whole prompt or its first chunk). With every start 0
+    the chunks attend among themselves (causal); otherwise each reads its row's cache, earlier chunks included.
+    """
+
+    def __init__(self, prompts: list[list[int]], groups: list[list[int]], starts: list[int],
+                 device: torch.device) -> None:
         self.count = len(prompts)
         self.lengths = [len(prompt) for prompt in prompts]
         self.width = max(self.lengths)
+        self.starts = starts
+        self.chunked = any(self.starts)
+        self.groups = groups
         # Right padding needs no mask: with causal attention a real position never sees a later pad.
         self.ids = torch.tensor([p + [0] * (self.width - len(p)) for p in prompts], dtype=torch.long, device=device)
         self.target = torch.tensor([row for group in groups for row in group], dtype=torch.long, device=device)
         self.source = torch.tensor([i for i, group in enumerate(groups) for _ in group], dtype=torch.long,
                                    device=device)
+        at = torch.arange(self.width, device=device)
+        # A pad sits at its chunk's last real position: it sees nothing a real token does not.
+        offsets = torch.minimum(at[None], torch.tensor(self.lengths, device=device)[:, None] - 1)
+        self.positions = torch.tensor(self.starts, device=device)[:, None] + offsets  # [P, width]
 
     def store(self, cache: torch.Tensor, layer: int, states: torch.Tensor) -> None:
         """Write a layer's keys or values of the prompts [P, head, width, head_dim] into their rows' cache."""
-        cache[layer, self.target, :, :self.width] = states.index_select(0, self.source)
+        if not self.chunked:
+            cache[layer, self.target, :, :self.width] = states.index_select(0, self.source)
+            return
+        for i, (start, length, group) in enumerate(zip(self.starts, self.lengths, self.groups, strict=True)):
+            cache[layer, group[0]:group[-1] + 1, :, start:start + length] = states[i, :, :length]
+
+    def cached(self, cache: torch.Tensor, layer: int) -> torch.Tensor:
+        """Each chunk's row of the cache up to the furthest chunk end [P, head, span, head_dim] (after store)."""
+        span = max(s + n for s, n in zip(self.starts, self.lengths, strict=True))
+        return cache[layer, [group[0] for group in self.groups], :, :span]
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[P, 1, width, span]: chunk token i sees its row's positions up to its own (the last `window` of them)."""
+        span = max(s + n for s, n in zip(self.starts, self.lengths, strict=True))
+        seen = torch.arange(span, device=self.positions.device)[None, None]
+        visible = seen <= self.positions[:, :, None]
+        if window:
+            visible &= seen > self.positions[:, :, None] - window
+        return visible[:, None]
 
     def picked(self, batch: int, device: torch.device) -> torch.Tensor:
         """Flat token indices that need logits: the `batch` decode rows first, then each prompt's last position."""

@@ -163,15 +163,15 @@ class Gpt2Runner(SlotCache):
 
         rows[i] lists the cache rows that start from prompt i (n choices share one prefill).
         """
-        return self.forward(None, (prompts, rows))
+        return self.forward(None, (prompts, rows, [0] * len(prompts)))
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         """One step for rows 0..B-1: token b sits at positions[b]; attention covers positions < span. Logits [B, V]."""
         return self.forward((tokens, positions, span), None)
 
     def forward(self, decode: tuple[torch.Tensor, torch.Tensor, int] | None,
-                prefill: tuple[list[list[int]], list[list[int]]] | None) -> torch.Tensor:
-        """A decode step for rows 0..B-1 and the prefill of new prompts in one pass: logits [B + P, V].
+                prefill: tuple[list[list[int]], list[list[int]], list[int]] | None) -> torch.Tensor:
+        """A decode step for rows 0..B-1 and the prefill of prompt chunks in one pass: logits [B + P, V].
 
         One pass reads every weight once for both (a separate prefill costs a whole weight read while the
         running rows wait). All tokens go through the projections as one flat [N, E] matrix; only attention
@@ -192,8 +192,9 @@ class Gpt2Runner(SlotCache):
         layout = None
         if prefill is not None:
             layout = PrefillLayout(*prefill, self.device)
-            prompt_positions = torch.arange(layout.width, device=self.device)
-            embedded = self._embed(wte, layout.ids) + self._embed(wpe, prompt_positions)[None]
+            if layout.chunked:  # chunks read their rows' cache: earlier chunks of the same prompt are there
+                prefill_mask = layout.mask(None)
+            embedded = self._embed(wte, layout.ids) + self._embed(wpe, layout.positions)
             parts.append(embedded.view(-1, self.n_embd))
         hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -210,7 +211,11 @@ class Gpt2Runner(SlotCache):
                 q, k, v = (t[batch:].view(shape).transpose(1, 2) for t in (query, key, value))
                 layout.store(keys, index, k)
                 layout.store(values, index, v)
-                attended = self._attention(q, k, v, index, is_causal=True)
+                if layout.chunked:
+                    attended = self._attention(q, layout.cached(keys, index), layout.cached(values, index), index,
+                                               attn_mask=prefill_mask)
+                else:
+                    attended = self._attention(q, k, v, index, is_causal=True)
                 out.append(attended.transpose(1, 2).reshape(layout.count * layout.width, self.n_embd))
             return out[0] if len(out) == 1 else torch.cat(out)
 

@@ -23,6 +23,7 @@ from worker.engines.decoder_runner import DecoderRunner
 from worker.engines.generation import GenerationEngine
 from worker.engines.lora_batch import AdapterCache, AdapterCacheFull, LoraWeights, load_lora_weights
 from worker.engines.lora_rows import RunnerLora, runner_lora
+from worker.engines.prefill import Chunk
 
 
 class LoraGenerationEngine(GenerationEngine):
@@ -103,11 +104,10 @@ class LoraGenerationEngine(GenerationEngine):
                 self._tokens_in_flight -= sum(request.cost for request in back)
         return admitted
 
-    def _step(self, fresh: list[Request], *, decode: bool = True) -> None:
-        if self._lora is not None:
-            rows = [slot_of(s.request) for s in self._rows] if decode else []
-            self._lora.set_rows(rows, [slot_of(request) for request in fresh])
-        super()._step(fresh, decode=decode)
+    def _step(self, chunks: list[Chunk]) -> None:
+        if self._lora is not None:  # each prompt chunk keeps its request's adapter
+            self._lora.set_rows([slot_of(s.request) for s in self._rows], [slot_of(c.request) for c in chunks])
+        super()._step(chunks)
 
     def _sweep(self) -> None:
         super()._sweep()

@@ -1,0 +1,121 @@
+"""Chunked prefill: the prompts of started requests go into the cache a token budget at a time, interleaved with
+decode steps, so a long prompt arriving does not stall the running streams for its whole prefill (vLLM's chunked
+prefill: decode rows every step, prefill chunks filling the budget).
+
+Requests are prefilled in order; a step takes the head's next chunk, then whole prompts (or the start of the next
+one) while the budget lasts, so at most one request is part-way at a time: the last of a step's chunks. Its cache
+rows sit right after the batch's rows and follow them down when rows finish (`follow`). Only a chunk that ends its
+prompt yields logits that are sampled; the request then opens its rows in the batch, exactly where its chunks were.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from worker.engines.batch import Request
+from worker.engines.prefix_cache import PrefixCache
+
+# Padded prompt tokens per forward: bounds the activations of a burst of prompts (a longer single one goes alone).
+PREFILL_TOKENS = 4096
+
+
+@dataclass
+class Chunk:
+    """Prompt tokens start..end of a request, prefilled in one forward."""
+
+    request: Request
+    start: int
+    end: int
+
+    @property
+    def last(self) -> bool:
+        """Whether the chunk ends its prompt (then its logits are sampled)."""
+        return self.end == len(self.request.prompt)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.prompt[self.start:self.end]
+
+
+class PrefillQueue:
+    """Started requests whose prompts are not all in the cache yet, in order; budget None: whole prompts.
+
+    With a prefix cache a request's prompt starts after its cached prefix, copied into its rows before its first
+    chunk; a prompt that ends leaves its blocks to the cache.
+    """
+
+    def __init__(self, budget: int | None, prefix: PrefixCache | None = None) -> None:
+        self.budget = budget
+        self.prefix = prefix
+        self.requests: deque[Request] = deque()
+        self.done = 0  # prompt tokens of the head already in the cache
+        self.tail = 0  # the head's first cache row while it is part-way
+
+    def add(self, request: Request) -> None:
+        """Queue a started request (its cached prefix looked up now: held until its prefill, whatever is evicted)."""
+        if self.prefix is not None:
+            self.prefix.lookup(request)
+        self.requests.append(request)
+
+    @property
+    def rows(self) -> int:
+        """Cache rows the queued requests will take (they count against max_batch_size from admission)."""
+        return sum(request.params.n for request in self.requests)
+
+    @property
+    def partial(self) -> Request | None:
+        """The request part-way through its prompt (its rows hold `done` positions), if any."""
+        return self.requests[0] if self.requests and self.done else None
+
+    def plan(self) -> list[Chunk]:
+        """The next step's chunks: the head's next part first, then later prompts while the budget lasts."""
+        chunks: list[Chunk] = []
+        used = width = 0
+        for index, request in enumerate(self.requests):
+            start = self.done if index == 0 and self.done else request.cached_tokens
+            size = len(request.prompt) - start
+            if self.budget is not None:
+                size = min(size, self.budget - used)
+            if size <= 0 or (chunks and (len(chunks) + 1) * max(width, size) > PREFILL_TOKENS):
+                break
+            chunks.append(Chunk(request, start, start + size))
+            used, width = used + size, max(width, size)
+            if start + size < len(request.prompt):
+                break  # part-way: the budget is spent
+        return chunks
+
+    def restore(self, runner: Any, chunks: list[Chunk], groups: list[list[int]]) -> None:
+        """Before a forward: copy the cached prefixes of requests starting now into their rows."""
+        if self.prefix is not None:
+            for chunk, rows in zip(chunks, groups, strict=True):
+                if chunk.request.prefix:
+                    self.prefix.restore(runner, chunk.request, rows)
+
+    def advance(self, runner: Any, chunks: list[Chunk], groups: list[list[int]]) -> None:
+        """After a forward: drop (and cache) the prompts that ended, note where the part-way one stands."""
+        for chunk, rows in zip(chunks, groups, strict=True):
+            if chunk.last:
+                self.requests.remove(chunk.request)
+                self.done = 0
+                if self.prefix is not None:
+                    self.prefix.remember(runner, chunk.request, rows[0])
+            else:
+                self.done, self.tail = chunk.end, rows[0]
+
+    def remove(self, requests: list[Request]) -> None:
+        """Forget failed or cancelled requests (a part-way head's rows are simply left to be overwritten)."""
+        gone = {id(request) for request in requests}
+        if self.requests and id(self.requests[0]) in gone:
+            self.done = 0
+        self.requests = deque(r for r in self.requests if id(r) not in gone)
+
+    def follow(self, runner: Any, rows: int) -> None:
+        """Keep the part-way request's cache rows right after the batch's `rows` rows (moved down after a sweep)."""
+        partial = self.partial
+        if partial is None or self.tail == rows:
+            return
+        for k in range(partial.params.n):  # increasing order: a target never overwrites a row still to move
+            runner.move_row(self.tail + k, rows + k, self.done)
+        self.tail = rows
