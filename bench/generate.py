@@ -251,6 +251,9 @@ def main() -> None:
                     load = os.getloadavg()[0]
                     seconds, served = service(client, name, texts, args.max_new_tokens, args.concurrency)
                     runs["trainserve"].append((seconds, sum(r["tokens"] for r in served), load))
+                    print("round " + str(len(runs["trainserve"])) + ": " + ", ".join(
+                        f"{side} {runs[side][-1][1] / runs[side][-1][0]:.1f}" for side in sides) + " tokens/s, load "
+                        f"{os.getloadavg()[0]:.1f}", flush=True)  # a run cut short still shows its rounds
                     for result in served:
                         latencies["ttft"].append(result["times"][0] if result["times"] else 0.0)
                         latencies["itl"] += [b - a for a, b in zip(result["times"], result["times"][1:], strict=False)]
