@@ -13,7 +13,19 @@ from app.access_log import install_access_log_redaction
 from app.errors import install_error_handlers
 from app.limits import BodyLimitMiddleware, TenantSlots, UploadSlotsMiddleware
 from app.observability import HttpMetrics, ObservabilityMiddleware
-from app.routes import classify, datasets, files, fine_tuning, generation, health, jobs, metrics, sweeps, webhooks
+from app.routes import (
+    batches,
+    classify,
+    datasets,
+    files,
+    fine_tuning,
+    generation,
+    health,
+    jobs,
+    metrics,
+    sweeps,
+    webhooks,
+)
 from app.routes.dashboard import mount_dashboard
 from app.security_headers import SecurityHeadersMiddleware
 from app.services.generation import GenerationGateway
@@ -77,7 +89,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     app.add_middleware(ObservabilityMiddleware, metrics=HttpMetrics(app.state.metrics_registry))
     app.add_middleware(SecurityHeadersMiddleware)  # outside everything: every answer carries them
     for router in (health.router, datasets.router, jobs.router, sweeps.router, classify.router, generation.router,
-                   files.router, fine_tuning.router, webhooks.router, metrics.router):
+                   files.router, fine_tuning.router, batches.router, webhooks.router, metrics.router):
         app.include_router(router)
     mount_dashboard(app)
     return app

@@ -6,7 +6,15 @@ from celery import Celery
 from kombu import Queue
 
 from core.settings import Settings, get_settings
-from core.tasks import QUEUE_GENERATE, QUEUE_INFERENCE, QUEUE_TRAIN, TASK_CLASSIFY, TASK_GENERATE, TASK_TRAIN
+from core.tasks import (
+    QUEUE_GENERATE,
+    QUEUE_INFERENCE,
+    QUEUE_TRAIN,
+    TASK_BATCH,
+    TASK_CLASSIFY,
+    TASK_GENERATE,
+    TASK_TRAIN,
+)
 
 
 def make_celery(settings: Settings | None = None) -> Celery:
@@ -17,7 +25,7 @@ def make_celery(settings: Settings | None = None) -> Celery:
     app.conf.update(
         task_queues=[Queue(QUEUE_TRAIN), Queue(QUEUE_INFERENCE), Queue(QUEUE_GENERATE)],
         task_routes={TASK_TRAIN: {"queue": QUEUE_TRAIN}, TASK_CLASSIFY: {"queue": QUEUE_INFERENCE},
-                     TASK_GENERATE: {"queue": QUEUE_GENERATE}},
+                     TASK_GENERATE: {"queue": QUEUE_GENERATE}, TASK_BATCH: {"queue": QUEUE_GENERATE}},
         task_default_queue=QUEUE_TRAIN,
         task_serializer="json",
         result_serializer="json",

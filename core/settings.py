@@ -115,6 +115,11 @@ class Settings(BaseSettings):
         "auto", pattern="^(auto|fp32|bf16|fp16)$", description="Weights dtype of generation engines: auto (bf16 on "
         "a GPU that has it, else fp16; on a CPU bf16 when a short calibration at load shows a decode step clearly "
         "faster, else fp32), fp32, bf16 or fp16.")
+    batch_share: float = Field(
+        0.25, gt=0, le=1, description="/v1/batches: the share of a generation engine's batch slots (max_batch_size) "
+        "one running batch keeps filled; the rest stay free for interactive requests.")
+    batch_chunk_lines: int = Field(64, ge=1, le=10_000, description="/v1/batches: lines run between two durable "
+                                   "progress records (and cancel checks).")
     generation_memory_budget_mb: float = Field(
         8192.0, gt=0, description="Model weights one generation worker keeps warm; least recently used idle "
         "models are unloaded beyond it.")

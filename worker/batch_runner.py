@@ -1,0 +1,167 @@
+"""Running a chunk of batch lines on the generation engines: many requests submitted at once, no streaming,
+within a bounded share of the engine's batch slots so interactive requests keep theirs.
+
+RUNNERS maps a batch endpoint to the function that runs its lines; an endpoint without an entry answers each
+line with an error (/v1/embeddings until this build serves it: fill its entry, and app.services.batch_plan's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+from core.batches import LineError, PlannedLine
+from core.protocol import ErrorCode, ErrorEvent, GenerateTask
+from worker.serving import GenerationService, render_chat
+
+QUEUE_FULL_PAUSE_S = 0.05  # the engine's waiting queue is full of interactive requests: let them go first
+
+
+@dataclass
+class Outcome:
+    """A line's answer: the HTTP status and body the interactive route would have given."""
+
+    status_code: int
+    body: dict[str, Any]
+
+
+Runner = Callable[[GenerationService, str, list[tuple[int, PlannedLine]], int], dict[int, Outcome]]
+
+
+def error_outcome(error: LineError) -> Outcome:
+    """OpenAI's error body for a line that could not run."""
+    kind = "server_error" if error.status_code >= 500 else "invalid_request_error"
+    return Outcome(error.status_code, {"error": {"message": error.message, "type": kind, "param": error.param,
+                                                 "code": error.code}})
+
+
+def digest(*parts: object) -> str:
+    """A stable hex id for a line (the same after a redelivery): 24 hex digits."""
+    return hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:24]
+
+
+def _reason(reason: str | None) -> str | None:
+    return None if reason is None else "length" if reason == "length" else "stop"
+
+
+def _usage(result: Any) -> dict[str, int]:
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens}
+
+
+def chat_body(line: PlannedLine, result: Any, rid: str) -> dict[str, Any]:
+    """A ChatCompletion, as /v1/chat/completions answers it."""
+    wants = line.params is not None and line.params.logprobs is not None
+    return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()), "model": line.model,
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                         "logprobs": {"content": [e.model_dump() for e in c.logprobs or []]} if wants else None,
+                         "finish_reason": _reason(c.finish_reason)} for c in result.choices],
+            "usage": _usage(result)}
+
+
+def completion_body(line: PlannedLine, result: Any, rid: str) -> dict[str, Any]:
+    """A Completion, as /v1/completions answers it (without logprobs: the plan refuses them)."""
+    return {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": line.model,
+            "choices": [{"text": c.text, "index": c.index, "logprobs": None, "finish_reason": _reason(c.finish_reason)}
+                        for c in result.choices],
+            "usage": _usage(result)}
+
+
+def _prompt_ids(engine: Any, line: PlannedLine, request_id: str) -> list[int] | LineError:
+    from worker.engines.batch import context_overflow  # the engine is loaded (and torch with it) by now
+
+    assert line.params is not None and line.path is not None
+    if line.messages is not None:
+        task = GenerateTask(request_id=request_id, model=line.path, prompt="", messages=line.messages,
+                            params=line.params, deadline=time.time() + 60)
+        rendered = render_chat(engine, task)
+        if isinstance(rendered, ErrorEvent):
+            return LineError(status_code=422, code=rendered.error.code, message=rendered.error.message or "",
+                             param=rendered.error.field)
+        ids = rendered
+    else:
+        ids = engine.encode(line.prompt or "")
+    if not ids:
+        return LineError(status_code=422, code=ErrorCode.VALIDATION_ERROR, message="the prompt encodes to no tokens",
+                         param="prompt")
+    overflow = context_overflow(len(ids), line.params.max_new_tokens, engine.context_length)
+    if overflow is not None:
+        return LineError(status_code=422, code=ErrorCode.VALIDATION_ERROR, message=overflow, param="max_tokens")
+    return ids
+
+
+def _submit(engine: Any, ids: list[int], line: PlannedLine, request_id: str) -> Future[Any]:
+    """Submit, waiting while the engine's queue is full (interactive requests fill it first)."""
+    from worker.engines.generation import QueueFull
+
+    while True:
+        try:
+            return engine.submit(ids, line.params, request_id=request_id)  # type: ignore[no-any-return]
+        except QueueFull:
+            time.sleep(QUEUE_FULL_PAUSE_S)
+
+
+def _admitted(slots: threading.Semaphore, engine: Any, ids: list[int], line: PlannedLine, request_id: str
+              ) -> Future[Any]:
+    """Submit once the batch holds fewer than its share of the engine's slots; the slot frees when it finishes."""
+    slots.acquire()
+    try:
+        future = _submit(engine, ids, line, request_id)
+    except BaseException:
+        slots.release()
+        raise
+    future.add_done_callback(lambda _: slots.release())
+    return future
+
+
+def run_generation(body: Callable[[PlannedLine, Any, str], dict[str, Any]]) -> Runner:
+    """The runner of a generation endpoint: at most `share` of the chunk's lines in the engine at any time."""
+
+    def run(service: GenerationService, batch_id: str, lines: list[tuple[int, PlannedLine]], share: int
+            ) -> dict[int, Outcome]:
+        slots = threading.Semaphore(share)
+        outcomes: dict[int, Outcome] = {}
+        pending: list[tuple[int, PlannedLine, str, Future[Any]]] = []
+        with ExitStack() as stack:
+            engines: dict[str, Any] = {}
+            for index, line in lines:
+                rid = digest(batch_id, index)
+                path = line.path or ""
+                try:
+                    if path not in engines:
+                        engines[path] = stack.enter_context(service.registry.use(path))
+                    ids = _prompt_ids(engines[path], line, f"batch-{rid}")
+                    if isinstance(ids, LineError):
+                        outcomes[index] = error_outcome(ids)
+                        continue
+                    future = _admitted(slots, engines[path], ids, line, f"batch-{rid}")
+                except Exception as exc:  # noqa: BLE001 - this line fails (e.g. its model cannot load), not the batch
+                    outcomes[index] = _failure(exc)
+                    continue
+                pending.append((index, line, rid, future))
+            for index, line, rid, future in pending:
+                try:
+                    outcomes[index] = Outcome(200, body(line, future.result(), rid))
+                except Exception as exc:  # noqa: BLE001 - a failed forward fails its lines only
+                    outcomes[index] = _failure(exc)
+        return outcomes
+
+    return run
+
+
+def _failure(exc: Exception) -> Outcome:
+    status = 422 if isinstance(exc, ValueError) else 500
+    code = ErrorCode.VALIDATION_ERROR if status == 422 else ErrorCode.WORKER_ERROR
+    return error_outcome(LineError(status_code=status, code=code, message=f"{type(exc).__name__}: {exc}"))
+
+
+RUNNERS: dict[str, Runner] = {
+    "/v1/chat/completions": run_generation(chat_body),
+    "/v1/completions": run_generation(completion_body),
+}
