@@ -13,11 +13,11 @@ exist and goes on from the first line without one, so a finished line is never r
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from core.protocol import ChatMessage, SamplingParams
@@ -113,3 +113,24 @@ def record_progress(session: Session, batch_id: str, *, lines_done: int, complet
     """Commit the counts after a part is stored (never backwards: a slower duplicate cannot undo progress)."""
     session.execute(update(Batch).where(Batch.id == batch_id, Batch.lines_done <= lines_done)
                     .values(lines_done=lines_done, completed=completed, failed=failed))
+
+
+def beat(session: Session, batch_id: str) -> None:
+    """The batch's runner is alive."""
+    session.execute(update(Batch).where(Batch.id == batch_id).values(heartbeat_at=utcnow()))
+
+
+def stale_ids(session: Session, *, before: datetime) -> list[str]:
+    """Unfinished batches no runner has beaten the heartbeat of since `before` (nor started since then)."""
+    return list(session.scalars(select(Batch.id).where(Batch.status.in_(RUNNABLE), _silent(before))))
+
+
+def claim_stale(session: Session, batch_id: str, *, before: datetime) -> bool:
+    """Take a stale batch to hand on (one reaper wins: the heartbeat moves with the claim)."""
+    result = session.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_(RUNNABLE), _silent(before))
+                             .values(heartbeat_at=utcnow()))
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def _silent(before: datetime) -> Any:
+    return or_(Batch.heartbeat_at < before, Batch.heartbeat_at.is_(None) & (Batch.created_at < before))

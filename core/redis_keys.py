@@ -40,3 +40,8 @@ def classify_reply_key(request_id: str) -> str:
 def abandoned_key(request_id: str) -> str:
     """Redis key the API sets when it stops waiting, so a worker skips the task instead of running it."""
     return f"{PREFIX}classify:{request_id}:abandoned"
+
+
+def batch_lock_key(batch_id: str) -> str:
+    """The lease of the one task running a batch (its token; expires unless its runner renews it)."""
+    return f"{PREFIX}batch-run:{batch_id}"

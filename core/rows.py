@@ -380,6 +380,7 @@ class Batch(Base):
     lines_done: Mapped[int] = mapped_column(Integer, default=0)  # lines whose results are durably stored
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)  # its runner is alive
     in_progress_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     finalizing_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)

@@ -120,6 +120,9 @@ class Settings(BaseSettings):
         "one running batch keeps filled; the rest stay free for interactive requests.")
     batch_chunk_lines: int = Field(64, ge=1, le=10_000, description="/v1/batches: lines run between two durable "
                                    "progress records (and cancel checks).")
+    batch_stale_s: float = Field(60.0, gt=0, description="/v1/batches: a running batch whose worker has not beaten "
+                                 "its heartbeat for this long is handed to another generation worker (its done "
+                                 "lines are kept).")
     generation_memory_budget_mb: float = Field(
         8192.0, gt=0, description="Model weights one generation worker keeps warm; least recently used idle "
         "models are unloaded beyond it.")

@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Literal
 
 from sqlalchemy import select
@@ -38,6 +39,7 @@ from core.db import session_scope
 from core.protocol import ErrorCode
 from core.rows import Batch, Dataset, new_id, utcnow
 from core.storage import ArtifactStore
+from worker.batch_recovery import Lease, heartbeat
 from worker.batch_runner import RUNNERS, Outcome, digest, error_outcome
 from worker.context import WorkerContext
 from worker.serving import GenerationService
@@ -113,6 +115,19 @@ def run_batch(ctx: WorkerContext, batch_id: str) -> None:
         with session_scope(ctx.sessions) as session:
             move(session, batch_id, FAILED, errors=[{"code": "plan_unavailable", "message": str(exc)[:500]}])
         return
+    lease = Lease(ctx, batch_id)
+    if not lease.acquire():
+        return  # another task runs it (a duplicate delivery); if that runner dies, the reaper sends it again
+    ticker = heartbeat(ctx, batch_id, lease)
+    ticker.start()
+    try:
+        _run(ctx, batch_id, plan, expires_at)
+    finally:
+        ticker.stop()
+        lease.release()
+
+
+def _run(ctx: WorkerContext, batch_id: str, plan: list[PlannedLine], expires_at: datetime) -> None:
     done, results = stored_parts(ctx.storage, batch_id, len(plan))
     settings = ctx.settings
     share = max(1, int(settings.max_batch_size * settings.batch_share))

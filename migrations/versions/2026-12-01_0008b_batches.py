@@ -37,6 +37,7 @@ def upgrade() -> None:
         sa.Column('lines_done', sa.Integer(), nullable=False),
         sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
         sa.Column('expires_at', sa.DateTime(timezone=True), nullable=False),
+        sa.Column('heartbeat_at', sa.DateTime(timezone=True), nullable=True),
         *(sa.Column(name, sa.DateTime(timezone=True), nullable=True) for name in MOMENTS),
         sa.PrimaryKeyConstraint('id', name=op.f('pk_batches')),
     )

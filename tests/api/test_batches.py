@@ -189,3 +189,28 @@ def test_a_resumed_batch_never_reruns_a_done_line(api, served, settings, worker_
     done = api.batches.retrieve(batch.id)
     assert done.status == "completed" and done.request_counts.completed == 5
     assert [line["custom_id"] for line in _lines(api, done.output_file_id)] == [f"r{i}" for i in range(5)]
+
+
+def test_a_silent_batch_is_handed_on_once_and_runs_under_one_lease(api, served, settings, worker_ctx, queue):  # noqa: F811
+    from datetime import timedelta
+
+    from core.db import session_scope
+    from core.rows import Batch, utcnow
+    from worker.batch_recovery import Lease, resume_stale
+    from worker.batches import run_batch
+
+    queue.handlers.pop(TASK_BATCH)  # the worker that took it died before it beat its heartbeat
+    upload = api.files.create(file=("r.jsonl", _chat("a", "hi")), purpose="batch")
+    batch = api.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert resume_stale(worker_ctx) == []  # not silent for long enough yet
+    with session_scope(worker_ctx.sessions) as session:
+        session.get(Batch, batch.id).created_at = utcnow() - timedelta(seconds=settings.batch_stale_s + 1)
+    assert resume_stale(worker_ctx) == [batch.id] and resume_stale(worker_ctx) == []  # claimed: sent once
+    assert [args for name, args, _ in queue.sent if name == TASK_BATCH] == [[batch.id], [batch.id]]
+    held = Lease(worker_ctx, batch.id)
+    assert held.acquire()
+    run_batch(worker_ctx, batch.id)  # a duplicate delivery while a runner holds the lease: nothing happens
+    assert api.batches.retrieve(batch.id).request_counts.completed == 0
+    held.release()
+    run_batch(worker_ctx, batch.id)
+    assert api.batches.retrieve(batch.id).status == "completed"
