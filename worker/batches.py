@@ -129,6 +129,9 @@ def run_batch(ctx: WorkerContext, batch_id: str) -> None:
 
 def _run(ctx: WorkerContext, batch_id: str, plan: list[PlannedLine], expires_at: datetime) -> None:
     done, results = stored_parts(ctx.storage, batch_id, len(plan))
+    if done:
+        log.info("batch %s: resuming at line %d of %d (the lines before it have stored results)", batch_id, done,
+                 len(plan))
     settings = ctx.settings
     share = max(1, int(settings.max_batch_size * settings.batch_share))
     service = ctx.service("generation", GenerationService.build)

@@ -5,7 +5,9 @@ bad line is in the error file with its custom_id."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import time
 
 import openai
@@ -54,3 +56,41 @@ def test_a_batch_runs_on_the_workers_and_reports_its_bad_line(pg_url, tmp_path, 
             body = line["response"]["body"]
             assert body["choices"][0]["message"]["content"] == interactive.choices[0].message.content
             assert body["usage"]["completion_tokens"] == interactive.usage.completion_tokens
+
+
+def test_a_sigkilled_generation_worker_resumes_the_batch_without_redoing_lines(tmp_path, tiny_llama_dir):
+    from tests.integration.conftest import wait_for
+    from tests.integration.test_local_mode import _processes, _up
+
+    home = tmp_path / "home"
+    shutil.copytree(tiny_llama_dir, home / "models" / "tiny-llama")
+    proc, api = _up(home, tmp_path / "up.log", TRAINSERVE_BATCH_STALE_S="3", TRAINSERVE_BATCH_CHUNK_LINES="2",
+                    TRAINSERVE_GENERATION_PRECISION="fp32")
+    try:
+        lines = 160
+        data = b"".join(_line(f"r{i}", {"model": "tiny-llama", "max_tokens": 24, "temperature": 0,
+                                        "messages": [{"role": "user", "content": f"Say {i}"}]}) for i in range(lines))
+        upload = api.post("/v1/files", files={"file": ("r.jsonl", data)}, data={"purpose": "batch"}).json()
+        batch_id = api.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/chat/completions",
+                                                 "completion_window": "24h"}).json()["id"]
+        wait_for(lambda: api.get(f"/v1/batches/{batch_id}").json()["request_counts"]["completed"] >= 6, 120,
+                 "a few chunks done")
+        [victim] = [pid for pid, parent, args in _processes() if parent == proc.pid and "--queues generation" in args]
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.time()
+        before = api.get(f"/v1/batches/{batch_id}").json()
+        assert before["status"] == "in_progress" and before["request_counts"]["completed"] < lines, before
+        done = wait_for(lambda: (b := api.get(f"/v1/batches/{batch_id}").json())["status"] == "completed" and b, 180,
+                        "the batch to complete on the restarted worker")
+        assert done["request_counts"] == {"total": lines, "completed": lines, "failed": 0}
+        output = api.get(f"/v1/files/{done['output_file_id']}/content").text.splitlines()
+        assert [json.loads(line)["custom_id"] for line in output] == [f"r{i}" for i in range(lines)]
+        # Every chunk stored before the kill was kept as it was: the restarted worker never ran those lines again.
+        parts = sorted((home / "batches" / batch_id).glob("part-*.json"))
+        kept = [p for p in parts if int(p.stem.split("-")[1]) < before["request_counts"]["completed"]]
+        assert kept and all(p.stat().st_mtime < killed_at for p in kept)
+        assert "resuming at line" in (tmp_path / "up.log").read_text()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+        api.close()
