@@ -10,10 +10,11 @@ as prompts and `--max-tokens` greedy tokens each.
 2. Interactive latency: `--probes` closed-loop clients send short requests (`--probe-tokens` tokens) for
    `--seconds` s, first alone, then while a batch of `--batch-lines` lines runs (cancelled after). p50 and p99 of
    their end-to-end latency, and the ratio with / without the batch.
-The batch keeps at most `--batch-share` of the engine's `max_batch_size` slots (TRAINSERVE_BATCH_SHARE).
+A batch holds at most `--batch-share` of the engine's `max_batch_size` rows while interactive requests are in the
+engine (TRAINSERVE_BATCH_SHARE) and `--batch-idle-share` while none are (TRAINSERVE_BATCH_IDLE_SHARE).
 
-    python bench/batch.py                      # about 2 minutes on 2 cores
-    python bench/batch.py --batch-share 1      # no fair share: the batch may take every slot
+    python bench/batch.py                                          # about 2 minutes on 2 cores
+    python bench/batch.py --batch-share 1 --batch-idle-share 1     # no fair share: a batch may take every row
 """
 
 from __future__ import annotations
@@ -126,14 +127,16 @@ def main() -> None:
     parser.add_argument("--probe-tokens", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=20.0, help="length of each latency measurement")
     parser.add_argument("--batch-lines", type=int, default=400, help="lines of the batch running under the probes")
-    parser.add_argument("--batch-share", type=float, default=0.25)
+    parser.add_argument("--batch-share", type=float, default=0.125, help="rows held beside interactive requests")
+    parser.add_argument("--batch-idle-share", type=float, default=0.75, help="rows filled while the engine is idle")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
         build_model(home / "models" / MODEL, args.layers)
         port = free_port()
         proc = start_service(home, port, "fp32", TRAINSERVE_GENERATION_RATE_PER_MINUTE="1000000",
-                             TRAINSERVE_BATCH_SHARE=str(args.batch_share), TRAINSERVE_BATCH_CHUNK_LINES="16")
+                             TRAINSERVE_BATCH_SHARE=str(args.batch_share),
+                             TRAINSERVE_BATCH_IDLE_SHARE=str(args.batch_idle_share), TRAINSERVE_BATCH_CHUNK_LINES="16")
         try:
             key = (home / "admin.key").read_text().strip()
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"},
@@ -149,7 +152,8 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(60)
-    print(f"model: GPT-2 shape, {args.layers} layers, fp32 CPU; batch share {args.batch_share}")
+    print(f"model: GPT-2 shape, {args.layers} layers, fp32 CPU; batch share {args.batch_share} beside interactive "
+          f"requests, {args.batch_idle_share} alone")
     print(f"throughput, {args.requests} requests x {args.max_tokens} tokens:")
     print(f"  interactive /v1/completions ({args.concurrency} clients), baseline: "
           f"{rates['interactive_tok_s']:.1f} tok/s")

@@ -116,8 +116,11 @@ class Settings(BaseSettings):
         "a GPU that has it, else fp16; on a CPU bf16 when a short calibration at load shows a decode step clearly "
         "faster, else fp32), fp32, bf16 or fp16.")
     batch_share: float = Field(
-        0.25, gt=0, le=1, description="/v1/batches: the share of a generation engine's batch slots (max_batch_size) "
-        "one running batch keeps filled; the rest stay free for interactive requests.")
+        0.125, gt=0, le=1, description="/v1/batches: the share of a generation engine's rows (max_batch_size) one "
+        "batch holds while interactive requests are in the engine; the rest stay theirs.")
+    batch_idle_share: float = Field(
+        0.75, gt=0, le=1, description="/v1/batches: the share of an engine's rows one batch fills while no "
+        "interactive request is in it (below 1: an arriving request still finds rows free).")
     batch_chunk_lines: int = Field(64, ge=1, le=10_000, description="/v1/batches: lines run between two durable "
                                    "progress records (and cancel checks).")
     batch_stale_s: float = Field(60.0, gt=0, description="/v1/batches: a running batch whose worker has not beaten "

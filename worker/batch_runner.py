@@ -1,5 +1,5 @@
 """Running a chunk of batch lines on the generation engines: many requests submitted at once, no streaming,
-within a bounded share of the engine's batch slots so interactive requests keep theirs.
+within a share of the engine's rows that shrinks while interactive requests are in it (Pacer).
 
 RUNNERS maps a batch endpoint to the function that runs its lines; an endpoint without an entry answers each
 line with an error (/v1/embeddings until this build serves it: fill its entry, and app.services.batch_plan's).
@@ -21,6 +21,7 @@ from core.protocol import ErrorCode, ErrorEvent, GenerateTask
 from worker.serving import GenerationService, render_chat
 
 QUEUE_FULL_PAUSE_S = 0.05  # the engine's waiting queue is full of interactive requests: let them go first
+PACE_POLL_S = 0.02  # how soon a batch at its share looks again (a decode step of a small model)
 
 
 @dataclass
@@ -31,7 +32,7 @@ class Outcome:
     body: dict[str, Any]
 
 
-Runner = Callable[[GenerationService, str, list[tuple[int, PlannedLine]], int], dict[int, Outcome]]
+Runner = Callable[[GenerationService, str, list[tuple[int, PlannedLine]], "Share"], dict[int, Outcome]]
 
 
 def error_outcome(error: LineError) -> Outcome:
@@ -107,25 +108,58 @@ def _submit(engine: Any, ids: list[int], line: PlannedLine, request_id: str) -> 
             time.sleep(QUEUE_FULL_PAUSE_S)
 
 
-def _admitted(slots: threading.Semaphore, engine: Any, ids: list[int], line: PlannedLine, request_id: str
-              ) -> Future[Any]:
-    """Submit once the batch holds fewer than its share of the engine's slots; the slot frees when it finishes."""
-    slots.acquire()
-    try:
-        future = _submit(engine, ids, line, request_id)
-    except BaseException:
-        slots.release()
-        raise
-    future.add_done_callback(lambda _: slots.release())
-    return future
+@dataclass(frozen=True)
+class Share:
+    """Rows of an engine one batch may hold: `busy` while interactive requests are in it, `idle` while none are."""
+
+    busy: int
+    idle: int
+
+
+class Pacer:
+    """Keeps a batch's requests in an engine within its share, re-read before each submit: a batch backs off to
+    `busy` rows as soon as interactive requests arrive (the engine admits FIFO, so rows it does not hold are
+    rows an interactive request is admitted to at once) and fills `idle` rows while the engine has nothing else."""
+
+    def __init__(self, share: Share) -> None:
+        self.share = share
+        self.in_flight = 0  # submitted and not finished (waiting or running in the engine)
+        self._changed = threading.Condition()
+
+    def submit(self, engine: Any, ids: list[int], line: PlannedLine, request_id: str) -> Future[Any]:
+        """Submit once the batch holds fewer rows than its share allows now; the row frees when it finishes."""
+        while True:
+            limit = self._limit(engine)  # outside the condition: the engine's lock is never taken inside it
+            with self._changed:
+                if self.in_flight < limit:
+                    self.in_flight += 1
+                    break
+                self._changed.wait(PACE_POLL_S)  # interactive requests leaving do not notify: look again soon
+        try:
+            future = _submit(engine, ids, line, request_id)
+        except BaseException:
+            self._done()
+            raise
+        future.add_done_callback(lambda _: self._done())
+        return future
+
+    def _done(self) -> None:
+        with self._changed:
+            self.in_flight -= 1
+            self._changed.notify()
+
+    def _limit(self, engine: Any) -> int:
+        stats = engine.stats()
+        others = stats["running"] + stats["waiting"] - self.in_flight
+        return self.share.busy if others > 0 else self.share.idle
 
 
 def run_generation(body: Callable[[PlannedLine, Any, str], dict[str, Any]]) -> Runner:
-    """The runner of a generation endpoint: at most `share` of the chunk's lines in the engine at any time."""
+    """The runner of a generation endpoint: the chunk's lines submitted at once, within the batch's share."""
 
-    def run(service: GenerationService, batch_id: str, lines: list[tuple[int, PlannedLine]], share: int
+    def run(service: GenerationService, batch_id: str, lines: list[tuple[int, PlannedLine]], share: Share
             ) -> dict[int, Outcome]:
-        slots = threading.Semaphore(share)
+        pacer = Pacer(share)
         outcomes: dict[int, Outcome] = {}
         pending: list[tuple[int, PlannedLine, str, Future[Any]]] = []
         with ExitStack() as stack:
@@ -140,7 +174,7 @@ def run_generation(body: Callable[[PlannedLine, Any, str], dict[str, Any]]) -> R
                     if isinstance(ids, LineError):
                         outcomes[index] = error_outcome(ids)
                         continue
-                    future = _admitted(slots, engines[path], ids, line, f"batch-{rid}")
+                    future = pacer.submit(engines[path], ids, line, f"batch-{rid}")
                 except Exception as exc:  # noqa: BLE001 - this line fails (e.g. its model cannot load), not the batch
                     outcomes[index] = _failure(exc)
                     continue

@@ -40,7 +40,7 @@ from core.protocol import ErrorCode
 from core.rows import Batch, Dataset, new_id, utcnow
 from core.storage import ArtifactStore
 from worker.batch_recovery import Lease, heartbeat
-from worker.batch_runner import RUNNERS, Outcome, digest, error_outcome
+from worker.batch_runner import RUNNERS, Outcome, Share, digest, error_outcome
 from worker.context import WorkerContext
 from worker.serving import GenerationService
 
@@ -84,7 +84,7 @@ def line_result(batch_id: str, index: int, line: PlannedLine, outcome: Outcome) 
                                          "body": outcome.body}, "error": None})
 
 
-def run_chunk(service: GenerationService, batch_id: str, first: int, lines: list[PlannedLine], share: int
+def run_chunk(service: GenerationService, batch_id: str, first: int, lines: list[PlannedLine], share: Share
               ) -> list[LineResult]:
     """Results of lines first.. in order: errors the plan found, the rest run by their endpoint's runner."""
     outcomes: dict[int, Outcome] = {}
@@ -133,7 +133,8 @@ def _run(ctx: WorkerContext, batch_id: str, plan: list[PlannedLine], expires_at:
         log.info("batch %s: resuming at line %d of %d (the lines before it have stored results)", batch_id, done,
                  len(plan))
     settings = ctx.settings
-    share = max(1, int(settings.max_batch_size * settings.batch_share))
+    share = Share(busy=max(1, round(settings.max_batch_size * settings.batch_share)),
+                  idle=max(1, round(settings.max_batch_size * settings.batch_idle_share)))
     service = ctx.service("generation", GenerationService.build)
     while done < len(plan):
         _record(ctx, batch_id, done, results)

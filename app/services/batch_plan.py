@@ -14,13 +14,14 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ValidationError
 
-from app.errors import _loc_to_field, status_for
+from app.errors import status_for
 from app.schemas.chat import ChatCompletionRequest
 from app.schemas.generation import CompletionRequest
 from app.services.chat import chat_params
 from app.services.completions import openai_params
 from core.batches import LineError, PlannedLine
 from core.errors import DomainError, NotFound, ValidationFailed
+from core.jobspec import field_of
 from core.protocol import ErrorCode, SamplingParams
 from core.served_models import ServedModel
 
@@ -34,7 +35,7 @@ def _parsed(schema: type[BaseModel], body: dict[str, Any]) -> Any:
         parsed = schema.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
-        field = _loc_to_field(tuple(first.get("loc", ())), first.get("ctx"))
+        field = field_of(tuple(first.get("loc", ())), first.get("ctx"))
         raise ValidationFailed(field, f"{field}: {first['msg']}" if field else str(first["msg"])) from exc
     if getattr(parsed, "stream", False):
         raise ValidationFailed("stream", "a batch runs without streaming; leave stream unset")
