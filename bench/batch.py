@@ -127,6 +127,7 @@ def main() -> None:
     parser.add_argument("--probe-tokens", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=20.0, help="length of each latency measurement")
     parser.add_argument("--batch-lines", type=int, default=400, help="lines of the batch running under the probes")
+    parser.add_argument("--chunk-lines", type=int, default=64, help="TRAINSERVE_BATCH_CHUNK_LINES")
     parser.add_argument("--batch-share", type=float, default=0.125, help="rows held beside interactive requests")
     parser.add_argument("--batch-idle-share", type=float, default=0.75, help="rows filled while the engine is idle")
     args = parser.parse_args()
@@ -136,7 +137,8 @@ def main() -> None:
         port = free_port()
         proc = start_service(home, port, "fp32", TRAINSERVE_GENERATION_RATE_PER_MINUTE="1000000",
                              TRAINSERVE_BATCH_SHARE=str(args.batch_share),
-                             TRAINSERVE_BATCH_IDLE_SHARE=str(args.batch_idle_share), TRAINSERVE_BATCH_CHUNK_LINES="16")
+                             TRAINSERVE_BATCH_IDLE_SHARE=str(args.batch_idle_share),
+                             TRAINSERVE_BATCH_CHUNK_LINES=str(args.chunk_lines))
         try:
             key = (home / "admin.key").read_text().strip()
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"},
