@@ -22,6 +22,9 @@ from worker.serving import GenerationService, render_chat
 
 QUEUE_FULL_PAUSE_S = 0.05  # the engine's waiting queue is full of interactive requests: let them go first
 PACE_POLL_S = 0.02  # how soon a batch at its share looks again (a decode step of a small model)
+# Interactive clients leave gaps between requests (a round trip, the API): rows a batch took in such a gap would
+# hold the next request back for a whole batch request's decode, so the batch stays at `busy` for a while.
+BUSY_HOLD_S = 2.0
 
 
 @dataclass
@@ -32,7 +35,7 @@ class Outcome:
     body: dict[str, Any]
 
 
-Runner = Callable[[GenerationService, str, list[tuple[int, PlannedLine]], "Share"], dict[int, Outcome]]
+Runner = Callable[[GenerationService, str, list[tuple[int, PlannedLine]], "Pacer"], dict[int, Outcome]]
 
 
 def error_outcome(error: LineError) -> Outcome:
@@ -119,11 +122,13 @@ class Share:
 class Pacer:
     """Keeps a batch's requests in an engine within its share, re-read before each submit: a batch backs off to
     `busy` rows as soon as interactive requests arrive (the engine admits FIFO, so rows it does not hold are
-    rows an interactive request is admitted to at once) and fills `idle` rows while the engine has nothing else."""
+    rows an interactive request is admitted to at once) and fills `idle` rows only once the engine has had no
+    interactive request for BUSY_HOLD_S. One per batch run, so the memory of interactive traffic spans chunks."""
 
     def __init__(self, share: Share) -> None:
         self.share = share
         self.in_flight = 0  # submitted and not finished (waiting or running in the engine)
+        self._busy_at = float("-inf")  # when interactive requests were last seen in the engine
         self._changed = threading.Condition()
 
     def submit(self, engine: Any, ids: list[int], line: PlannedLine, request_id: str) -> Future[Any]:
@@ -150,16 +155,17 @@ class Pacer:
 
     def _limit(self, engine: Any) -> int:
         stats = engine.stats()
-        others = stats["running"] + stats["waiting"] - self.in_flight
-        return self.share.busy if others > 0 else self.share.idle
+        now = time.monotonic()
+        if stats["running"] + stats["waiting"] > self.in_flight:
+            self._busy_at = now
+        return self.share.busy if now - self._busy_at < BUSY_HOLD_S else self.share.idle
 
 
 def run_generation(body: Callable[[PlannedLine, Any, str], dict[str, Any]]) -> Runner:
     """The runner of a generation endpoint: the chunk's lines submitted at once, within the batch's share."""
 
-    def run(service: GenerationService, batch_id: str, lines: list[tuple[int, PlannedLine]], share: Share
+    def run(service: GenerationService, batch_id: str, lines: list[tuple[int, PlannedLine]], pacer: Pacer
             ) -> dict[int, Outcome]:
-        pacer = Pacer(share)
         outcomes: dict[int, Outcome] = {}
         pending: list[tuple[int, PlannedLine, str, Future[Any]]] = []
         with ExitStack() as stack:

@@ -40,7 +40,7 @@ from core.protocol import ErrorCode
 from core.rows import Batch, Dataset, new_id, utcnow
 from core.storage import ArtifactStore
 from worker.batch_recovery import Lease, heartbeat
-from worker.batch_runner import RUNNERS, Outcome, Share, digest, error_outcome
+from worker.batch_runner import RUNNERS, Outcome, Pacer, Share, digest, error_outcome
 from worker.context import WorkerContext
 from worker.serving import GenerationService
 
@@ -84,7 +84,7 @@ def line_result(batch_id: str, index: int, line: PlannedLine, outcome: Outcome) 
                                          "body": outcome.body}, "error": None})
 
 
-def run_chunk(service: GenerationService, batch_id: str, first: int, lines: list[PlannedLine], share: Share
+def run_chunk(service: GenerationService, batch_id: str, first: int, lines: list[PlannedLine], pacer: Pacer
               ) -> list[LineResult]:
     """Results of lines first.. in order: errors the plan found, the rest run by their endpoint's runner."""
     outcomes: dict[int, Outcome] = {}
@@ -98,7 +98,7 @@ def run_chunk(service: GenerationService, batch_id: str, first: int, lines: list
         else:
             by_url.setdefault(line.url, []).append((index, line))
     for url, todo in by_url.items():
-        outcomes.update(RUNNERS[url](service, batch_id, todo, share))
+        outcomes.update(RUNNERS[url](service, batch_id, todo, pacer))
     return [line_result(batch_id, index, line, outcomes[index]) for index, line in enumerate(lines, start=first)]
 
 
@@ -133,8 +133,8 @@ def _run(ctx: WorkerContext, batch_id: str, plan: list[PlannedLine], expires_at:
         log.info("batch %s: resuming at line %d of %d (the lines before it have stored results)", batch_id, done,
                  len(plan))
     settings = ctx.settings
-    share = Share(busy=max(1, round(settings.max_batch_size * settings.batch_share)),
-                  idle=max(1, round(settings.max_batch_size * settings.batch_idle_share)))
+    pacer = Pacer(Share(busy=max(1, round(settings.max_batch_size * settings.batch_share)),
+                        idle=max(1, round(settings.max_batch_size * settings.batch_idle_share))))
     service = ctx.service("generation", GenerationService.build)
     while done < len(plan):
         _record(ctx, batch_id, done, results)
@@ -142,7 +142,7 @@ def _run(ctx: WorkerContext, batch_id: str, plan: list[PlannedLine], expires_at:
         if status == CANCELLING or utcnow() > expires_at:
             break
         chunk = plan[done:done + settings.batch_chunk_lines]
-        part = run_chunk(service, batch_id, done, chunk, share)
+        part = run_chunk(service, batch_id, done, chunk, pacer)
         _put(ctx.storage, part_key(batch_id, done), Part(results=part).model_dump_json().encode())
         results.extend(part)
         done += len(chunk)
