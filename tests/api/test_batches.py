@@ -214,3 +214,12 @@ def test_a_silent_batch_is_handed_on_once_and_runs_under_one_lease(api, served, 
     held.release()
     run_batch(worker_ctx, batch.id)
     assert api.batches.retrieve(batch.id).status == "completed"
+
+
+def test_a_refused_send_fails_the_batch_with_its_reason(api, client, served, queue):
+    upload = api.files.create(file=("r.jsonl", _chat("a", "hi")), purpose="batch")
+    queue.refuse = True
+    answer = client.post("/v1/batches", json={"input_file_id": upload.id, "endpoint": "/v1/chat/completions"})
+    assert answer.status_code == 503 and answer.json()["error"]["type"] == "server_error"
+    [batch] = api.batches.list().data
+    assert batch.status == "failed" and batch.failed_at and batch.errors.data[0].code == "broker_unavailable"
