@@ -14,6 +14,7 @@ from app.errors import install_error_handlers
 from app.limits import BodyLimitMiddleware, TenantSlots, UploadSlotsMiddleware
 from app.observability import HttpMetrics, ObservabilityMiddleware
 from app.routes import (
+    batches,
     classify,
     datasets,
     embeddings,
@@ -89,7 +90,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     app.add_middleware(ObservabilityMiddleware, metrics=HttpMetrics(app.state.metrics_registry))
     app.add_middleware(SecurityHeadersMiddleware)  # outside everything: every answer carries them
     for router in (health.router, datasets.router, jobs.router, sweeps.router, classify.router, embeddings.router,
-                   generation.router, files.router, fine_tuning.router, webhooks.router, metrics.router):
+                   generation.router, files.router, fine_tuning.router, batches.router, webhooks.router, metrics.router):
         app.include_router(router)
     mount_dashboard(app)
     return app

@@ -110,9 +110,10 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_service(home: Path, port: int, precision: str) -> subprocess.Popen[bytes]:
+def start_service(home: Path, port: int, precision: str, **settings: str) -> subprocess.Popen[bytes]:
+    """`trainserve up` on `home` with these TRAINSERVE_* settings only; returns once /health answers."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINSERVE_")}
-    env.update(HF_HUB_OFFLINE="1", TRAINSERVE_DEVICES="cpu", TRAINSERVE_GENERATION_PRECISION=precision)
+    env.update(HF_HUB_OFFLINE="1", TRAINSERVE_DEVICES="cpu", TRAINSERVE_GENERATION_PRECISION=precision, **settings)
     log = open(home / "up.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "trainserve.cli", "up", "--port", str(port), "--home", str(home)],
                             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)

@@ -10,6 +10,7 @@ from core.tasks import (
     QUEUE_GENERATE,
     QUEUE_INFERENCE,
     QUEUE_TRAIN,
+    TASK_BATCH,
     TASK_CLASSIFY,
     TASK_EMBED,
     TASK_GENERATE,
@@ -25,7 +26,8 @@ def make_celery(settings: Settings | None = None) -> Celery:
     app.conf.update(
         task_queues=[Queue(QUEUE_TRAIN), Queue(QUEUE_INFERENCE), Queue(QUEUE_GENERATE)],
         task_routes={TASK_TRAIN: {"queue": QUEUE_TRAIN}, TASK_CLASSIFY: {"queue": QUEUE_INFERENCE},
-                     TASK_EMBED: {"queue": QUEUE_INFERENCE}, TASK_GENERATE: {"queue": QUEUE_GENERATE}},
+                     TASK_EMBED: {"queue": QUEUE_INFERENCE}, TASK_GENERATE: {"queue": QUEUE_GENERATE},
+                     TASK_BATCH: {"queue": QUEUE_GENERATE}},
         task_default_queue=QUEUE_TRAIN,
         task_serializer="json",
         result_serializer="json",

@@ -45,3 +45,8 @@ def abandoned_key(request_id: str) -> str:
 def embed_reply_key(request_id: str) -> str:
     """Redis list an inference worker pushes a /v1/embeddings call's result to."""
     return f"{PREFIX}embed:{request_id}:reply"
+
+
+def batch_lock_key(batch_id: str) -> str:
+    """The lease of the one task running a batch (its token; expires unless its runner renews it)."""
+    return f"{PREFIX}batch-run:{batch_id}"

@@ -357,3 +357,34 @@ class WebhookAttempt(Base):
     status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     response_body: Mapped[str | None] = mapped_column(Text, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class Batch(Base):
+    """OpenAI's /v1/batches: a file of requests run by the generation workers (core.batches tells its lifecycle)."""
+
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    status: Mapped[str] = mapped_column(String(16))
+    endpoint: Mapped[str] = mapped_column(String(40))
+    input_file_id: Mapped[str] = mapped_column(String(40))
+    completion_window: Mapped[str] = mapped_column(String(8))
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, nullable=True)
+    output_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    error_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)  # batch-level: why it failed
+    total: Mapped[int] = mapped_column(Integer)
+    completed: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    lines_done: Mapped[int] = mapped_column(Integer, default=0)  # lines whose results are durably stored
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)  # its runner is alive
+    in_progress_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    finalizing_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    expired_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    cancelling_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    cancelled_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)

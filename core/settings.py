@@ -127,6 +127,17 @@ class Settings(BaseSettings):
         "auto", pattern="^(auto|fp32|bf16|fp16)$", description="Weights dtype of generation engines: auto (bf16 on "
         "a GPU that has it, else fp16; on a CPU bf16 when a short calibration at load shows a decode step clearly "
         "faster, else fp32), fp32, bf16 or fp16.")
+    batch_share: float = Field(
+        0.125, gt=0, le=1, description="/v1/batches: the share of a generation engine's rows (max_batch_size) one "
+        "batch holds while interactive requests are in the engine; the rest stay theirs.")
+    batch_idle_share: float = Field(
+        0.75, gt=0, le=1, description="/v1/batches: the share of an engine's rows one batch fills while no "
+        "interactive request is in it (below 1: an arriving request still finds rows free).")
+    batch_chunk_lines: int = Field(64, ge=1, le=10_000, description="/v1/batches: lines run between two durable "
+                                   "progress records (and cancel checks).")
+    batch_stale_s: float = Field(60.0, gt=0, description="/v1/batches: a running batch whose worker has not beaten "
+                                 "its heartbeat for this long is handed to another generation worker (its done "
+                                 "lines are kept).")
     generation_memory_budget_mb: float = Field(
         8192.0, gt=0, description="Model weights one generation worker keeps warm; least recently used idle "
         "models are unloaded beyond it.")

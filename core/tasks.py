@@ -8,6 +8,8 @@ QUEUE_TRAIN = "training"
 QUEUE_INFERENCE = "inference"
 TASK_GENERATE = "worker.tasks.generate"
 QUEUE_GENERATE = "generation"
+# /v1/batches run on the generation queue: they share the engines (and the batcher) of interactive requests.
+TASK_BATCH = "worker.tasks.batch"
 MAX_JOB_DEVICES = 64  # most devices one job may ask for (one host's GPUs; torchrun runs it on one node)
 
 

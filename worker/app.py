@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -72,6 +73,17 @@ def _start_background_threads(**_: Any) -> None:
 
 
 worker_ready.connect(lambda **_: start_reporting(context()), weak=False)  # device capacity, for admission
+
+
+@worker_ready.connect
+def _resume_batches(**_: Any) -> None:
+    """Generation workers hand on the /v1/batches of a worker that died (worker.batch_recovery)."""
+    from core.tasks import QUEUE_GENERATE
+
+    if QUEUE_GENERATE in os.environ.get("TRAINSERVE_WORKER_QUEUES", "").split(","):
+        from worker.batch_recovery import batch_reaper
+
+        batch_reaper(context()).start()
 
 
 @worker_ready.connect

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.tasks import TASK_CLASSIFY, TASK_EMBED, TASK_GENERATE, TASK_TRAIN
+from core.tasks import TASK_BATCH, TASK_CLASSIFY, TASK_EMBED, TASK_GENERATE, TASK_TRAIN
 from worker.app import celery, context
 
 
@@ -38,3 +38,11 @@ def generate(payload: dict[str, Any]) -> None:
     from worker.serving import serve
 
     serve(context(), payload)
+
+
+@celery.task(name=TASK_BATCH, ignore_result=True, acks_late=True)
+def batch(batch_id: str) -> None:
+    """Run (or resume, after a redelivery) one /v1/batches batch on this generation worker's engines."""
+    from worker.batches import run_batch
+
+    run_batch(context(), batch_id)

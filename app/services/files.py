@@ -25,7 +25,8 @@ from core.store.paging import cursor_of
 from core.tabular import short
 
 ROUTE = "POST /v1/files"
-PURPOSES = ("fine-tune", "batch")
+PURPOSES = ("fine-tune", "batch")  # what an upload may say
+LISTED = (*PURPOSES, "batch_output")  # plus the results of /v1/batches, which the workers write
 CHUNK = 256 * 1024
 
 
@@ -34,10 +35,10 @@ def unix(moment: datetime | None) -> int | None:
     return None if moment is None else int(moment.timestamp())
 
 
-def check_purpose(purpose: str | None) -> str:
+def check_purpose(purpose: str | None, known: tuple[str, ...] = PURPOSES) -> str:
     """The upload's purpose, one trainserve stores (422 naming `purpose` otherwise)."""
-    if purpose not in PURPOSES:
-        raise ValidationFailed("purpose", f"purpose must be one of {', '.join(PURPOSES)}; got {short(purpose)}")
+    if purpose not in known:
+        raise ValidationFailed("purpose", f"purpose must be one of {', '.join(known)}; got {short(purpose)}")
     return purpose
 
 
@@ -59,7 +60,7 @@ def list_files(session: Session, principal: Principal, *, after: str | None, lim
                purpose: str | None) -> FileList:
     """A page of files in `order` of creation; `after` is the id of the previous page's last file."""
     if purpose is not None:
-        check_purpose(purpose)
+        check_purpose(purpose, LISTED)
     cursor = cursor_of(get_file(session, principal, file_id=after, field="after")) if after else None
     rows = store.list_files(session, limit=limit + 1, tenant=principal.scope, purpose=purpose, after=cursor,
                             ascending=order == "asc")

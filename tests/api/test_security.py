@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -61,8 +62,12 @@ def test_other_tenants_get_404_on_every_route_with_an_id(client, settings, queue
     settings.webhook_allow_private = True
     hook = client.post("/webhooks", json={"url": "http://127.0.0.1:9/hook", "event_types": ["job.failed"]}).json()
     other = {"Authorization": f"Bearer {make_key(settings.resolved_database_url, tenant='tenant-b')}"}
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}
+    requests = client.post("/v1/files", files={"file": ("b.jsonl", json.dumps(line).encode())},
+                           data={"purpose": "batch"}).json()["id"]
+    batch = client.post("/v1/batches", json={"input_file_id": requests, "endpoint": "/v1/completions"}).json()["id"]
     ids = {"dataset_id": ds, "job_id": job, "artifact_id": "art_x", "endpoint_id": hook["id"],
-           "sweep_id": "swp_x", "file_id": ds}
+           "sweep_id": "swp_x", "file_id": ds, "batch_id": batch}
     checked = 0
     for method, path in _routes(client):
         names = re.findall(r"\{([^}]+)\}", path)

@@ -1,0 +1,99 @@
+"""A batch's lines checked as the routes they name would check them, into the plan a worker runs.
+
+Each endpoint is one entry of PLANNERS: a function from a line's body to a PlannedLine (what to run), raising the
+domain error the interactive route would answer with; that error becomes the line's entry in the batch's error
+file, never a failed batch. /v1/embeddings is the entry to fill once this build serves embeddings (its worker
+side is worker.batches.RUNNERS).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import IO, Any
+
+from pydantic import BaseModel, ValidationError
+
+from app.errors import status_for
+from app.schemas.chat import ChatCompletionRequest
+from app.schemas.generation import CompletionRequest
+from app.services.chat import chat_params
+from app.services.completions import openai_params
+from core.batches import LineError, PlannedLine
+from core.errors import DomainError, NotFound, ValidationFailed
+from core.jobspec import field_of
+from core.protocol import ErrorCode, SamplingParams
+from core.served_models import ServedModel
+
+Resolve = Callable[[str], ServedModel]  # a model name to what serves it (NotFound naming `model`)
+Planner = Callable[[dict[str, Any], Resolve], PlannedLine]
+
+
+def _parsed(schema: type[BaseModel], body: dict[str, Any]) -> Any:
+    """The body as the route's schema reads it (a ValidationFailed naming the first field at fault)."""
+    try:
+        parsed = schema.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = field_of(tuple(first.get("loc", ())), first.get("ctx"))
+        raise ValidationFailed(field, f"{field}: {first['msg']}" if field else str(first["msg"])) from exc
+    if getattr(parsed, "stream", False):
+        raise ValidationFailed("stream", "a batch runs without streaming; leave stream unset")
+    return parsed
+
+
+def _plan_chat(body: dict[str, Any], resolve: Resolve) -> PlannedLine:
+    request = _parsed(ChatCompletionRequest, body)
+    messages, params = chat_params(request)
+    return PlannedLine(custom_id="", url="/v1/chat/completions", model=request.model,
+                       path=resolve(request.model).path, messages=messages, params=params)
+
+
+def _plan_completion(body: dict[str, Any], resolve: Resolve) -> PlannedLine:
+    request = _parsed(CompletionRequest, body)
+    if request.logprobs is not None:  # the legacy logprobs shape is built by the interactive route only
+        raise ValidationFailed("logprobs", "logprobs are not returned by batch completions; use the chat endpoint")
+    prompt, params = openai_params(request)
+    return PlannedLine(custom_id="", url="/v1/completions", model=request.model,
+                       path=resolve(request.model).path, prompt=prompt, params=params)
+
+
+def _not_served(body: dict[str, Any], resolve: Resolve) -> PlannedLine:
+    raise NotFound("/v1/embeddings is not served by this build; its lines cannot run", field="url")
+
+
+PLANNERS: dict[str, Planner] = {
+    "/v1/chat/completions": _plan_chat,
+    "/v1/completions": _plan_completion,
+    "/v1/embeddings": _not_served,
+}
+
+
+def line_error(exc: DomainError) -> LineError:
+    """A domain error as a line's error (its HTTP status as the interactive route would answer)."""
+    return LineError(status_code=status_for(exc), code=str(exc.code or ErrorCode.ERROR), message=exc.message,
+                     param=exc.field)
+
+
+def plan_lines(stream: IO[bytes], *, endpoint: str, resolve: Resolve, max_new_tokens: int) -> Iterator[PlannedLine]:
+    """The checked lines of a batch input file (already valid as a file: core.batch_data checked its envelope)."""
+    for number, raw in enumerate(stream, start=1):
+        if not raw.strip():
+            continue
+        record = json.loads(raw)
+        if record["url"] != endpoint:
+            raise ValidationFailed("input_file_id", f"line {number}: url {record['url']} is not the batch's "
+                                                    f"endpoint {endpoint}; one batch runs one endpoint")
+        try:
+            planned = PLANNERS[record["url"]](record["body"], resolve)
+            _check_cap(planned.params, max_new_tokens)
+        except DomainError as exc:
+            planned = PlannedLine(custom_id="", url=record["url"], model=str(record["body"].get("model") or ""),
+                                  error=line_error(exc))
+        planned.custom_id = record["custom_id"]
+        yield planned
+
+
+def _check_cap(params: SamplingParams | None, max_new_tokens: int) -> None:
+    if params is not None and params.max_new_tokens > max_new_tokens:
+        raise ValidationFailed("max_tokens", f"must be at most {max_new_tokens} on this server")

@@ -1,0 +1,64 @@
+"""The batch Pacer: a batch's requests in an engine stay within `busy` rows while interactive requests are there
+(and for a while after), and fill `idle` rows once the engine has had none."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+from core.batches import PlannedLine
+from worker import batch_runner
+from worker.batch_runner import Pacer, Share
+
+LINE = PlannedLine(custom_id="a", url="/v1/completions")
+
+
+class FakeEngine:
+    """stats() and submit() as the generation engine has them; `interactive` requests are someone else's."""
+
+    def __init__(self) -> None:
+        self.interactive = 0
+        self.futures: list[Future] = []
+
+    def stats(self) -> dict:
+        return {"running": self.interactive + sum(not f.done() for f in self.futures), "waiting": 0}
+
+    def submit(self, ids, params, *, request_id):
+        future: Future = Future()
+        self.futures.append(future)
+        return future
+
+
+def _submit_in_background(pacer: Pacer, engine: FakeEngine, count: int) -> threading.Thread:
+    thread = threading.Thread(target=lambda: [pacer.submit(engine, [1], LINE, f"r{i}") for i in range(count)],
+                              daemon=True)
+    thread.start()
+    return thread
+
+
+def test_the_share_shrinks_beside_interactive_requests_and_grows_after_a_quiet_spell(monkeypatch):
+    monkeypatch.setattr(batch_runner, "BUSY_HOLD_S", 1.0)
+    engine = FakeEngine()
+    pacer = Pacer(Share(busy=2, idle=5))
+    _submit_in_background(pacer, engine, 5).join(2)
+    assert len(engine.futures) == 5  # nobody else: the idle share
+    engine.interactive = 1
+    for future in engine.futures:
+        future.set_result(None)
+    thread = _submit_in_background(pacer, engine, 4)
+    _until(lambda: len(engine.futures) == 7)
+    thread.join(0.1)
+    assert len(engine.futures) == 7 and pacer.in_flight == 2  # beside interactive requests: 2 rows at most
+    engine.interactive = 0
+    thread.join(0.05)
+    assert len(engine.futures) == 7  # still within the hold after interactive traffic
+    thread.join(5)
+    assert len(engine.futures) == 9 and pacer.in_flight == 4  # a quiet spell: up to the idle share again
+
+
+def _until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)

@@ -1,0 +1,207 @@
+"""Running a chunk of batch lines on the generation engines: many requests submitted at once, no streaming,
+within a share of the engine's rows that shrinks while interactive requests are in it (Pacer).
+
+RUNNERS maps a batch endpoint to the function that runs its lines; an endpoint without an entry answers each
+line with an error (/v1/embeddings until this build serves it: fill its entry, and app.services.batch_plan's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+from core.batches import LineError, PlannedLine
+from core.protocol import ErrorCode, ErrorEvent, GenerateTask
+from worker.serving import GenerationService, render_chat
+
+QUEUE_FULL_PAUSE_S = 0.05  # the engine's waiting queue is full of interactive requests: let them go first
+PACE_POLL_S = 0.02  # how soon a batch at its share looks again (a decode step of a small model)
+# Interactive clients leave gaps between requests (a round trip, the API): rows a batch took in such a gap would
+# hold the next request back for a whole batch request's decode, so the batch stays at `busy` for a while.
+BUSY_HOLD_S = 2.0
+
+
+@dataclass
+class Outcome:
+    """A line's answer: the HTTP status and body the interactive route would have given."""
+
+    status_code: int
+    body: dict[str, Any]
+
+
+Runner = Callable[[GenerationService, str, list[tuple[int, PlannedLine]], "Pacer"], dict[int, Outcome]]
+
+
+def error_outcome(error: LineError) -> Outcome:
+    """OpenAI's error body for a line that could not run."""
+    kind = "server_error" if error.status_code >= 500 else "invalid_request_error"
+    return Outcome(error.status_code, {"error": {"message": error.message, "type": kind, "param": error.param,
+                                                 "code": error.code}})
+
+
+def digest(*parts: object) -> str:
+    """A stable hex id for a line (the same after a redelivery): 24 hex digits."""
+    return hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:24]
+
+
+def _reason(reason: str | None) -> str | None:
+    return None if reason is None else "length" if reason == "length" else "stop"
+
+
+def _usage(result: Any) -> dict[str, int]:
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens}
+
+
+def chat_body(line: PlannedLine, result: Any, rid: str) -> dict[str, Any]:
+    """A ChatCompletion, as /v1/chat/completions answers it."""
+    wants = line.params is not None and line.params.logprobs is not None
+    return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()), "model": line.model,
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                         "logprobs": {"content": [e.model_dump() for e in c.logprobs or []]} if wants else None,
+                         "finish_reason": _reason(c.finish_reason)} for c in result.choices],
+            "usage": _usage(result)}
+
+
+def completion_body(line: PlannedLine, result: Any, rid: str) -> dict[str, Any]:
+    """A Completion, as /v1/completions answers it (without logprobs: the plan refuses them)."""
+    return {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": line.model,
+            "choices": [{"text": c.text, "index": c.index, "logprobs": None, "finish_reason": _reason(c.finish_reason)}
+                        for c in result.choices],
+            "usage": _usage(result)}
+
+
+def _prompt_ids(engine: Any, line: PlannedLine, request_id: str) -> list[int] | LineError:
+    from worker.engines.batch import context_overflow  # the engine is loaded (and torch with it) by now
+
+    assert line.params is not None and line.path is not None
+    if line.messages is not None:
+        task = GenerateTask(request_id=request_id, model=line.path, prompt="", messages=line.messages,
+                            params=line.params, deadline=time.time() + 60)
+        rendered = render_chat(engine, task)
+        if isinstance(rendered, ErrorEvent):
+            return LineError(status_code=422, code=rendered.error.code, message=rendered.error.message or "",
+                             param=rendered.error.field)
+        ids = rendered
+    else:
+        ids = engine.encode(line.prompt or "")
+    if not ids:
+        return LineError(status_code=422, code=ErrorCode.VALIDATION_ERROR, message="the prompt encodes to no tokens",
+                         param="prompt")
+    overflow = context_overflow(len(ids), line.params.max_new_tokens, engine.context_length)
+    if overflow is not None:
+        return LineError(status_code=422, code=ErrorCode.VALIDATION_ERROR, message=overflow, param="max_tokens")
+    return ids
+
+
+def _submit(engine: Any, ids: list[int], line: PlannedLine, request_id: str) -> Future[Any]:
+    """Submit, waiting while the engine's queue is full (interactive requests fill it first)."""
+    from worker.engines.generation import QueueFull
+
+    while True:
+        try:
+            return engine.submit(ids, line.params, request_id=request_id)  # type: ignore[no-any-return]
+        except QueueFull:
+            time.sleep(QUEUE_FULL_PAUSE_S)
+
+
+@dataclass(frozen=True)
+class Share:
+    """Rows of an engine one batch may hold: `busy` while interactive requests are in it, `idle` while none are."""
+
+    busy: int
+    idle: int
+
+
+class Pacer:
+    """Keeps a batch's requests in an engine within its share, re-read before each submit: a batch backs off to
+    `busy` rows as soon as interactive requests arrive (the engine admits FIFO, so rows it does not hold are
+    rows an interactive request is admitted to at once) and fills `idle` rows only once the engine has had no
+    interactive request for BUSY_HOLD_S. One per batch run, so the memory of interactive traffic spans chunks."""
+
+    def __init__(self, share: Share) -> None:
+        self.share = share
+        self.in_flight = 0  # submitted and not finished (waiting or running in the engine)
+        self._busy_at = float("-inf")  # when interactive requests were last seen in the engine
+        self._changed = threading.Condition()
+
+    def submit(self, engine: Any, ids: list[int], line: PlannedLine, request_id: str) -> Future[Any]:
+        """Submit once the batch holds fewer rows than its share allows now; the row frees when it finishes."""
+        while True:
+            limit = self._limit(engine)  # outside the condition: the engine's lock is never taken inside it
+            with self._changed:
+                if self.in_flight < limit:
+                    self.in_flight += 1
+                    break
+                self._changed.wait(PACE_POLL_S)  # interactive requests leaving do not notify: look again soon
+        try:
+            future = _submit(engine, ids, line, request_id)
+        except BaseException:
+            self._done()
+            raise
+        future.add_done_callback(lambda _: self._done())
+        return future
+
+    def _done(self) -> None:
+        with self._changed:
+            self.in_flight -= 1
+            self._changed.notify()
+
+    def _limit(self, engine: Any) -> int:
+        stats = engine.stats()
+        now = time.monotonic()
+        if stats["running"] + stats["waiting"] > self.in_flight:
+            self._busy_at = now
+        return self.share.busy if now - self._busy_at < BUSY_HOLD_S else self.share.idle
+
+
+def run_generation(body: Callable[[PlannedLine, Any, str], dict[str, Any]]) -> Runner:
+    """The runner of a generation endpoint: the chunk's lines submitted at once, within the batch's share."""
+
+    def run(service: GenerationService, batch_id: str, lines: list[tuple[int, PlannedLine]], pacer: Pacer
+            ) -> dict[int, Outcome]:
+        outcomes: dict[int, Outcome] = {}
+        pending: list[tuple[int, PlannedLine, str, Future[Any]]] = []
+        with ExitStack() as stack:
+            engines: dict[str, Any] = {}
+            for index, line in lines:
+                rid = digest(batch_id, index)
+                path = line.path or ""
+                try:
+                    if path not in engines:
+                        engines[path] = stack.enter_context(service.registry.use(path))
+                    ids = _prompt_ids(engines[path], line, f"batch-{rid}")
+                    if isinstance(ids, LineError):
+                        outcomes[index] = error_outcome(ids)
+                        continue
+                    future = pacer.submit(engines[path], ids, line, f"batch-{rid}")
+                except Exception as exc:  # noqa: BLE001 - this line fails (e.g. its model cannot load), not the batch
+                    outcomes[index] = _failure(exc)
+                    continue
+                pending.append((index, line, rid, future))
+            for index, line, rid, future in pending:
+                try:
+                    outcomes[index] = Outcome(200, body(line, future.result(), rid))
+                except Exception as exc:  # noqa: BLE001 - a failed forward fails its lines only
+                    outcomes[index] = _failure(exc)
+        return outcomes
+
+    return run
+
+
+def _failure(exc: Exception) -> Outcome:
+    status = 422 if isinstance(exc, ValueError) else 500
+    code = ErrorCode.VALIDATION_ERROR if status == 422 else ErrorCode.WORKER_ERROR
+    return error_outcome(LineError(status_code=status, code=code, message=f"{type(exc).__name__}: {exc}"))
+
+
+RUNNERS: dict[str, Runner] = {
+    "/v1/chat/completions": run_generation(chat_body),
+    "/v1/completions": run_generation(completion_body),
+}
