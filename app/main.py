@@ -89,8 +89,9 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     app.state.metrics_registry = CollectorRegistry(auto_describe=True)
     app.add_middleware(ObservabilityMiddleware, metrics=HttpMetrics(app.state.metrics_registry))
     app.add_middleware(SecurityHeadersMiddleware)  # outside everything: every answer carries them
-    for router in (health.router, datasets.router, jobs.router, sweeps.router, classify.router, embeddings.router,
-                   generation.router, files.router, fine_tuning.router, batches.router, webhooks.router, metrics.router):
+    for router in (health.router, datasets.router, jobs.router, sweeps.router,
+                   classify.router, embeddings.router, generation.router,
+                   files.router, fine_tuning.router, batches.router, webhooks.router, metrics.router):
         app.include_router(router)
     mount_dashboard(app)
     return app
