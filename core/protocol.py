@@ -229,11 +229,15 @@ class ChoiceOut(BaseModel):
 
 
 class Usage(BaseModel):
-    """Token counts of a request."""
-
+    """Token counts of a request; `openai()` is OpenAI's usage object, as every /v1 answer carries it."""
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the engine's prefix cache
+
+    def openai(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 class DoneEvent(BaseModel):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.batches import LineError, PlannedLine
-from core.protocol import ErrorCode, ErrorEvent, GenerateTask
+from core.protocol import ErrorCode, ErrorEvent, GenerateTask, Usage
 from worker.serving import GenerationService, render_chat
 
 QUEUE_FULL_PAUSE_S = 0.05  # the engine's waiting queue is full of interactive requests: let them go first
@@ -54,9 +54,9 @@ def _reason(reason: str | None) -> str | None:
     return None if reason is None else "length" if reason == "length" else "stop"
 
 
-def _usage(result: Any) -> dict[str, int]:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens}
+def _usage(result: Any) -> dict[str, Any]:
+    return Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
+                 cached_tokens=result.cached_tokens).openai()
 
 
 def chat_body(line: PlannedLine, result: Any, rid: str) -> dict[str, Any]:

@@ -28,7 +28,6 @@ from app.services.completions import (
     sampling,
     sse,
     start,
-    usage_of,
 )
 from app.services.generation import GenerationGateway
 from app.services.structured import constraint_of
@@ -90,7 +89,7 @@ async def chat(gateway: GenerationGateway, session: Session, principal: Principa
     if not body.stream:
         done = await collect(gateway, started, disconnected)
         return ChatCompletion(
-            id=completion_id, created=created, model=body.model, usage=CompletionUsage(**usage_of(done.usage)),
+            id=completion_id, created=created, model=body.model, usage=CompletionUsage(**done.usage.openai()),
             choices=[ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
                                 logprobs=ChatLogprobs(content=c.logprobs or []) if with_logprobs else None,
                                 finish_reason=openai_reason(c.finish_reason))  # type: ignore[arg-type]
@@ -117,7 +116,7 @@ async def chat(gateway: GenerationGateway, session: Session, principal: Principa
             return []
         out = [chunk([choice(c.index, {}, finish=openai_reason(c.finish_reason))]) for c in event.choices]
         if include_usage:
-            out.append(chunk([], usage_of(event.usage)))
+            out.append(chunk([], event.usage.openai()))
         return out
 
     return relay(gateway, started, render)

@@ -216,13 +216,6 @@ def openai_reason(reason: str | None) -> str | None:
     return None if reason is None else "length" if reason == "length" else "stop"
 
 
-def usage_of(usage: Any) -> dict[str, Any]:
-    """OpenAI's usage object from the worker's counts (cached_tokens: what the prefix cache spared)."""
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
-
-
 async def complete(gateway: GenerationGateway, session: Session, principal: Principal, body: CompletionRequest,
                    disconnected: Disconnected) -> Completion | AsyncIterator[bytes]:
     """/v1/completions: an OpenAI Completion, or (stream) its chunks as SSE."""
@@ -237,7 +230,7 @@ async def complete(gateway: GenerationGateway, session: Session, principal: Prin
                                                     logprobs=legacy_logprobs(c.logprobs) if wants else None,
                                                     finish_reason=openai_reason(c.finish_reason))  # type: ignore[arg-type]
                                    for c in done.choices],
-                          usage=CompletionUsage(**usage_of(done.usage)))
+                          usage=CompletionUsage(**done.usage.openai()))
     include_usage = bool((body.stream_options or {}).get("include_usage"))
     offsets: dict[int, int] = {}  # characters streamed so far per choice, for text_offset
 
@@ -261,7 +254,7 @@ async def complete(gateway: GenerationGateway, session: Session, principal: Prin
         out = [chunk([{"text": "", "index": c.index, "logprobs": None,
                        "finish_reason": openai_reason(c.finish_reason)}]) for c in event.choices]
         if include_usage:
-            out.append(chunk([], usage_of(event.usage)))
+            out.append(chunk([], event.usage.openai()))
         return out
 
     return relay(gateway, started, render)
