@@ -13,8 +13,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch before the rest: 2.13.0 resolves to the local CPU wheel; any other version is a multi-GB download.
-	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[worker,local,dev]"
+	$(PY) -m pip install -q --no-compile "torch==2.13.0"
+	$(PY) -m pip install -q --no-compile -e ".[worker,local,dev]"
 	touch $@
 
 # The browser tests drive Debian's chromium (never a browser Playwright downloads); installed here when missing.
