@@ -34,8 +34,10 @@ def _dataset(service: Service, name: str) -> str:
     return str(response.json()["id"])
 
 
-def _job(service: Service, train: str, **hp: object) -> str:
+def _job(service: Service, train: str, adapter: dict | None = None, **hp: object) -> str:
     body = job_body(train, train, base_model=str(service.tiny_bert), hyperparameters={**HYPER, **hp})
+    if adapter is not None:
+        body["adapter"] = adapter
     response = service.api.post("/jobs", json=body)
     assert response.status_code == 201, response.text
     return str(response.json()["id"])
@@ -67,6 +69,7 @@ def test_a_job_started_from_the_form_draws_its_curve_live_until_it_succeeds(page
     page.click("#new-job button[type=submit]")
     page.wait_for_url("**/#/jobs/job_*")
     job_id = page.url.rsplit("/", 1)[1]
+    assert service.api.get(f"/jobs/{job_id}").json()["adapter"] is None  # an untouched adapter box sends none
     state["first"] = job_id
     state["second"] = _job(service, train, epochs=2, learning_rate=3e-3)  # queued behind it, for compare
     # The loss chart fills from the stream while the job runs, then the badge turns to succeeded.
@@ -96,9 +99,13 @@ def test_a_job_started_from_the_form_draws_its_curve_live_until_it_succeeds(page
     page.screenshot(path=str(DOCS / "dashboard-jobs.png"), full_page=True)
 
 
-def test_cancel_from_the_job_page(page, service):
-    job_id = _job(service, _dataset(service, "long"), epochs=100)
+def test_cancel_from_the_job_page_of_a_lora_job(page, service):
+    job_id = _job(service, _dataset(service, "long"), adapter={"r": 4, "alpha": 8}, epochs=100)
     page.goto(f"{service.base}/#/jobs/{job_id}")
+    page.wait_for_selector("#settings")
+    assert "+ LORA r4" in page.locator("#view").inner_text()  # the header names the adapter on its base
+    settings = page.locator("#settings").inner_text()
+    assert "adapter.r\t4" in settings and "adapter.alpha\t8" in settings and "adapter.target_modules" in settings
     page.click("#cancel")
     page.wait_for_selector("#job-status [data-status=cancelled]", timeout=60_000)
     assert _status(service, job_id) == "cancelled"

@@ -78,6 +78,13 @@ class ClassificationJob(BaseModel):
     hyperparameters: ClassifierHyperparameters = Field(default_factory=ClassifierHyperparameters)
 
 
+class Adapter(BaseModel):  # as core.adapters.AdapterConfig: a constant method, then numbers with defaults
+    model_config = ConfigDict(extra="forbid")
+    method: Literal["lora"] = "lora"
+    r: int = Field(8, ge=1, le=1024)
+    alpha: float = Field(16.0, gt=0)
+
+
 class CausalLMJob(BaseModel):
     model_config = ConfigDict(extra="forbid")
     task: Literal["causal-lm"]
@@ -85,6 +92,7 @@ class CausalLMJob(BaseModel):
     train_dataset: str
     text_column: str = "text"
     hyperparameters: LMHyperparameters = Field(default_factory=LMHyperparameters)
+    adapter: Adapter | None = Field(None, description="LoRA settings")
     metadata: dict[str, str] = Field(default_factory=dict)
 
 
@@ -172,6 +180,13 @@ def test_the_new_job_form_is_built_from_the_typed_spec_and_sends_a_valid_body(pa
     assert body == {"task": "causal-lm", "base_model": "minilm-l6", "train_dataset": train, "text_column": "sentence",
                     "hyperparameters": {"block_size": 64, "learning_rate": 0.001}, "metadata": {"team": "nlp"}}
     assert isinstance(adapter.validate_python(body), CausalLMJob)
+    # The adapter is sent once its box is ticked (untouched above: no adapter in either body).
+    assert page.locator('#new-job input[name="adapter.r"]').is_disabled()
+    page.check("#new-job input[name=adapter]")
+    page.fill('#new-job input[name="adapter.r"]', "4")
+    body = _submitted(page)
+    assert body["adapter"] == {"method": "lora", "r": 4}
+    assert adapter.validate_python(body).adapter.r == 4
 
 
 SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["happy", "sad"]}}, "required": ["mood"]}

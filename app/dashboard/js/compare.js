@@ -1,15 +1,8 @@
 // Compare: pick jobs, overlay their curves (one colour per job), and a table of the settings that differ.
 import { api } from "./api.js";
 import { MetricChart, PALETTE, chartControls } from "./charts.js";
-import { badge, h, num, table } from "./dom.js";
+import { badge, h, jobSettings, num, table } from "./dom.js";
 import { MAX_POINTS, PANELS } from "./job.js";
-
-const flatten = (job) => ({
-  task: job.task, base_model: job.base_model, train_dataset: job.train_dataset, eval_dataset: job.eval_dataset,
-  text_column: job.text_column, label_column: job.label_column,
-  ...Object.fromEntries(Object.entries(job.hyperparameters || {}).map(([k, v]) => [`hyperparameters.${k}`, v])),
-  ...Object.fromEntries(Object.entries(job.model_config || {}).map(([k, v]) => [`model_config.${k}`, v])),
-});
 
 export async function renderCompare(root, params, signal) {
   const ids = (params.get("ids") || "").split(",").filter(Boolean);
@@ -31,7 +24,7 @@ export async function renderCompare(root, params, signal) {
   const charts = PANELS.flatMap(([, names]) => names).map((name) => new MetricChart(grid, name,
     jobs.map((j) => ({ key: `${j.id}:${name}`, label: j.id.slice(-8), color: color.get(j.id) })), controls.state));
 
-  const rows = jobs.map(flatten);
+  const rows = jobs.map(jobSettings);
   const keys = [...new Set(rows.flatMap((r) => Object.keys(r)))];
   const same = (key) => rows.every((r) => JSON.stringify(r[key]) === JSON.stringify(rows[0][key]));
   const showAll = h("input", { type: "checkbox", id: "show-all-settings", onchange: () => drawTable() });

@@ -37,10 +37,20 @@ export function duration(seconds) {
 
 export const num = (v, digits = 4) => (typeof v === "number" ? Number(v.toPrecision(digits)).toString() : v ?? "");
 
+// The model a job trains, and "+ LoRA r8" when it trains an adapter on it.
 export function modelName(job) {
-  if (job.base_model) return job.base_model.split("/").filter(Boolean).pop();
   const c = job.model_config;
-  return c ? `gpt2 ${c.n_layer}x${c.n_embd}` : "";
+  const base = job.base_model ? job.base_model.split("/").filter(Boolean).pop() : c ? `gpt2 ${c.n_layer}x${c.n_embd}` : "";
+  return job.adapter ? `${base} + ${String(job.adapter.method || "lora").toUpperCase()} r${job.adapter.r}` : base;
+}
+
+// A job's settings as one flat object (nested ones as "adapter.r"): the job page lists them, compare diffs them.
+export function jobSettings(job) {
+  const nested = (prefix, value) => Object.entries(value || {}).map(([k, v]) => [`${prefix}.${k}`, v]);
+  return { task: job.task, base_model: job.base_model, train_dataset: job.train_dataset, eval_dataset: job.eval_dataset,
+    text_column: job.text_column, label_column: job.label_column,
+    ...Object.fromEntries([...nested("hyperparameters", job.hyperparameters), ...nested("adapter", job.adapter),
+      ...nested("method", job.method), ...nested("model_config", job.model_config)]) };
 }
 
 export function bestMetric(job) {

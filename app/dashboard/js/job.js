@@ -2,7 +2,7 @@
 // artifacts and cancel.
 import { api, download, followJob } from "./api.js";
 import { MetricChart, PALETTE, chartControls } from "./charts.js";
-import { badge, duration, errorBox, h, modelName, num, progressBar, table } from "./dom.js";
+import { badge, duration, errorBox, h, jobSettings, modelName, num, progressBar, table } from "./dom.js";
 
 export const PANELS = [
   ["Loss", ["train_loss", "eval_loss"]],
@@ -66,11 +66,7 @@ export async function renderJob(root, jobId, signal) {
     h("div.row.muted", {}, Object.entries(job.metrics || {}).map(([k, v]) => h("span", {}, `${k} ${num(v)}`))));
   };
   const renderDetails = () => {
-    const settings = { task: job.task, base_model: job.base_model, train_dataset: job.train_dataset,
-      eval_dataset: job.eval_dataset, text_column: job.text_column, label_column: job.label_column,
-      ...Object.fromEntries(Object.entries(job.hyperparameters || {}).map(([k, v]) => [`hyperparameters.${k}`, v])),
-      ...Object.fromEntries(Object.entries(job.model_config || {}).map(([k, v]) => [`model_config.${k}`, v])),
-      labels: job.labels?.length ? job.labels.join(", ") : null };
+    const settings = { ...jobSettings(job), labels: job.labels?.length ? job.labels.join(", ") : null };
     settingsBox.replaceChildren(h("div.card.kv", { id: "settings" }, table(["setting", "value"],
       Object.entries(settings).filter(([, v]) => v !== null && v !== undefined)
         .map(([k, v]) => h("tr", {}, h("td", {}, k), h("td", {}, typeof v === "object" ? JSON.stringify(v) : String(v)))))));

@@ -73,8 +73,14 @@ export function field(doc, schema, path, { required = false, widgets = {} } = {}
   if (union) return unionField(doc, union, path, widgets);
   if (s.type === "object" && s.properties && Object.keys(s.properties).length) {
     const fields = objectFields(doc, s, path, widgets);
-    return { el: h("fieldset.wide.grid", { "data-path": path }, h("legend", {}, label(name, s, need)),
-      fields.map((f) => f.el)), value: () => collect(fields) };
+    // An optional object (a job's adapter) is sent only once its box is ticked: its constants alone (the
+    // adapter's method) would otherwise make one out of an untouched form.
+    const on = optional ? h("input", { type: "checkbox", name: path, "data-optional-object": "" }) : null;
+    const set = h("fieldset.wide.grid", { "data-path": path, disabled: optional },
+      h("legend", {}, on ? h("label.check", {}, on, " ", label(name, s, need)) : label(name, s, need)),
+      fields.map((f) => f.el));
+    on?.addEventListener("change", () => { set.disabled = !on.checked; });
+    return { el: set, value: () => (on && !on.checked ? undefined : collect(fields)) };
   }
   if (s.const !== undefined) return { el: null, value: () => s.const };
   if (s.enum) return enumField(s, path, name, need, optional);
