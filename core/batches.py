@@ -58,6 +58,10 @@ class PlannedLine(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     params: SamplingParams | None = None
+    texts: list[str] | None = None  # /v1/embeddings: the inputs as text, or as token ids (one of the two)
+    token_ids: list[list[int]] | None = None
+    dimensions: int | None = None
+    encoding_format: Literal["float", "base64"] = "float"
     error: LineError | None = None
 
 

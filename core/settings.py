@@ -129,7 +129,8 @@ class Settings(BaseSettings):
         "faster, else fp32), fp32, bf16 or fp16.")
     batch_share: float = Field(
         0.125, gt=0, le=1, description="/v1/batches: the share of a generation engine's rows (max_batch_size) one "
-        "batch holds while interactive requests are in the engine; the rest stay theirs.")
+        "batch holds while interactive requests are in the engine, the rest staying theirs; for embeddings lines, "
+        "the share of the time.")
     batch_idle_share: float = Field(
         0.75, gt=0, le=1, description="/v1/batches: the share of an engine's rows one batch fills while no "
         "interactive request is in it (below 1: an arriving request still finds rows free).")

@@ -1,12 +1,14 @@
-"""Running a chunk of batch lines on the generation engines: many requests submitted at once, no streaming,
-within a share of the engine's rows that shrinks while interactive requests are in it (Pacer).
+"""Running a chunk of batch lines on a generation worker: generation requests submitted to the engines at once,
+no streaming, within a share of the engine's rows that shrinks while interactive requests are in it; embeddings
+in length-sorted groups on the worker's encoder, giving way to interactive generation between groups (Pacer).
 
 RUNNERS maps a batch endpoint to the function that runs its lines; an endpoint without an entry answers each
-line with an error (/v1/embeddings until this build serves it: fill its entry, and app.services.batch_plan's).
+line with an error (app.services.batch_plan.PLANNERS is the API's side of the same table).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import threading
 import time
@@ -18,6 +20,8 @@ from typing import Any
 
 from core.batches import LineError, PlannedLine
 from core.protocol import ErrorCode, ErrorEvent, GenerateTask, Usage
+from worker.context import WorkerContext
+from worker.embedding import embedder_for
 from worker.serving import GenerationService, render_chat
 
 QUEUE_FULL_PAUSE_S = 0.05  # the engine's waiting queue is full of interactive requests: let them go first
@@ -25,6 +29,7 @@ PACE_POLL_S = 0.02  # how soon a batch at its share looks again (a decode step o
 # Interactive clients leave gaps between requests (a round trip, the API): rows a batch took in such a gap would
 # hold the next request back for a whole batch request's decode, so the batch stays at `busy` for a while.
 BUSY_HOLD_S = 2.0
+EMBED_GROUP = 32  # embedding inputs run between two looks at the interactive traffic
 
 
 @dataclass
@@ -35,7 +40,7 @@ class Outcome:
     body: dict[str, Any]
 
 
-Runner = Callable[[GenerationService, str, list[tuple[int, PlannedLine]], "Pacer"], dict[int, Outcome]]
+Runner = Callable[[WorkerContext, str, list[tuple[int, PlannedLine]], "Pacer"], dict[int, Outcome]]
 
 
 def error_outcome(error: LineError) -> Outcome:
@@ -113,10 +118,12 @@ def _submit(engine: Any, ids: list[int], line: PlannedLine, request_id: str) -> 
 
 @dataclass(frozen=True)
 class Share:
-    """Rows of an engine one batch may hold: `busy` while interactive requests are in it, `idle` while none are."""
+    """Rows of an engine one batch may hold: `busy` while interactive requests are in it, `idle` while none are;
+    `time`: the fraction of the time work outside the engines (embeddings) takes while interactive requests run."""
 
     busy: int
     idle: int
+    time: float = 1.0
 
 
 class Pacer:
@@ -160,12 +167,25 @@ class Pacer:
             self._busy_at = now
         return self.share.busy if now - self._busy_at < BUSY_HOLD_S else self.share.idle
 
+    def give_way(self, engines: list[Any], spent_s: float) -> float:
+        """After `spent_s` of batch work outside the engines: while requests are in any engine (or were within
+        BUSY_HOLD_S), pause so the batch takes about `share.time` of the time; the pause in seconds."""
+        now = time.monotonic()
+        if any(stats["running"] + stats["waiting"] > 0 for stats in (engine.stats() for engine in engines)):
+            self._busy_at = now
+        if now - self._busy_at >= BUSY_HOLD_S or self.share.time >= 1:
+            return 0.0
+        pause = spent_s * (1 - self.share.time) / self.share.time
+        time.sleep(pause)
+        return pause
+
 
 def run_generation(body: Callable[[PlannedLine, Any, str], dict[str, Any]]) -> Runner:
     """The runner of a generation endpoint: the chunk's lines submitted at once, within the batch's share."""
 
-    def run(service: GenerationService, batch_id: str, lines: list[tuple[int, PlannedLine]], pacer: Pacer
+    def run(ctx: WorkerContext, batch_id: str, lines: list[tuple[int, PlannedLine]], pacer: Pacer
             ) -> dict[int, Outcome]:
+        service = ctx.service("generation", GenerationService.build)
         outcomes: dict[int, Outcome] = {}
         pending: list[tuple[int, PlannedLine, str, Future[Any]]] = []
         with ExitStack() as stack:
@@ -201,7 +221,72 @@ def _failure(exc: Exception) -> Outcome:
     return error_outcome(LineError(status_code=status, code=code, message=f"{type(exc).__name__}: {exc}"))
 
 
+def embedding_body(line: PlannedLine, vectors: Any, tokens: int) -> dict[str, Any]:
+    """A CreateEmbeddingResponse, as /v1/embeddings answers it (base64: little-endian float32)."""
+    little = vectors.astype("<f4", copy=False)
+    data = [{"object": "embedding", "index": i,
+             "embedding": base64.b64encode(row.tobytes()).decode("ascii") if line.encoding_format == "base64"
+             else row.tolist()} for i, row in enumerate(little)]
+    return {"object": "list", "data": data, "model": line.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def run_embeddings(ctx: WorkerContext, batch_id: str, lines: list[tuple[int, PlannedLine]], pacer: Pacer
+                   ) -> dict[int, Outcome]:
+    """Embed the chunk's lines: inputs of every line with the same model and `dimensions` in length-sorted groups
+    of EMBED_GROUP, each followed by Pacer.give_way; a refused input fails its line only."""
+    from worker.engines.embed import EmbeddingRefused
+
+    outcomes: dict[int, Outcome] = {}
+    groups: dict[tuple[str, int | None], list[tuple[int, PlannedLine, list[list[int]]]]] = {}
+    for index, line in lines:
+        try:
+            ids = embedder_for(ctx, line.path or "").tokenize(line.texts, line.token_ids)
+        except EmbeddingRefused as exc:
+            outcomes[index] = error_outcome(LineError(status_code=422, code=ErrorCode.VALIDATION_ERROR,
+                                                      message=str(exc), param=exc.field))
+            continue
+        except Exception as exc:  # noqa: BLE001 - e.g. its model cannot load: this line fails, not the batch
+            outcomes[index] = _failure(exc)
+            continue
+        groups.setdefault((line.path or "", line.dimensions), []).append((index, line, ids))
+    registry = ctx.service("generation", GenerationService.build).registry
+    for (path, dimensions), members in groups.items():
+        try:
+            vectors = _embed_paced(embedder_for(ctx, path), [row for *_, ids in members for row in ids],
+                                   dimensions, lambda spent: pacer.give_way(registry.engines(), spent))
+        except EmbeddingRefused as exc:  # dimensions the model cannot give: every line asking for them
+            refused = LineError(status_code=422, code=ErrorCode.VALIDATION_ERROR, message=str(exc), param=exc.field)
+            outcomes.update({index: error_outcome(refused) for index, *_ in members})
+            continue
+        except Exception as exc:  # noqa: BLE001 - a failed forward fails its lines only
+            outcomes.update({index: _failure(exc) for index, *_ in members})
+            continue
+        start = 0
+        for index, line, ids in members:
+            outcomes[index] = Outcome(200, embedding_body(line, vectors[start:start + len(ids)],
+                                                          sum(map(len, ids))))
+            start += len(ids)
+    return outcomes
+
+
+def _embed_paced(embedder: Any, rows: list[list[int]], dimensions: int | None,
+                 give_way: Callable[[float], float]) -> Any:
+    """[rows, width] vectors in input order, computed EMBED_GROUP rows at a time (shortest first)."""
+    import numpy as np
+
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    out = np.zeros((len(rows), embedder.check_dimensions(dimensions)), dtype=np.float32)
+    for start in range(0, len(order), EMBED_GROUP):
+        group = order[start:start + EMBED_GROUP]
+        began = time.monotonic()
+        out[group] = embedder.embed([rows[i] for i in group], dimensions, batch_size=EMBED_GROUP)
+        give_way(time.monotonic() - began)
+    return out
+
+
 RUNNERS: dict[str, Runner] = {
     "/v1/chat/completions": run_generation(chat_body),
     "/v1/completions": run_generation(completion_body),
+    "/v1/embeddings": run_embeddings,
 }

@@ -42,7 +42,6 @@ from core.storage import ArtifactStore
 from worker.batch_recovery import Lease, heartbeat
 from worker.batch_runner import RUNNERS, Outcome, Pacer, Share, digest, error_outcome
 from worker.context import WorkerContext
-from worker.serving import GenerationService
 
 log = logging.getLogger(__name__)
 COLUMNS = ["id", "custom_id", "response", "error"]
@@ -84,7 +83,7 @@ def line_result(batch_id: str, index: int, line: PlannedLine, outcome: Outcome) 
                                          "body": outcome.body}, "error": None})
 
 
-def run_chunk(service: GenerationService, batch_id: str, first: int, lines: list[PlannedLine], pacer: Pacer
+def run_chunk(ctx: WorkerContext, batch_id: str, first: int, lines: list[PlannedLine], pacer: Pacer
               ) -> list[LineResult]:
     """Results of lines first.. in order: errors the plan found, the rest run by their endpoint's runner."""
     outcomes: dict[int, Outcome] = {}
@@ -98,7 +97,7 @@ def run_chunk(service: GenerationService, batch_id: str, first: int, lines: list
         else:
             by_url.setdefault(line.url, []).append((index, line))
     for url, todo in by_url.items():
-        outcomes.update(RUNNERS[url](service, batch_id, todo, pacer))
+        outcomes.update(RUNNERS[url](ctx, batch_id, todo, pacer))
     return [line_result(batch_id, index, line, outcomes[index]) for index, line in enumerate(lines, start=first)]
 
 
@@ -134,15 +133,15 @@ def _run(ctx: WorkerContext, batch_id: str, plan: list[PlannedLine], expires_at:
                  len(plan))
     settings = ctx.settings
     pacer = Pacer(Share(busy=max(1, round(settings.max_batch_size * settings.batch_share)),
-                        idle=max(1, round(settings.max_batch_size * settings.batch_idle_share))))
-    service = ctx.service("generation", GenerationService.build)
+                        idle=max(1, round(settings.max_batch_size * settings.batch_idle_share)),
+                        time=settings.batch_share))
     while done < len(plan):
         _record(ctx, batch_id, done, results)
         status = _status(ctx, batch_id)
         if status == CANCELLING or utcnow() > expires_at:
             break
         chunk = plan[done:done + settings.batch_chunk_lines]
-        part = run_chunk(service, batch_id, done, chunk, pacer)
+        part = run_chunk(ctx, batch_id, done, chunk, pacer)
         _put(ctx.storage, part_key(batch_id, done), Part(results=part).model_dump_json().encode())
         results.extend(part)
         done += len(chunk)

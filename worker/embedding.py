@@ -34,11 +34,16 @@ def model_folder(ctx: WorkerContext, reference: str) -> Path:
     return aliases[reference] if reference in aliases else Path(reference)
 
 
+def embedder_for(ctx: WorkerContext, reference: str) -> Any:
+    """The process's worker.engines.embed.Embedder for an EmbedTask's model reference (loaded on first use)."""
+    return ctx.service("embedders", _embedders).get(model_folder(ctx, reference))
+
+
 def embed(ctx: WorkerContext, task: EmbedTask) -> EmbedResult:
     """The task's vectors (little-endian float32, base64) and token count; refusals name the request field."""
     from worker.engines.embed import EmbeddingRefused
 
-    embedder = ctx.service("embedders", _embedders).get(model_folder(ctx, task.model))
+    embedder = embedder_for(ctx, task.model)
     try:
         ids = embedder.tokenize(task.texts, task.token_ids)
         vectors = embedder.embed(ids, task.dimensions)

@@ -83,6 +83,11 @@ class EngineRegistry:
         with self._lock:
             return list(self._entries)
 
+    def engines(self) -> list[Any]:
+        """The warm engines (a snapshot: one may be evicted after)."""
+        with self._lock:
+            return [entry.engine for entry in self._entries.values()]
+
     def used_bytes(self) -> int:
         """The summed footprint of the warm engines."""
         with self._lock:

@@ -2,31 +2,44 @@
 
 Each endpoint is one entry of PLANNERS: a function from a line's body to a PlannedLine (what to run), raising the
 domain error the interactive route would answer with; that error becomes the line's entry in the batch's error
-file, never a failed batch. /v1/embeddings is the entry to fill once this build serves embeddings (its worker
-side is worker.batches.RUNNERS).
+file, never a failed batch. Each entry's worker side is worker.batch_runner.RUNNERS.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import IO, Any
 
 from pydantic import BaseModel, ValidationError
 
 from app.errors import status_for
 from app.schemas.chat import ChatCompletionRequest
+from app.schemas.embeddings import EmbeddingRequest
 from app.schemas.generation import CompletionRequest
 from app.services.chat import chat_params
 from app.services.completions import openai_params
+from app.services.embeddings import split_inputs
 from core.batches import LineError, PlannedLine
-from core.errors import DomainError, NotFound, ValidationFailed
+from core.errors import DomainError, ValidationFailed
 from core.jobspec import field_of
 from core.protocol import ErrorCode, SamplingParams
 from core.served_models import ServedModel
+from core.settings import Settings
 
-Resolve = Callable[[str], ServedModel]  # a model name to what serves it (NotFound naming `model`)
-Planner = Callable[[dict[str, Any], Resolve], PlannedLine]
+
+@dataclass(frozen=True)
+class Planning:
+    """What planning a line may look up: model names resolved as the routes resolve them (NotFound or
+    ValidationFailed naming `model`), and the server's limits."""
+
+    served: Callable[[str], ServedModel]  # a generation model name to what serves it
+    embedding: Callable[[str], str]  # an embedding model name to the reference a worker loads
+    settings: Settings
+
+
+Planner = Callable[[dict[str, Any], Planning], PlannedLine]
 
 
 def _parsed(schema: type[BaseModel], body: dict[str, Any]) -> Any:
@@ -42,30 +55,34 @@ def _parsed(schema: type[BaseModel], body: dict[str, Any]) -> Any:
     return parsed
 
 
-def _plan_chat(body: dict[str, Any], resolve: Resolve) -> PlannedLine:
+def _plan_chat(body: dict[str, Any], planning: Planning) -> PlannedLine:
     request = _parsed(ChatCompletionRequest, body)
     messages, params = chat_params(request)
     return PlannedLine(custom_id="", url="/v1/chat/completions", model=request.model,
-                       path=resolve(request.model).path, messages=messages, params=params)
+                       path=planning.served(request.model).path, messages=messages, params=params)
 
 
-def _plan_completion(body: dict[str, Any], resolve: Resolve) -> PlannedLine:
+def _plan_completion(body: dict[str, Any], planning: Planning) -> PlannedLine:
     request = _parsed(CompletionRequest, body)
     if request.logprobs is not None:  # the legacy logprobs shape is built by the interactive route only
         raise ValidationFailed("logprobs", "logprobs are not returned by batch completions; use the chat endpoint")
     prompt, params = openai_params(request)
     return PlannedLine(custom_id="", url="/v1/completions", model=request.model,
-                       path=resolve(request.model).path, prompt=prompt, params=params)
+                       path=planning.served(request.model).path, prompt=prompt, params=params)
 
 
-def _not_served(body: dict[str, Any], resolve: Resolve) -> PlannedLine:
-    raise NotFound("/v1/embeddings is not served by this build; its lines cannot run", field="url")
+def _plan_embeddings(body: dict[str, Any], planning: Planning) -> PlannedLine:
+    request = _parsed(EmbeddingRequest, body)
+    texts, token_ids = split_inputs(request, planning.settings)
+    return PlannedLine(custom_id="", url="/v1/embeddings", model=request.model, path=planning.embedding(request.model),
+                       texts=texts, token_ids=token_ids, dimensions=request.dimensions,
+                       encoding_format=request.encoding_format)
 
 
 PLANNERS: dict[str, Planner] = {
     "/v1/chat/completions": _plan_chat,
     "/v1/completions": _plan_completion,
-    "/v1/embeddings": _not_served,
+    "/v1/embeddings": _plan_embeddings,
 }
 
 
@@ -75,7 +92,7 @@ def line_error(exc: DomainError) -> LineError:
                      param=exc.field)
 
 
-def plan_lines(stream: IO[bytes], *, endpoint: str, resolve: Resolve, max_new_tokens: int) -> Iterator[PlannedLine]:
+def plan_lines(stream: IO[bytes], *, endpoint: str, planning: Planning) -> Iterator[PlannedLine]:
     """The checked lines of a batch input file (already valid as a file: core.batch_data checked its envelope)."""
     for number, raw in enumerate(stream, start=1):
         if not raw.strip():
@@ -85,8 +102,8 @@ def plan_lines(stream: IO[bytes], *, endpoint: str, resolve: Resolve, max_new_to
             raise ValidationFailed("input_file_id", f"line {number}: url {record['url']} is not the batch's "
                                                     f"endpoint {endpoint}; one batch runs one endpoint")
         try:
-            planned = PLANNERS[record["url"]](record["body"], resolve)
-            _check_cap(planned.params, max_new_tokens)
+            planned = PLANNERS[record["url"]](record["body"], planning)
+            _check_cap(planned.params, planning.settings.max_new_tokens)
         except DomainError as exc:
             planned = PlannedLine(custom_id="", url=record["url"], model=str(record["body"].get("model") or ""),
                                   error=line_error(exc))

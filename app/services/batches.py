@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 
 from app.schemas.batches import Batch, BatchCreate, BatchError, BatchErrors, BatchList, RequestCounts
 from app.services import files
-from app.services.batch_plan import plan_lines
+from app.services.batch_plan import Planning, plan_lines
 from app.services.files import unix
 from core.auth import Principal
 from core.batches import (
@@ -25,8 +25,10 @@ from core.batches import (
     plan_key,
 )
 from core.db import release
+from core.embeddings import resolve_embedding_model
 from core.errors import BrokerUnavailable, Conflict, StorageUnavailable, ValidationFailed
 from core.logs import task_headers
+from core.pretrained import builtin_aliases
 from core.queue import TaskQueue
 from core.rows import Batch as BatchRow
 from core.rows import new_id, utcnow
@@ -62,8 +64,13 @@ def create_batch(session: Session, settings: Settings, storage: ArtifactStore, q
     batch_id, path = new_id("batch"), dataset.path
 
     @cache
-    def resolve(name: str) -> ServedModel:
+    def served(name: str) -> ServedModel:
         return resolve_served_model(session, settings, name=name, tenant=principal.scope)
+
+    @cache
+    def embedding(name: str) -> str:
+        return resolve_embedding_model(session, settings, name=name, tenant=principal.scope,
+                                       aliases=builtin_aliases())
 
     release(session)  # reading and storing the plan may be slow (an object store): no connection held meanwhile
     key = plan_key(batch_id)
@@ -72,8 +79,8 @@ def create_batch(session: Session, settings: Settings, storage: ArtifactStore, q
     total = 0
     try:
         with storage.open(path) as source, open(part, "w", encoding="utf-8") as out:
-            for line in plan_lines(source, endpoint=body.endpoint, resolve=resolve,
-                                   max_new_tokens=settings.max_new_tokens):
+            for line in plan_lines(source, endpoint=body.endpoint,
+                                   planning=Planning(served=served, embedding=embedding, settings=settings)):
                 out.write(line.model_dump_json() + "\n")
                 total += 1
         release(session)

@@ -1,12 +1,15 @@
 """/v1/batches through the official openai client: validation (file, purpose, endpoint), a batch with a bad line
 run by the generation worker code in-process (greedy outputs equal the interactive route's, the bad line in the
-error file with its custom_id), list/retrieve/cancel shapes, and a resumed batch that never reruns a done line."""
+error file with its custom_id), an embeddings batch equal to the interactive route and to sentence-transformers,
+list/retrieve/cancel shapes, and a resumed batch that never reruns a done line."""
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 
+import numpy as np
 import openai
 import pytest
 
@@ -96,7 +99,7 @@ def test_a_batch_with_a_bad_line_completes_and_matches_the_interactive_route(api
     assert [b.id for b in api.batches.list()] == [batch.id]
 
 
-def test_completions_lines_and_the_embeddings_extension_point(api, served):
+def test_completions_lines_equal_the_interactive_route(api, served):
     data = _line("p", "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 5, "temperature": 0})
     upload = api.files.create(file=("c.jsonl", data), purpose="batch")
     done = _wait(api, api.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
@@ -105,13 +108,52 @@ def test_completions_lines_and_the_embeddings_extension_point(api, served):
     [line] = _lines(api, done.output_file_id)
     interactive = api.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0)
     assert line["response"]["body"]["choices"][0]["text"] == interactive.choices[0].text
-    embed = _line("e", "/v1/embeddings", {"model": "tiny", "input": "hi"})
-    upload = api.files.create(file=("e.jsonl", embed), purpose="batch")
+
+
+EMBED_TEXTS = ["A cat sits on the mat.", "Stock markets fell sharply today.", "Café naïve 🤖 résumé"]
+
+
+def test_an_embeddings_batch_equals_the_interactive_route_and_sentence_transformers(
+        api, served, worker_ctx, queue):  # noqa: F811
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer
+
+    from core.pretrained import builtin_aliases
+    from core.tasks import TASK_EMBED
+    from worker import embedding
+
+    queue.handlers[TASK_EMBED] = lambda payload: embedding.serve_embed(worker_ctx, payload)
+    minilm = builtin_aliases()["minilm-l6"]
+    ids = AutoTokenizer.from_pretrained(minilm)(EMBED_TEXTS[1], add_special_tokens=False)["input_ids"]
+    lines = {"texts": {"input": EMBED_TEXTS}, "one": {"input": EMBED_TEXTS[2], "encoding_format": "base64"},
+             "ids": {"input": [ids, ids]}, "gpt2": {"input": "hi", "model": "tiny"},
+             "empty": {"input": ["ok", " "]}, "short": {"input": "x", "dimensions": 64}}
+    data = b"".join(_line(cid, "/v1/embeddings", {"model": "minilm-l6", **body}) for cid, body in lines.items())
+    upload = api.files.create(file=("e.jsonl", data), purpose="batch")
     done = _wait(api, api.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
                                          completion_window="24h").id)
-    assert done.status == "completed" and done.request_counts.failed == 1
-    [error] = _lines(api, done.error_file_id)
-    assert "not served by this build" in error["response"]["body"]["error"]["message"]
+    assert done.status == "completed", done
+    assert (done.request_counts.completed, done.request_counts.failed) == (3, 3)
+    output = {line["custom_id"]: line["response"]["body"] for line in _lines(api, done.output_file_id)}
+    errors = {line["custom_id"]: line["response"] for line in _lines(api, done.error_file_id)}
+    assert sorted(errors) == ["empty", "gpt2", "short"]
+    assert errors["gpt2"]["status_code"] == 404 and errors["gpt2"]["body"]["error"]["param"] == "model"
+    assert errors["empty"]["status_code"] == 422 and errors["empty"]["body"]["error"]["param"] == "input.1"
+    assert errors["short"]["status_code"] == 422 and errors["short"]["body"]["error"]["param"] == "dimensions"
+
+    texts = output["texts"]
+    got = np.array([d["embedding"] for d in texts["data"]], dtype=np.float32)
+    interactive = api.embeddings.create(model="minilm-l6", input=EMBED_TEXTS, encoding_format="float")
+    np.testing.assert_allclose(got, [d.embedding for d in interactive.data], atol=1e-5)
+    assert texts["usage"] == interactive.usage.model_dump() and texts["model"] == "minilm-l6"
+    assert [d["index"] for d in texts["data"]] == [0, 1, 2] and texts["object"] == "list"
+    expected = SentenceTransformer(str(minilm), device="cpu").encode(EMBED_TEXTS, convert_to_numpy=True)
+    cosines = (got * expected).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(expected, axis=1)
+    assert cosines.min() >= 0.999, cosines
+    # base64 is little-endian float32; token ids embed as their text does
+    [packed] = output["one"]["data"]
+    np.testing.assert_allclose(np.frombuffer(base64.b64decode(packed["embedding"]), dtype="<f4"), got[2], atol=1e-5)
+    np.testing.assert_allclose([d["embedding"] for d in output["ids"]["data"]], [got[1], got[1]], atol=1e-5)
 
 
 def test_validation_errors_name_the_field(api, client, served):

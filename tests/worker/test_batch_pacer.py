@@ -62,3 +62,22 @@ def _until(predicate, timeout: float = 5.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+def test_work_outside_the_engines_gives_way_to_interactive_requests_in_any_of_them(monkeypatch):
+    monkeypatch.setattr(batch_runner, "BUSY_HOLD_S", 0.3)
+    slept: list[float] = []
+    monkeypatch.setattr(batch_runner.time, "sleep", slept.append)
+    quiet, busy = FakeEngine(), FakeEngine()
+    pacer = Pacer(Share(busy=1, idle=4, time=0.25))
+    assert pacer.give_way([quiet], 0.2) == 0.0 and slept == []  # nobody waiting: the batch runs flat out
+    busy.interactive = 1
+    pause = pacer.give_way([quiet, busy], 0.2)
+    assert abs(pause - 0.6) < 1e-9 and slept == [pause]  # 0.2 s of work, then 0.6 s: a quarter of the time
+    busy.interactive = 0
+    assert pacer.give_way([quiet, busy], 0.1) > 0  # within the hold after the interactive request left
+    real_sleep = threading.Event().wait
+    real_sleep(0.35)
+    assert pacer.give_way([quiet, busy], 0.1) == 0.0  # a quiet spell: flat out again
+    busy.interactive = 1
+    assert Pacer(Share(busy=1, idle=4)).give_way([busy], 1.0) == 0.0  # a time share of 1: never pauses
