@@ -82,8 +82,10 @@ def clean_db(pg_url: str) -> Iterator[str]:
 @pytest.fixture()
 def settings(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, clean_db: str) -> Settings:
     """Settings on the test database with a temporary home; tiny models under pytest's tmp root are allowed."""
+    # Generation in fp32: served output is compared token for token with HF generate in fp32; "auto" would pick
+    # bf16 weights on CPUs where a bf16 decode step is faster (tests of bf16 and of auto ask for them explicitly).
     return Settings(home=tmp_path / "home", database_url=clean_db, redis_url=REDIS_URL, checkpoint_steps=2,
-                    model_roots=str(tmp_path_factory.getbasetemp()))
+                    model_roots=str(tmp_path_factory.getbasetemp()), generation_precision="fp32")
 
 
 @pytest.fixture()

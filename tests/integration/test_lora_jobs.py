@@ -30,9 +30,18 @@ LM_HP = {"max_steps": 24, "batch_size": 2, "learning_rate": 5e-2, "precision": "
 
 
 def _finished(client, job_id: str, timeout: float = 300) -> dict:
-    job = wait_for(lambda: (j := client.get(f"/jobs/{job_id}").json())["status"] in ("succeeded", "failed",
-                                                                                       "cancelled") and j,
-                   timeout, f"job {job_id} to finish")
+    seen: list[dict] = []
+
+    def ended() -> dict | None:
+        seen[:] = [client.get(f"/jobs/{job_id}").json()]
+        return seen[0] if seen[0]["status"] in ("succeeded", "failed", "cancelled") else None
+
+    try:
+        job = wait_for(ended, timeout, f"job {job_id} to finish")
+    except AssertionError as exc:  # say where it stood: status, attempts, why it waits, its last events
+        events = client.get(f"/jobs/{job_id}/events", params={"limit": 1000}).json()["data"][-8:]
+        last = {k: seen[0].get(k) for k in ("status", "attempts", "waiting_reason", "progress", "error")}
+        raise AssertionError(f"{exc}: {last}; last events {[(e['kind'], e['message']) for e in events]}") from None
     assert job["status"] == "succeeded", job["error"]
     return job
 
