@@ -51,7 +51,7 @@ def started_service(pg_url: str, redis_url: str, home: Path, logs: Path, **env: 
     client.close()
     port = _free_port()
     env = dict(os.environ, TRAINSERVE_HOME=str(home), TRAINSERVE_DATABASE_URL=pg_url, TRAINSERVE_REDIS_URL=redis_url,
-               HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **env)
+               HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **{"TRAINSERVE_GENERATION_PRECISION": "fp32", **env})
     procs: list[subprocess.Popen[bytes]] = []
     for name, args in (("api", ["api", "--port", str(port)]), *ROLES):
         log = open(logs / f"{name}.log", "wb")  # noqa: SIM115

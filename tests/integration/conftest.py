@@ -32,9 +32,11 @@ def redis_url() -> str:
 @pytest.fixture()
 def worker_env(settings, redis_url) -> dict[str, str]:
     settings.redis_url = redis_url
+    # Generation in fp32: "auto" decides by timing a calibration at load, so on a bf16-capable CPU the same test
+    # could get bf16 weights in one run and fp32 in the next (and different seeded samples); tests of auto ask for it.
     return dict(os.environ, TRAINSERVE_HOME=str(settings.home), TRAINSERVE_DATABASE_URL=settings.resolved_database_url,
                 TRAINSERVE_REDIS_URL=redis_url, TRAINSERVE_CHECKPOINT_STEPS="5", HF_HUB_OFFLINE="1",
-                PYTHONUNBUFFERED="1")
+                PYTHONUNBUFFERED="1", TRAINSERVE_GENERATION_PRECISION="fp32")
 
 
 @pytest.fixture()
