@@ -6,7 +6,10 @@
 #      sides timed over the same window (inside training steps), the order rotating each round;
 #   2. generation tokens/s at 1, 32 and 128 concurrent requests: the engine vs sequential and batched
 #      `model.generate` (GPT-2 small shape, bf16), with the engine's time to first token;
-#   3. `trainserve worker --device cuda:N` sees exactly that GPU (and --device cpu none).
+#   3. `trainserve worker --device cuda:N` sees exactly that GPU (and --device cpu none);
+#   4. decode steps as CUDA graphs (TRAINSERVE_CUDA_GRAPHS, worker/engines/cuda_graphs.py): the engine's tokens/s at
+#      1 and 32 concurrent requests with graphs on and off, greedy outputs compared, graphs captured (GPT-2 small
+#      shape, bf16; the smoke run takes the same padded step uncaptured on the CPU).
 # Prints one table; writes it and the details (JSON, the full log) under $OUT when set. Every part runs under a
 # time limit (GPU_CHECK_PART_TIMEOUT, 150 s) and the table (summary.txt) is rewritten after each part, the
 # fine-tune JSON after each run, so a run cut short still reports what it measured.
@@ -39,14 +42,14 @@ VOCAB=()
 [[ -f .whl/vocab.txt ]] && VOCAB=(--vocab .whl/vocab.txt)
 
 if [[ $SMOKE == 1 ]]; then
-  DEVICE=cpu PRECISIONS="bf16" CONCURRENCY="1 2 4" SEQUENTIAL=2
+  DEVICE=cpu PRECISIONS="bf16" CONCURRENCY="1 2 4" SEQUENTIAL=2 GRAPHS_CONCURRENCY="2"
   FINETUNE=(--model-config bert-mini --rows 64 --max-steps 2 --warmup-steps 1 --repeats 1 --max-length 32
             --batch-size 8 --concat-rows 4 --dev "$WORK/dev.tsv")
   PART_TIMEOUT=300
   GENERATE=(--layers 1 --max-new-tokens 4 --precision fp32)
   head -n 65 examples/data/sst2_dev.tsv > "$WORK/dev.tsv"
 else
-  DEVICE=cuda PRECISIONS="bf16 fp16" CONCURRENCY="1 32 128" SEQUENTIAL=8
+  DEVICE=cuda PRECISIONS="bf16 fp16" CONCURRENCY="1 32 128" SEQUENTIAL=8 GRAPHS_CONCURRENCY="1 32"
   # 4,000 joined rows (row i: sentences i..i+9, about 128 tokens) are 63 steps of 64 per epoch: 5 epochs time 313
   # steps per run, after 20 untimed warm-up steps per side (CUDA context, kernels, cuBLAS heuristics).
   FINETUNE=(--model-config bert-base --rows 4000 --epochs 5 --warmup-steps 20 --repeats 3 --max-length 128
@@ -95,6 +98,11 @@ for c in $CONCURRENCY; do
   step "generate-c$c" "$PY" bench/generate_engine.py "${GENERATE[@]}" --device "$DEVICE" --concurrency "$c" \
     --requests $((c > 4 ? 2 * c : 8)) --max-batch-size $((c > 32 ? c : 32)) --batched "${extra[@]}" \
     --text examples/data/tinyshakespeare.txt --json "$DEST/generate-c$c.json"
+done
+for c in $GRAPHS_CONCURRENCY; do
+  step "graphs-c$c" "$PY" bench/generate_engine.py "${GENERATE[@]}" --device "$DEVICE" --concurrency "$c" \
+    --requests $((c > 4 ? 2 * c : 8)) --max-batch-size 32 --sequential -1 --graphs \
+    --text examples/data/tinyshakespeare.txt --json "$DEST/graphs-c$c.json"
 done
 
 echo | tee -a "$LOG"

@@ -76,9 +76,9 @@ class StaticInputs:
         """Copy one step's rows in (padding rows: token 0 at position 0, greedy, no penalty)."""
         n, device = len(tokens), self.tokens.device
         self.tokens.zero_()
-        self.tokens[:n].copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=True)
+        self.tokens[:n].copy_(torch.tensor(tokens, dtype=torch.long))
         self.positions.zero_()
-        self.positions[:n].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
+        self.positions[:n].copy_(torch.tensor(positions, dtype=torch.long))
         index = params.sample_index.to(device)
         self.temperature.fill_(1.0)
         self.temperature.index_copy_(0, index, params.temperature.to(self.temperature.dtype))
