@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.tiny_adapters import make_adapters
 from tests.tiny_llama import build_tiny_decoder
 from tests.tiny_lm import build_tiny_gpt2
 from worker.engines.cuda_graphs import StaticDecoder, StaticInputs, bucket_for, buckets, static_decoder
@@ -17,6 +18,7 @@ from worker.engines.device import resolve_device
 from worker.engines.generation import GenerationEngine, SamplingParams
 from worker.engines.gpt2_weights import load_gpt2
 from worker.engines.lm_loading import Gpt2Runner
+from worker.engines.lora_engine import LoraGenerationEngine
 from worker.engines.sampling import RowParams
 
 PROMPTS = [
@@ -172,3 +174,20 @@ def test_a_request_arriving_mid_run_grows_the_cache_under_the_padded_step(gpt2_d
         assert results[1].prompt_tokens + len(results[1].choices[0].token_ids) > 64
         outputs[mode] = [r.choices[0].token_ids for r in results]
     assert outputs["eager"] == outputs["off"]
+
+
+def test_adapter_rows_step_eagerly_and_the_base_rows_alone_go_static(llama_dir: Path, tmp_path: Path) -> None:
+    folders = make_adapters(llama_dir, tmp_path)
+    outputs, static_steps = {}, {}
+    for mode in ("off", "eager"):
+        with LoraGenerationEngine(llama_dir, device="cpu", precision="fp32", max_batch_size=4, max_loras=2,
+                                  adapter_folder=lambda name: folders[name], decode_graphs=mode) as engine:
+            with engine._lock:  # one batch: a base row that outlives an adapter row
+                futures = [engine.submit(PROMPTS[1], SamplingParams(max_new_tokens=16, temperature=0)),
+                           engine.submit(PROMPTS[2], SamplingParams(max_new_tokens=5, temperature=0),
+                                         adapter="wide")]
+            outputs[mode] = [f.result(WAIT).choices[0].token_ids for f in futures]
+            static_steps[mode] = engine._static.steps if engine._static is not None else 0
+    assert outputs["eager"] == outputs["off"]
+    assert [len(tokens) for tokens in outputs["eager"]] == [16, 5]
+    assert static_steps["eager"] == 11  # 15 decode steps: the 4 with the adapter's row ran the ordinary path

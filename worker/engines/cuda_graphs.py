@@ -116,7 +116,8 @@ class _Graph:
                 run()  # writes the same keys/values at the same slots as the replay will: harmless
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: the scheduler threads of other engines in this worker keep using CUDA meanwhile
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.outputs = run()
 
     def replay(self) -> tuple[torch.Tensor, torch.Tensor]:
