@@ -10,9 +10,10 @@
 #   4. decode steps as CUDA graphs (TRAINSERVE_CUDA_GRAPHS, worker/engines/cuda_graphs.py): the engine's tokens/s at
 #      1 and 32 concurrent requests with graphs on and off, greedy outputs compared, graphs captured (GPT-2 small
 #      shape, bf16; the smoke run takes the same padded step uncaptured on the CPU).
-# Prints one table; writes it and the details (JSON, the full log) under $OUT when set. Every part runs under a
-# time limit (GPU_CHECK_PART_TIMEOUT, 150 s) and the table (summary.txt) is rewritten after each part, the
-# fine-tune JSON after each run, so a run cut short still reports what it measured.
+# Prints one table; writes it and the details (JSON, the full log) under $OUT when set (part 4's JSON stays in
+# the work folder: $OUT already holds 8 files, the device tool's limit; the table and the log carry its figures).
+# Every part runs under a time limit (GPU_CHECK_PART_TIMEOUT, 150 s) and the table (summary.txt) is rewritten
+# after each part, the fine-tune JSON after each run, so a run cut short still reports what it measured.
 #
 #   bash bench/gpu_check.sh           # on the GPU; carry .whl made by bench/gpu_wheels.sh (see bench/README.md)
 #   bash bench/gpu_check.sh --smoke   # or GPU_CHECK_SMOKE=1: everything shrunk, on the CPU, proves the script
@@ -83,7 +84,7 @@ step() {  # step NAME COMMAND...: run it under the part's time limit, log it, re
     | tee -a "$LOG"
   [[ $rc == 0 ]] || FAILED+=("$name")
   # The table so far, after every part: a run that the session's limit cuts short still leaves its figures.
-  "$PY" bench/gpu_report.py "$DEST" --env "$WORK/env.txt" > /dev/null 2>&1
+  "$PY" bench/gpu_report.py "$DEST" --env "$WORK/env.txt" --more "$WORK" > /dev/null 2>&1
 }
 
 step device-pin "$PY" bench/device_pin_check.py --json "$DEST/device_pin.json"
@@ -102,11 +103,11 @@ done
 for c in $GRAPHS_CONCURRENCY; do
   step "graphs-c$c" "$PY" bench/generate_engine.py "${GENERATE[@]}" --device "$DEVICE" --concurrency "$c" \
     --requests $((c > 4 ? 2 * c : 8)) --max-batch-size 32 --sequential -1 --graphs \
-    --text examples/data/tinyshakespeare.txt --json "$DEST/graphs-c$c.json"
+    --text examples/data/tinyshakespeare.txt --json "$WORK/graphs-c$c.json"
 done
 
 echo | tee -a "$LOG"
-"$PY" bench/gpu_report.py "$DEST" --env "$WORK/env.txt"
+"$PY" bench/gpu_report.py "$DEST" --env "$WORK/env.txt" --more "$WORK"
 rm -rf "$WORK"
 if (( ${#FAILED[@]} )); then
   echo "FAILED: ${FAILED[*]} (see $LOG)"

@@ -51,6 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("folder", type=Path)
     parser.add_argument("--env", type=Path, default=None, help="a header to print first (date, GPU, versions)")
+    parser.add_argument("--more", type=Path, default=None, help="another folder with graphs-c*.json (part 4)")
     args = parser.parse_args()
     folder = args.folder
     lines = []
@@ -83,7 +84,7 @@ def main() -> None:
             else:
                 label = f"{name} (x{data['concurrency']})" if name.startswith("batched") else name
                 lines.append(f"{label:<34}{rate:>10.1f}")
-    lines += graph_lines(folder)
+    lines += graph_lines(args.more or folder)
     pin = folder / "device_pin.json"
     if pin.is_file():
         lines.append("")
