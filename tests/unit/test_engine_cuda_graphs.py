@@ -13,6 +13,7 @@ import torch
 from tests.tiny_adapters import make_adapters
 from tests.tiny_llama import build_tiny_decoder
 from tests.tiny_lm import build_tiny_gpt2
+from worker.engines import cuda_graphs
 from worker.engines.cuda_graphs import StaticDecoder, StaticInputs, bucket_for, buckets, static_decoder
 from worker.engines.device import resolve_device
 from worker.engines.generation import GenerationEngine, SamplingParams
@@ -191,3 +192,23 @@ def test_adapter_rows_step_eagerly_and_the_base_rows_alone_go_static(llama_dir: 
     assert outputs["eager"] == outputs["off"]
     assert [len(tokens) for tokens in outputs["eager"]] == [16, 5]
     assert static_steps["eager"] == 11  # 15 decode steps: the 4 with the adapter's row ran the ordinary path
+
+
+def test_a_failed_capture_runs_the_step_uncaptured_and_turns_graphs_off(gpt2_dir: Path, monkeypatch) -> None:
+    def refuse(run, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graphs, "_Graph", refuse)
+    plan = resolve_device("cpu", "fp32", generation=True)
+    runner = Gpt2Runner(load_gpt2(gpt2_dir, plan), plan, max_rows=4)
+    runner.reserve(2, 16)
+    with torch.inference_mode():
+        runner.prefill([[464, 3290], [15496]], [[0], [1]])
+        decoder = StaticDecoder(runner, torch.zeros(4, runner.config.vocab_size, dtype=torch.bool), capture=False)
+        decoder.capture = True  # as on a GPU, with a capture that fails
+        rows = [SimpleNamespace(tokens=[3290], position=2), SimpleNamespace(tokens=[15496], position=1)]
+        expected = runner.decode(torch.tensor([3290, 15496]), torch.tensor([2, 1]), 3)
+        logits, tokens = decoder.step(rows, RowParams([SamplingParams(temperature=0)] * 2, runner.device))
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert tokens.tolist() == expected.argmax(dim=-1).tolist()
+    assert decoder.failed is not None and "capturing" in decoder.failed and decoder.captures == 0

@@ -13,11 +13,14 @@ What stays eager (the whole step runs the ordinary path): steps with prefill chu
 through its prefill (its rows sit where the padding would go), rows of LoRA adapters, grammar-constrained rows
 (their masks are built on the host per step) and top-k / top-p rows (their candidate search reads the device).
 Logprobs are taken after the replay from the graph's logits output (record_logprobs: the top-k size varies per
-request). On a CPU ("eager" mode) the same padded step runs without capture: that is what the CPU tests check.
+request). A capture that fails (an op that cannot be captured) is logged, that step runs uncaptured and the
+engine steps on the ordinary path from then on. On a CPU ("eager" mode) the same padded step runs without
+capture: that is what the CPU tests check.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +31,7 @@ from worker.engines.batch import SequenceState
 from worker.engines.sampling import RowParams, _inverse_cdf, counter_uniforms, penalize
 
 MODES = ("off", "cuda", "eager")
+log = logging.getLogger(__name__)
 
 
 def buckets(max_rows: int) -> list[int]:
@@ -137,6 +141,7 @@ class StaticDecoder:
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.captures = 0  # graphs captured so far (a new cache means new ones)
         self.steps = 0  # steps run here (replayed or, uncaptured, run)
+        self.failed: str | None = None  # why a capture failed: the engine then steps on the ordinary path
         self._cache: tuple[int, int] | None = None  # the cache tensors' addresses the graphs were captured on
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
@@ -149,7 +154,8 @@ class StaticDecoder:
         if inputs is None:
             inputs = self.inputs[bucket] = StaticInputs.empty(bucket, self.runner.device)
         inputs.fill([s.tokens[-1] for s in rows], [s.position for s in rows], params)
-        logits, tokens = self._graph(bucket, inputs).replay() if self.capture else self._run(bucket, inputs)
+        graph = self._graph(bucket, inputs) if self.capture else None
+        logits, tokens = graph.replay() if graph is not None else self._run(bucket, inputs)
         self.steps += 1
         if params.sample_rows:
             params.counters += 1  # as next_tokens does: each sampled row has drawn one more token
@@ -168,7 +174,7 @@ class StaticDecoder:
                 self.runner.lora = lora
         return logits, sample_static(logits, inputs, self.seen[:bucket])
 
-    def _graph(self, bucket: int, inputs: StaticInputs) -> _Graph:
+    def _graph(self, bucket: int, inputs: StaticInputs) -> _Graph | None:
         keys, values = self.runner.keys, self.runner.values
         cache = (keys.data_ptr(), values.data_ptr())
         if cache != self._cache:  # the cache was grown or released and rebuilt: the old graphs read freed memory
@@ -177,7 +183,14 @@ class StaticDecoder:
         key = (bucket, *self.runner.capacity)
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[key] = _Graph(lambda: self._run(bucket, inputs), self._pool)
+            try:
+                graph = self.graphs[key] = _Graph(lambda: self._run(bucket, inputs), self._pool)
+            except RuntimeError as error:  # an op that cannot be captured: this step uncaptured, then no more
+                self.failed = f"{type(error).__name__}: {error}"
+                log.warning("CUDA graph capture failed (bucket %d); decode steps run eagerly from now on: %s",
+                            bucket, self.failed)
+                self.graphs.clear()
+                return None
             self.captures += 1
         return graph
 
