@@ -128,8 +128,8 @@ class Settings(BaseSettings):
         "a GPU that has it, else fp16; on a CPU bf16 when a short calibration at load shows a decode step clearly "
         "faster, else fp32), fp32, bf16 or fp16.")
     cuda_graphs: bool = Field(
-        False, description="On a CUDA device, run each plain decode step (no prefill chunk, LoRA adapter, grammar, "
-        "top-k or top-p in the batch) as a CUDA graph captured per batch-size bucket; off: every step runs eagerly.")
+        False, description="On a CUDA device, run each decode step without prefill chunks or LoRA adapters in the "
+        "batch (forward and sampler) as a CUDA graph captured per batch-size bucket; off: every step runs eagerly.")
     batch_share: float = Field(
         0.125, gt=0, le=1, description="/v1/batches: the share of a generation engine's rows (max_batch_size) one "
         "batch holds while interactive requests are in the engine, the rest staying theirs; for embeddings lines, "

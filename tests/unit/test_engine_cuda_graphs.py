@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from core.protocol import Constraint
 from tests.tiny_adapters import make_adapters
 from tests.tiny_llama import build_tiny_decoder
 from tests.tiny_lm import build_tiny_gpt2
@@ -69,10 +70,18 @@ def test_inputs_pad_with_greedy_rows_at_position_zero() -> None:
     assert inputs.temperature[:, 0].tolist() == [1.0, 0.5, 1.0, 1.0]
     assert inputs.seeds.tolist() == [0, 7, 0, 0] and inputs.counters.tolist() == [0, 5, 0, 0]
     assert inputs.penalty[:, 0].tolist() == pytest.approx([1.0, 1.0, 1.3, 1.0])
+    assert not inputs.truncated.any() and inputs.top_k.tolist() == [0] * 4 and inputs.top_p.tolist() == [1.0] * 4
+    # top-k / top-p rows: RowParams lists them among the sampled rows; the inputs by batch row.
+    mixed = [SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=0),
+             SamplingParams(temperature=0.9, top_k=20, seed=2), SamplingParams(temperature=1.0, top_p=0.8, seed=3)]
+    inputs.fill([1, 2, 3, 4], [1, 1, 1, 1], RowParams(mixed, torch.device("cpu")))
+    assert inputs.sampled.tolist() == [True, False, True, True]
+    assert inputs.truncated.tolist() == [False, False, True, True]
+    assert inputs.top_k.tolist() == [0, 0, 20, 0] and inputs.top_p.tolist() == pytest.approx([1, 1, 1, 0.8])
     # A smaller batch later in the same buffers: what the larger one left is cleared.
     inputs.fill([21], [1], RowParams(params[:1], torch.device("cpu")))
-    assert inputs.tokens.tolist() == [21, 0, 0, 0] and not inputs.sampled.any()
-    assert inputs.penalty[:, 0].tolist() == [1.0] * 4
+    assert inputs.tokens.tolist() == [21, 0, 0, 0] and not inputs.sampled.any() and not inputs.truncated.any()
+    assert inputs.penalty[:, 0].tolist() == [1.0] * 4 and inputs.top_p.tolist() == [1.0] * 4
 
 
 def test_mode_names() -> None:
@@ -95,7 +104,7 @@ def test_padded_step_equals_the_ordinary_decode_across_a_cache_growth(gpt2_dir: 
         runner.prefill(prompts, [[i] for i in range(len(prompts))])
         decoder = StaticDecoder(runner, torch.zeros(8, runner.config.vocab_size, dtype=torch.bool), capture=False)
         greedy = RowParams([SamplingParams(temperature=0)] * 3, runner.device)
-        rows = [SimpleNamespace(tokens=[p[-1]], position=len(p)) for p in prompts]
+        rows = [SimpleNamespace(tokens=[p[-1]], position=len(p), matcher=None) for p in prompts]
         for step in range(14):  # positions reach 18: the cache grows from 16 to 32 positions mid-run
             if step == 8:
                 runner.reserve(3, 32)
@@ -113,12 +122,14 @@ def test_padded_step_equals_the_ordinary_decode_across_a_cache_growth(gpt2_dir: 
 
 
 def _generate(folder: Path, mode: str, params: list[SamplingParams], *, max_batch_size: int = 8):
+    """Results, and the static steps run and how many of them drew eagerly (0, 0 with the mode off)."""
     with GenerationEngine(folder, device="cpu", precision="fp32", max_batch_size=max_batch_size,
                           decode_graphs=mode) as engine:
         with engine._lock:  # admitted together: one batch whose rows finish at different steps
             futures = [engine.submit(prompt, p) for prompt, p in zip(PROMPTS, params, strict=True)]
         results = [f.result(WAIT) for f in futures]
-        steps = engine._static.steps if engine._static is not None else 0
+        static = engine._static
+        steps = (static.steps, static.eager_draws) if static is not None else (0, 0)
     return results, steps
 
 
@@ -127,8 +138,8 @@ def test_greedy_with_the_padded_step_equals_the_ordinary_path(request, model) ->
     folder = request.getfixturevalue(f"{model}_dir")
     params = [SamplingParams(max_new_tokens=n, temperature=0) for n in (20, 7, 13, 3, 16)]  # 5 rows, then fewer
     eager, _ = _generate(folder, "off", params)
-    padded, steps = _generate(folder, "eager", params)
-    assert steps >= 19  # every decode step after the prefill went through the padded path
+    padded, (steps, eager_draws) = _generate(folder, "eager", params)
+    assert steps >= 19 and eager_draws == 0  # every decode step after the prefill went through the padded path
     assert [r.choices[0].token_ids for r in padded] == [r.choices[0].token_ids for r in eager]
     assert [len(r.choices[0].token_ids) for r in padded] == [20, 7, 13, 3, 16]
 
@@ -140,8 +151,8 @@ def test_seeded_sampling_penalty_and_logprobs_equal_the_ordinary_path(gpt2_dir: 
               SamplingParams(max_new_tokens=4, temperature=0),
               SamplingParams(max_new_tokens=11, temperature=0.7, seed=9)]
     eager, _ = _generate(gpt2_dir, "off", params)
-    padded, steps = _generate(gpt2_dir, "eager", params)
-    assert steps >= 11
+    padded, (steps, eager_draws) = _generate(gpt2_dir, "eager", params)
+    assert steps >= 11 and eager_draws == 0
     for mine, theirs in zip(padded, eager, strict=True):
         assert [c.token_ids for c in mine.choices] == [c.token_ids for c in theirs.choices]
         for a, b in zip(mine.choices, theirs.choices, strict=True):
@@ -151,12 +162,37 @@ def test_seeded_sampling_penalty_and_logprobs_equal_the_ordinary_path(gpt2_dir: 
                 assert [e.logprob for e in a.logprobs] == pytest.approx([e.logprob for e in b.logprobs], abs=1e-5)
 
 
-def test_top_p_and_grammar_rows_step_on_the_ordinary_path(gpt2_dir: Path) -> None:
-    params = [SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=3)] * len(PROMPTS)
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+@pytest.mark.parametrize("top_p", [None, 0.9, 0.3])
+def test_top_k_and_top_p_draws_equal_the_ordinary_path(request, model, top_p) -> None:
+    # Top-k rows (with or without top-p) draw in the graph. A top-p row without top-k may need more than the 256
+    # candidates: the tiny GPT-2's random head is almost flat over 50,257 tokens, so a 0.9 or 0.3 nucleus holds
+    # thousands and those steps redraw eagerly; the tiny Llama's 0.3 nucleus fits in the candidates.
+    folder = request.getfixturevalue(f"{model}_dir")
+    params = [SamplingParams(max_new_tokens=8, temperature=0.8, top_k=40, seed=3, n=2),
+              SamplingParams(max_new_tokens=10, temperature=1.0, top_p=top_p or 1.0, seed=4),
+              SamplingParams(max_new_tokens=6, temperature=0.7, top_k=10, top_p=0.5, seed=5),
+              SamplingParams(max_new_tokens=9, temperature=0),
+              SamplingParams(max_new_tokens=7, temperature=1.3, seed=6, repetition_penalty=1.3)]
+    eager, _ = _generate(folder, "off", params)
+    padded, (steps, eager_draws) = _generate(folder, "eager", params)
+    assert steps >= 9
+    in_graph = top_p is None or (model, top_p) == ("llama", 0.3)
+    assert (eager_draws == 0) if in_graph else (eager_draws > 0)
+    assert [[c.token_ids for c in r.choices] for r in padded] == [[c.token_ids for c in r.choices] for r in eager]
+
+
+def test_grammar_and_large_top_k_rows_draw_eagerly_on_the_graph_logits(gpt2_dir: Path) -> None:
+    params = [SamplingParams(max_new_tokens=12, temperature=0, constraint=Constraint(kind="regex", spec="[0-9]+")),
+              SamplingParams(max_new_tokens=6, temperature=0.8, top_k=300, seed=2),
+              SamplingParams(max_new_tokens=12, temperature=0),
+              SamplingParams(max_new_tokens=3, temperature=0),
+              SamplingParams(max_new_tokens=12, temperature=0.9, seed=8)]
     eager, _ = _generate(gpt2_dir, "off", params)
-    padded, steps = _generate(gpt2_dir, "eager", params)
-    assert steps == 0  # top-p searches candidates with device reads: not a static step
+    padded, (steps, eager_draws) = _generate(gpt2_dir, "eager", params)
+    assert steps >= 11 and eager_draws == steps  # the grammar row is there until the end
     assert [r.choices[0].token_ids for r in padded] == [r.choices[0].token_ids for r in eager]
+    assert padded[0].choices[0].text.isdigit()
 
 
 def test_a_request_arriving_mid_run_grows_the_cache_under_the_padded_step(gpt2_dir: Path) -> None:
@@ -206,7 +242,8 @@ def test_a_failed_capture_runs_the_step_uncaptured_and_turns_graphs_off(gpt2_dir
         runner.prefill([[464, 3290], [15496]], [[0], [1]])
         decoder = StaticDecoder(runner, torch.zeros(4, runner.config.vocab_size, dtype=torch.bool), capture=False)
         decoder.capture = True  # as on a GPU, with a capture that fails
-        rows = [SimpleNamespace(tokens=[3290], position=2), SimpleNamespace(tokens=[15496], position=1)]
+        rows = [SimpleNamespace(tokens=[3290], position=2, matcher=None),
+                SimpleNamespace(tokens=[15496], position=1, matcher=None)]
         expected = runner.decode(torch.tensor([3290, 15496]), torch.tensor([2, 1]), 3)
         logits, tokens = decoder.step(rows, RowParams([SamplingParams(temperature=0)] * 2, runner.device))
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)

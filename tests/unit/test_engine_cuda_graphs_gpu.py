@@ -14,10 +14,12 @@ from worker.engines.generation import GenerationEngine, SamplingParams
 pytestmark = pytest.mark.gpu
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog and", "A",
            "To be, or not to be: that is the question.", "First Citizen: hear me speak."]
+# Greedy, plain and top-k / top-p draws and a penalty, all inside the graph (no top-p without top-k: its
+# nucleus may reach past the candidates, and then the draw is eager; the CPU tests cover that).
 PARAMS = [SamplingParams(max_new_tokens=24, temperature=0),
           SamplingParams(max_new_tokens=10, temperature=0.9, seed=1, n=2),
           SamplingParams(max_new_tokens=17, temperature=0, repetition_penalty=1.4, logprobs=2),
-          SamplingParams(max_new_tokens=5, temperature=1.1, seed=4, repetition_penalty=1.2),
+          SamplingParams(max_new_tokens=5, temperature=1.1, seed=4, repetition_penalty=1.2, top_k=30, top_p=0.8),
           SamplingParams(max_new_tokens=20, temperature=0)]
 WAIT = 120
 
@@ -38,6 +40,7 @@ def _run(folder: Path, mode: str) -> tuple[list[list[list[int]]], list, int, int
         results = [f.result(WAIT) for f in futures]
         static = engine._static
         steps, captures = (static.steps, static.captures) if static is not None else (0, 0)
+        assert static is None or static.eager_draws == 0
     tokens = [[c.token_ids for c in r.choices] for r in results]
     logprobs = [[e.logprob for e in r.choices[0].logprobs or []] for r in results]
     return tokens, logprobs, steps, captures

@@ -282,7 +282,7 @@ class GenerationEngine(RequestOutcomes):
             self._row_params = RowParams([s.request.params for s in rows], self._device,
                                          seeds=[s.seed for s in rows], counters=[len(s.tokens) for s in rows])
         if not chunks and self._static is not None and self._static.failed is None and \
-                self._prefilling.partial is None and static_eligible(self._rows, self._row_params):
+                self._prefilling.partial is None and static_eligible(self._rows):
             self._sampled(*self._static.step(self._rows, self._row_params), decoded=True)
             return
         step = None
