@@ -3,6 +3,7 @@ and output equal to the ordinary decode path token for token (GPT-2 and a llama-
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -235,6 +236,7 @@ def test_a_failed_capture_runs_the_step_uncaptured_and_turns_graphs_off(gpt2_dir
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(cuda_graphs, "_Graph", refuse)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # no GPU to select here
     plan = resolve_device("cpu", "fp32", generation=True)
     runner = Gpt2Runner(load_gpt2(gpt2_dir, plan), plan, max_rows=4)
     runner.reserve(2, 16)

@@ -23,6 +23,7 @@ CPU ("eager" mode) the same padded step runs without capture: that is what the C
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -186,7 +187,10 @@ class StaticDecoder:
         self.eager_draws = 0  # of them, steps whose draw was redone by next_tokens (eager_sampler)
         self.failed: str | None = None  # why a capture failed: the engine then steps on the ordinary path
         self._cache: tuple[int, int] | None = None  # the cache tensors' addresses the graphs were captured on
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._pool = None
+        if capture:
+            with torch.cuda.device(runner.device):
+                self._pool = torch.cuda.graph_pool_handle()
 
     def step(self, rows: Sequence[SequenceState], params: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode one step for rows 0..len(rows)-1: (logits [len(rows), V], next tokens [len(rows)])."""
@@ -197,8 +201,10 @@ class StaticDecoder:
         if inputs is None:
             inputs = self.inputs[bucket] = StaticInputs.empty(bucket, self.runner.device)
         inputs.fill([s.tokens[-1] for s in rows], [s.position for s in rows], params)
-        graph = self._graph(bucket, inputs) if self.capture else None
-        logits, tokens, covered = graph.replay() if graph is not None else self._run(bucket, inputs)
+        # Streams, captures and replays on the runner's own GPU, whichever is current on this thread.
+        with torch.cuda.device(self.runner.device) if self.capture else contextlib.nullcontext():
+            graph = self._graph(bucket, inputs) if self.capture else None
+            logits, tokens, covered = graph.replay() if graph is not None else self._run(bucket, inputs)
         self.steps += 1
         logits = logits[:n]
         if eager_sampler(rows, params, covered[:n]):  # the forward stays the graph's; the draw is next_tokens'
