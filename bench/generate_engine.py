@@ -2,7 +2,9 @@
 
 Usage: HF_HUB_OFFLINE=1 .venv/bin/python bench/generate_engine.py [--requests 32] [--concurrency 16]
        [--max-new-tokens 64] [--layers 12] [--sampling greedy|seeded] [--threads N] [--batched]
-       [--sequential N] [--json PATH] [--repeats 3]
+       [--sequential N] [--json PATH] [--repeats 3] [--graphs]
+--graphs adds the engine with decode_graphs on (CUDA graphs on a GPU; on a CPU the same padded step uncaptured)
+as a side of its own, compared with the ordinary engine: tokens/s, greedy outputs, graphs captured.
 Smoke run: ... --requests 4 --concurrency 2 --max-new-tokens 8 --layers 1
 """
 
@@ -31,6 +33,7 @@ from worker.engines.generation import GenerationEngine, SamplingParams  # noqa: 
 
 BASELINE = "sequential-hf-generate"
 BATCHED = "batched-hf-generate"
+GRAPHS = "graphs-engine"  # the engine with decode_graphs on (--graphs)
 SAMPLING = {"temperature": 0.8, "top_k": 50}  # the seeded mode, same settings on both sides
 
 
@@ -106,10 +109,10 @@ def run_batched(folder: Path, prompts: list[str], args: argparse.Namespace) -> d
     return {"tokens": sum(len(o) for o in outputs), "seconds": seconds, "outputs": outputs}
 
 
-def run_engine(folder: Path, prompts: list[str], args: argparse.Namespace) -> dict:
+def run_engine(folder: Path, prompts: list[str], args: argparse.Namespace, graphs: str = "off") -> dict:
     """All prompts through GenerationEngine from `--concurrency` submitting threads."""
     engine = GenerationEngine(folder, device=args.device, precision=args.precision,
-                              max_batch_size=args.max_batch_size)
+                              max_batch_size=args.max_batch_size, decode_graphs=graphs)
     first_token: dict[int, float] = {}
     submitted: dict[int, float] = {}
     lock = threading.Lock()
@@ -138,6 +141,8 @@ def run_engine(folder: Path, prompts: list[str], args: argparse.Namespace) -> di
         after = engine.stats()
         stats = {key: after[key] - before[key] for key in ("steps", "prefills")}
         stats["peak_running_sequences"] = after["peak_running_sequences"]
+        if engine._static is not None:  # the padded static steps run (all runs so far) and graphs captured
+            stats.update(static_steps=engine._static.steps, captures=engine._static.captures)
     finally:
         engine.close()
     ttft = sorted(first_token[i] - submitted[i] for i in first_token)
@@ -191,6 +196,8 @@ def main() -> None:
                         help="sequential generate over the first N prompts only (0: all; its tokens/s does not "
                              "depend on N); -1 skips it")
     parser.add_argument("--json", type=Path, default=None, help="write the numbers here")
+    parser.add_argument("--graphs", action="store_true",
+                        help="also run the engine with decode_graphs on (cuda on a GPU, else eager)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="rounds of every side, interleaved, the order rotating each round (medians printed)")
     args = parser.parse_args()
@@ -212,6 +219,9 @@ def main() -> None:
             runners[BASELINE] = lambda: run_baseline(folder, prompts[: args.sequential or len(prompts)], args)
         if args.batched:
             runners[BATCHED] = lambda: run_batched(folder, prompts, args)
+        if args.graphs:
+            mode = "cuda" if torch.device(args.device).type == "cuda" else "eager"
+            runners[GRAPHS] = lambda: run_engine(folder, prompts, args, mode)
         engine_name = f"engine ({args.concurrency} submitters)"
         runners[engine_name] = lambda: run_engine(folder, prompts, args)
         runs = interleaved(runners, args.repeats)
@@ -237,6 +247,13 @@ def main() -> None:
     stats = engine["stats"]
     print(f"engine: {stats['steps']} decode steps, {stats['prefills']} prefills, "
           f"peak batch {stats['peak_running_sequences']} sequences")
+    graphs = {}
+    if GRAPHS in sides:
+        graph_stats = sides[GRAPHS]["stats"]
+        graphs = {"ratio": sides[GRAPHS]["tokens_per_second"] / engine["tokens_per_second"],
+                  "static_steps": graph_stats.get("static_steps", 0), "captures": graph_stats.get("captures", 0)}
+        print(f"graphs-engine / engine: {graphs['ratio']:.2f}x; {graphs['static_steps']} of its decode steps padded "
+              f"and static, {graphs['captures']} CUDA graphs captured")
     same = {}
     if args.sampling == "greedy":
         for name, result in sides.items():
@@ -250,7 +267,7 @@ def main() -> None:
             "tokens_per_second": {name: r["tokens_per_second"] for name, r in rows},
             "engine": {"ttft_p50_ms": percentile(ttft, 50) * 1000, "ttft_p99_ms": percentile(ttft, 99) * 1000,
                        **stats},
-            "greedy_identical": same}, indent=1))
+            "greedy_identical": same, "graphs": graphs}, indent=1))
 
 
 if __name__ == "__main__":

@@ -6,10 +6,14 @@
 #      sides timed over the same window (inside training steps), the order rotating each round;
 #   2. generation tokens/s at 1, 32 and 128 concurrent requests: the engine vs sequential and batched
 #      `model.generate` (GPT-2 small shape, bf16), with the engine's time to first token;
-#   3. `trainserve worker --device cuda:N` sees exactly that GPU (and --device cpu none).
-# Prints one table; writes it and the details (JSON, the full log) under $OUT when set. Every part runs under a
-# time limit (GPU_CHECK_PART_TIMEOUT, 150 s) and the table (summary.txt) is rewritten after each part, the
-# fine-tune JSON after each run, so a run cut short still reports what it measured.
+#   3. `trainserve worker --device cuda:N` sees exactly that GPU (and --device cpu none);
+#   4. decode steps as CUDA graphs (TRAINSERVE_CUDA_GRAPHS, worker/engines/cuda_graphs.py): the engine's tokens/s at
+#      1 and 32 concurrent requests with graphs on and off, greedy outputs compared, graphs captured (GPT-2 small
+#      shape, bf16; the smoke run takes the same padded step uncaptured on the CPU).
+# Prints one table; writes it and the details (JSON, the full log) under $OUT when set (part 4's JSON stays in
+# the work folder: $OUT already holds 8 files, the device tool's limit; the table and the log carry its figures).
+# Every part runs under a time limit (GPU_CHECK_PART_TIMEOUT, 150 s) and the table (summary.txt) is rewritten
+# after each part, the fine-tune JSON after each run, so a run cut short still reports what it measured.
 #
 #   bash bench/gpu_check.sh           # on the GPU; carry .whl made by bench/gpu_wheels.sh (see bench/README.md)
 #   bash bench/gpu_check.sh --smoke   # or GPU_CHECK_SMOKE=1: everything shrunk, on the CPU, proves the script
@@ -39,14 +43,14 @@ VOCAB=()
 [[ -f .whl/vocab.txt ]] && VOCAB=(--vocab .whl/vocab.txt)
 
 if [[ $SMOKE == 1 ]]; then
-  DEVICE=cpu PRECISIONS="bf16" CONCURRENCY="1 2 4" SEQUENTIAL=2
+  DEVICE=cpu PRECISIONS="bf16" CONCURRENCY="1 2 4" SEQUENTIAL=2 GRAPHS_CONCURRENCY="2"
   FINETUNE=(--model-config bert-mini --rows 64 --max-steps 2 --warmup-steps 1 --repeats 1 --max-length 32
             --batch-size 8 --concat-rows 4 --dev "$WORK/dev.tsv")
   PART_TIMEOUT=300
   GENERATE=(--layers 1 --max-new-tokens 4 --precision fp32)
   head -n 65 examples/data/sst2_dev.tsv > "$WORK/dev.tsv"
 else
-  DEVICE=cuda PRECISIONS="bf16 fp16" CONCURRENCY="1 32 128" SEQUENTIAL=8
+  DEVICE=cuda PRECISIONS="bf16 fp16" CONCURRENCY="1 32 128" SEQUENTIAL=8 GRAPHS_CONCURRENCY="1 32"
   # 4,000 joined rows (row i: sentences i..i+9, about 128 tokens) are 63 steps of 64 per epoch: 5 epochs time 313
   # steps per run, after 20 untimed warm-up steps per side (CUDA context, kernels, cuBLAS heuristics).
   FINETUNE=(--model-config bert-base --rows 4000 --epochs 5 --warmup-steps 20 --repeats 3 --max-length 128
@@ -80,7 +84,7 @@ step() {  # step NAME COMMAND...: run it under the part's time limit, log it, re
     | tee -a "$LOG"
   [[ $rc == 0 ]] || FAILED+=("$name")
   # The table so far, after every part: a run that the session's limit cuts short still leaves its figures.
-  "$PY" bench/gpu_report.py "$DEST" --env "$WORK/env.txt" > /dev/null 2>&1
+  "$PY" bench/gpu_report.py "$DEST" --env "$WORK/env.txt" --more "$WORK" > /dev/null 2>&1
 }
 
 step device-pin "$PY" bench/device_pin_check.py --json "$DEST/device_pin.json"
@@ -96,9 +100,14 @@ for c in $CONCURRENCY; do
     --requests $((c > 4 ? 2 * c : 8)) --max-batch-size $((c > 32 ? c : 32)) --batched "${extra[@]}" \
     --text examples/data/tinyshakespeare.txt --json "$DEST/generate-c$c.json"
 done
+for c in $GRAPHS_CONCURRENCY; do
+  step "graphs-c$c" "$PY" bench/generate_engine.py "${GENERATE[@]}" --device "$DEVICE" --concurrency "$c" \
+    --requests $((c > 4 ? 2 * c : 8)) --max-batch-size 32 --sequential -1 --graphs \
+    --text examples/data/tinyshakespeare.txt --json "$WORK/graphs-c$c.json"
+done
 
 echo | tee -a "$LOG"
-"$PY" bench/gpu_report.py "$DEST" --env "$WORK/env.txt"
+"$PY" bench/gpu_report.py "$DEST" --env "$WORK/env.txt" --more "$WORK"
 rm -rf "$WORK"
 if (( ${#FAILED[@]} )); then
   echo "FAILED: ${FAILED[*]} (see $LOG)"

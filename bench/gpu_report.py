@@ -25,11 +25,33 @@ def partial_summary(data: dict) -> dict:
     return summary
 
 
+def graph_lines(folder: Path) -> list[str]:
+    """The decode-graphs part (graphs-c*.json): the engine with and without CUDA graphs, greedy outputs compared."""
+    paths = sorted(folder.glob("graphs-c*.json"), key=lambda p: int(p.stem.split("-c")[1]))
+    if not paths:
+        return []
+    lines = ["", f"{'decode graphs (GPT-2 small shape)':<34}{'eager':>10}{'graphs':>10}{'ratio':>8}  "
+                 "greedy identical, graphs captured"]
+    for path in paths:
+        data = json.loads(path.read_text())
+        rates = data["tokens_per_second"]
+        eager = next(rate for name, rate in rates.items() if name.startswith("engine"))
+        graphs = rates.get("graphs-engine")
+        if graphs is None:
+            continue
+        same = data["greedy_identical"].get("graphs-engine", "-")
+        lines.append(f"{'engine, ' + str(data['concurrency']) + ' concurrent':<34}{eager:>10.1f}{graphs:>10.1f}"
+                     f"{graphs / eager:>7.2f}x  {same}/{data['requests']}, "
+                     f"{data.get('graphs', {}).get('captures', '-')}")
+    return lines
+
+
 def main() -> None:
     """Fine-tune per precision and side, generation per concurrency and side, the device pinning check."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("folder", type=Path)
     parser.add_argument("--env", type=Path, default=None, help="a header to print first (date, GPU, versions)")
+    parser.add_argument("--more", type=Path, default=None, help="another folder with graphs-c*.json (part 4)")
     args = parser.parse_args()
     folder = args.folder
     lines = []
@@ -62,6 +84,7 @@ def main() -> None:
             else:
                 label = f"{name} (x{data['concurrency']})" if name.startswith("batched") else name
                 lines.append(f"{label:<34}{rate:>10.1f}")
+    lines += graph_lines(args.more or folder)
     pin = folder / "device_pin.json"
     if pin.is_file():
         lines.append("")

@@ -127,6 +127,9 @@ class Settings(BaseSettings):
         "auto", pattern="^(auto|fp32|bf16|fp16)$", description="Weights dtype of generation engines: auto (bf16 on "
         "a GPU that has it, else fp16; on a CPU bf16 when a short calibration at load shows a decode step clearly "
         "faster, else fp32), fp32, bf16 or fp16.")
+    cuda_graphs: bool = Field(
+        False, description="On a CUDA device, run each decode step without prefill chunks or LoRA adapters in the "
+        "batch (forward and sampler) as a CUDA graph captured per batch-size bucket; off: every step runs eagerly.")
     batch_share: float = Field(
         0.125, gt=0, le=1, description="/v1/batches: the share of a generation engine's rows (max_batch_size) one "
         "batch holds while interactive requests are in the engine, the rest staying theirs; for embeddings lines, "

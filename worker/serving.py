@@ -176,6 +176,7 @@ class GenerationService:
                                       max_batch_size=self.settings.max_batch_size,
                                       prefill_chunk_tokens=self.settings.prefill_chunk_tokens,
                                       prefix_cache_bytes=int(self.settings.prefix_cache_mb * MB),
+                                      decode_graphs="cuda" if self.settings.cuda_graphs else "off",
                                       max_queue=self.settings.generation_queue_per_model * 4,
                                       cancelled_ids=self.cancelled_ids, on_step=metrics.observe_batch,
                                       max_loras=self.settings.max_loras, adapter_folder=self._adapter_folder)

@@ -31,13 +31,14 @@ from worker.engines.batch import (
     check_fits,
     prompt_ids,
 )
+from worker.engines.cuda_graphs import static_decoder, static_eligible
 from worker.engines.decoder_runner import open_runner
 from worker.engines.detokenize import logprob_table, piece_decoders
 from worker.engines.device import DevicePlan, resolve_device
 from worker.engines.generation_outcomes import RequestOutcomes
 from worker.engines.grammar import Grammars
 from worker.engines.lm_loading import load_tokenizer
-from worker.engines.prefill import Chunk, PrefillQueue
+from worker.engines.prefill import Chunk, PrefillQueue, chunk_groups
 from worker.engines.prefix_cache import PrefixCache
 from worker.engines.row_outputs import chat_ids, constrained_logits, record_logprobs
 from worker.engines.sampling import RowParams, next_tokens
@@ -56,6 +57,7 @@ class GenerationEngine(RequestOutcomes):
         max_tokens_in_flight: int = 16384, max_queue: int = 256,
         cancelled_ids: Callable[[list[str]], Collection[str]] | None = None,
         on_step: Callable[[int], None] | None = None, prefill_chunk_tokens: int = 256, prefix_cache_bytes: int = 0,
+        decode_graphs: str = "off",
     ) -> None:
         for name, value in (("max_batch_size", max_batch_size), ("max_tokens_in_flight", max_tokens_in_flight),
                             ("max_queue", max_queue)):
@@ -99,6 +101,8 @@ class GenerationEngine(RequestOutcomes):
         self._row_params: RowParams | None = None
         # Tokens seen per row (prompt + generated), for the repetition penalty: [max_batch_size, vocab].
         self._seen = torch.zeros(max_batch_size, self.vocab_size, dtype=torch.bool, device=self._device)
+        # decode_graphs "cuda": plain decode steps replay CUDA graphs on a GPU (cuda_graphs.py); "eager": uncaptured
+        self._static = static_decoder(decode_graphs, self._runner, self._seen)
         self._thread = threading.Thread(target=self._run, name="generation-scheduler", daemon=True)
         self._thread.start()
 
@@ -277,12 +281,16 @@ class GenerationEngine(RequestOutcomes):
             rows = self._rows
             self._row_params = RowParams([s.request.params for s in rows], self._device,
                                          seeds=[s.seed for s in rows], counters=[len(s.tokens) for s in rows])
+        if not chunks and self._static is not None and self._static.failed is None and \
+                self._prefilling.partial is None and static_eligible(self._rows):
+            self._sampled(*self._static.step(self._rows, self._row_params), decoded=True)
+            return
         step = None
         if first:
             positions = [s.position for s in self._rows[:first]]
             tokens = torch.tensor([s.tokens[-1] for s in self._rows[:first]], dtype=torch.long, device=self._device)
             step = (tokens, torch.tensor(positions, device=self._device), max(positions) + 1)
-        groups = self._groups(chunks, first)
+        groups = chunk_groups(chunks, first)
         prefill = ([c.tokens for c in chunks], groups, [c.start for c in chunks]) if chunks else None
         try:
             self._prefilling.restore(self._runner, chunks, groups)
@@ -307,9 +315,12 @@ class GenerationEngine(RequestOutcomes):
             return  # only a prompt's first chunks ran: nothing to sample yet
         params = self._row_params
         seen = self._seen[:len(self._rows)] if params.penalty is not None else None
-        new = next_tokens(constrained_logits(logits, self._rows), params, seen)
+        self._sampled(logits, next_tokens(constrained_logits(logits, self._rows), params, seen), step is not None)
+
+    def _sampled(self, logits: torch.Tensor, new: torch.Tensor, decoded: bool) -> None:
+        """After a step's draw: logprobs, the step counted when it decoded running rows, the tokens accepted."""
         record_logprobs(logits, new, self._rows, self._table, self.eos_token_ids)
-        if step is not None:
+        if decoded:
             with self._lock:
                 self._counters["steps"] += 1
             if self._on_step is not None:
@@ -329,15 +340,6 @@ class GenerationEngine(RequestOutcomes):
             if sequence.request.params.repetition_penalty != 1.0:
                 self._seen[row].zero_()
                 self._seen[row, torch.tensor(sequence.request.prompt, device=self._device)] = True
-
-    @staticmethod
-    def _groups(chunks: list[Chunk], first: int) -> list[list[int]]:
-        """Cache rows of each chunk's request (rows first.. in order; a part-way prompt's last)."""
-        groups, row = [], first
-        for chunk in chunks:
-            groups.append(list(range(row, row + chunk.request.params.n)))
-            row += chunk.request.params.n
-        return groups
 
     def _accept(self, first: int, tokens: torch.Tensor) -> None:
         """Append sampled tokens to rows first.., stream their text, finish and remove what is done."""

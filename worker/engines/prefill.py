@@ -119,3 +119,12 @@ class PrefillQueue:
         for k in range(partial.params.n):  # increasing order: a target never overwrites a row still to move
             runner.move_row(self.tail + k, rows + k, self.done)
         self.tail = rows
+
+
+def chunk_groups(chunks: list[Chunk], first: int) -> list[list[int]]:
+    """Cache rows of each chunk's request (rows first.. in order; a part-way prompt's last)."""
+    groups, row = [], first
+    for chunk in chunks:
+        groups.append(list(range(row, row + chunk.request.params.n)))
+        row += chunk.request.params.n
+    return groups
