@@ -13,14 +13,21 @@ as prompts and `--max-tokens` greedy tokens each.
 A batch holds at most `--batch-share` of the engine's `max_batch_size` rows while interactive requests are in the
 engine (TRAINSERVE_BATCH_SHARE) and `--batch-idle-share` while none are (TRAINSERVE_BATCH_IDLE_SHARE).
 
+`--embeddings`: the batches are /v1/embeddings lines (`minilm-l6`, one SST-2 sentence per line) instead. 1. compares
+inputs/s of the same requests through the interactive /v1/embeddings route (`--concurrency` clients; the inference
+worker) and as one batch (the generation worker); 2. runs the same generation probes beside an embeddings batch,
+which gives way to them (it pauses to take TRAINSERVE_BATCH_SHARE of the time while they run).
+
     python bench/batch.py                                          # about 2 minutes on 2 cores
     python bench/batch.py --batch-share 1 --batch-idle-share 1     # no fair share: a batch may take every row
+    python bench/batch.py --embeddings --requests 512 --batch-lines 4000
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -37,6 +44,7 @@ from bench.generate import build_model, free_port, start_service  # noqa: E402
 
 SST2 = ROOT / "examples" / "data" / "sst2_train_4k.tsv"
 MODEL = "bench"
+EMBEDDER = "minilm-l6"
 
 
 def prompts(count: int, offset: int = 0) -> list[str]:
@@ -57,12 +65,23 @@ def complete(client: httpx.Client, prompt: str, tokens: int) -> float:
     return time.perf_counter() - begun
 
 
-def submit_batch(client: httpx.Client, texts: list[str], tokens: int) -> str:
-    lines = b"".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                                 "body": body(text, tokens)}).encode() + b"\n" for i, text in enumerate(texts))
+def embed(client: httpx.Client, text: str) -> float:
+    """One interactive /v1/embeddings request; its end-to-end seconds."""
+    begun = time.perf_counter()
+    answer = client.post("/v1/embeddings", json={"model": EMBEDDER, "input": text}, timeout=600)
+    answer.raise_for_status()
+    assert len(answer.json()["data"]) == 1
+    return time.perf_counter() - begun
+
+
+def submit_batch(client: httpx.Client, texts: list[str], tokens: int, embeddings: bool = False) -> str:
+    url = "/v1/embeddings" if embeddings else "/v1/completions"
+    bodies = [{"model": EMBEDDER, "input": text} if embeddings else body(text, tokens) for text in texts]
+    lines = b"".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": url, "body": b}).encode() + b"\n"
+                     for i, b in enumerate(bodies))
     upload = client.post("/v1/files", files={"file": ("b.jsonl", lines)}, data={"purpose": "batch"})
     upload.raise_for_status()
-    batch = client.post("/v1/batches", json={"input_file_id": upload.json()["id"], "endpoint": "/v1/completions",
+    batch = client.post("/v1/batches", json={"input_file_id": upload.json()["id"], "endpoint": url,
                                              "completion_window": "24h"})
     batch.raise_for_status()
     return str(batch.json()["id"])
@@ -77,17 +96,21 @@ def wait_batch(client: httpx.Client, batch_id: str) -> dict:
 
 
 def throughput(client: httpx.Client, args: argparse.Namespace) -> dict[str, float]:
+    """Units (tokens generated, or inputs embedded) per second both ways."""
     texts = prompts(args.requests)
     begun = time.perf_counter()
     with ThreadPoolExecutor(args.concurrency) as pool:
-        list(pool.map(lambda t: complete(client, t, args.max_tokens), texts))
+        if args.embeddings:
+            list(pool.map(lambda t: embed(client, t), texts))
+        else:
+            list(pool.map(lambda t: complete(client, t, args.max_tokens), texts))
     interactive = time.perf_counter() - begun
     begun = time.perf_counter()
-    done = wait_batch(client, submit_batch(client, texts, args.max_tokens))
+    done = wait_batch(client, submit_batch(client, texts, args.max_tokens, args.embeddings))
     batch = time.perf_counter() - begun
     assert done["status"] == "completed" and done["request_counts"]["completed"] == args.requests, done
-    tokens = args.requests * args.max_tokens
-    return {"interactive_tok_s": tokens / interactive, "batch_tok_s": tokens / batch}
+    units = args.requests * (1 if args.embeddings else args.max_tokens)
+    return {"interactive": units / interactive, "batch": units / batch}
 
 
 def probe(client: httpx.Client, args: argparse.Namespace) -> list[float]:
@@ -130,6 +153,7 @@ def main() -> None:
     parser.add_argument("--chunk-lines", type=int, default=64, help="TRAINSERVE_BATCH_CHUNK_LINES")
     parser.add_argument("--batch-share", type=float, default=0.125, help="rows held beside interactive requests")
     parser.add_argument("--batch-idle-share", type=float, default=0.75, help="rows filled while the engine is idle")
+    parser.add_argument("--embeddings", action="store_true", help="batches of /v1/embeddings lines (minilm-l6)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
@@ -144,9 +168,12 @@ def main() -> None:
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"},
                               timeout=600, limits=httpx.Limits(max_connections=64)) as client:
                 complete(client, "warm up", 4)  # loads the model
+                if args.embeddings:  # loads the encoder on the inference worker and on the generation worker
+                    embed(client, "warm up")
+                    wait_batch(client, submit_batch(client, ["warm up"], 0, embeddings=True))
                 rates = throughput(client, args)
                 alone = probe(client, args)
-                batch_id = submit_batch(client, prompts(args.batch_lines, 2000), args.max_tokens)
+                batch_id = submit_batch(client, prompts(args.batch_lines, 2000), args.max_tokens, args.embeddings)
                 time.sleep(1.0)  # the batch is running
                 loaded = probe(client, args)
                 during = client.get(f"/v1/batches/{batch_id}").json()
@@ -156,17 +183,18 @@ def main() -> None:
             proc.wait(60)
     print(f"model: GPT-2 shape, {args.layers} layers, fp32 CPU; batch share {args.batch_share} beside interactive "
           f"requests, {args.batch_idle_share} alone")
-    print(f"throughput, {args.requests} requests x {args.max_tokens} tokens:")
-    print(f"  interactive /v1/completions ({args.concurrency} clients), baseline: "
-          f"{rates['interactive_tok_s']:.1f} tok/s")
-    print(f"  /v1/batches: {rates['batch_tok_s']:.1f} tok/s  ratio batch/interactive "
-          f"{rates['batch_tok_s'] / rates['interactive_tok_s']:.2f}")
+    route, unit = ("/v1/embeddings", "inputs/s") if args.embeddings else ("/v1/completions", "tok/s")
+    print(f"throughput, {args.requests} requests" + ("" if args.embeddings else f" x {args.max_tokens} tokens") + ":")
+    print(f"  interactive {route} ({args.concurrency} clients), baseline: {rates['interactive']:.1f} {unit}")
+    print(f"  /v1/batches: {rates['batch']:.1f} {unit}  ratio batch/interactive "
+          f"{rates['batch'] / rates['interactive']:.2f}")
     print(f"interactive latency, {args.probes} clients x {args.probe_tokens} tokens, {args.seconds:.0f} s each:")
     for name, values in (("without a batch", alone), ("with a batch running", loaded)):
         print(f"  {name}: n={len(values)} p50 {statistics.median(values) * 1000:.0f} ms "
               f"p99 {pct(values, 0.99) * 1000:.0f} ms")
-    print(f"  p99 ratio with/without: {pct(loaded, 0.99) / pct(alone, 0.99):.2f}; the batch did "
+    print(f"  p99 ratio with/without: {pct(loaded, 0.99) / pct(alone, 0.99):.2f}; the batch ({route}) did "
           f"{during['request_counts']['completed']} of {args.batch_lines} lines meanwhile")
+    print(f"load average {tuple(round(x, 2) for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":
