@@ -13,7 +13,9 @@ Both servers start first and are warmed up; then each trace runs on one side, th
 alternating per repeat), so only one side works at a time. Per side and rate: tokens/s over the trace (tokens
 over first arrival to last end), time to first token, inter-token latency and end-to-end latency p50/p90/p99,
 and goodput: requests/s meeting the SLO (TTFT <= `--slo-ttft` s and mean inter-token latency <= `--slo-itl` s).
-Medians over `--repeats`; the load average as each trace ended; the ratios trainserve / static.
+Medians over `--repeats`; the load average as each trace ended; the ratios trainserve / static. Requests the
+service refuses with 429 (past `TRAINSERVE_GENERATION_QUEUE_PER_MODEL` in flight) are counted as `refused`: they
+miss the SLO and are left out of the latency percentiles (the static server never refuses; it queues).
 
     python bench/serve.py                                   # GPT-2 small, 1.5 and 4 requests/s, 80 requests
     python bench/serve.py --chat --rates 1                  # shared system prompt
@@ -76,6 +78,8 @@ async def one(client: httpx.AsyncClient, side: str, model: str, request: dict, s
     times: list[float] = []
     tokens = 0
     async with client.stream("POST", "/generate", json=body, timeout=1200) as response:
+        if response.status_code == 429:  # backpressure: counted as refused (a real client would retry later)
+            return {"sent": sent, "end": time.perf_counter(), "e2e": 0.0, "times": [], "tokens": 0, "refused": True}
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -91,7 +95,7 @@ async def one(client: httpx.AsyncClient, side: str, model: str, request: dict, s
                 if "usage" in event:
                     tokens = event["usage"]["completion_tokens"]
     return {"sent": sent, "end": time.perf_counter(), "e2e": time.perf_counter() - sent, "times": times,
-            "tokens": tokens}
+            "tokens": tokens, "refused": False}
 
 
 async def replay(base: str, headers: dict, side: str, model: str, requests: list[dict]) -> list[dict]:
@@ -107,11 +111,13 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summarize(results: list[dict], args: argparse.Namespace) -> dict:
-    """Throughput, latency percentiles and goodput of one replayed trace."""
+    """Throughput, latency percentiles (of the requests served) and goodput of one replayed trace; refused
+    requests (429) count against goodput and are reported."""
     span = max(r["end"] for r in results) - min(r["sent"] for r in results)
-    ttft = [r["times"][0] for r in results if r["times"]]
-    itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:], strict=False)]
-    e2e = [r["e2e"] for r in results]
+    served = [r for r in results if not r["refused"]]
+    ttft = [r["times"][0] for r in served if r["times"]]
+    itl = [b - a for r in served for a, b in zip(r["times"], r["times"][1:], strict=False)]
+    e2e = [r["e2e"] for r in served]
 
     def meets(r: dict) -> bool:
         gaps = len(r["times"]) - 1
@@ -120,6 +126,7 @@ def summarize(results: list[dict], args: argparse.Namespace) -> dict:
 
     return {"tokens_per_s": sum(r["tokens"] for r in results) / span, "tokens": sum(r["tokens"] for r in results),
             "goodput": sum(map(meets, results)) / span, "met": sum(map(meets, results)),
+            "refused": len(results) - len(served),
             **{f"ttft_p{q}": pct(ttft, q / 100) for q in (50, 90, 99)},
             **{f"itl_p{q}": pct(itl, q / 100) for q in (50, 90, 99)},
             **{f"e2e_p{q}": pct(e2e, q / 100) for q in (50, 90, 99)}, "load": os.getloadavg()[0]}
@@ -139,14 +146,14 @@ def medians(runs: list[dict]) -> dict:
 def print_table(rows: dict, args: argparse.Namespace) -> None:
     """One line per rate and side (medians over the repeats), then trainserve against static per rate."""
     print(f"\n{'rate':>5} {'side':<11}{'tokens/s':>9}{'goodput':>9}{'TTFT p50/p90/p99 s':>22}"
-          f"{'ITL p50/p99 ms':>16}{'e2e p50/p90/p99 s':>22}{'load':>6}")
+          f"{'ITL p50/p99 ms':>16}{'e2e p50/p90/p99 s':>22}{'refused':>8}{'load':>6}")
     for (rate, side), runs in rows.items():
         m = medians(runs)
         ttft = "/".join(f"{m[k]:.2f}" for k in ("ttft_p50", "ttft_p90", "ttft_p99"))
         itl = "/".join(f"{1000 * m[k]:.0f}" for k in ("itl_p50", "itl_p99"))
         e2e = "/".join(f"{m[k]:.1f}" for k in ("e2e_p50", "e2e_p90", "e2e_p99"))
         print(f"{rate:>5g} {side:<11}{m['tokens_per_s']:>9.1f}{m['goodput']:>9.2f}{ttft:>22}{itl:>16}{e2e:>22}"
-              f"{m['load']:>6.1f}")
+              f"{m['refused']:>8g}{m['load']:>6.1f}")
     for rate in args.rates:
         static, ours = medians(rows[(rate, "static")]), medians(rows[(rate, "trainserve")])
         print(f"rate {rate:g}/s: trainserve / static {ours['tokens_per_s'] / static['tokens_per_s']:.2f}x tokens/s; "
