@@ -196,18 +196,24 @@ def test_grammar_and_large_top_k_rows_draw_eagerly_on_the_graph_logits(gpt2_dir:
     assert padded[0].choices[0].text.isdigit()
 
 
+def arrive_mid_run(engine: GenerationEngine, prompt: str, wait: float) -> tuple[list, int]:
+    """"Hello" for 40 greedy tokens, then `prompt` for 90 once the first streams: both results, and the cache's
+    positions when the second arrived (the GPU test runs the same scenario)."""
+    started = threading.Event()
+    first = engine.submit("Hello", SamplingParams(max_new_tokens=40, temperature=0),
+                          on_token=lambda *_: started.set())
+    assert started.wait(wait)
+    before = engine.stats()["cache_positions"]
+    second = engine.submit(prompt, SamplingParams(max_new_tokens=90, temperature=0))
+    return [first.result(wait), second.result(wait)], before
+
+
 def test_a_request_arriving_mid_run_grows_the_cache_under_the_padded_step(gpt2_dir: Path) -> None:
     outputs = {}
     for mode in ("off", "eager"):
         with GenerationEngine(gpt2_dir, device="cpu", precision="fp32", max_batch_size=4,
                               decode_graphs=mode) as engine:
-            started = threading.Event()
-            first = engine.submit("Hello", SamplingParams(max_new_tokens=40, temperature=0),
-                                  on_token=lambda *_, event=started: event.set())
-            assert started.wait(WAIT)
-            before = engine.stats()["cache_positions"]
-            second = engine.submit(PROMPTS[2], SamplingParams(max_new_tokens=90, temperature=0))
-            results = [first.result(WAIT), second.result(WAIT)]
+            results, before = arrive_mid_run(engine, PROMPTS[2], WAIT)
         assert before == 64  # "Hello" + 40 tokens; the second needs more than 64 positions: the cache grew
         assert results[1].prompt_tokens + len(results[1].choices[0].token_ids) > 64
         outputs[mode] = [r.choices[0].token_ids for r in results]

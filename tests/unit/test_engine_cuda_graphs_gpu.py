@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
 
 from tests.tiny_llama import build_tiny_decoder
 from tests.tiny_lm import build_tiny_gpt2
+from tests.unit.test_engine_cuda_graphs import arrive_mid_run
 from worker.engines.generation import GenerationEngine, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -63,12 +63,8 @@ def test_graphs_are_captured_again_when_the_cache_grows(model_dir: Path) -> None
     for mode in ("off", "cuda"):
         with GenerationEngine(model_dir, device="cuda", precision="fp32", max_batch_size=4,
                               decode_graphs=mode) as engine:
-            started = threading.Event()
-            first = engine.submit("Hello", SamplingParams(max_new_tokens=40, temperature=0),
-                                  on_token=lambda *_, event=started: event.set())
-            assert started.wait(WAIT)
-            second = engine.submit(PROMPTS[3], SamplingParams(max_new_tokens=90, temperature=0))
-            outputs[mode] = [first.result(WAIT).choices[0].token_ids, second.result(WAIT).choices[0].token_ids]
+            results, _ = arrive_mid_run(engine, PROMPTS[3], WAIT)
+            outputs[mode] = [r.choices[0].token_ids for r in results]
             if mode == "cuda":
                 assert engine._static is not None and engine._static.captures >= 2
     assert outputs["cuda"] == outputs["off"]
