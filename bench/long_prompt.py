@@ -3,7 +3,9 @@
 `--streams` greedy streams decode `--stream-tokens` tokens each; once they have made `--arrive-after` steps, one
 `--prompt-tokens` prompt (2,000 by default) arrives. A decode step emits one token to every running stream, so
 the time between consecutive decode steps (the engine's on_step hook) is each stream's inter-token latency (ITL).
-Per `--chunks` setting (TRAINSERVE_PREFILL_CHUNK_TOKENS; 0 = whole prompts, the baseline): the streams' ITL
+Per `--chunks` setting (`off`: whole prompts, the baseline; N: fixed N-token chunks, TRAINSERVE_PREFILL_CHUNK_TOKENS=N
+with TRAINSERVE_PREFILL_STEP_RATIO=0; `auto`: the default, chunks sized from measured step times so that a step
+which prefills takes at most 1.5x a decode step, `auto:R` for ratio R): the streams' ITL
 median, p99 and max over their whole run, the p99 of the steps while the long prompt was prefilled (from its
 arrival to its first token: the target is at most 2x the median; the step that grows the KV cache for the
 long prompt is one of them), their p50, and the long prompt's time to first token.
@@ -11,7 +13,7 @@ One engine per setting, loaded and warmed up first; the settings run interleaved
 repeat), medians over `--repeats`, the load average printed after each run. Model: GPT-2-small's width with
 `--layers` layers and 4,096 positions, random weights (eos suppressed), fp32 on the CPU.
 
-    python bench/long_prompt.py                                  # 4 layers, chunks 0, 512, 128, 32
+    python bench/long_prompt.py                                  # 4 layers: off, auto, 256, 64, 32
     python bench/long_prompt.py --layers 2 --repeats 1 --stream-tokens 60 --prompt-tokens 600   # smoke run
 """
 
@@ -87,6 +89,15 @@ def run(engine: GenerationEngine, steps: Steps, args: argparse.Namespace) -> dic
             "during_p99/median": percentile(during, 0.99) / median, "ttft_s": first[0] - arrived}
 
 
+def engine_settings(chunk: str) -> dict[str, float]:
+    """GenerationEngine's chunking arguments for a --chunks entry."""
+    if chunk == "off":
+        return {"prefill_chunk_tokens": 0}
+    if chunk.startswith("auto"):
+        return {"prefill_step_ratio": float(chunk.partition(":")[2] or 1.5)}
+    return {"prefill_chunk_tokens": int(chunk), "prefill_step_ratio": 0}
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-quantile of sorted values, nearest rank (the max of fewer than 100 values for p99)."""
     return values[min(len(values) - 1, max(0, round(q * len(values) + 0.5) - 1))]
@@ -99,10 +110,11 @@ def main() -> None:
     parser.add_argument("--stream-tokens", type=int, default=160)
     parser.add_argument("--arrive-after", type=int, default=20)
     parser.add_argument("--prompt-tokens", type=int, default=2000)
-    parser.add_argument("--chunks", default="0,512,128,32", help="prefill_chunk_tokens settings; 0 = whole prompts")
+    parser.add_argument("--chunks", default="off,auto,256,64,32",
+                        help="settings: off (whole prompts), N (fixed chunks), auto or auto:RATIO (measured)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    chunks = [int(c) for c in args.chunks.split(",")]
+    chunks = args.chunks.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         build(folder, args.layers)
@@ -110,10 +122,10 @@ def main() -> None:
         for chunk in chunks:
             steps = Steps()
             engine = GenerationEngine(folder, device="cpu", precision="fp32", max_batch_size=8, on_step=steps,
-                                      prefill_chunk_tokens=chunk)
+                                      **engine_settings(chunk))
             engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0))  # warm-up, not timed
             engines[chunk] = (engine, steps)
-        results: dict[int, list[dict[str, float]]] = {chunk: [] for chunk in chunks}
+        results: dict[str, list[dict[str, float]]] = {chunk: [] for chunk in chunks}
         for repeat in range(args.repeats):
             order = chunks[repeat % len(chunks):] + chunks[:repeat % len(chunks)]
             for chunk in order:
@@ -126,11 +138,11 @@ def main() -> None:
     print(f"\n{args.streams} streams x {args.stream_tokens} tokens, a {args.prompt_tokens}-token prompt after "
           f"{args.arrive_after} steps; GPT-2 width, {args.layers} layers, fp32 CPU; medians of {args.repeats}")
     print("ITL p50 and p99 over the streams' whole run; 'during': the steps while the long prompt was prefilled")
-    print(f"{'chunk tokens':>12} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'during p50':>11} {'during p99':>11} "
+    print(f"{'chunks':>12} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'during p50':>11} {'during p99':>11} "
           f"{'ITL max ms':>11} {'during p99/p50':>15} {'long TTFT s':>12}")
     for chunk in chunks:
         m = {key: statistics.median(r[key] for r in results[chunk]) for key in results[chunk][0]}
-        print(f"{chunk or 'off':>12} {m['median_ms']:>11.1f} {m['p99_ms']:>11.1f} {m['during_p50_ms']:>11.1f} "
+        print(f"{chunk:>12} {m['median_ms']:>11.1f} {m['p99_ms']:>11.1f} {m['during_p50_ms']:>11.1f} "
               f"{m['during_p99_ms']:>11.1f} "
               f"{m['max_ms']:>11.1f} {m['during_p99/median']:>15.2f} {m['ttft_s']:>12.2f}")
     print(f"load average {os.getloadavg()}")

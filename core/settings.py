@@ -118,8 +118,12 @@ class Settings(BaseSettings):
     generation_threads: int = Field(64, description="Requests one generation worker keeps in flight.")
     max_batch_size: int = Field(32, description="Sequences decoded together by one generation engine.")
     prefill_chunk_tokens: int = Field(
-        256, ge=0, description="Prompt tokens one generation step prefills alongside its decode rows (chunked "
-        "prefill: a long prompt enters over several steps, so running streams keep their pace); 0: whole prompts.")
+        2048, ge=0, description="Most prompt tokens one generation step prefills (chunked prefill: a long prompt "
+        "enters over several steps, each also decoding the running streams); 0: whole prompts, never chunked.")
+    prefill_step_ratio: float = Field(
+        1.5, ge=0, description="While streams are running, a step that also prefills may take at most this many "
+        "times a decode-only step: chunks are sized from the measured times (Sarathi-Serve's rule); 0: chunks of "
+        "prefill_chunk_tokens always.")
     prefix_cache_mb: float = Field(
         512.0, ge=0, description="Keys and values of shared prompt prefixes one generation engine keeps for reuse "
         "(automatic prefix caching, least recently used out); 0: off.")

@@ -175,6 +175,7 @@ class GenerationService:
                                       precision=self.settings.generation_precision,
                                       max_batch_size=self.settings.max_batch_size,
                                       prefill_chunk_tokens=self.settings.prefill_chunk_tokens,
+                                      prefill_step_ratio=self.settings.prefill_step_ratio,
                                       prefix_cache_bytes=int(self.settings.prefix_cache_mb * MB),
                                       decode_graphs="cuda" if self.settings.cuda_graphs else "off",
                                       max_queue=self.settings.generation_queue_per_model * 4,

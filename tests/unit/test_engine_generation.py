@@ -8,7 +8,6 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from worker.engines.generation import (
     SamplingParams,
 )
 from worker.engines.gpt2_weights import load_gpt2
+from worker.engines.kv_cache import SlotCache
 from worker.engines.lm_loading import Gpt2Runner
 from worker.engines.prefix_cache import BLOCK, PrefixCache, block_keys
 
@@ -164,8 +164,16 @@ def test_prefix_caching_reuses_shared_prefixes_and_output_is_unchanged(model_dir
             assert choice.token_ids == hf_greedy(hf, prompt, n)
 
 
+class TinyCache(SlotCache):
+    device, dtype, n_layer, cache_heads, head_dim = torch.device("cpu"), torch.float32, 2, 3, 8
+    max_rows, max_length = 4, 64
+
+
 def test_the_prefix_cache_evicts_least_recently_used_blocks_later_ones_first() -> None:
-    runner = SimpleNamespace(keys=torch.randn(2, 4, 3, 64, 8), values=torch.randn(2, 4, 3, 64, 8))
+    runner = TinyCache()
+    runner.reserve(4, 64)
+    runner.keys.normal_(), runner.values.normal_()  # [2 layers, 4 rows, 3 heads, 64 positions, 8]
+    runner.written(range(4), 0, 64)
     block_bytes = 2 * 2 * 3 * BLOCK * 8 * 4  # keys and values of one block: [layer, head, BLOCK, head_dim] fp32
     store = PrefixCache(3 * block_bytes)
     a, b = Request("a", list(range(40)), greedy(), None, None, None), Request("b", [7] * 33, greedy(), None, None, None)

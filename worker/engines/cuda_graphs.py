@@ -201,6 +201,8 @@ class StaticDecoder:
         if inputs is None:
             inputs = self.inputs[bucket] = StaticInputs.empty(bucket, self.runner.device)
         inputs.fill([s.tokens[-1] for s in rows], [s.position for s in rows], params)
+        # Every bucket row is read over the whole capacity: zero any gaps now, not inside a capture.
+        self.runner.clean_to(bucket, self.runner.capacity[1])
         # Streams, captures and replays on the runner's own GPU, whichever is current on this thread.
         with torch.cuda.device(self.runner.device) if self.capture else contextlib.nullcontext():
             graph = self._graph(bucket, inputs) if self.capture else None

@@ -121,6 +121,7 @@ class DecoderRunner(SlotCache):
         if decode is not None:
             tokens, decode_positions, span = decode
             batch = tokens.shape[0]
+            self.clean_to(batch, span)
             slots = self.decode_slots(decode_positions)
             seen = torch.arange(span, device=self.device)[None]
             # Row b sees its positions 0..positions[b] (a window: only the last `window` of them).
@@ -132,11 +133,10 @@ class DecoderRunner(SlotCache):
             positions.append(decode_positions)
         if prefill is not None:
             layout = PrefillLayout(*prefill, self.device)
+            layout.note_written(self)
             ids.append(layout.ids.view(-1))
             positions.append(layout.positions.view(-1))
-            if layout.chunked:  # chunks read their rows' cache: earlier chunks of the same prompt are there
-                prefill_masks = {window: layout.mask(window) for window in (*self._windows(), None)}
-            else:
+            if not layout.chunked:
                 at = torch.arange(layout.width, device=self.device)
                 causal = at[None] <= at[:, None]
                 prefill_masks = {window: causal & (at[None] > at[:, None] - window) for window in self._windows()}
@@ -160,12 +160,11 @@ class DecoderRunner(SlotCache):
                         for t in (key, value))
                 layout.store(keys, index, k)
                 layout.store(values, index, v)
-                if layout.chunked:
-                    k, v = layout.cached(keys, index), layout.cached(values, index)
-                    mask = {"attn_mask": prefill_masks[window]}
+                if layout.chunked:  # chunks read their rows' cache: earlier chunks of the same prompt are there
+                    attended = layout.attend(self._attention, q, keys, values, index, window)
                 else:
                     mask = {"attn_mask": prefill_masks[window]} if window else {"is_causal": True}
-                attended = self._attention(q, k, v, **mask)
+                    attended = self._attention(q, k, v, **mask)
                 out.append(attended.transpose(1, 2).reshape(layout.count * layout.width, self.q_size))
             return out[0] if len(out) == 1 else torch.cat(out)
 

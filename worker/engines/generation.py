@@ -38,7 +38,7 @@ from worker.engines.device import DevicePlan, resolve_device
 from worker.engines.generation_outcomes import RequestOutcomes
 from worker.engines.grammar import Grammars
 from worker.engines.lm_loading import load_tokenizer
-from worker.engines.prefill import Chunk, PrefillQueue, chunk_groups
+from worker.engines.prefill import Chunk, ChunkBudget, PrefillQueue, chunk_groups
 from worker.engines.prefix_cache import PrefixCache
 from worker.engines.row_outputs import chat_ids, constrained_logits, record_logprobs
 from worker.engines.sampling import RowParams, next_tokens
@@ -56,8 +56,8 @@ class GenerationEngine(RequestOutcomes):
         self, model: str | Path, *, device: str = "auto", precision: str = "auto", max_batch_size: int = 32,
         max_tokens_in_flight: int = 16384, max_queue: int = 256,
         cancelled_ids: Callable[[list[str]], Collection[str]] | None = None,
-        on_step: Callable[[int], None] | None = None, prefill_chunk_tokens: int = 256, prefix_cache_bytes: int = 0,
-        decode_graphs: str = "off",
+        on_step: Callable[[int], None] | None = None, prefill_chunk_tokens: int = 2048, prefill_step_ratio: float = 1.5,
+        prefix_cache_bytes: int = 0, decode_graphs: str = "off",
     ) -> None:
         for name, value in (("max_batch_size", max_batch_size), ("max_tokens_in_flight", max_tokens_in_flight),
                             ("max_queue", max_queue)):
@@ -66,6 +66,8 @@ class GenerationEngine(RequestOutcomes):
         for name, value in (("prefill_chunk_tokens", prefill_chunk_tokens), ("prefix_cache_bytes", prefix_cache_bytes)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be 0 (off) or a positive integer, got {value!r}")
+        if not isinstance(prefill_step_ratio, int | float) or not (prefill_step_ratio == 0 or prefill_step_ratio > 1):
+            raise ValueError(f"prefill_step_ratio must be 0 (fixed chunks) or above 1, got {prefill_step_ratio!r}")
         self.plan: DevicePlan = resolve_device(device, precision, generation=True)
         self._runner = open_runner(model, self.plan, max_rows=max_batch_size)  # GPT-2 or a llama-family decoder
         self.tokenizer = load_tokenizer(model)
@@ -94,10 +96,10 @@ class GenerationEngine(RequestOutcomes):
                           "completed": 0, "cancelled": 0, "expired": 0, "failed": 0, "peak_running_sequences": 0}
         # Scheduler-thread state: rows of the batch, in cache-row order.
         self._rows: list[SequenceState] = []
-        # Started requests whose prompts are still going into the cache, prefill_chunk_tokens per step (0: whole).
+        # Started requests whose prompts are still going into the cache, in chunks sized by _budget (prefill.py).
         # With prefix_cache_bytes, the KV of shared prompt prefixes is reused (prefix_cache.py).
-        self._prefilling = PrefillQueue(prefill_chunk_tokens or None,
-                                        PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None)
+        self._prefilling = PrefillQueue(PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None)
+        self._budget = ChunkBudget(prefill_chunk_tokens or None, prefill_step_ratio)
         self._row_params: RowParams | None = None
         # Tokens seen per row (prompt + generated), for the repetition penalty: [max_batch_size, vocab].
         self._seen = torch.zeros(max_batch_size, self.vocab_size, dtype=torch.bool, device=self._device)
@@ -187,9 +189,12 @@ class GenerationEngine(RequestOutcomes):
                     flagged = self._flagged()
                     self._start(self._admit(flagged))
                     self._poll_cancelled(flagged)
-                    chunks = self._prefilling.plan()
+                    chunks = self._prefilling.plan(self._budget.tokens(decoding=bool(self._rows)))
                     if self._rows or chunks:
+                        started, decoded = time.perf_counter(), bool(self._rows)
                         self._step(chunks)
+                        self._budget.observe(time.perf_counter() - started, decoded,
+                                             sum(c.end - c.start for c in chunks))
                 except Exception as error:  # noqa: BLE001 - a failed forward fails its batch, not the engine
                     self._reset(error)
         self._shutdown()

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
+
+# Positions a row is zeroed beyond what a reader needs: a decode step reads one more each time.
+CLEAN_AHEAD = 64
 
 
 def _next_pow2(value: int) -> int:
@@ -24,6 +28,13 @@ class SlotCache:
     """keys/values [layer, row, cache head, position, head_dim]: row r holds positions 0..len-1 of one sequence.
 
     A subclass sets device, dtype, n_layer, cache_heads, head_dim, max_rows and max_length before use.
+
+    Growing allocates without zeroing (a long prompt arriving must not stall the running streams while gigabytes
+    are cleared) and copies only the positions below the watermarks. Attention still reads masked positions (a
+    short row beside a long one, a padded static step): they meet V in the P@V product, where 0 * NaN would be
+    NaN. So each row keeps a watermark, `clean[r]`: its positions below it hold finite values (written, copied or
+    zeroed), and a reader calls `clean_to` first, which zeroes only the gap. Writes start at position 0 and are
+    contiguous, so a row's live positions are always below its watermark and zeroing above it destroys nothing.
     """
 
     device: torch.device
@@ -35,6 +46,7 @@ class SlotCache:
     max_length: int
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    clean: list[int]
 
     @property
     def capacity(self) -> tuple[int, int]:
@@ -49,25 +61,66 @@ class SlotCache:
         new_rows = min(self.max_rows, max(have_rows, _next_pow2(rows)))
         new_length = min(self.max_length, max(have_length, _next_pow2(length)))
         shape = (self.n_layer, new_rows, self.cache_heads, new_length, self.head_dim)
-        # Zeros, not empty: masked positions still meet V in the P@V product and 0 * NaN would be NaN.
-        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        keys = self._allocate(shape)
+        values = self._allocate(shape)
         if self.keys is not None and self.values is not None:
-            keys[:, :have_rows, :, :have_length] = self.keys
-            values[:, :have_rows, :, :have_length] = self.values
+            used = max(self.clean, default=0)  # above every watermark nothing is worth copying
+            keys[:, :have_rows, :, :used] = self.keys[:, :, :, :used]
+            values[:, :have_rows, :, :used] = self.values[:, :, :, :used]
+            self.clean = self.clean[:have_rows] + [0] * (new_rows - have_rows)
+        else:
+            self.clean = [0] * new_rows
         self.keys, self.values = keys, values
+
+    def _allocate(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """Uninitialised cache memory (tests poison it to prove nothing unwritten is ever read unmasked)."""
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def release(self) -> None:
         """Drop the cache (it is rebuilt on the next reserve) and hand freed heap memory back to the system."""
         if self.keys is not None:
             self.keys = self.values = None
+            self.clean = []
             trim_heap()
+
+    def clean_to(self, rows: int, span: int) -> None:
+        """Make positions 0..span-1 of rows 0..rows-1 finite before attention reads them (zeroing only the gaps).
+
+        Call it outside a CUDA graph capture: a captured zeroing would run again on every replay.
+        """
+        assert self.keys is not None
+        length = self.keys.shape[3]
+        for row in range(rows):
+            if self.clean[row] < span:
+                self._zero(row, min(length, span + CLEAN_AHEAD))
+
+    def written(self, rows: range, start: int, end: int) -> None:
+        """Note that positions start..end-1 of `rows` were just written (start at most their watermark)."""
+        for row in rows:
+            if start > self.clean[row]:  # not expected (writes are contiguous from 0), but keep the invariant
+                self._zero(row, start)
+            self.clean[row] = max(self.clean[row], end)
+
+    def _zero(self, row: int, end: int) -> None:
+        assert self.keys is not None and self.values is not None
+        self.keys[:, row, :, self.clean[row]:end].zero_()
+        self.values[:, row, :, self.clean[row]:end].zero_()
+        self.clean[row] = end
+
+    def write_positions(self, rows: range, begin: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write keys/values [layer, cache head, n, head_dim] at positions begin..begin+n-1 of every row in `rows`."""
+        assert self.keys is not None and self.values is not None
+        end = begin + keys.shape[2]
+        self.keys[:, rows.start:rows.stop, :, begin:end] = keys[:, None]
+        self.values[:, rows.start:rows.stop, :, begin:end] = values[:, None]
+        self.written(rows, begin, end)
 
     def move_row(self, source: int, target: int, length: int) -> None:
         """Copy the first `length` positions of row `source` into row `target` (compaction after a finish)."""
         assert self.keys is not None and self.values is not None
         self.keys[:, target, :, :length] = self.keys[:, source, :, :length]
         self.values[:, target, :, :length] = self.values[:, source, :, :length]
+        self.clean[target] = max(self.clean[target], length)
 
     def write_decode(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store the decode rows' new keys and values [B, cache head, head_dim] at their slots (decode_slots)."""
@@ -111,6 +164,7 @@ class PrefillLayout:
         # A pad sits at its chunk's last real position: it sees nothing a real token does not.
         offsets = torch.minimum(at[None], torch.tensor(self.lengths, device=device)[:, None] - 1)
         self.positions = torch.tensor(self.starts, device=device)[:, None] + offsets  # [P, width]
+        self._masks: dict[int | None, list[torch.Tensor | None]] = {}
 
     def store(self, cache: torch.Tensor, layer: int, states: torch.Tensor) -> None:
         """Write a layer's keys or values of the prompts [P, head, width, head_dim] into their rows' cache."""
@@ -120,19 +174,42 @@ class PrefillLayout:
         for i, (start, length, group) in enumerate(zip(self.starts, self.lengths, self.groups, strict=True)):
             cache[layer, group[0]:group[-1] + 1, :, start:start + length] = states[i, :, :length]
 
-    def cached(self, cache: torch.Tensor, layer: int) -> torch.Tensor:
-        """Each chunk's row of the cache up to the furthest chunk end [P, head, span, head_dim] (after store)."""
-        span = max(s + n for s, n in zip(self.starts, self.lengths, strict=True))
-        return cache[layer, [group[0] for group in self.groups], :, :span]
+    def note_written(self, cache: SlotCache) -> None:
+        """Raise the watermarks of the rows this prefill writes (call before the forward's first store)."""
+        for start, length, group in zip(self.starts, self.lengths, self.groups, strict=True):
+            end = start + length if self.chunked else self.width  # unchunked: the pads are stored too
+            cache.written(range(group[0], group[-1] + 1), start, end)
 
-    def mask(self, window: int | None) -> torch.Tensor:
-        """[P, 1, width, span]: chunk token i sees its row's positions up to its own (the last `window` of them)."""
-        span = max(s + n for s, n in zip(self.starts, self.lengths, strict=True))
-        seen = torch.arange(span, device=self.positions.device)[None, None]
-        visible = seen <= self.positions[:, :, None]
+    def attend(self, attention: Callable[..., torch.Tensor], query: torch.Tensor, keys: torch.Tensor,
+               values: torch.Tensor, layer: int, window: int | None) -> torch.Tensor:
+        """Chunked: each chunk's queries [P, head, width, head_dim] against its own row's cache up to the chunk's
+        end (after store). The cache is read through views, chunk by chunk: no copy of a long prompt's rows and
+        no chunk reading past its own end. attention(q, k, v, **mask) is the runner's SDPA. Pads' outputs are 0.
+        """
+        out = query.new_zeros(query.shape)
+        masks = self._masks.get(window)
+        if masks is None:
+            masks = self._masks[window] = [self._mask(start, length, window)
+                                           for start, length in zip(self.starts, self.lengths, strict=True)]
+        for i, (start, length, group) in enumerate(zip(self.starts, self.lengths, self.groups, strict=True)):
+            row, end, mask = group[0], start + length, masks[i]
+            k, v = keys[layer, row:row + 1, :, :end], values[layer, row:row + 1, :, :end]
+            kwargs = {"is_causal": True} if mask is None else {"attn_mask": mask}
+            out[i:i + 1, :, :length] = attention(query[i:i + 1, :, :length], k, v, **kwargs)
+        return out
+
+    def _mask(self, start: int, length: int, window: int | None) -> torch.Tensor | None:
+        """[1, 1, length, start + length]: token j (at start + j) sees positions up to its own (the last `window`);
+        None where that is plain causal attention (a first chunk, no window)."""
+        if not start and not window:
+            return None
+        device = self.positions.device
+        at = torch.arange(start, start + length, device=device)[:, None]
+        seen = torch.arange(start + length, device=device)[None]
+        visible = seen <= at
         if window:
-            visible &= seen > self.positions[:, :, None] - window
-        return visible[:, None]
+            visible &= seen > at - window
+        return visible[None, None]
 
     def picked(self, batch: int, device: torch.device) -> torch.Tensor:
         """Flat token indices that need logits: the `batch` decode rows first, then each prompt's last position."""

@@ -185,6 +185,7 @@ class Gpt2Runner(SlotCache):
         if decode is not None:
             tokens, positions, span = decode
             batch = tokens.shape[0]
+            self.clean_to(batch, span)
             slots = self.decode_slots(positions)
             # Row b may see its own positions 0..positions[b]; later slots hold stale or padding keys.
             mask = (torch.arange(span, device=self.device)[None] <= positions[:, None])[:, None, None]
@@ -192,8 +193,7 @@ class Gpt2Runner(SlotCache):
         layout = None
         if prefill is not None:
             layout = PrefillLayout(*prefill, self.device)
-            if layout.chunked:  # chunks read their rows' cache: earlier chunks of the same prompt are there
-                prefill_mask = layout.mask(None)
+            layout.note_written(self)
             embedded = self._embed(wte, layout.ids) + self._embed(wpe, layout.positions)
             parts.append(embedded.view(-1, self.n_embd))
         hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -211,9 +211,9 @@ class Gpt2Runner(SlotCache):
                 q, k, v = (t[batch:].view(shape).transpose(1, 2) for t in (query, key, value))
                 layout.store(keys, index, k)
                 layout.store(values, index, v)
-                if layout.chunked:
-                    attended = self._attention(q, layout.cached(keys, index), layout.cached(values, index), index,
-                                               attn_mask=prefill_mask)
+                if layout.chunked:  # chunks read their rows' cache: earlier chunks of the same prompt are there
+                    attended = layout.attend(lambda *qkv, **mask: self._attention(*qkv, index, **mask), q, keys,
+                                             values, index, None)
                 else:
                     attended = self._attention(q, k, v, index, is_causal=True)
                 out.append(attended.transpose(1, 2).reshape(layout.count * layout.width, self.n_embd))

@@ -62,8 +62,8 @@ class PrefixCache:
         for index, (keys, values) in enumerate(request.prefix):
             begin, end = index * BLOCK, min((index + 1) * BLOCK, request.cached_tokens)
             if end > begin:
-                runner.keys[:, rows[0]:rows[-1] + 1, :, begin:end] = keys[:, None, :, :end - begin]
-                runner.values[:, rows[0]:rows[-1] + 1, :, begin:end] = values[:, None, :, :end - begin]
+                runner.write_positions(range(rows[0], rows[-1] + 1), begin, keys[:, :, :end - begin],
+                                       values[:, :, :end - begin])
         request.prefix = []  # the blocks are in the rows now
 
     def remember(self, runner: Any, request: Request, row: int) -> None:
