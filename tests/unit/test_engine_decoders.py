@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from tests.tiny_llama import VARIANTS, build_tiny_decoder
+from worker.engines import kv_cache
 from worker.engines.generation import GenerationEngine, SamplingParams
 
 PROMPTS = [
@@ -57,6 +58,22 @@ def greedy(max_new_tokens: int) -> SamplingParams:
 @pytest.mark.parametrize("chunk", [512, 5])  # 5: chunked prefill, every prompt but "O" in several chunks
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_greedy_equals_hf_generate_for_mixed_prompts_in_one_batch(built, name, chunk) -> None:
+    assert_mixed_batch_equals_hf(built, name, chunk)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_rows_of_very_different_lengths_decode_in_span_groups_equal_to_hf(built, name, monkeypatch) -> None:
+    # Thresholds lowered so that these prompts (2-30 tokens) decode in several groups, each over its own span
+    # (on a CPU the engine splits rows when one reads over 256 positions and twice what a shorter one reads).
+    monkeypatch.setattr(kv_cache, "SPLIT_MIN", 4)
+    sizes: list[int] = []
+    real = kv_cache.span_groups
+    monkeypatch.setattr(kv_cache, "span_groups", lambda at: sizes.append(len(groups := real(at))) or groups)
+    assert_mixed_batch_equals_hf(built, name, 512)
+    assert max(sizes) > 1
+
+
+def assert_mixed_batch_equals_hf(built, name: str, chunk: int) -> None:
     folder, model, tokenizer = built(name)
     lengths = [20, 9, 16, 24]
     streamed: dict[int, list[str]] = {i: [] for i in range(len(PROMPTS))}

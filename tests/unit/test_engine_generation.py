@@ -14,6 +14,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from tests.tiny_lm import build_tiny_gpt2
+from worker.engines import kv_cache
 from worker.engines.batch import AdapterUse, Request
 from worker.engines.generation import (
     DeadlineExceeded,
@@ -100,6 +101,16 @@ def test_greedy_matches_hf_generate_for_mixed_lengths_in_one_batch(engine, hf) -
         assert result.prompt_tokens == len(ids)
         assert result.choices[0].token_ids == hf_greedy(hf, ids, 24)
         assert result.choices[0].text == engine.tokenizer.decode(result.choices[0].token_ids)
+
+
+def test_rows_of_very_different_lengths_decode_in_span_groups_equal_to_hf(engine, hf, monkeypatch) -> None:
+    # Thresholds lowered so these prompts decode in groups, each over its own span (see kv_cache.DecodeLayout).
+    monkeypatch.setattr(kv_cache, "SPLIT_MIN", 2)
+    sizes: list[int] = []
+    real = kv_cache.span_groups
+    monkeypatch.setattr(kv_cache, "span_groups", lambda at: sizes.append(len(groups := real(at))) or groups)
+    test_greedy_matches_hf_generate_for_mixed_lengths_in_one_batch(engine, hf)
+    assert max(sizes) > 1
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from core.architectures import LLAMA_FAMILY, SERVED_MODEL_TYPES
 from worker.engines.decoder_weights import DecoderWeights, load_decoder
 from worker.engines.device import DevicePlan, linear
 from worker.engines.gpt2_weights import ACTIVATIONS, load_gpt2, model_type
-from worker.engines.kv_cache import PrefillLayout, SlotCache, trim_heap
+from worker.engines.kv_cache import DecodeLayout, PrefillLayout, SlotCache, trim_heap
 from worker.engines.lm_loading import Gpt2Runner
 from worker.engines.lora_rows import RunnerLora
 
@@ -121,14 +121,10 @@ class DecoderRunner(SlotCache):
         if decode is not None:
             tokens, decode_positions, span = decode
             batch = tokens.shape[0]
-            self.clean_to(batch, span)
-            slots = self.decode_slots(decode_positions)
-            seen = torch.arange(span, device=self.device)[None]
             # Row b sees its positions 0..positions[b] (a window: only the last `window` of them).
-            visible = seen <= decode_positions[:, None]
-            decode_masks = {window: (visible & (seen > decode_positions[:, None] - window))[:, None, None]
-                            for window in self._windows()}
-            decode_masks[None] = visible[:, None, None]
+            rows = DecodeLayout(decode_positions, span)
+            rows.clean(self)
+            slots = self.decode_slots(decode_positions)
             ids.append(tokens)
             positions.append(decode_positions)
         if prefill is not None:
@@ -151,8 +147,7 @@ class DecoderRunner(SlotCache):
             out = []
             if decode is not None:
                 self.write_decode(index, slots, key[:batch], value[:batch])
-                attended = self._attention(query[:batch, :, None], keys[index, :batch, :, :span],
-                                           values[index, :batch, :, :span], attn_mask=decode_masks[window])
+                attended = rows.attend(self._attention, query[:batch, :, None], keys, values, index, window)
                 out.append(attended.reshape(batch, self.q_size))
             if layout is not None:
                 q = query[batch:].view(layout.count, layout.width, self.heads, self.head_dim).transpose(1, 2)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
 # Positions a row is zeroed beyond what a reader needs: a decode step reads one more each time.
 CLEAN_AHEAD = 64
+# Decode rows read together pad to the longest. On a CPU a row reading more than SPLIT_RATIO times the positions of
+# the shortest row in its group (and over SPLIT_MIN) starts a new group (DecodeLayout).
+SPLIT_RATIO, SPLIT_MIN = 2, 256
 
 
 def _next_pow2(value: int) -> int:
@@ -83,14 +86,15 @@ class SlotCache:
             self.clean = []
             trim_heap()
 
-    def clean_to(self, rows: int, span: int) -> None:
-        """Make positions 0..span-1 of rows 0..rows-1 finite before attention reads them (zeroing only the gaps).
+    def clean_to(self, rows: int | Iterable[int], span: int) -> None:
+        """Make positions 0..span-1 of rows 0..rows-1 (or of the rows listed) finite before attention reads them,
+        zeroing only the gaps.
 
         Call it outside a CUDA graph capture: a captured zeroing would run again on every replay.
         """
         assert self.keys is not None
         length = self.keys.shape[3]
-        for row in range(rows):
+        for row in range(rows) if isinstance(rows, int) else rows:
             if self.clean[row] < span:
                 self._zero(row, min(length, span + CLEAN_AHEAD))
 
@@ -215,3 +219,74 @@ class PrefillLayout:
         """Flat token indices that need logits: the `batch` decode rows first, then each prompt's last position."""
         last = torch.tensor([batch + i * self.width + n - 1 for i, n in enumerate(self.lengths)], device=device)
         return last if batch == 0 else torch.cat([torch.arange(batch, device=device), last])
+
+
+def span_groups(positions: list[int]) -> list[list[int]]:
+    """Decode rows grouped by how far back they read: sorted by position, a new group where one row reads more than
+    SPLIT_RATIO times (and over SPLIT_MIN) what its group's shortest row reads."""
+    order = sorted(range(len(positions)), key=positions.__getitem__)
+    groups = [[order[0]]]
+    for row in order[1:]:
+        if positions[row] + 1 > max(SPLIT_MIN, SPLIT_RATIO * (positions[groups[-1][0]] + 1)):
+            groups.append([row])
+        else:
+            groups[-1].append(row)
+    return groups
+
+
+class DecodeLayout:
+    """A step's decode rows 0..B-1 (row b at positions[b]), grouped by how far back they read, and their masks.
+
+    One group (the usual case; always on a GPU, where reading the positions back would sync the device and a CUDA
+    graph needs fixed shapes): rows 0..B-1 over the given span, through a view. On a CPU, rows of very different
+    lengths (a 2,000-token prompt joining short streams) go in groups, each reading only up to its own longest
+    row: the short rows neither attend over nor are zeroed up to the long one's span.
+    """
+
+    def __init__(self, positions: torch.Tensor, span: int) -> None:
+        self.positions, self.batch = positions, positions.shape[0]
+        self.groups, self.spans = [list(range(self.batch))], [span]
+        if positions.device.type == "cpu" and self.batch > 1:
+            at = positions.tolist()
+            groups = span_groups(at)
+            if len(groups) > 1:
+                self.groups, self.spans = groups, [max(at[row] for row in group) + 1 for group in groups]
+        self.index = [torch.tensor(group, device=positions.device) for group in self.groups]
+        self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
+
+    def clean(self, cache: SlotCache) -> None:
+        """Zero the gaps each group's rows will read (before the forward)."""
+        for group, span in zip(self.groups, self.spans, strict=True):
+            cache.clean_to(group, span)
+
+    def attend(self, attention: Callable[..., torch.Tensor], query: torch.Tensor, keys: torch.Tensor,
+               values: torch.Tensor, layer: int, window: int | None) -> torch.Tensor:
+        """query [B, head, 1, head_dim] against the rows' cache (after the step's keys were written): the same shape.
+
+        attention(q, k, v, attn_mask=...) is the runner's SDPA."""
+        if len(self.groups) == 1:
+            span = self.spans[0]
+            return attention(query, keys[layer, :self.batch, :, :span], values[layer, :self.batch, :, :span],
+                             attn_mask=self.mask(0, window))
+        out = query.new_empty(query.shape)
+        for g, (group, span, index) in enumerate(zip(self.groups, self.spans, self.index, strict=True)):
+            if len(group) == 1:  # a view of the one row, no copy
+                row = group[0]
+                k, v, q = keys[layer, row:row + 1, :, :span], values[layer, row:row + 1, :, :span], query[row:row + 1]
+            else:
+                k, v, q = (t.index_select(0, index) for t in (keys[layer, :, :, :span], values[layer, :, :, :span],
+                                                               query))
+            out.index_copy_(0, index, attention(q, k, v, attn_mask=self.mask(g, window)))
+        return out
+
+    def mask(self, group: int, window: int | None) -> torch.Tensor:
+        """[rows, 1, 1, span] of a group: row b sees its positions 0..positions[b] (only the last `window`)."""
+        found = self._masks.get((group, window))
+        if found is None:
+            positions = self.positions if len(self.groups) == 1 else self.positions.index_select(0, self.index[group])
+            seen = torch.arange(self.spans[group], device=positions.device)[None]
+            visible = seen <= positions[:, None]
+            if window:
+                visible &= seen > positions[:, None] - window
+            found = self._masks[(group, window)] = visible[:, None, None]
+        return found

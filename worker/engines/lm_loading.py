@@ -19,7 +19,7 @@ from worker.engines.gpt2_weights import (
     pack_weights,
     resolve_folder,
 )
-from worker.engines.kv_cache import PrefillLayout, SlotCache, trim_heap
+from worker.engines.kv_cache import DecodeLayout, PrefillLayout, SlotCache, trim_heap
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -185,10 +185,9 @@ class Gpt2Runner(SlotCache):
         if decode is not None:
             tokens, positions, span = decode
             batch = tokens.shape[0]
-            self.clean_to(batch, span)
+            rows = DecodeLayout(positions, span)  # row b sees its own positions 0..positions[b]
+            rows.clean(self)
             slots = self.decode_slots(positions)
-            # Row b may see its own positions 0..positions[b]; later slots hold stale or padding keys.
-            mask = (torch.arange(span, device=self.device)[None] <= positions[:, None])[:, None, None]
             parts.append(self._embed(wte, tokens) + self._embed(wpe, positions))
         layout = None
         if prefill is not None:
@@ -203,8 +202,8 @@ class Gpt2Runner(SlotCache):
             if decode is not None:
                 self.write_decode(index, slots, key[:batch], value[:batch])
                 q = query[:batch].view(batch, self.n_head, 1, self.head_dim)
-                attended = self._attention(q, keys[index, :batch, :, :span], values[index, :batch, :, :span],
-                                           index, attn_mask=mask)
+                attended = rows.attend(lambda *qkv, **mask: self._attention(*qkv, index, **mask), q, keys, values,
+                                       index, None)
                 out.append(attended.reshape(batch, self.n_embd))
             if layout is not None:
                 shape = (layout.count, layout.width, self.n_head, self.head_dim)
