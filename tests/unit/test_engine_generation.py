@@ -137,6 +137,7 @@ def test_chunked_prefill_matches_hf_alone_in_a_batch_and_joining_one(chunked, hf
             assert choice.token_ids == hf_greedy(hf, ids_of(chunked, prompt), n), prompt
     stats = chunked.stats()
     assert stats["prefills"] > len(PROMPTS) + 4 and stats["tokens_in_flight"] == 0 and stats["running"] == 0
+    assert 1 <= stats["prefill_budget_tokens"] <= 7  # the measured budget, never past the cap
 
 
 def test_a_request_cancelled_during_its_chunked_prefill_stops_there(chunked) -> None:

@@ -166,6 +166,7 @@ class GenerationEngine(RequestOutcomes):
                     "tokens_in_flight": self._tokens_in_flight,
                     "max_batch_size": self.max_batch_size, "max_tokens_in_flight": self.max_tokens_in_flight,
                     "cache_rows": rows_cap, "cache_positions": positions_cap, "closed": self._closed,
+                    "prefill_budget_tokens": self._budget.tokens(decoding=True),  # beside running streams now
                     **self._counters}
 
     def close(self) -> None:
