@@ -251,7 +251,9 @@ class DecodeLayout:
             groups = span_groups(at)
             if len(groups) > 1:
                 self.groups, self.spans = groups, [max(at[row] for row in group) + 1 for group in groups]
-        self.index = [torch.tensor(group, device=positions.device) for group in self.groups]
+        self.index: list[torch.Tensor] = []  # only for several groups: a host-to-device copy would fail a capture
+        if len(self.groups) > 1:
+            self.index = [torch.tensor(group, device=positions.device) for group in self.groups]
         self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
 
     def clean(self, cache: SlotCache) -> None:
