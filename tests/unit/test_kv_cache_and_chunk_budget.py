@@ -36,13 +36,13 @@ def test_a_reader_zeroes_only_the_gaps_below_its_span_and_never_a_live_position(
     cache.reserve(4, 512)
     written(cache, 0, 300, 1.0)
     written(cache, 1, 20, 2.0)
-    cache.clean_to(3, 301)  # a decode step over rows 0-2 reading positions 0..300 (row 0 writes position 300)
+    cache.clean_to(range(3), 301)  # a decode step over rows 0-2 reading positions 0..300 (row 0 writes position 300)
     assert cache.clean == [301 + CLEAN_AHEAD] * 3 + [0]
     assert (cache.keys[:, 0, :, :300] == 1).all()  # what row 0 holds is untouched
     assert (cache.keys[:, 1, :, :20] == 2).all() and (cache.keys[:, 1, :, 20:301 + CLEAN_AHEAD] == 0).all()
     assert (cache.values[:, 2, :, :301 + CLEAN_AHEAD] == 0).all() and cache.keys[:, 2, :, 400:].isnan().all()
     assert cache.keys[:, 3].isnan().all()  # not read: not zeroed
-    cache.clean_to(3, 300)
+    cache.clean_to(range(3), 300)
     assert cache.clean == [301 + CLEAN_AHEAD] * 3 + [0]  # nothing more to do
 
 

@@ -202,7 +202,7 @@ class StaticDecoder:
             inputs = self.inputs[bucket] = StaticInputs.empty(bucket, self.runner.device)
         inputs.fill([s.tokens[-1] for s in rows], [s.position for s in rows], params)
         # Every bucket row is read over the whole capacity: zero any gaps now, not inside a capture.
-        self.runner.clean_to(bucket, self.runner.capacity[1])
+        self.runner.clean_to(range(bucket), self.runner.capacity[1])
         # Streams, captures and replays on the runner's own GPU, whichever is current on this thread.
         with torch.cuda.device(self.runner.device) if self.capture else contextlib.nullcontext():
             graph = self._graph(bucket, inputs) if self.capture else None

@@ -18,7 +18,7 @@ from core.architectures import LLAMA_FAMILY, SERVED_MODEL_TYPES
 from worker.engines.decoder_weights import DecoderWeights, load_decoder
 from worker.engines.device import DevicePlan, linear
 from worker.engines.gpt2_weights import ACTIVATIONS, load_gpt2, model_type
-from worker.engines.kv_cache import DecodeLayout, PrefillLayout, SlotCache, trim_heap
+from worker.engines.kv_cache import DecodeLayout, PrefillLayout, SlotCache, sees, trim_heap
 from worker.engines.lm_loading import Gpt2Runner
 from worker.engines.lora_rows import RunnerLora
 
@@ -134,8 +134,7 @@ class DecoderRunner(SlotCache):
             positions.append(layout.positions.view(-1))
             if not layout.chunked:
                 at = torch.arange(layout.width, device=self.device)
-                causal = at[None] <= at[:, None]
-                prefill_masks = {window: causal & (at[None] > at[:, None] - window) for window in self._windows()}
+                prefill_masks = {window: sees(at, layout.width, window) for window in self._windows()}
         flat_ids = ids[0] if len(ids) == 1 else torch.cat(ids)
         if self.lora is not None:  # one plan per forward, shared by every layer
             self.lora.begin(batch, layout.count if layout else 0, layout.width if layout else 0)

@@ -190,11 +190,12 @@ class GenerationEngine(RequestOutcomes):
                     flagged = self._flagged()
                     self._start(self._admit(flagged))
                     self._poll_cancelled(flagged)
-                    chunks = self._prefilling.plan(self._budget.tokens(decoding=bool(self._rows)))
-                    if self._rows or chunks:
-                        started, decoded = time.perf_counter(), bool(self._rows)
+                    decoding = bool(self._rows)
+                    chunks = self._prefilling.plan(self._budget.tokens(decoding))
+                    if decoding or chunks:
+                        started = time.perf_counter()
                         self._step(chunks)
-                        self._budget.observe(time.perf_counter() - started, decoded,
+                        self._budget.observe(time.perf_counter() - started, decoding,
                                              sum(c.end - c.start for c in chunks))
                 except Exception as error:  # noqa: BLE001 - a failed forward fails its batch, not the engine
                     self._reset(error)

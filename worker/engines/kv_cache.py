@@ -14,6 +14,15 @@ CLEAN_AHEAD = 64
 SPLIT_RATIO, SPLIT_MIN = 2, 256
 
 
+def sees(at: torch.Tensor, span: int, window: int | None) -> torch.Tensor:
+    """[len(at), span]: a query at position at[i] sees positions 0..at[i] (only the last `window` of them)."""
+    seen = torch.arange(span, device=at.device)[None]
+    visible = seen <= at[:, None]
+    if window:
+        visible &= seen > at[:, None] - window
+    return visible
+
+
 def _next_pow2(value: int) -> int:
     return 1 << max(0, value - 1).bit_length()
 
@@ -86,15 +95,14 @@ class SlotCache:
             self.clean = []
             trim_heap()
 
-    def clean_to(self, rows: int | Iterable[int], span: int) -> None:
-        """Make positions 0..span-1 of rows 0..rows-1 (or of the rows listed) finite before attention reads them,
-        zeroing only the gaps.
+    def clean_to(self, rows: Iterable[int], span: int) -> None:
+        """Make positions 0..span-1 of `rows` finite before attention reads them, zeroing only the gaps.
 
         Call it outside a CUDA graph capture: a captured zeroing would run again on every replay.
         """
         assert self.keys is not None
         length = self.keys.shape[3]
-        for row in range(rows) if isinstance(rows, int) else rows:
+        for row in rows:
             if self.clean[row] < span:
                 self._zero(row, min(length, span + CLEAN_AHEAD))
 
@@ -207,13 +215,8 @@ class PrefillLayout:
         None where that is plain causal attention (a first chunk, no window)."""
         if not start and not window:
             return None
-        device = self.positions.device
-        at = torch.arange(start, start + length, device=device)[:, None]
-        seen = torch.arange(start + length, device=device)[None]
-        visible = seen <= at
-        if window:
-            visible &= seen > at - window
-        return visible[None, None]
+        at = torch.arange(start, start + length, device=self.positions.device)
+        return sees(at, start + length, window)[None, None]
 
     def picked(self, batch: int, device: torch.device) -> torch.Tensor:
         """Flat token indices that need logits: the `batch` decode rows first, then each prompt's last position."""
@@ -286,9 +289,5 @@ class DecodeLayout:
         found = self._masks.get((group, window))
         if found is None:
             positions = self.positions if len(self.groups) == 1 else self.positions.index_select(0, self.index[group])
-            seen = torch.arange(self.spans[group], device=positions.device)[None]
-            visible = seen <= positions[:, None]
-            if window:
-                visible &= seen > positions[:, None] - window
-            found = self._masks[(group, window)] = visible[:, None, None]
+            found = self._masks[(group, window)] = sees(positions, self.spans[group], window)[:, None, None]
         return found

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -199,11 +199,14 @@ class Gpt2Runner(SlotCache):
 
         def attend(index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
             out = []
+
+            def sdpa(*qkv: torch.Tensor, **mask: Any) -> torch.Tensor:  # this layer's attention scale
+                return self._attention(*qkv, index, **mask)
+
             if decode is not None:
                 self.write_decode(index, slots, key[:batch], value[:batch])
                 q = query[:batch].view(batch, self.n_head, 1, self.head_dim)
-                attended = rows.attend(lambda *qkv, **mask: self._attention(*qkv, index, **mask), q, keys, values,
-                                       index, None)
+                attended = rows.attend(sdpa, q, keys, values, index, None)
                 out.append(attended.reshape(batch, self.n_embd))
             if layout is not None:
                 shape = (layout.count, layout.width, self.n_head, self.head_dim)
@@ -211,8 +214,7 @@ class Gpt2Runner(SlotCache):
                 layout.store(keys, index, k)
                 layout.store(values, index, v)
                 if layout.chunked:  # chunks read their rows' cache: earlier chunks of the same prompt are there
-                    attended = layout.attend(lambda *qkv, **mask: self._attention(*qkv, index, **mask), q, keys,
-                                             values, index, None)
+                    attended = layout.attend(sdpa, q, keys, values, index, None)
                 else:
                     attended = self._attention(q, k, v, index, is_causal=True)
                 out.append(attended.transpose(1, 2).reshape(layout.count * layout.width, self.n_embd))
