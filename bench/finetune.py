@@ -124,7 +124,7 @@ def run_engine(train_file: Path, dev_file: Path, work: Path, args: argparse.Name
     """The engine's train() on the rows, with dev evaluated inside (excluded from samples/s)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from worker.engines.training import TrainConfig, train
+    from worker.engines.training.classifier import TrainConfig, train
 
     config = TrainConfig(
         base_model=str(args.model_folder), train_file=train_file, eval_file=dev_file,

@@ -29,7 +29,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast  # noqa:
 
 from core.paths import GPT2_TOKENIZER_DIR  # noqa: E402
 from worker.engines.device import resolve_device  # noqa: E402
-from worker.engines.generation import GenerationEngine, SamplingParams  # noqa: E402
+from worker.engines.serving.engine import GenerationEngine, SamplingParams  # noqa: E402
 
 BASELINE = "sequential-hf-generate"
 BATCHED = "batched-hf-generate"

@@ -7,7 +7,7 @@
 #   2. generation tokens/s at 1, 32 and 128 concurrent requests: the engine vs sequential and batched
 #      `model.generate` (GPT-2 small shape, bf16), with the engine's time to first token;
 #   3. `trainserve worker --device cuda:N` sees exactly that GPU (and --device cpu none);
-#   4. decode steps as CUDA graphs (TRAINSERVE_CUDA_GRAPHS, worker/engines/cuda_graphs.py): the engine's tokens/s at
+#   4. decode steps as CUDA graphs (TRAINSERVE_CUDA_GRAPHS, worker/engines/serving/runners/cuda_graphs.py): the engine's tokens/s at
 #      1 and 32 concurrent requests with graphs on and off, greedy outputs compared, graphs captured (GPT-2 small
 #      shape, bf16; the smoke run takes the same padded step uncaptured on the CPU).
 # Prints one table; writes it and the details (JSON, the full log) under $OUT when set (part 4's JSON stays in

@@ -1,6 +1,6 @@
 """Benchmark: a LoRA fine-tune against the full fine-tune of the same causal LM, tokens/s and peak memory.
 
-Both sides are the engine's own causal-LM run (`worker.engines.lm_training.train_lm`) on the same Llama-shaped
+Both sides are the engine's own causal-LM run (`worker.engines.training.causal_lm.train_lm`) on the same Llama-shaped
 model (`bench/generate.py --arch llama`'s: 12 layers, hidden 768, 12 query / 4 kv heads, SwiGLU 2048, tied
 embedding, ~115M parameters, random weights from seed 0; `--layers` for a smaller one), the same corpus
 (`examples/data/tinyshakespeare_sample.txt`), block size, batch, precision and number of optimizer steps:
@@ -42,7 +42,7 @@ def one_run(args: argparse.Namespace) -> None:
     import torch
 
     from core.adapters import AdapterConfig
-    from worker.engines.lm_training import LMTrainConfig, train_lm
+    from worker.engines.training.causal_lm import LMTrainConfig, train_lm
 
     torch.manual_seed(0)
     adapter = AdapterConfig(r=args.lora_r, alpha=2 * args.lora_r, dropout=0.0) if args.side == "lora" else None

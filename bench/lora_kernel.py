@@ -1,4 +1,4 @@
-"""Batched LoRA (worker.engines.lora_batch.lora_delta) against the base projection alone, for one projection of a
+"""Batched LoRA (worker.engines.serving.lora.adapter_slots.lora_delta) against the base projection alone, for one projection of a
 decode step of `--rows` rows mixing 1, 4 and 16 adapters.
 
 Prints, per adapter count, the median time of: `base` (x W^T, the named baseline), `batched` (x W^T plus
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from worker.engines.lora_batch import lora_delta, plan_rows
+from worker.engines.serving.lora.adapter_slots import lora_delta, plan_rows
 
 
 def _median_ms(fn, repeats: int) -> float:

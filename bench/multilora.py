@@ -31,8 +31,8 @@ from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from tests.tiny_llama import save_tokenizer  # noqa: E402
-from worker.engines.generation import SamplingParams  # noqa: E402
-from worker.engines.lora_engine import LoraGenerationEngine  # noqa: E402
+from worker.engines.serving.engine import SamplingParams  # noqa: E402
+from worker.engines.serving.lora.lora_engine import LoraGenerationEngine  # noqa: E402
 
 BASELINE = "base"
 COUNTS = (1, 4, 16)

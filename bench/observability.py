@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from worker.engines.loop import TrainCallbacks
+from worker.engines.training.loop import TrainCallbacks
 from worker.training.prometheus import TrainingMetrics
 from worker.training.tensorboard import TensorBoardSink
 

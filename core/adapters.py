@@ -2,7 +2,7 @@
 
 The models are plain pydantic (no torch), so the job spec's union can embed them and the API can refuse a bad
 adapter before a job is queued; the worker turns an `AdapterConfig` into a `peft.LoraConfig`
-(worker.engines.adapters).
+(worker.engines.training.adapters).
 """
 
 from __future__ import annotations

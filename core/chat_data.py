@@ -5,7 +5,7 @@ A `.jsonl` upload whose first record has `messages` is a chat dataset (format "c
 completion dataset ("completion"). Every other JSON Lines file stays a table. Each line is checked as it streams
 (roles, string contents, an assistant turn to learn from, `weight` 0 or 1 on assistant turns only), and every
 defect is a ValidationFailed('file', 'line N: ...'). Whether the base model's chat template renders a
-conversation is checked by the worker, which has the tokenizer (worker.engines.chat_render).
+conversation is checked by the worker, which has the tokenizer (worker.engines.training.chat_render).
 """
 
 from __future__ import annotations

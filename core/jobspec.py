@@ -7,7 +7,7 @@ it always was); each kind is a `JobSpec` subclass whose `hyperparameters` is tha
 
 `KINDS` is the registry: kind -> `JobKind` (spec model, eval metrics and which way each is better, the
 metric_for_best choices). The worker keys its engine pieces (config, Task) by the same names
-(worker.engines.kinds). Adding a kind is one `register` here and one there; a kind shipped outside this
+(worker.engines.training.kinds). Adding a kind is one `register` here and one there; a kind shipped outside this
 package lives in a module named by TRAINSERVE_JOB_KIND_MODULES, which the API imports when it builds its app
 and every worker when it starts (`load_kind_modules`). The request body (`JobCreate`) validates against the
 kinds registered when a request arrives, and the OpenAPI document lists those registered when it is built.
@@ -142,7 +142,7 @@ class JobKind:
     spec: type[JobSpec]
     metrics: Mapping[str, bool]  # the eval metrics it reports -> whether greater is better (metric_for_best)
     holds_out_eval: bool = False  # without an eval_dataset it evaluates on a share of the training data
-    # A kind from a plugin module: the module that registers its engine pieces (worker.engines.kinds), which
+    # A kind from a plugin module: the module that registers its engine pieces (worker.engines.training.kinds), which
     # only workers import, so the API process never loads the ML stack. None: built in (registered there).
     engine_module: str | None = None
 

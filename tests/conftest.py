@@ -223,7 +223,7 @@ def _poisoned_kv_cache(monkeypatch: pytest.MonkeyPatch) -> None:
         return
     import torch
 
-    from worker.engines.kv_cache import SlotCache
+    from worker.engines.serving.caches.slot_cache import SlotCache
 
     def poisoned(self: SlotCache, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.full(shape, float("nan"), dtype=self.dtype, device=self.device)

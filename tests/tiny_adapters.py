@@ -16,7 +16,7 @@ ADAPTERS = {"wide": AdapterConfig(r=4, alpha=8, target_modules="all-linear"),
 
 def make_adapters(base: Path, root: Path, configs: dict[str, AdapterConfig] = ADAPTERS) -> dict[str, Path]:
     """PEFT adapter folders root/<name> over `base`, each with a random B (PEFT starts B at zero: no effect)."""
-    from worker.engines import adapters
+    from worker.engines.training import adapters
 
     folders = {}
     for seed, (name, config) in enumerate(configs.items()):

@@ -1,5 +1,5 @@
 """The engine side of the toy job kind (tests.toy_kind): its frozen config and the loop's Recipe, registered in
-worker.engines.kinds at import (a worker imports this module because the kind's core entry names it)."""
+worker.engines.training.kinds at import (a worker imports this module because the kind's core entry names it)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 from core.hyperparams import default
 from core.tabular import read_table
 from tests.toy_kind import TOY, ToyHyperparameters
-from worker.engines import artifacts
-from worker.engines.kinds import EngineKind, register
-from worker.engines.loop import RunConfig, Setup
+from worker.engines.training import artifacts
+from worker.engines.training.kinds import EngineKind, register
+from worker.engines.training.loop import RunConfig, Setup
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,7 @@ def _load_job_kinds() -> None:
 
     modules = get_settings().job_kind_module_names
     if modules:
-        from worker.engines.kinds import load_plugins
+        from worker.engines.training.kinds import load_plugins
 
         load_plugins(modules)
 

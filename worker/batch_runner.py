@@ -83,7 +83,7 @@ def completion_body(line: PlannedLine, result: Any, rid: str) -> dict[str, Any]:
 
 
 def _prompt_ids(engine: Any, line: PlannedLine, request_id: str) -> list[int] | LineError:
-    from worker.engines.batch import context_overflow  # the engine is loaded (and torch with it) by now
+    from worker.engines.serving.requests import context_overflow  # the engine is loaded (and torch with it) by now
 
     assert line.params is not None and line.path is not None
     if line.messages is not None:
@@ -107,7 +107,7 @@ def _prompt_ids(engine: Any, line: PlannedLine, request_id: str) -> list[int] | 
 
 def _submit(engine: Any, ids: list[int], line: PlannedLine, request_id: str) -> Future[Any]:
     """Submit, waiting while the engine's queue is full (interactive requests fill it first)."""
-    from worker.engines.generation import QueueFull
+    from worker.engines.serving.engine import QueueFull
 
     while True:
         try:
@@ -235,7 +235,7 @@ def run_embeddings(ctx: WorkerContext, batch_id: str, lines: list[tuple[int, Pla
                    ) -> dict[int, Outcome]:
     """Embed the chunk's lines: inputs of every line with the same model and `dimensions` in length-sorted groups
     of EMBED_GROUP, each followed by Pacer.give_way; a refused input fails its line only."""
-    from worker.engines.embed import EmbeddingRefused
+    from worker.engines.serving.embed import EmbeddingRefused
 
     outcomes: dict[int, Outcome] = {}
     groups: dict[tuple[str, int | None], list[tuple[int, PlannedLine, list[list[int]]]]] = {}

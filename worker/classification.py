@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 def _classifiers(ctx: WorkerContext) -> Any:
-    from worker.engines.classify import ClassifierCache
+    from worker.engines.serving.classify import ClassifierCache
 
     return ClassifierCache(device=ctx.settings.worker_device)
 

@@ -20,8 +20,8 @@ from worker.sync import fetch_model
 
 
 def _embedders(ctx: WorkerContext) -> Any:
-    from worker.engines.classify import ClassifierCache
-    from worker.engines.embed import Embedder
+    from worker.engines.serving.classify import ClassifierCache
+    from worker.engines.serving.embed import Embedder
 
     return ClassifierCache(device=ctx.settings.worker_device, load=Embedder)
 
@@ -35,13 +35,13 @@ def model_folder(ctx: WorkerContext, reference: str) -> Path:
 
 
 def embedder_for(ctx: WorkerContext, reference: str) -> Any:
-    """The process's worker.engines.embed.Embedder for an EmbedTask's model reference (loaded on first use)."""
+    """The process's worker.engines.serving.embed.Embedder for an EmbedTask's model reference (loaded on first use)."""
     return ctx.service("embedders", _embedders).get(model_folder(ctx, reference))
 
 
 def embed(ctx: WorkerContext, task: EmbedTask) -> EmbedResult:
     """The task's vectors (little-endian float32, base64) and token count; refusals name the request field."""
-    from worker.engines.embed import EmbeddingRefused
+    from worker.engines.serving.embed import EmbeddingRefused
 
     embedder = embedder_for(ctx, task.model)
     try:

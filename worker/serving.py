@@ -165,7 +165,7 @@ class GenerationService:
         return cls(ctx.settings, ctx.redis, ctx.storage)
 
     def _load(self, model: str) -> Any:
-        from worker.engines.lora_engine import LoraGenerationEngine
+        from worker.engines.serving.lora.lora_engine import LoraGenerationEngine
         from worker.training.config import job_base
 
         if is_job_model(model):  # a trained job's model (an adapter folded into its base): from the artifact store
@@ -233,7 +233,7 @@ class GenerationService:
             metrics.GEN_REQUESTS.labels(outcome.error.code).inc()
 
     def _run(self, engine: Any, task: GenerateTask, writer: EventWriter, remaining: float) -> BaseModel:
-        from worker.engines.batch import context_overflow  # the engine is loaded (and torch with it) by now
+        from worker.engines.serving.requests import context_overflow  # the engine is loaded (and torch with it) by now
 
         if task.messages is not None:
             rendered = render_chat(engine, task)
@@ -272,7 +272,7 @@ def render_chat(engine: Any, task: GenerateTask) -> list[int] | ErrorEvent:
     in the artifact store and is fetched by the worker), and the worker's ids equal
     `tokenizer.apply_chat_template` by construction, whatever Jinja extensions a template uses.
     """
-    from worker.engines.row_outputs import NoChatTemplate
+    from worker.engines.serving.sampling.row_outputs import NoChatTemplate
 
     try:
         return list(engine.encode_chat([m.model_dump() for m in task.messages or []]))
@@ -285,7 +285,7 @@ def render_chat(engine: Any, task: GenerateTask) -> list[int] | ErrorEvent:
 
 def _error(exc: Exception, request_id: str) -> ErrorEvent:
     """The engine's exceptions as wire errors: the worker's one mapping."""
-    from worker.engines.generation import DeadlineExceeded, QueueFull
+    from worker.engines.serving.engine import DeadlineExceeded, QueueFull
 
     if isinstance(exc, QueueFull):
         return ErrorEvent.of(ErrorCode.OVERLOADED, str(exc))

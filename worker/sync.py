@@ -19,7 +19,7 @@ from core.errors import DomainError, StorageUnavailable
 from core.paths import MANIFEST_NAME, job_checkpoints_dir, job_checkpoints_key, job_dir, job_model_key
 from core.settings import Settings
 from core.storage import ArtifactStore
-from worker.engines.artifacts import STATE, checkpoint_step, latest_checkpoint, list_checkpoints
+from worker.engines.training.artifacts import STATE, checkpoint_step, latest_checkpoint, list_checkpoints
 
 log = logging.getLogger(__name__)
 

@@ -171,7 +171,7 @@ def test_completions_refuse_more_than_five_logprobs(client, served):
 
 def test_the_worker_renders_chats_exactly_as_apply_chat_template(served):
     from core.protocol import ChatMessage, GenerateTask, SamplingParams
-    from worker.engines.generation import GenerationEngine
+    from worker.engines.serving.engine import GenerationEngine
     from worker.serving import render_chat
 
     tokenizer = AutoTokenizer.from_pretrained(served)

@@ -15,7 +15,7 @@ def test_tiny_fine_tune_on_cuda(tmp_path, precision):
     import torch
 
     from worker.engines.device import resolve_device
-    from worker.engines.training import TrainConfig, train
+    from worker.engines.training.classifier import TrainConfig, train
 
     plan = resolve_device("cuda:0", precision)
     if precision == "auto":

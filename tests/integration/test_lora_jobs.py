@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 from tests.integration.conftest import wait_for
 from tests.tiny_chat import chat_jsonl, preference_jsonl
-from worker.engines.chat_render import collate, render_chat
-from worker.engines.chat_training import assistant_loss
+from worker.engines.training.chat import assistant_loss
+from worker.engines.training.chat_render import collate, render_chat
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(480)]
 

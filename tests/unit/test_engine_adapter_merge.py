@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from core.adapters import AdapterConfig
 from tests.tiny_chat import QUESTIONS, build_tiny_llama
-from worker.engines.artifacts import MERGED_DIR, read_manifest
-from worker.engines.chat_training import ChatTrainConfig, train_chat
+from worker.engines.training.artifacts import MERGED_DIR, read_manifest
+from worker.engines.training.chat import ChatTrainConfig, train_chat
 
 
 def test_merge_writes_a_full_model_that_equals_base_plus_adapter(tmp_path: Path):

@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from core.adapters import AdapterConfig
 from tests.tiny_chat import CORPUS, build_tiny_llama
-from worker.engines import adapters
-from worker.engines.lm_training import LMTrainConfig, train_lm
+from worker.engines.training import adapters
+from worker.engines.training.causal_lm import LMTrainConfig, train_lm
 
 LORA = AdapterConfig(r=4, alpha=8, dropout=0.1, target_modules="all-linear")
 

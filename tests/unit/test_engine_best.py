@@ -9,8 +9,8 @@ import safetensors.torch
 import torch
 
 from tests.unit.test_engine_training import Recorder, make_config, tiny_model  # noqa: F401 - fixture
-from worker.engines.best import BestTracker
-from worker.engines.training import train
+from worker.engines.training.best import BestTracker
+from worker.engines.training.classifier import train
 
 
 def test_tracker_moves_on_any_gain_and_counts_patience_by_the_threshold():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.tiny_chat import CHATML_TEMPLATE, LLAMA3_TEMPLATE, build_chat_tokenizer
-from worker.engines.chat_render import IGNORE, render_chat, render_completion, render_preference, render_record
+from worker.engines.training.chat_render import IGNORE, render_chat, render_completion, render_preference, render_record
 
 END = {LLAMA3_TEMPLATE: "<|eot_id|>", CHATML_TEMPLATE: "<|im_end|>\n"}
 CONVERSATION = [

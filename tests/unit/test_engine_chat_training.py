@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.adapters import AdapterConfig, PreferenceConfig
 from tests.tiny_chat import build_tiny_llama
-from worker.engines import adapters
-from worker.engines.chat_render import IGNORE, collate, render_chat, render_preference
-from worker.engines.chat_training import ChatTrainConfig, assistant_loss, train_chat
-from worker.engines.dpo import preference_loss
+from worker.engines.training import adapters
+from worker.engines.training.chat import ChatTrainConfig, assistant_loss, train_chat
+from worker.engines.training.chat_render import IGNORE, collate, render_chat, render_preference
+from worker.engines.training.dpo import preference_loss
 
 LORA = AdapterConfig(r=4, alpha=8, dropout=0.0, target_modules="all-linear")
 QUESTIONS = ["What is two plus two?", "Name a colour", "How are you today?", "Hi"]

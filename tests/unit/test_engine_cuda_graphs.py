@@ -1,4 +1,4 @@
-"""The static-shape decode step (worker/engines/cuda_graphs.py) run uncaptured on the CPU: bucket choice, padding,
+"""The static-shape decode step (worker/engines/serving/runners/cuda_graphs.py) run uncaptured on the CPU: bucket choice, padding,
 and output equal to the ordinary decode path token for token (GPT-2 and a llama-family decoder, fp32)."""
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from core.protocol import Constraint
 from tests.tiny_adapters import make_adapters
 from tests.tiny_llama import build_tiny_decoder
 from tests.tiny_lm import build_tiny_gpt2
-from worker.engines import cuda_graphs
-from worker.engines.cuda_graphs import StaticDecoder, StaticInputs, bucket_for, buckets, static_decoder
 from worker.engines.device import resolve_device
-from worker.engines.generation import GenerationEngine, SamplingParams
-from worker.engines.gpt2_weights import load_gpt2
-from worker.engines.lm_loading import Gpt2Runner
-from worker.engines.lora_engine import LoraGenerationEngine
-from worker.engines.sampling import RowParams
+from worker.engines.serving.engine import GenerationEngine, SamplingParams
+from worker.engines.serving.lora.lora_engine import LoraGenerationEngine
+from worker.engines.serving.runners import cuda_graphs
+from worker.engines.serving.runners.cuda_graphs import StaticDecoder, StaticInputs, bucket_for, buckets, static_decoder
+from worker.engines.serving.runners.gpt2 import Gpt2Runner
+from worker.engines.serving.runners.gpt2_weights import load_gpt2
+from worker.engines.serving.sampling.sampler import RowParams
 
 PROMPTS = [
     "Hello",

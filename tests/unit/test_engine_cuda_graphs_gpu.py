@@ -1,4 +1,4 @@
-"""Decode steps replayed as CUDA graphs (worker/engines/cuda_graphs.py) equal the eager paths on CUDA, fp32."""
+"""Decode steps replayed as CUDA graphs (worker/engines/serving/runners/cuda_graphs.py) equal the eager paths on CUDA, fp32."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from tests.tiny_llama import build_tiny_decoder
 from tests.tiny_lm import build_tiny_gpt2
 from tests.unit.test_engine_cuda_graphs import arrive_mid_run
-from worker.engines.generation import GenerationEngine, SamplingParams
+from worker.engines.serving.engine import GenerationEngine, SamplingParams
 
 pytestmark = pytest.mark.gpu
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog and", "A",

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker.engines import data
+from worker.engines.training import tabular_data as data
 
 
 def test_batch_order_is_a_permutation_and_deterministic():

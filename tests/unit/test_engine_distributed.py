@@ -9,9 +9,9 @@ import pytest
 
 from tests.tiny_models import build_tiny_bert
 from tests.unit.test_engine_training import Recorder, make_config, write_tsv
-from worker.engines.distributed import Dist, shard, step_share
-from worker.engines.launch import train_on_devices
-from worker.engines.training import train
+from worker.engines.training.classifier import train
+from worker.engines.training.distributed import Dist, shard, step_share
+from worker.engines.training.launch import train_on_devices
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.engines.dropout import FastDropout, keep_mask, use_fast_dropout
+from worker.engines.training.dropout import FastDropout, keep_mask, use_fast_dropout
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])

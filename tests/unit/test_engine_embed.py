@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from core.pretrained import builtin_aliases
-from worker.engines.embed import EmbeddingRefused, EmbeddingSpec, pool, pooling_modes, read_spec
+from worker.engines.serving.embed import EmbeddingRefused, EmbeddingSpec, pool, pooling_modes, read_spec
 
 MODES = [("mean",), ("cls",), ("max",), ("mean_sqrt_len_tokens",), ("weightedmean",), ("lasttoken",),
          ("cls", "mean", "max")]
@@ -54,8 +54,8 @@ def test_a_lora_classifier_embeds_with_its_adapter_folded_in(tmp_path):
 
     from core.adapters import AdapterConfig
     from tests.tiny_models import build_tiny_bert
-    from worker.engines import adapters, artifacts
-    from worker.engines.embed import Embedder
+    from worker.engines.serving.embed import Embedder
+    from worker.engines.training import adapters, artifacts
 
     base = build_tiny_bert(tmp_path / "base", seed=5)
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification, BertModel
 
 from worker.engines.device import DevicePlan
-from worker.engines.encoder import attention_implementation, last_layer_at_cls
+from worker.engines.training.encoder import attention_implementation, last_layer_at_cls
 
 
 def tiny_classifier(attention: str, *, dropout: float = 0.0, seed: int = 0) -> BertForSequenceClassification:

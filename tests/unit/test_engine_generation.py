@@ -14,9 +14,10 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from tests.tiny_lm import build_tiny_gpt2
-from worker.engines import kv_cache
-from worker.engines.batch import AdapterUse, Request
-from worker.engines.generation import (
+from worker.engines.serving.caches import slot_cache as kv_cache
+from worker.engines.serving.caches.prefix_cache import BLOCK, PrefixCache, block_keys
+from worker.engines.serving.caches.slot_cache import SlotCache
+from worker.engines.serving.engine import (
     DeadlineExceeded,
     EngineClosed,
     GenerationEngine,
@@ -24,10 +25,9 @@ from worker.engines.generation import (
     QueueFull,
     SamplingParams,
 )
-from worker.engines.gpt2_weights import load_gpt2
-from worker.engines.kv_cache import SlotCache
-from worker.engines.lm_loading import Gpt2Runner
-from worker.engines.prefix_cache import BLOCK, PrefixCache, block_keys
+from worker.engines.serving.requests import AdapterUse, Request
+from worker.engines.serving.runners.gpt2 import Gpt2Runner
+from worker.engines.serving.runners.gpt2_weights import load_gpt2
 
 PROMPTS = [
     "Hello",
@@ -453,7 +453,7 @@ def test_packed_weights_replace_the_originals(model_dir, engine, hf) -> None:
 
 def test_the_engine_does_not_import_hf_modeling_code(model_dir) -> None:
     # HF's modeling imports pull scikit-learn, pandas and accelerate into the worker: ~200 MiB resident.
-    code = ("import sys; from worker.engines.generation import GenerationEngine; "
+    code = ("import sys; from worker.engines.serving.engine import GenerationEngine; "
             f"e = GenerationEngine({str(model_dir)!r}, device='cpu', max_batch_size=2); "
             "print(e.generate('Hi', __import__('core.protocol').protocol.SamplingParams(max_new_tokens=2, "
             "temperature=0)).completion_tokens); e.close(); "

@@ -12,8 +12,8 @@ from transformers.generation.logits_process import (
 )
 
 from tests.tiny_lm import ASSETS_TOKENIZER
-from worker.engines.detokenize import BytePieces, token_bytes
-from worker.engines.sampling import (
+from worker.engines.serving.sampling.detokenize import BytePieces, token_bytes
+from worker.engines.serving.sampling.sampler import (
     RowParams,
     SamplingParams,
     TextStream,

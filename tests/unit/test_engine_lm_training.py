@@ -24,9 +24,10 @@ from transformers import (
 
 from core.lm_config import DEFAULT_MODEL_CONFIG, resolve_block_size, validate_model_config
 from core.paths import GPT2_TOKENIZER_DIR
-from worker.engines import lm_data, lm_training
-from worker.engines.lm_training import LMTrainConfig, train_lm
-from worker.engines.loop import DoesNotFit, TrainCallbacks
+from worker.engines.training import causal_lm as lm_training
+from worker.engines.training import corpus_data as lm_data
+from worker.engines.training.causal_lm import LMTrainConfig, train_lm
+from worker.engines.training.loop import DoesNotFit, TrainCallbacks
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "examples" / "data" / "tinyshakespeare_sample.txt"

@@ -13,8 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from core.adapters import AdapterConfig
 from tests.tiny_chat import build_tiny_llama
-from worker.engines import adapters
-from worker.engines.lora_batch import (
+from worker.engines.serving.lora.adapter_slots import (
     AdapterCache,
     AdapterCacheFull,
     LoraSlots,
@@ -24,6 +23,7 @@ from worker.engines.lora_batch import (
     plan_rows,
     projection_shapes,
 )
+from worker.engines.training import adapters
 
 ADAPTERS = {"wide": AdapterConfig(r=4, alpha=8, target_modules="all-linear"),
             "narrow": AdapterConfig(r=2, alpha=6, target_modules=["q_proj", "v_proj", "down_proj"])}

@@ -13,8 +13,8 @@ import torch
 from core.adapters import AdapterConfig
 from tests.tiny_adapters import ADAPTERS, hf_greedy, make_adapters, peft_model
 from tests.tiny_llama import build_tiny_decoder
-from worker.engines.generation import SamplingParams
-from worker.engines.lora_engine import LoraGenerationEngine
+from worker.engines.serving.engine import SamplingParams
+from worker.engines.serving.lora.lora_engine import LoraGenerationEngine
 
 ARCHS = ["llama", "llama3", "qwen2", "qwen3"]  # GQA untied, MQA tied, biases + windows tied, q/k norms untied
 WAIT = 60

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from worker.engines.sparse_rows import RowSparseAdamW, clip_gradients
+from worker.engines.training.sparse_adamw import RowSparseAdamW, clip_gradients
 
 
 class Model(torch.nn.Module):

@@ -13,8 +13,8 @@ import torch
 from transformers import get_linear_schedule_with_warmup
 
 from tests.tiny_models import build_tiny_bert
-from worker.engines.classify import Classifier, ClassifierCache
-from worker.engines.training import TrainCallbacks, TrainConfig, classification_metrics, lr_at, train
+from worker.engines.serving.classify import Classifier, ClassifierCache
+from worker.engines.training.classifier import TrainCallbacks, TrainConfig, classification_metrics, lr_at, train
 
 POSITIVE = ["a great and wonderful film", "i loved it", "brilliant and moving", "superb acting , lovely story"]
 NEGATIVE = ["a terrible boring mess", "i hated it", "awful and painful", "the worst movie of the year"]

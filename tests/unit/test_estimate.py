@@ -23,8 +23,8 @@ import json, re, sys
 import torch
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 from worker.engines.device import resolve_device
-from worker.engines.loop import build_adamw, train_step
-from worker.engines.lm_training import next_token_loss
+from worker.engines.training.loop import build_adamw, train_step
+from worker.engines.training.causal_lm import next_token_loss
 
 torch.set_num_threads(1)
 kind, config, batch, seq = json.loads(sys.argv[1])

@@ -9,7 +9,7 @@ from core.adapters import AdapterConfig
 from core.estimate import adapter_parameter_count, architecture, training_memory
 from tests.tiny_chat import tiny_llama_config
 from tests.tiny_models import build_tiny_bert
-from worker.engines.adapters import apply_adapter
+from worker.engines.training.adapters import apply_adapter
 
 
 def _trainable(model) -> int:

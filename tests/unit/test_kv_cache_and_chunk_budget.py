@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.engines.kv_cache import CLEAN_AHEAD, SlotCache
-from worker.engines.prefill import FIRST_CHUNK, MIN_CHUNK, ChunkBudget
+from worker.engines.serving.caches.slot_cache import CLEAN_AHEAD, SlotCache
+from worker.engines.serving.prefill import FIRST_CHUNK, MIN_CHUNK, ChunkBudget
 
 
 class Cache(SlotCache):

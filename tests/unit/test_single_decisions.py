@@ -10,9 +10,9 @@ from app.sse import COMPACT, sse_comment, sse_message, sse_retry
 from core import redis_keys
 from core.capacity import DeviceCapacity
 from core.precision import auto_precision
-from worker.engines.batch import context_overflow
 from worker.engines.device import resolve_device
-from worker.engines.loop import checkpoint_due
+from worker.engines.serving.requests import context_overflow
+from worker.engines.training.loop import checkpoint_due
 
 
 @pytest.mark.parametrize(("facts", "expected"), [

@@ -1,5 +1,5 @@
 """A job kind added through the registry alone: its spec and engine in their own modules (tests.toy_kind,
-tests.toy_engine), registered in core.jobspec and worker.engines.kinds; nothing else knows it, yet it is
+tests.toy_engine), registered in core.jobspec and worker.engines.training.kinds; nothing else knows it, yet it is
 validated, stored, claimed, trained by the one loop, checkpointed, evaluated and saved. (The same kind on a
 worker process, loaded by TRAINSERVE_JOB_KIND_MODULES: tests/integration/test_job_kind_plugin.py.)
 """
@@ -20,8 +20,8 @@ TENANT = Principal(key_id="key", tenant_id="tenant-a", is_admin=False)  # the te
 @pytest.fixture(scope="module")
 def toy_kind():
     from tests import toy_engine, toy_kind  # importing registers the kind; the fixture takes it out again
-    from worker.engines.kinds import ENGINE_KINDS
-    from worker.engines.kinds import register as register_engine
+    from worker.engines.training.kinds import ENGINE_KINDS
+    from worker.engines.training.kinds import register as register_engine
 
     register(toy_kind.KIND)  # again: an earlier test may have removed it after importing the module
     register_engine(TOY, toy_engine.ENGINE)

@@ -125,7 +125,7 @@ def test_missing_dataset_fails_with_a_clear_error(client, runner, tiny_bert, set
 def test_out_of_memory_at_one_example_fails_the_job_with_code_oom(client, runner, tiny_bert, monkeypatch):
     import torch
 
-    from worker.engines import loop
+    from worker.engines.training import loop
 
     def step(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")

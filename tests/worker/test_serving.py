@@ -10,7 +10,7 @@ import pytest
 
 from core.protocol import SamplingParams
 from tests.tiny_lm import build_tiny_gpt2
-from worker.engines.generation import GenerationEngine
+from worker.engines.serving.engine import GenerationEngine
 from worker.serving import EngineRegistry, _footprint
 
 WAIT = 60

@@ -12,7 +12,7 @@ from core.errors import StorageUnavailable
 from core.paths import job_checkpoints_dir, job_dir
 from core.settings import Settings
 from core.storage import ArtifactStore, open_storage
-from worker.engines.artifacts import STATE, latest_checkpoint
+from worker.engines.training.artifacts import STATE, latest_checkpoint
 from worker.sync import clear_work, fetch_model, pull_checkpoint, push_checkpoint, push_model, stored_checkpoints
 
 JOB = "job_0123456789abcdef01234567"

@@ -138,7 +138,7 @@ def _time_cpu_matmuls(rounds: int = 6) -> tuple[float, float]:
     def step(dtype: torch.dtype) -> None:
         # Matmuls alone are not the whole story, so the calibration times what a training step does:
         # projections, attention as a bf16 CPU run computes it (matmul, softmax, matmul: see
-        # worker.engines.encoder; SDPA's bf16 backward is ~10x slower on CPUs), backward.
+        # worker.engines.training.encoder; SDPA's bf16 backward is ~10x slower on CPUs), backward.
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             projected = torch.nn.functional.linear(x, w)
             q, key, v = (part.reshape(-1, length, heads, k // heads).transpose(1, 2)

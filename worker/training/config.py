@@ -20,13 +20,13 @@ from core.served_models import is_job_model
 from core.settings import Settings
 from core.storage import ArtifactStore
 from core.store import datasets as dataset_store
-from worker.engines import kinds
-from worker.engines.adapters import ADAPTER_FILES, export_merged
-from worker.engines.artifacts import MANIFEST_NAME
-from worker.engines.loop import RunConfig
+from worker.engines.training import kinds
+from worker.engines.training.adapters import ADAPTER_FILES, export_merged
+from worker.engines.training.artifacts import MANIFEST_NAME
+from worker.engines.training.loop import RunConfig
 from worker.sync import fetch_model
 
-EngineConfig = RunConfig  # each kind's frozen config (worker.engines.kinds)
+EngineConfig = RunConfig  # each kind's frozen config (worker.engines.training.kinds)
 
 
 def build_config(settings: Settings, job: Job, train_path: Path, eval_path: Path | None, hashes: dict[str, str],

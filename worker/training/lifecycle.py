@@ -22,9 +22,9 @@ from core.store import jobs as store
 from core.sweeps import advance_and_send
 from worker.context import WorkerContext
 from worker.engines.device import release_memory, resolve_device
-from worker.engines.kinds import run_task
-from worker.engines.launch import train_on_devices
-from worker.engines.loop import TrainResult, run
+from worker.engines.training.kinds import run_task
+from worker.engines.training.launch import train_on_devices
+from worker.engines.training.loop import TrainResult, run
 from worker.metrics import JOB_DURATION, JOB_QUEUE_WAIT
 from worker.recovery import Heartbeat
 from worker.sync import clear_work, pull_checkpoint, push_model, storage_errors

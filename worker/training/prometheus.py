@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from worker.engines.loop import TrainCallbacks
+from worker.engines.training.loop import TrainCallbacks
 from worker.metrics import (
     DEVICE_MEMORY,
     JOBS_RUNNING,

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from core.rows import Job
-from worker.engines.artifacts import library_versions
+from worker.engines.training.artifacts import library_versions
 from worker.training.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -24,7 +24,7 @@ from core.rows import EventKind
 from core.settings import Settings
 from core.storage import ArtifactStore, open_storage
 from core.store import jobs as store
-from worker.engines.loop import TrainCallbacks, checkpoint_due
+from worker.engines.training.loop import TrainCallbacks, checkpoint_due
 from worker.training.progress import Eta, ProgressWriter
 from worker.training.publishing import CheckpointPublisher, artifact_row
 from worker.training.sinks import Observers, SweepPruning

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.rows import EventKind
 from core.sweeps import prune_reason
-from worker.engines.loop import TrainCallbacks
+from worker.engines.training.loop import TrainCallbacks
 
 log = logging.getLogger(__name__)
 

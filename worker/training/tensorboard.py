@@ -8,7 +8,7 @@ from typing import Any
 
 from core.paths import job_dir
 from core.settings import Settings
-from worker.engines.loop import TrainCallbacks
+from worker.engines.training.loop import TrainCallbacks
 
 log = logging.getLogger(__name__)
 

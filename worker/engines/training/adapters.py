@@ -1,0 +1,115 @@
+"""LoRA adapters through PEFT: wrap a model, checkpoint only what trains, save the adapter folder, merge on request.
+
+A LoRA job's model is the base model (frozen, never copied) plus the adapter: for each targeted linear layer W,
+trainable A (r x in) and B (out x r, zero at the start, so training starts from the base exactly) and the forward
+W x + B A x * alpha / r. The optimizer sees the adapter only (the loop's AdamW takes the parameters that require
+grad), a checkpoint holds the adapter only (worker.engines.training.artifacts), and the artifact is PEFT's own folder
+(adapter_config.json, adapter_model.safetensors) with the tokenizer and the manifest, which
+`PeftModel.from_pretrained(base, folder)` loads. A classification job also trains (and saves) its new head.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftConfig, PeftModel, TaskType, get_peft_model
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+
+from core.adapters import ALL_LINEAR, AdapterConfig
+from worker.engines.training import artifacts
+
+TASK_TYPES = {"causal-lm": TaskType.CAUSAL_LM, "text-classification": TaskType.SEQ_CLS}
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def lora_config(adapter: AdapterConfig, task: str) -> LoraConfig:
+    """PEFT's LoraConfig for an adapter of a causal-LM or classification job."""
+    if task not in TASK_TYPES:
+        raise ValueError(f"adapters train causal-lm and text-classification models, not {task!r}")
+    targets: str | list[str] = ALL_LINEAR if adapter.target_modules == ALL_LINEAR else list(adapter.target_modules)
+    return LoraConfig(task_type=TASK_TYPES[task], r=adapter.r, lora_alpha=adapter.alpha,
+                      lora_dropout=adapter.dropout, target_modules=targets, bias="none")
+
+
+def apply_adapter(model: PreTrainedModel, adapter: AdapterConfig, task: str) -> PeftModel:
+    """The model with a fresh LoRA adapter (from the seeded torch RNG); only the adapter (and a new head) trains."""
+    try:
+        return get_peft_model(model, lora_config(adapter, task))
+    except ValueError as exc:  # PEFT names the modules it could not find
+        raise ValueError(f"adapter.target_modules: {exc}") from exc
+
+
+def is_adapted(model: torch.nn.Module) -> bool:
+    """True for a model wrapped with an adapter."""
+    return isinstance(model, PeftModel)
+
+
+def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors an adapted model's checkpoint holds: those that train (the adapter, a new head)."""
+    return {name: param.detach().contiguous() for name, param in model.named_parameters() if param.requires_grad}
+
+
+def load_trainable(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Put a checkpoint's trainable tensors back; refuse one that does not hold exactly this model's."""
+    expected = set(trainable_tensors(model))
+    if set(tensors) != expected:
+        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        raise ValueError(f"the checkpoint's adapter does not match this run's (missing {missing[:3]}, "
+                         f"unexpected {extra[:3]}); use an empty checkpoint_dir to start over")
+    model.load_state_dict(tensors, strict=False)
+
+
+def adapter_summary(model: PeftModel, adapter: AdapterConfig) -> dict[str, Any]:
+    """The manifest's `adapter` entry: settings, resolved target modules and sizes."""
+    config = model.peft_config["default"]
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    resolved = sorted({name.rsplit(".", 1)[-1] for name in config.target_modules})  # q_proj, not its full path
+    return {**adapter.model_dump(), "target_modules_resolved": resolved,
+            "trainable_parameters": trainable, "total_parameters": total}
+
+
+def save_adapter(output_dir: Path, model: PeftModel, tokenizer: Any, manifest: dict[str, Any]) -> Path:
+    """The adapter folder (PEFT's files), the tokenizer and the manifest (written last, as the completion mark)."""
+    return artifacts.save_final(output_dir, model, tokenizer, manifest)
+
+
+def adapter_bytes(folder: Path) -> int:
+    """Size of an adapter folder's weights, for the dashboard and the manifest."""
+    return (Path(folder) / ADAPTER_FILES[1]).stat().st_size
+
+
+def load_adapted(folder: Path, *, trainable: bool = False) -> PeftModel:
+    """The base model named in an adapter folder's config with that adapter on top (eval mode unless trainable)."""
+    manifest = artifacts.read_manifest(folder) or {}
+    task = manifest.get("task", "causal-lm")
+    auto = AutoModelForSequenceClassification if task == "text-classification" else AutoModelForCausalLM
+    base_source = base_model_of(folder)
+    kwargs: dict[str, Any] = {}
+    if task == "text-classification" and manifest.get("labels") is not None:
+        kwargs["num_labels"] = len(manifest["labels"])
+    base = auto.from_pretrained(base_source, trust_remote_code=False, use_safetensors=True, **kwargs)
+    return PeftModel.from_pretrained(base, str(folder), is_trainable=trainable)
+
+
+def base_model_of(folder: Path) -> str:
+    """The base model an adapter folder was trained on (adapter_config.json's base_model_name_or_path)."""
+    base = PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
+    if not base:
+        raise ValueError(f"{folder} names no base model in adapter_config.json")
+    return str(base)
+
+
+def export_merged(folder: Path, output_dir: Path) -> Path:
+    """A full model with the adapter folded into its weights (W + B A alpha / r), tokenizer and manifest."""
+    model = load_adapted(folder).merge_and_unload()
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output_dir, safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(folder)).save_pretrained(output_dir)
+    manifest = dict(artifacts.read_manifest(folder) or {})
+    manifest["merged_from_adapter"] = manifest.pop("adapter", None)
+    artifacts.write_manifest(output_dir, manifest)
+    return output_dir

@@ -1,0 +1,213 @@
+"""Checkpoints (atomic, resumable), the final model folder and its manifest."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import re
+import shutil
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import safetensors.torch
+import torch
+import transformers
+
+from core.paths import MANIFEST_NAME
+from worker.engines.device import DevicePlan
+
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+ADAPTER_WEIGHTS = "adapter.safetensors"  # an adapter run's checkpoint: its trainable tensors only
+STATE = "state.json"  # written last inside a checkpoint: its presence marks a complete one
+
+
+MERGED_DIR = "merged"  # an adapter artifact's full-model copy, when its adapter asks for one (merge: true)
+
+def checkpoint_path(checkpoint_dir: Path, step: int) -> Path:
+    """Folder of the checkpoint taken after optimizer step `step`."""
+    return Path(checkpoint_dir) / f"checkpoint-{step}"
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint folder's name (checkpoint-<step>), or None for any other name."""
+    match = _CHECKPOINT.match(name)
+    return int(match.group(1)) if match else None
+
+
+def list_checkpoints(checkpoint_dir: Path) -> list[Path]:
+    """Complete checkpoints under checkpoint_dir, oldest step first."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        step = checkpoint_step(child.name)
+        if step is not None and (child / STATE).is_file():
+            found.append((step, child))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
+    """The most recent complete checkpoint, or None."""
+    checkpoints = list_checkpoints(checkpoint_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def save_checkpoint(checkpoint_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scaler: torch.amp.GradScaler, plan: DevicePlan, state: dict[str, Any],
+                    keep_steps: set[int] | frozenset[int] = frozenset()) -> Path:
+    """Write weights, optimizer/scaler/RNG state and loop state atomically; prune all but it and `keep_steps`."""
+    root = Path(checkpoint_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(root, step)
+    for stale in root.glob(".tmp-checkpoint-*"):  # left by a process that died mid-write
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    tmp.mkdir()
+    if hasattr(model, "peft_config"):  # an adapter run: the frozen base is the base model's own file
+        from worker.engines.training.adapters import trainable_tensors  # PEFT is imported by adapter runs only
+
+        safetensors.torch.save_file(trainable_tensors(model), str(tmp / ADAPTER_WEIGHTS))
+    else:  # save_model/load_model handle shared tensors, so any architecture round-trips exactly.
+        safetensors.torch.save_model(model, str(tmp / "model.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scaler.state_dict(), tmp / "scaler.pt")
+    torch.save(_rng_state(plan), tmp / "rng.pt")
+    (tmp / STATE).write_text(json.dumps(dict(state, step=step), indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)  # a rename within one folder: readers see all of it or none
+    # The new one is complete before anything goes: a crash mid-prune leaves extra folders, never none.
+    for old in list_checkpoints(root):
+        if old != final and checkpoint_step(old.name) not in keep_steps:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_weights(path: Path, model: torch.nn.Module, plan: DevicePlan) -> None:
+    """Load only a checkpoint's model weights (the best evaluation's, to be saved as the final model)."""
+    if hasattr(model, "peft_config"):
+        from worker.engines.training.adapters import load_trainable  # PEFT is imported by adapter runs only
+
+        load_trainable(model, safetensors.torch.load_file(str(Path(path) / ADAPTER_WEIGHTS), device=plan.device))
+        return
+    safetensors.torch.load_model(model, str(Path(path) / "model.safetensors"), strict=True, device=plan.device)
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scaler: torch.amp.GradScaler, plan: DevicePlan) -> dict[str, Any]:
+    """Restore a checkpoint into model/optimizer/scaler and the RNGs; return the loop state."""
+    path = Path(path)
+    load_weights(path, model, plan)
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=plan.device, weights_only=True))
+    scaler_state = torch.load(path / "scaler.pt", weights_only=True)
+    if scaler_state:
+        scaler.load_state_dict(scaler_state)
+    _set_rng_state(torch.load(path / "rng.pt", weights_only=True), plan)
+    return json.loads((path / STATE).read_text())
+
+
+def _rng_state(plan: DevicePlan) -> dict[str, Any]:
+    # Plain tensors, lists and numbers only, so torch.load(weights_only=True) can read it back.
+    py_version, py_internal, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [py_version, list(py_internal), py_gauss],
+        "numpy": [np_name, torch.from_numpy(np.asarray(np_keys, dtype=np.int64)), np_pos, np_has_gauss, np_gauss],
+        "torch": torch.get_rng_state(),
+    }
+    if plan.is_cuda:
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], plan: DevicePlan) -> None:
+    py_version, py_internal, py_gauss = state["python"]
+    random.setstate((py_version, tuple(py_internal), py_gauss))
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
+    np.random.set_state((np_name, np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
+    torch.set_rng_state(state["torch"])
+    if plan.is_cuda and "cuda" in state and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def build_manifest(*, base_model: str | None, base_model_name: str, labels: list[int | str] | None = None,
+                   hyperparameters: dict[str, Any], dataset_hashes: dict[str, str],
+                   metrics: dict[str, float], plan: DevicePlan,
+                   task: str = "text-classification", data: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The self-description stored next to a trained model (labels only for tasks that have them)."""
+    manifest: dict[str, Any] = {
+        "task": task,
+        "base_model": base_model,
+        "base_model_name": base_model_name or base_model,
+    }
+    if labels is not None:
+        manifest["labels"] = list(labels)
+    if data is not None:
+        manifest["data"] = data
+    return manifest | {
+        "hyperparameters": hyperparameters,
+        "dataset_hashes": dict(dataset_hashes),
+        "metrics": metrics,
+        "versions": library_versions(),
+        "device": plan.device,
+        "precision": plan.precision,
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of what decides a run's numbers: the manifest and the job's receipt record them."""
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "datasets": datasets.__version__,
+            "python": platform.python_version()}
+
+
+def save_final(output_dir: Path, model: transformers.PreTrainedModel, tokenizer: Any,
+               manifest: dict[str, Any], *, merged: bool = False) -> Path:
+    """Save model and tokenizer with save_pretrained, then the manifest last as the completion mark.
+
+    `merged` (an adapted model whose adapter asks for it): also the base with the adapter folded in, a full
+    model, in merged/ (PEFT's merge_and_unload, which consumes the wrapper: call it last).
+    """
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output_dir, safe_serialization=True)
+    tokenizer.save_pretrained(output_dir)
+    if merged:
+        folder = output_dir / MERGED_DIR
+        model.merge_and_unload().save_pretrained(folder, safe_serialization=True)  # type: ignore[operator]
+        tokenizer.save_pretrained(folder)
+        manifest["merged"] = MERGED_DIR  # in place: the caller returns (and may rewrite) this manifest
+    write_manifest(output_dir, manifest)
+    return output_dir
+
+
+def write_manifest(output_dir: Path, manifest: dict[str, Any]) -> Path:
+    """Write manifest.json atomically (tmp file, then rename)."""
+    target = Path(output_dir) / MANIFEST_NAME
+    tmp = target.with_name(f".{MANIFEST_NAME}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, target)
+    return target
+
+
+def read_manifest(model_dir: Path) -> dict[str, Any] | None:
+    """The manifest of a model folder, or None when it has none."""
+    path = Path(model_dir) / MANIFEST_NAME
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def resume_state(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler, plan: DevicePlan, identity: dict[str, Any]) -> dict[str, Any]:
+    """Load a checkpoint into the run and return its saved state, refusing one written by a different run."""
+    state = load_checkpoint(checkpoint, model, optimizer, scaler, plan)
+    for key, expected in identity.items():
+        if state.get(key) != expected:
+            raise ValueError(f"{checkpoint} was written with {key}={state.get(key)!r}, this run has "
+                             f"{expected!r}; use an empty checkpoint_dir to start over")
+    return state

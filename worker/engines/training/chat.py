@@ -1,0 +1,200 @@
+"""Fine-tune a causal LM on conversations (loss on assistant turns) or on preference pairs (DPO): a task of the loop.
+
+The data is a chat, completion or preference dataset (core.chat_data), each record rendered with the base model's
+chat template (worker.engines.training.chat_render); records whose replies fall past max_length are left out and counted.
+With `adapter` the model is the base plus LoRA (worker.engines.training.adapters); DPO needs one, because its reference
+model is the base with the adapter switched off (worker.engines.training.dpo).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from core.adapters import AdapterConfig, PreferenceConfig
+from core.chat_data import MAX_LENGTH, read_records
+from core.errors import DomainError
+from core.estimate import adapter_parameter_count, architecture, training_memory
+from worker.engines.device import DevicePlan
+from worker.engines.training import adapters, artifacts
+from worker.engines.training import tabular_data as data
+from worker.engines.training.chat_render import IGNORE, Rendered, collate, render_preference, render_record
+from worker.engines.training.dpo import preference_loss
+from worker.engines.training.loop import RunConfig, Setup, TrainCallbacks, TrainResult, require_fit, run
+
+MAX_PERPLEXITY_LOSS = 100.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatTrainConfig(RunConfig):
+    """One chat fine-tune (or DPO run with `preference`) of base_model; train_file is a chat-format JSONL."""
+
+    base_model: str
+    adapter: AdapterConfig | None = None
+    preference: PreferenceConfig | None = None
+    max_length: int = MAX_LENGTH  # tokens per rendered conversation; the start is kept
+    epochs: float = 3.0
+    batch_size: int = 4
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.0
+
+
+def train_chat(config: ChatTrainConfig, callbacks: TrainCallbacks | None = None) -> TrainResult:
+    """Run (or resume) a chat fine-tune or a DPO run to completion or cancellation."""
+    return run(config, ChatRecipe(config), callbacks)
+
+
+Example = Rendered | tuple[Rendered, Rendered]  # a conversation, or a (preferred, non-preferred) pair
+
+
+class ChatRecipe:
+    """Rendered conversations (or pairs), an optionally adapted causal LM, assistant-token loss or DPO's."""
+
+    unit = "samples"
+    adam_betas = (0.9, 0.999)
+
+    def __init__(self, config: ChatTrainConfig) -> None:
+        if config.preference is not None and config.adapter is None:
+            raise ValueError("method 'dpo' needs an adapter: the reference model is the base with it switched off")
+        if config.max_length < 2:
+            raise ValueError(f"max_length must be at least 2, got {config.max_length}")
+        self.config = config
+
+    def build(self, plan: DevicePlan) -> Setup:
+        """Render the records with the base model's template, then load (and adapt) the model if it fits."""
+        config = self.config
+        self.plan = plan
+        self.tokenizer = AutoTokenizer.from_pretrained(config.base_model)
+        self.pad_id = next(i for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if i is not None)
+        self.train_set, self.dropped = self._examples(config.train_file)
+        if not self.train_set:
+            raise ValueError(f"no training record keeps a reply within max_length={config.max_length} tokens")
+        self.eval_set = self._examples(config.eval_file)[0] if config.eval_file is not None else []
+        self.lengths = np.array([_length(example) for example in self.train_set])
+        model_config = AutoConfig.from_pretrained(config.base_model, trust_remote_code=False)
+        arch = architecture(model_config.to_dict())
+        rows = config.batch_size * (2 if config.preference else 1)
+        trainable = None if arch is None or config.adapter is None else adapter_parameter_count(
+            arch, config.adapter.r, config.adapter.target_modules)
+        estimate = None if arch is None else training_memory(
+            arch, head="causal-lm", batch_size=rows, seq_len=int(self.lengths.max()), precision=plan.precision,
+            fused_attention=plan.is_cuda, trainable=trainable)
+        require_fit(estimate, plan, config.memory_limit_bytes)
+        self.model = AutoModelForCausalLM.from_pretrained(config.base_model, config=model_config,
+                                                          trust_remote_code=False, use_safetensors=True)
+        if config.adapter is not None:
+            self.model = adapters.apply_adapter(self.model, config.adapter, "causal-lm")
+        self.model.to(plan.device)
+        settings = {"adapter": config.adapter.model_dump() if config.adapter else None,
+                    "preference": config.preference.model_dump() if config.preference else None}
+        return Setup(
+            model=self.model, num_examples=len(self.train_set), units_per_example=1,
+            identity={"num_train": len(self.train_set), "max_length": config.max_length, "seed": config.seed,
+                      "batch_size": config.batch_size,
+                      "gradient_accumulation_steps": config.gradient_accumulation_steps, **settings},
+            info={"num_train": len(self.train_set), "num_eval": len(self.eval_set), "dropped": self.dropped,
+                  "format": self.format, "train_tokens_per_epoch": sum(map(_tokens, self.train_set))},
+            hyperparameters={"max_length": config.max_length, **settings},
+        )
+
+    def _examples(self, path: Any) -> tuple[list[Example], int]:
+        """Each record rendered; the count of those with nothing left to learn after truncation."""
+        config = self.config
+        try:
+            fmt, records = read_records(path)
+        except DomainError as exc:  # the engine's contract is ValueError for bad input
+            raise ValueError(f"{path.name}: {exc.message}") from exc
+        wanted = ("preference",) if config.preference else ("chat", "completion")
+        if fmt not in wanted:
+            raise ValueError(f"{path.name} is a {fmt} dataset; this job needs a {' or '.join(wanted)} dataset")
+        self.format = fmt
+        kept: list[Example] = []
+        for line_no, record in records:
+            try:
+                example: Example = (render_preference(self.tokenizer, record, max_length=config.max_length)
+                                    if config.preference else
+                                    render_record(self.tokenizer, fmt, record, max_length=config.max_length))
+            except Exception as exc:  # noqa: BLE001 - a template's own error (raise_exception) names no line
+                raise ValueError(f"{path.name} line {line_no}: the chat template cannot render it: {exc}") from exc
+            parts = example if isinstance(example, tuple) else (example,)
+            if all(part.trained_tokens for part in parts):
+                kept.append(example)
+        return kept, len(records) - len(kept)
+
+    def epoch_steps(self, epoch: int) -> list[list[list[int]]]:
+        """Length-grouped batches in a seeded order (less padding)."""
+        config = self.config
+        return data.epoch_steps(self.lengths, config.batch_size, config.gradient_accumulation_steps, config.seed,
+                                epoch)
+
+    def loss(self, model: torch.nn.Module, micro_batch: list[int]) -> torch.Tensor:
+        """Mean loss over the assistant tokens of the rows, or the mean DPO loss over the pairs."""
+        return self._loss(model, [self.train_set[i] for i in micro_batch])[0]
+
+    def _loss(self, model: torch.nn.Module, examples: list[Example]) -> tuple[torch.Tensor, dict[str, Any]]:
+        device = self.plan.device
+        if self.config.preference is None:
+            batch = {k: v.to(device) for k, v in collate(examples, self.pad_id).items()}  # type: ignore[arg-type]
+            return assistant_loss(model, **batch), {}
+        chosen, rejected = (
+            {k: v.to(device) for k, v in collate([pair[side] for pair in examples], self.pad_id).items()}
+            for side in (0, 1))  # type: ignore[index]
+        return preference_loss(model, self.model, chosen, rejected, self.config.preference.beta)
+
+    def evaluate(self) -> dict[str, float] | None:
+        """Loss over the eval records (per assistant token, or per pair with DPO's reward accuracy)."""
+        if not self.eval_set:
+            return None
+        total, weight, accuracy = 0.0, 0.0, 0.0
+        size = self.config.batch_size
+        for start in range(0, len(self.eval_set), size):
+            examples = self.eval_set[start:start + size]
+            loss, extra = self._loss(self.model, examples)
+            count = (len(examples) if self.config.preference else
+                     sum(e.trained_tokens for e in examples))  # type: ignore[union-attr]
+            total, weight = total + loss.item() * count, weight + count
+            accuracy += float(extra.get("reward_accuracy", 0.0)) * len(examples)
+        loss_value = total / weight
+        if self.config.preference:
+            return {"eval_loss": loss_value, "eval_reward_accuracy": accuracy / len(self.eval_set)}
+        return {"eval_loss": loss_value, "perplexity": math.exp(min(loss_value, MAX_PERPLEXITY_LOSS))}
+
+    def save(self, metrics: dict[str, float], hyperparameters: dict[str, Any], plan: DevicePlan) -> dict[str, Any]:
+        """The adapter folder (or the full model) with the tokenizer and a manifest naming the method and data."""
+        config = self.config
+        manifest = artifacts.build_manifest(
+            task="causal-lm", base_model=config.base_model, base_model_name=config.base_model_name or config.base_model,
+            hyperparameters=hyperparameters, dataset_hashes=dict(config.dataset_hashes), metrics=metrics, plan=plan,
+            data={"format": self.format, "num_train": len(self.train_set), "dropped": self.dropped,
+                  "num_eval": len(self.eval_set), "max_length": config.max_length})
+        manifest["method"] = "dpo" if config.preference else "sft"
+        if config.adapter is not None:
+            manifest["adapter"] = adapters.adapter_summary(self.model, config.adapter)  # type: ignore[arg-type]
+        artifacts.save_final(config.output_dir, self.model, self.tokenizer, manifest,  # type: ignore[arg-type]
+                             merged=bool(config.adapter and config.adapter.merge))
+        return manifest
+
+
+def assistant_loss(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the labelled (assistant) tokens."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    return F.cross_entropy(logits.float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE)
+
+
+def _tokens(example: Example) -> int:
+    """Tokens one example puts through the model (both sides of a pair): what /v1's trained_tokens counts."""
+    parts = example if isinstance(example, tuple) else (example,)
+    return sum(len(part.input_ids) for part in parts)
+
+
+def _length(example: Example) -> int:
+    if isinstance(example, tuple):
+        return max(len(part.input_ids) for part in example)
+    return len(example.input_ids)
