@@ -2,7 +2,7 @@
 distinct LoRA adapters, against the same batch on the base alone (the named baseline, `base`).
 
 A random Llama-shaped model (GQA, untied head whose eos row is zero so no row stops early) and random rank-r
-adapters on all seven projections are written to a temporary folder; one LoraGenerationEngine serves every side
+adapters on all seven projections are written to a temporary folder; one GenerationEngine serves every side
 (adapters made resident by a warm-up, as a busy server holds them). Each measurement submits `--rows` requests
 together (same prompts on every side: one prefill, then decode steps of all rows) and counts generated tokens
 over the wall time. Sides are interleaved, rotated each round, `--repeats` rounds; prints medians, the load
@@ -31,8 +31,7 @@ from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from tests.tiny_llama import save_tokenizer  # noqa: E402
-from worker.engines.serving.engine import SamplingParams  # noqa: E402
-from worker.engines.serving.lora.lora_engine import LoraGenerationEngine  # noqa: E402
+from worker.engines.serving.engine import GenerationEngine, SamplingParams  # noqa: E402
 
 BASELINE = "base"
 COUNTS = (1, 4, 16)
@@ -76,7 +75,7 @@ def build_adapter(folder: Path, base: Path, widths: dict[str, int], layers: int,
     return folder
 
 
-def run(engine: LoraGenerationEngine, prompts: list[list[int]], adapters: list[str | None], new: int) -> float:
+def run(engine: GenerationEngine, prompts: list[list[int]], adapters: list[str | None], new: int) -> float:
     """Tokens per second of one batch: row i through adapters[i] (None: the base)."""
     params = SamplingParams(max_new_tokens=new, temperature=0)
     start = time.perf_counter()
@@ -110,7 +109,7 @@ def main() -> None:
                    for _ in range(args.rows)]
         sides = {BASELINE: [None] * args.rows,
                  **{f"{k}-adapters": [names[i % k] for i in range(args.rows)] for k in COUNTS}}
-        with LoraGenerationEngine(base, device=args.device, precision="fp32", max_batch_size=args.rows,
+        with GenerationEngine(base, device=args.device, precision="fp32", max_batch_size=args.rows,
                                   max_loras=max(COUNTS), adapter_folder=folders.__getitem__) as engine:
             run(engine, prompts, sides[f"{max(COUNTS)}-adapters"], 2)  # warm-up: all adapters resident
             run(engine, prompts, sides[BASELINE], 2)

@@ -179,6 +179,7 @@ class GenerateTask(BaseModel):
     request_id: str
     model: str  # the model's folder, hub id, or a job id (fetched from the artifact store), as resolved by the API
     adapter: str | None = None  # a LoRA adapter job's id: served over `model`, its base, in the base's batches
+    tenant: str | None = None  # whose request: the engine shares its queue and rows between tenants
     prompt: str
     messages: list[ChatMessage] | None = None  # a chat: the prompt is rendered from these by the worker
     params: SamplingParams

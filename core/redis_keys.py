@@ -23,8 +23,13 @@ def cancel_key(request_id: str) -> str:
 
 
 def slots_key(model_id: str) -> str:
-    """Sorted set of a model's generation requests in flight (the per-model queue limit)."""
+    """Sorted set of a model's generation rows in flight (the per-model queue limit; n choices take n rows)."""
     return f"{PREFIX}slots:{model_id}"
+
+
+def tenant_slots_key(model_id: str, tenant_id: str) -> str:
+    """Sorted set of one tenant's generation rows in flight on a model (its share of the per-model limit)."""
+    return f"{PREFIX}slots:{model_id}:tenant:{tenant_id}"
 
 
 def rate_key(api_key_id: str) -> str:

@@ -109,7 +109,14 @@ class Settings(BaseSettings):
 
     # --- Generation (/generate, /v1/completions) and its workers ---
     max_new_tokens: int = Field(1024, description="Upper bound of max_new_tokens / max_tokens.")
-    generation_queue_per_model: int = Field(64, description="Generation requests in flight per model (429 beyond).")
+    generation_queue_per_model: int = Field(64, ge=1, description="Generation rows in flight per model, a request "
+                                            "of n choices taking n (429 beyond).")
+    generation_queue_per_tenant: int = Field(32, ge=1, description="Generation rows one tenant may have in flight "
+                                             "per model: the rest of the model's queue stays open to other tenants "
+                                             "(429 beyond).")
+    generation_tenant_queue_share: float = Field(0.5, gt=0, le=1, description="Fraction of a generation engine's "
+                                                 "waiting queue one tenant's requests may fill (the engine admits "
+                                                 "tenants in turn and keeps each within its share of the rows).")
     max_loras: int = Field(8, ge=1, le=1024, description="LoRA adapters a generation worker keeps resident over "
                            "one base model (least recently used out, never one in use).")
     generation_wait_s: float = Field(30.0, description="A generation request not started within this is dropped.")

@@ -16,13 +16,16 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.batches import LineError, PlannedLine
 from core.protocol import ErrorCode, ErrorEvent, GenerateTask, Usage
 from worker.context import WorkerContext
 from worker.embedding import embedder_for
 from worker.serving import GenerationService, render_chat
+
+if TYPE_CHECKING:
+    from worker.engines.serving.engine import GenerationEngine, GenerationResult
 
 QUEUE_FULL_PAUSE_S = 0.05  # the engine's waiting queue is full of interactive requests: let them go first
 PACE_POLL_S = 0.02  # how soon a batch at its share looks again (a decode step of a small model)
@@ -82,7 +85,7 @@ def completion_body(line: PlannedLine, result: Any, rid: str) -> dict[str, Any]:
             "usage": _usage(result)}
 
 
-def _prompt_ids(engine: Any, line: PlannedLine, request_id: str) -> list[int] | LineError:
+def _prompt_ids(engine: GenerationEngine, line: PlannedLine, request_id: str) -> list[int] | LineError:
     from worker.engines.serving.requests import context_overflow  # the engine is loaded (and torch with it) by now
 
     assert line.params is not None and line.path is not None
@@ -105,13 +108,15 @@ def _prompt_ids(engine: Any, line: PlannedLine, request_id: str) -> list[int] | 
     return ids
 
 
-def _submit(engine: Any, ids: list[int], line: PlannedLine, request_id: str) -> Future[Any]:
-    """Submit, waiting while the engine's queue is full (interactive requests fill it first)."""
+def _submit(engine: GenerationEngine, ids: list[int], line: PlannedLine, request_id: str, tenant: str | None
+            ) -> Future[GenerationResult]:
+    """Submit as a batch line of `tenant` (admitted after interactive requests, within the tenant's share of the
+    engine's rows), waiting while the engine's queue is full (interactive requests fill it first)."""
     from worker.engines.serving.engine import QueueFull
 
     while True:
         try:
-            return engine.submit(ids, line.params, request_id=request_id)  # type: ignore[no-any-return]
+            return engine.submit(ids, line.params, request_id=request_id, tenant=tenant, batch=True)
         except QueueFull:
             time.sleep(QUEUE_FULL_PAUSE_S)
 
@@ -128,17 +133,19 @@ class Share:
 
 class Pacer:
     """Keeps a batch's requests in an engine within its share, re-read before each submit: a batch backs off to
-    `busy` rows as soon as interactive requests arrive (the engine admits FIFO, so rows it does not hold are
-    rows an interactive request is admitted to at once) and fills `idle` rows only once the engine has had no
+    `busy` rows as soon as interactive requests arrive (the engine admits interactive requests before batch lines,
+    so rows it does not hold are rows an interactive request is admitted to at once) and fills `idle` rows only once the engine has had no
     interactive request for BUSY_HOLD_S. One per batch run, so the memory of interactive traffic spans chunks."""
 
-    def __init__(self, share: Share) -> None:
+    def __init__(self, share: Share, tenant: str | None = None) -> None:
         self.share = share
+        self.tenant = tenant  # the batch's owner: its lines count toward that tenant's share in the engine
         self.in_flight = 0  # submitted and not finished (waiting or running in the engine)
         self._busy_at = float("-inf")  # when interactive requests were last seen in the engine
         self._changed = threading.Condition()
 
-    def submit(self, engine: Any, ids: list[int], line: PlannedLine, request_id: str) -> Future[Any]:
+    def submit(self, engine: GenerationEngine, ids: list[int], line: PlannedLine, request_id: str
+               ) -> Future[GenerationResult]:
         """Submit once the batch holds fewer rows than its share allows now; the row frees when it finishes."""
         while True:
             limit = self._limit(engine)  # outside the condition: the engine's lock is never taken inside it
@@ -148,7 +155,7 @@ class Pacer:
                     break
                 self._changed.wait(PACE_POLL_S)  # interactive requests leaving do not notify: look again soon
         try:
-            future = _submit(engine, ids, line, request_id)
+            future = _submit(engine, ids, line, request_id, self.tenant)
         except BaseException:
             self._done()
             raise
@@ -160,14 +167,14 @@ class Pacer:
             self.in_flight -= 1
             self._changed.notify()
 
-    def _limit(self, engine: Any) -> int:
+    def _limit(self, engine: GenerationEngine) -> int:
         stats = engine.stats()
         now = time.monotonic()
         if stats["running"] + stats["waiting"] > self.in_flight:
             self._busy_at = now
         return self.share.busy if now - self._busy_at < BUSY_HOLD_S else self.share.idle
 
-    def give_way(self, engines: list[Any], spent_s: float) -> float:
+    def give_way(self, engines: list[GenerationEngine], spent_s: float) -> float:
         """After `spent_s` of batch work outside the engines: while requests are in any engine (or were within
         BUSY_HOLD_S), pause so the batch takes about `share.time` of the time; the pause in seconds."""
         now = time.monotonic()

@@ -105,7 +105,7 @@ def run_batch(ctx: WorkerContext, batch_id: str) -> None:
     """Run (or resume) a batch to its end: completed, cancelled (after a cancel) or expired (past its window)."""
     with session_scope(ctx.sessions) as session:
         row = get_batch(session, batch_id=batch_id, tenant=None)
-        status, expires_at = row.status, row.expires_at
+        status, expires_at, tenant = row.status, row.expires_at, row.tenant_id
     if status not in RUNNABLE:
         return  # a redelivery of a batch that has ended: nothing to do
     try:
@@ -120,13 +120,13 @@ def run_batch(ctx: WorkerContext, batch_id: str) -> None:
     ticker = heartbeat(ctx, batch_id, lease)
     ticker.start()
     try:
-        _run(ctx, batch_id, plan, expires_at)
+        _run(ctx, batch_id, plan, expires_at, tenant)
     finally:
         ticker.stop()
         lease.release()
 
 
-def _run(ctx: WorkerContext, batch_id: str, plan: list[PlannedLine], expires_at: datetime) -> None:
+def _run(ctx: WorkerContext, batch_id: str, plan: list[PlannedLine], expires_at: datetime, tenant: str) -> None:
     done, results = stored_parts(ctx.storage, batch_id, len(plan))
     if done:
         log.info("batch %s: resuming at line %d of %d (the lines before it have stored results)", batch_id, done,
@@ -134,7 +134,7 @@ def _run(ctx: WorkerContext, batch_id: str, plan: list[PlannedLine], expires_at:
     settings = ctx.settings
     pacer = Pacer(Share(busy=max(1, round(settings.max_batch_size * settings.batch_share)),
                         idle=max(1, round(settings.max_batch_size * settings.batch_idle_share)),
-                        time=settings.batch_share))
+                        time=settings.batch_share), tenant=tenant)
     while done < len(plan):
         _record(ctx, batch_id, done, results)
         status = _status(ctx, batch_id)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
@@ -42,33 +42,46 @@ from worker.context import WorkerContext
 from worker.events import EventPump, EventWriter
 from worker.sync import fetch_model
 
+if TYPE_CHECKING:
+    from worker.engines.serving.engine import GenerationEngine
+
 log = logging.getLogger(__name__)
 MB = 1024 * 1024
 
 
+class Closable(Protocol):
+    """What the registry needs of a warm engine: a way to stop it."""
+
+    def close(self) -> None: ...
+
+
+EngineT = TypeVar("EngineT", bound=Closable)
+
+
 @dataclass
-class _Entry:
-    engine: Any
+class _Entry(Generic[EngineT]):
+    engine: EngineT
     bytes: int
     users: int = 0
 
 
-class EngineRegistry:
+class EngineRegistry(Generic[EngineT]):
     """Warm engines by model, least recently used first; idle ones are evicted to stay under a memory budget.
 
     Loading a model holds only that model's lock, so requests for models already loaded go on meanwhile.
     """
 
-    def __init__(self, build: Callable[[str], Any], budget_bytes: int, footprint: Callable[[Any], int]) -> None:
+    def __init__(self, build: Callable[[str], EngineT], budget_bytes: int, footprint: Callable[[EngineT], int]
+                 ) -> None:
         self.build = build
         self.budget_bytes = budget_bytes
         self.footprint = footprint
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._entries: OrderedDict[str, _Entry[EngineT]] = OrderedDict()
         self._loading: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()  # guards the two dicts above; never held while a model loads
 
     @contextmanager
-    def use(self, model: str) -> Iterator[Any]:
+    def use(self, model: str) -> Iterator[EngineT]:
         """The engine for `model` (loaded on first use); it is not evicted while in use."""
         entry = self._acquire(model)
         try:
@@ -83,7 +96,7 @@ class EngineRegistry:
         with self._lock:
             return list(self._entries)
 
-    def engines(self) -> list[Any]:
+    def engines(self) -> list[EngineT]:
         """The warm engines (a snapshot: one may be evicted after)."""
         with self._lock:
             return [entry.engine for entry in self._entries.values()]
@@ -100,7 +113,7 @@ class EngineRegistry:
         for entry in entries:
             entry.engine.close()
 
-    def _acquire(self, model: str) -> _Entry:
+    def _acquire(self, model: str) -> _Entry[EngineT]:
         with self._lock:
             entry = self._hit(model)
             if entry is not None:
@@ -119,7 +132,7 @@ class EngineRegistry:
         self._evict()
         return entry
 
-    def _hit(self, model: str) -> _Entry | None:
+    def _hit(self, model: str) -> _Entry[EngineT] | None:
         entry = self._entries.get(model)
         if entry is not None:
             entry.users += 1
@@ -144,9 +157,9 @@ class EngineRegistry:
             entry.engine.close()
 
 
-def _footprint(engine: Any) -> int:
+def _footprint(engine: GenerationEngine) -> int:
     """Weights and buffers of an engine's model, in bytes (the KV cache is released whenever it is idle)."""
-    return int(engine.weight_bytes)
+    return engine.weight_bytes
 
 
 class GenerationService:
@@ -164,14 +177,14 @@ class GenerationService:
         """The factory for `ctx.service("generation", ...)`."""
         return cls(ctx.settings, ctx.redis, ctx.storage)
 
-    def _load(self, model: str) -> Any:
-        from worker.engines.serving.lora.lora_engine import LoraGenerationEngine
+    def _load(self, model: str) -> GenerationEngine:
+        from worker.engines.serving.engine import GenerationEngine
         from worker.training.config import job_base
 
         if is_job_model(model):  # a trained job's model (an adapter folded into its base): from the artifact store
             model = str(job_base(self.storage, model))
         # Also serves the LoRA adapter jobs trained on this model (GenerateTask.adapter), in the same batches.
-        engine = LoraGenerationEngine(model, device=self.settings.worker_device,
+        engine = GenerationEngine(model, device=self.settings.worker_device,
                                       precision=self.settings.generation_precision,
                                       max_batch_size=self.settings.max_batch_size,
                                       prefill_chunk_tokens=self.settings.prefill_chunk_tokens,
@@ -179,6 +192,7 @@ class GenerationService:
                                       prefix_cache_bytes=int(self.settings.prefix_cache_mb * MB),
                                       decode_graphs="cuda" if self.settings.cuda_graphs else "off",
                                       max_queue=self.settings.generation_queue_per_model * 4,
+                                      tenant_queue_share=self.settings.generation_tenant_queue_share,
                                       cancelled_ids=self.cancelled_ids, on_step=metrics.observe_batch,
                                       max_loras=self.settings.max_loras, adapter_folder=self._adapter_folder)
         log.info("generation engine loaded: %s on %s in %s, %.1f MiB of weights", model, engine.plan.device,
@@ -232,7 +246,7 @@ class GenerationService:
         elif isinstance(outcome, ErrorEvent):
             metrics.GEN_REQUESTS.labels(outcome.error.code).inc()
 
-    def _run(self, engine: Any, task: GenerateTask, writer: EventWriter, remaining: float) -> BaseModel:
+    def _run(self, engine: GenerationEngine, task: GenerateTask, writer: EventWriter, remaining: float) -> BaseModel:
         from worker.engines.serving.requests import context_overflow  # the engine is loaded (and torch with it) by now
 
         if task.messages is not None:
@@ -253,9 +267,9 @@ class GenerationService:
             clock.tick(index)
             writer.token(TokenEvent(index=index, text=text, logprobs=logprobs))
 
-        adapter = {"adapter": task.adapter} if task.adapter is not None else {}  # read here, before the queue
+        # The adapter's folder is read here, on this thread, before the queue (unless it is resident).
         future = engine.submit(prompt_ids, task.params, request_id=task.request_id, on_token=on_token,
-                               deadline=time.monotonic() + remaining, **adapter)
+                               deadline=time.monotonic() + remaining, adapter=task.adapter, tenant=task.tenant)
         writer.emit(AcceptedEvent(prompt_tokens=len(prompt_ids)))
         metrics.GEN_PROMPT_TOKENS.inc(len(prompt_ids))
         result = future.result(timeout=self.settings.generation_timeout_s)
@@ -265,14 +279,14 @@ class GenerationService:
                                      cached_tokens=result.cached_tokens))
 
 
-def render_chat(engine: Any, task: GenerateTask) -> list[int] | ErrorEvent:
+def render_chat(engine: GenerationEngine, task: GenerateTask) -> list[int] | ErrorEvent:
     """The chat's prompt ids through the model's own chat template, as transformers renders it.
 
     Rendered in the worker rather than the API: the API may not hold the model's files (a job's model lives
     in the artifact store and is fetched by the worker), and the worker's ids equal
     `tokenizer.apply_chat_template` by construction, whatever Jinja extensions a template uses.
     """
-    from worker.engines.serving.sampling.row_outputs import NoChatTemplate
+    from worker.engines.serving.tokenizer import NoChatTemplate
 
     try:
         return list(engine.encode_chat([m.model_dump() for m in task.messages or []]))

@@ -59,6 +59,8 @@ class Started:
     request_id: str
     model: ServedModel
     events: AsyncIterator[GenerationEvent]
+    tenant: str  # whose rows of the model's queue it holds
+    rows: int  # how many (n choices)
 
 
 def sse(data: Any, event: str | None = None) -> bytes:
@@ -85,21 +87,21 @@ async def start(gateway: GenerationGateway, session: Session, principal: Princip
     gateway.check(params)
     model = await run_in_threadpool(gateway.resolve, session, principal, name)
     await run_in_threadpool(session.close)  # no connection held while generating
-    request_id = await gateway.admit(principal, model)
+    request_id = await gateway.admit(principal, model, params.n)
     finished = False
     try:
-        await gateway.submit(request_id, model, prompt, params, messages)
+        await gateway.submit(request_id, model, prompt, params, messages, tenant=principal.tenant_id)
         events = gateway.events(request_id)
         first = await anext(events)
         if isinstance(first, ErrorEvent):
             finished = True
             raise from_wire(first.error)
     except BaseException:
-        await gateway.release(request_id, model, finished=finished)
+        await gateway.release(request_id, model, finished=finished, tenant=principal.tenant_id, rows=params.n)
         raise
     if not isinstance(first, AcceptedEvent):  # the scheduler may stream a token before `accepted` is written
         events = _prepend(first, events)
-    return Started(request_id, model, events)
+    return Started(request_id, model, events, principal.tenant_id, params.n)
 
 
 async def _prepend(first: GenerationEvent, rest: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
@@ -131,7 +133,8 @@ async def collect(gateway: GenerationGateway, started: Started, disconnected: Di
         return final
     finally:
         waiting.cancel()
-        await gateway.release(started.request_id, started.model, finished=finished)
+        await gateway.release(started.request_id, started.model, finished=finished, tenant=started.tenant,
+                              rows=started.rows)
 
 
 async def relay(gateway: GenerationGateway, started: Started, render: Render) -> AsyncIterator[bytes]:
@@ -150,7 +153,8 @@ async def relay(gateway: GenerationGateway, started: Started, render: Render) ->
                 break
         yield sse("[DONE]")
     finally:
-        await gateway.release(started.request_id, started.model, finished=finished)
+        await gateway.release(started.request_id, started.model, finished=finished, tenant=started.tenant,
+                              rows=started.rows)
 
 
 async def generate(gateway: GenerationGateway, session: Session, principal: Principal, body: GenerateRequest,

@@ -18,7 +18,7 @@ from core.errors import BrokerUnavailable, TooManyRequests, ValidationFailed
 from core.logs import task_headers
 from core.protocol import ChatMessage, ErrorCode, ErrorEvent, GenerateTask, GenerationEvent, SamplingParams, parse_event
 from core.queue import TaskQueue
-from core.redis_keys import cancel_key, rate_key, slots_key, stream_key
+from core.redis_keys import cancel_key, rate_key, slots_key, stream_key, tenant_slots_key
 from core.served_models import ServedModel, list_served_models, resolve_served_model
 from core.settings import Settings
 from core.tasks import QUEUE_GENERATE, TASK_GENERATE
@@ -43,8 +43,9 @@ class GenerationGateway:
         if params.max_new_tokens > self.settings.max_new_tokens:
             raise ValidationFailed("max_new_tokens", f"must be at most {self.settings.max_new_tokens} on this server")
 
-    async def admit(self, principal: Principal, model: ServedModel) -> str:
-        """Apply the per-key rate limit and the per-model queue bound; returns a request id holding a slot."""
+    async def admit(self, principal: Principal, model: ServedModel, rows: int = 1) -> str:
+        """Apply the per-key rate limit and the per-model queue bound, in rows (a request of n choices takes n), with
+        each tenant's share of it; returns a request id holding its rows."""
         now = time.time()
         request_id = f"gen-{uuid.uuid4().hex}"
         try:
@@ -55,14 +56,31 @@ class GenerationGateway:
                 raise TooManyRequests(f"more than {self.settings.generation_rate_per_minute} generation requests "
                                       "per minute for this key", retry_after=max(oldest + 60 - now, 1.0),
                                       code=ErrorCode.RATE_LIMITED)
-            # Slots older than the longest possible request are leftovers of a crashed API process.
-            if await self._take(slots_key(model.id), member=request_id, now=now, horizon=self._lifetime(),
-                                limit=self.settings.generation_queue_per_model) is not None:
-                raise TooManyRequests(f"model {model.id!r} has {self.settings.generation_queue_per_model} requests "
-                                      "in flight; retry shortly", retry_after=1, code=ErrorCode.OVERLOADED)
+            await self._take_rows(principal, model, request_id, rows, now)
         except RedisError as exc:
             raise BrokerUnavailable(f"broker unavailable: {type(exc).__name__}") from exc
         return request_id
+
+    async def _take_rows(self, principal: Principal, model: ServedModel, request_id: str, rows: int,
+                         now: float) -> None:
+        """Hold `rows` of the model's queue and of the tenant's share of it, both or neither (TooManyRequests).
+
+        Slots older than the longest possible request are leftovers of a crashed API process. A request of more
+        rows than a tenant's share holds the whole share.
+        """
+        per_model, per_tenant = self.settings.generation_queue_per_model, self.settings.generation_queue_per_tenant
+        taken = min(rows, per_model, per_tenant)
+        keys = (slots_key(model.id), tenant_slots_key(model.id, principal.tenant_id))
+        args = (str(now), str(self._lifetime()), str(per_model), str(per_tenant), str(int(self._lifetime()) + 1),
+                str(taken), request_id)
+        full = await self.redis.eval(_TAKE_ROWS, 2, *keys, *args)  # type: ignore[misc]
+        if full in (b"model", "model"):
+            raise TooManyRequests(f"model {model.id!r} has {per_model} generation rows in flight; retry shortly",
+                                  retry_after=1, code=ErrorCode.OVERLOADED)
+        if full in (b"tenant", "tenant"):
+            raise TooManyRequests(f"this tenant has {per_tenant} generation rows in flight on model {model.id!r} "
+                                  "(its share of the model's queue); retry shortly", retry_after=1,
+                                  code=ErrorCode.OVERLOADED)
 
     async def _take(self, key: str, *, member: str, now: float, horizon: float, limit: int) -> float | None:
         """Add `member` to the bounded window `key` in one atomic step; None if taken, else the oldest entry's time.
@@ -75,10 +93,11 @@ class GenerationGateway:
         return None if oldest is None else float(oldest)
 
     async def submit(self, request_id: str, model: ServedModel, prompt: str, params: SamplingParams,
-                     messages: list[ChatMessage] | None = None) -> None:
-        """Hand the request to a generation worker; it must start before the wait deadline."""
-        task = GenerateTask(request_id=request_id, model=model.path, adapter=model.adapter, prompt=prompt,
-                            params=params, messages=messages, deadline=time.time() + self.settings.generation_wait_s)
+                     messages: list[ChatMessage] | None = None, *, tenant: str | None = None) -> None:
+        """Hand the request of `tenant` to a generation worker; it must start before the wait deadline."""
+        task = GenerateTask(request_id=request_id, model=model.path, adapter=model.adapter, tenant=tenant,
+                            prompt=prompt, params=params, messages=messages,
+                            deadline=time.time() + self.settings.generation_wait_s)
         await run_in_threadpool(self.queue.send, TASK_GENERATE, [task.model_dump(mode="json")], queue=QUEUE_GENERATE,
                                 headers=task_headers())
 
@@ -105,13 +124,15 @@ class GenerationGateway:
                     if event.type in ("done", "error"):
                         return
 
-    async def release(self, request_id: str, model: ServedModel, *, finished: bool) -> None:
+    async def release(self, request_id: str, model: ServedModel, *, finished: bool, tenant: str, rows: int = 1
+                      ) -> None:
         """Free the queue slot and, unless the worker finished, set the cancel flag; a cancelled caller cannot stop it.
 
         The work runs in a task of its own; when the caller is cancelled (the client went away) the await below
         is interrupted but the task still completes.
         """
-        task = asyncio.ensure_future(self._release(request_id, model, finished=finished))
+        taken = min(rows, self.settings.generation_queue_per_model, self.settings.generation_queue_per_tenant)
+        task = asyncio.ensure_future(self._release(request_id, model, finished=finished, tenant=tenant, rows=taken))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
         await asyncio.shield(task)
@@ -121,11 +142,12 @@ class GenerationGateway:
         if self._releases:
             await asyncio.gather(*self._releases, return_exceptions=True)
 
-    async def _release(self, request_id: str, model: ServedModel, *, finished: bool) -> None:
+    async def _release(self, request_id: str, model: ServedModel, *, finished: bool, tenant: str, rows: int) -> None:
         try:
             if not finished:
                 await self.redis.set(cancel_key(request_id), "1", ex=int(self._lifetime()))
-            await self.redis.zrem(slots_key(model.id), request_id)
+            for key in (slots_key(model.id), tenant_slots_key(model.id, tenant)):
+                await self.redis.zrem(key, *(f"{request_id}#{row}" for row in range(1, rows + 1)))
         except RedisError:
             pass  # the slot expires on its own (see admit)
 
@@ -153,3 +175,23 @@ def list_models_for(session: Session, settings: Settings, principal: Principal) 
     """The models /generate and /v1/completions can serve to this caller."""
     models = list_served_models(session, settings, tenant=principal.scope)
     return ModelList(data=[ModelCard(id=m.id, created=m.created, owned_by=m.owned_by) for m in models])
+
+
+# KEYS[1]: a model's rows in flight, KEYS[2]: one tenant's rows in flight on that model (sorted sets of
+# (member, time)); ARGV: now, horizon, model limit, tenant limit, ttl, rows, request id. Drops entries older than
+# the horizon; adds the request's rows (members "<id>#1".."<id>#rows") to both when both have room and returns
+# false, else returns which is full ("model" or "tenant").
+_TAKE_ROWS = """
+local now, horizon, rows = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[6])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - horizon)
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - horizon)
+if redis.call('ZCARD', KEYS[1]) + rows > tonumber(ARGV[3]) then return 'model' end
+if redis.call('ZCARD', KEYS[2]) + rows > tonumber(ARGV[4]) then return 'tenant' end
+for row = 1, rows do
+  redis.call('ZADD', KEYS[1], ARGV[1], ARGV[7] .. '#' .. row)
+  redis.call('ZADD', KEYS[2], ARGV[1], ARGV[7] .. '#' .. row)
+end
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+redis.call('EXPIRE', KEYS[2], ARGV[5])
+return false
+"""

@@ -200,6 +200,39 @@ def test_a_concurrent_burst_gets_exactly_the_bound_of_slots(settings, queue):
     assert second.count("rate_limited") == 14 and second.count("overloaded") == 6  # slots still held by the first
 
 
+def test_one_tenant_holds_at_most_its_share_of_a_models_queue_counted_in_rows(settings, queue):
+    """A tenant's n=16 requests fill its share of the model's rows, not the model's whole queue: another
+    tenant's request is still admitted, and releasing gives back every row."""
+    import asyncio
+
+    from app.services.generation import GenerationGateway
+    from core.auth import Principal
+    from core.errors import TooManyRequests
+    from core.redis_client import async_redis_from_url
+    from core.served_models import ServedModel
+
+    settings.generation_queue_per_model, settings.generation_queue_per_tenant = 48, 32
+    model = ServedModel(id=f"share-{time.time_ns()}", path="/nowhere", owned_by="local", created=0)
+    flood = Principal(key_id=f"key_f{time.time_ns()}", tenant_id="flood", is_admin=False)
+    other = Principal(key_id=f"key_o{time.time_ns()}", tenant_id="other", is_admin=False)
+
+    async def scenario() -> None:
+        redis = async_redis_from_url(settings.resolved_redis_url)
+        gateway = GenerationGateway(redis, queue, settings)
+        held = [await gateway.admit(flood, model, 16), await gateway.admit(flood, model, 16)]  # 32 rows: its share
+        with pytest.raises(TooManyRequests, match="this tenant has 32 generation rows"):
+            await gateway.admit(flood, model, 1)
+        mine = await gateway.admit(other, model, 16)  # the rest of the model's queue is open to others
+        with pytest.raises(TooManyRequests, match="48 generation rows"):
+            await gateway.admit(other, model, 1)  # the model's own bound still holds
+        await gateway.release(held[0], model, finished=True, tenant="flood", rows=16)
+        await gateway.release(mine, model, finished=True, tenant="other", rows=16)
+        await gateway.admit(flood, model, 16)  # its released rows are free again
+        await redis.aclose()
+
+    asyncio.run(scenario())
+
+
 @pytest.fixture()
 def served_decoders(settings, worker_ctx):
     """A tiny Llama (Llama-2-style tokenizer) and a tiny Qwen3 (byte-level BPE) served by one worker."""

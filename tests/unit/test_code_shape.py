@@ -1,4 +1,7 @@
-"""Smaller rooms: no module over 400 lines and no function over 80 lines in core/, app/, worker/, trainserve/."""
+"""Smaller rooms: no function over 80 lines, no module over 600, in core/, app/, worker/, trainserve/.
+
+Modules are cut by seams, not by a line count (a class stays whole in its module): STYLE aims near 300 lines and
+splits by feature past 500; the bound here only catches a module that has grown several ideas."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("core", "app", "worker", "trainserve")  # bench/ and tests/ are exempt
-MAX_MODULE_LINES = 400
+MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 
 
@@ -33,7 +36,7 @@ def test_the_walk_finds_the_packages_and_nested_functions():
     assert _functions(tree) == [("A.f", 3), ("A.f.g", 2)]
 
 
-def test_no_module_is_over_400_lines():
+def test_no_module_is_over_600_lines():
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in _modules()}
     long = {path: lines for path, lines in sizes.items() if lines > MAX_MODULE_LINES}
     assert long == {}, f"split these modules (at most {MAX_MODULE_LINES} lines): {long}"

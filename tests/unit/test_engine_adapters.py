@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from core.adapters import AdapterConfig
 from tests.tiny_chat import CORPUS, build_tiny_llama
-from worker.engines.training import adapters
+from worker.engines.training import adapters, artifacts
 from worker.engines.training.causal_lm import LMTrainConfig, train_lm
 
 LORA = AdapterConfig(r=4, alpha=8, dropout=0.1, target_modules="all-linear")
@@ -123,7 +123,7 @@ def test_classification_adapter_trains_the_head_too(tmp_path):
     torch.manual_seed(0)
     model = adapters.apply_adapter(AutoModelForSequenceClassification.from_config(config),
                                    AdapterConfig(r=2, target_modules=["query", "value"]), "text-classification")
-    trainable = adapters.trainable_tensors(model)
+    trainable = artifacts.trainable_tensors(model)
     assert any("classifier" in name for name in trainable) and any("lora_A" in name for name in trainable)
     assert not any("word_embeddings" in name for name in trainable)
     with pytest.raises(ValueError, match="target_modules"):

@@ -17,7 +17,6 @@ from tests.tiny_llama import build_tiny_decoder
 from tests.tiny_lm import build_tiny_gpt2
 from worker.engines.device import resolve_device
 from worker.engines.serving.engine import GenerationEngine, SamplingParams
-from worker.engines.serving.lora.lora_engine import LoraGenerationEngine
 from worker.engines.serving.runners import cuda_graphs
 from worker.engines.serving.runners.cuda_graphs import StaticDecoder, StaticInputs, bucket_for, buckets, static_decoder
 from worker.engines.serving.runners.gpt2 import Gpt2Runner
@@ -100,7 +99,7 @@ def test_padded_step_equals_the_ordinary_decode_across_a_cache_growth(gpt2_dir: 
     plan = resolve_device("cpu", "fp32", generation=True)
     runner = Gpt2Runner(load_gpt2(gpt2_dir, plan), plan, max_rows=8)
     prompts = [[464, 3290, 318], [15496, 11], [40, 1842, 257, 3797, 13]]  # 3 rows: padded to a bucket of 4
-    runner.reserve(len(prompts), 16)
+    runner.cache.reserve(len(prompts), 16)
     with torch.inference_mode():
         runner.prefill(prompts, [[i] for i in range(len(prompts))])
         decoder = StaticDecoder(runner, torch.zeros(8, runner.config.vocab_size, dtype=torch.bool), capture=False)
@@ -108,7 +107,7 @@ def test_padded_step_equals_the_ordinary_decode_across_a_cache_growth(gpt2_dir: 
         rows = [SimpleNamespace(tokens=[p[-1]], position=len(p), matcher=None) for p in prompts]
         for step in range(14):  # positions reach 18: the cache grows from 16 to 32 positions mid-run
             if step == 8:
-                runner.reserve(3, 32)
+                runner.cache.reserve(3, 32)
             positions = [r.position for r in rows]
             expected = runner.decode(torch.tensor([r.tokens[-1] for r in rows]), torch.tensor(positions),
                                      max(positions) + 1)
@@ -119,7 +118,7 @@ def test_padded_step_equals_the_ordinary_decode_across_a_cache_growth(gpt2_dir: 
             for row, token in zip(rows, tokens.tolist(), strict=True):
                 row.tokens.append(token)
                 row.position += 1
-    assert runner.capacity == (4, 32) and decoder.steps == 14
+    assert runner.cache.capacity == (4, 32) and decoder.steps == 14
 
 
 def _generate(folder: Path, mode: str, params: list[SamplingParams], *, max_batch_size: int = 8):
@@ -224,7 +223,7 @@ def test_adapter_rows_step_eagerly_and_the_base_rows_alone_go_static(llama_dir: 
     folders = make_adapters(llama_dir, tmp_path)
     outputs, static_steps = {}, {}
     for mode in ("off", "eager"):
-        with LoraGenerationEngine(llama_dir, device="cpu", precision="fp32", max_batch_size=4, max_loras=2,
+        with GenerationEngine(llama_dir, device="cpu", precision="fp32", max_batch_size=4, max_loras=2,
                                   adapter_folder=lambda name: folders[name], decode_graphs=mode) as engine:
             with engine._lock:  # one batch: a base row that outlives an adapter row
                 futures = [engine.submit(PROMPTS[1], SamplingParams(max_new_tokens=16, temperature=0)),
@@ -245,7 +244,7 @@ def test_a_failed_capture_runs_the_step_uncaptured_and_turns_graphs_off(gpt2_dir
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # no GPU to select here
     plan = resolve_device("cpu", "fp32", generation=True)
     runner = Gpt2Runner(load_gpt2(gpt2_dir, plan), plan, max_rows=4)
-    runner.reserve(2, 16)
+    runner.cache.reserve(2, 16)
     with torch.inference_mode():
         runner.prefill([[464, 3290], [15496]], [[0], [1]])
         decoder = StaticDecoder(runner, torch.zeros(4, runner.config.vocab_size, dtype=torch.bool), capture=False)

@@ -176,27 +176,27 @@ def test_prefix_caching_reuses_shared_prefixes_and_output_is_unchanged(model_dir
             assert choice.token_ids == hf_greedy(hf, prompt, n)
 
 
-class TinyCache(SlotCache):
-    device, dtype, n_layer, cache_heads, head_dim = torch.device("cpu"), torch.float32, 2, 3, 8
-    max_rows, max_length = 4, 64
+def tiny_cache() -> SlotCache:
+    return SlotCache(n_layer=2, cache_heads=3, head_dim=8, max_rows=4, max_length=64, device=torch.device("cpu"),
+                     dtype=torch.float32)
 
 
 def test_the_prefix_cache_evicts_least_recently_used_blocks_later_ones_first() -> None:
-    runner = TinyCache()
-    runner.reserve(4, 64)
-    runner.keys.normal_(), runner.values.normal_()  # [2 layers, 4 rows, 3 heads, 64 positions, 8]
-    runner.written(range(4), 0, 64)
+    cache = tiny_cache()
+    cache.reserve(4, 64)
+    cache.keys.normal_(), cache.values.normal_()  # [2 layers, 4 rows, 3 heads, 64 positions, 8]
+    cache.written(range(4), 0, 64)
     block_bytes = 2 * 2 * 3 * BLOCK * 8 * 4  # keys and values of one block: [layer, head, BLOCK, head_dim] fp32
     store = PrefixCache(3 * block_bytes)
     a, b = Request("a", list(range(40)), greedy(), None, None, None), Request("b", [7] * 33, greedy(), None, None, None)
-    store.remember(runner, a, 0)  # two blocks
-    store.remember(runner, b, 1)  # two more: a's second block (its chain's end, least recently used) goes
+    store.remember(cache, a, 0)  # two blocks
+    store.remember(cache, b, 1)  # two more: a's second block (its chain's end, least recently used) goes
     assert store.bytes == 3 * block_bytes and block_keys(a.prompt, None)[1] not in store.blocks
     again = Request("c", list(range(40)), greedy(), None, None, None)
     store.lookup(again)
     assert again.cached_tokens == BLOCK and len(again.prefix) == 1
-    store.restore(runner, again, [2, 3])
-    torch.testing.assert_close(runner.keys[:, 2:4, :, :BLOCK], runner.keys[:, 0:1, :, :BLOCK].expand(-1, 2, -1, -1, -1))
+    store.restore(cache, again, [2, 3])
+    torch.testing.assert_close(cache.keys[:, 2:4, :, :BLOCK], cache.keys[:, 0:1, :, :BLOCK].expand(-1, 2, -1, -1, -1))
     adapted = Request("d", list(range(40)), greedy(), None, None, None, adapter=AdapterUse("x"))
     store.lookup(adapted)
     assert adapted.cached_tokens == 0  # another adapter: other keys
@@ -427,10 +427,10 @@ def test_packed_and_plain_decode_steps_agree(model_dir, engine) -> None:
     with torch.inference_mode():
         outputs = []
         for each in (runner, plain_runner):
-            each.reserve(6, 16)
+            each.cache.reserve(6, 16)
             torch.manual_seed(0)
-            each.keys.normal_()
-            each.values.normal_()
+            each.cache.keys.normal_()
+            each.cache.values.normal_()
             outputs.append(each.decode(tokens, positions, 10))
         packed, plain = outputs
     torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-5)
@@ -471,12 +471,12 @@ def test_a_decode_step_and_a_prefill_in_one_pass_equal_both_apart(model_dir, eng
     prompts, rows = [[11, 12, 13, 14], [15, 16]], [[3, 4], [5]]
     with torch.inference_mode():
         for each in (together, apart):
-            each.reserve(6, 16)
+            each.cache.reserve(6, 16)
             torch.manual_seed(0)
-            each.keys.normal_()
-            each.values.normal_()
+            each.cache.keys.normal_()
+            each.cache.values.normal_()
         both = together.forward((tokens, positions, 10), (prompts, rows, [0, 0]))
         step, first = apart.decode(tokens, positions, 10), apart.prefill(prompts, rows)
     torch.testing.assert_close(both, torch.cat([step, first]), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(together.keys, apart.keys, rtol=1e-4, atol=1e-5)  # same cache writes
-    torch.testing.assert_close(together.values, apart.values, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(together.cache.keys, apart.cache.keys, rtol=1e-4, atol=1e-5)  # same cache writes
+    torch.testing.assert_close(together.cache.values, apart.cache.values, rtol=1e-4, atol=1e-5)

@@ -16,12 +16,12 @@ from worker.engines.serving.sampling.detokenize import BytePieces, token_bytes
 from worker.engines.serving.sampling.sampler import (
     RowParams,
     SamplingParams,
-    TextStream,
     counter_uniforms,
     next_tokens,
     penalize,
     truncated_distribution,
 )
+from worker.engines.serving.sampling.text_stream import TextStream
 
 CPU = torch.device("cpu")
 

@@ -13,8 +13,7 @@ import torch
 from core.adapters import AdapterConfig
 from tests.tiny_adapters import ADAPTERS, hf_greedy, make_adapters, peft_model
 from tests.tiny_llama import build_tiny_decoder
-from worker.engines.serving.engine import SamplingParams
-from worker.engines.serving.lora.lora_engine import LoraGenerationEngine
+from worker.engines.serving.engine import GenerationEngine, SamplingParams
 
 ARCHS = ["llama", "llama3", "qwen2", "qwen3"]  # GQA untied, MQA tied, biases + windows tied, q/k norms untied
 WAIT = 60
@@ -42,7 +41,7 @@ def test_a_batch_mixing_adapters_and_the_base_equals_peft_row_by_row(arch, chunk
         prompts[1] = prompts[1] + prompts[1] + prompts[1][:5]  # 23 tokens: one full block
         later.append(("narrow", 0))
         late_prompts.append(prompts[1])
-    with LoraGenerationEngine(base, device="cpu", precision="fp32", max_batch_size=16, max_loras=2,
+    with GenerationEngine(base, device="cpu", precision="fp32", max_batch_size=16, max_loras=2,
                               adapter_folder=lambda name: folders[name], prefill_chunk_tokens=chunk,
                               prefix_cache_bytes=prefix) as engine:
         with engine._lock:  # admitted together: one prefill of every row, adapters and base
@@ -77,7 +76,7 @@ def test_with_one_slot_an_adapter_waits_for_the_other_to_go_idle(tmp_path):
 
     params = SamplingParams(max_new_tokens=10, temperature=0)
     prompt = [5, 17, 42, 99]
-    with LoraGenerationEngine(base, device="cpu", precision="fp32", max_batch_size=8, max_loras=1,
+    with GenerationEngine(base, device="cpu", precision="fp32", max_batch_size=8, max_loras=1,
                               adapter_folder=folder) as engine:
         with engine._lock:
             futures = [engine.submit(prompt, params, adapter=name) for name in ("wide", "narrow", "wide")]
@@ -95,7 +94,7 @@ def test_an_adapter_of_another_base_is_refused(tmp_path):
     build_tiny_decoder("llama", base)
     build_tiny_decoder("qwen3", other)  # head_dim 32: q_proj is 128 x 64, not 64 x 64
     folders = make_adapters(other, tmp_path)
-    with LoraGenerationEngine(base, device="cpu", precision="fp32", max_loras=1,
+    with GenerationEngine(base, device="cpu", precision="fp32", max_loras=1,
                               adapter_folder=lambda name: folders[name]) as engine:
         with pytest.raises(ValueError, match="another base model"):
             engine.submit([1, 2, 3], SamplingParams(max_new_tokens=2), adapter="wide")
@@ -109,13 +108,13 @@ def test_a_higher_rank_adapter_grows_the_slots_and_keeps_the_resident_one(tmp_pa
         r=16, alpha=16, target_modules=["o_proj", "up_proj"])})
     params = SamplingParams(max_new_tokens=10, temperature=0)
     prompt = [5, 17, 42, 99]
-    with LoraGenerationEngine(base, device="cpu", precision="fp32", max_loras=2,
+    with GenerationEngine(base, device="cpu", precision="fp32", max_loras=2,
                               adapter_folder=lambda name: folders[name]) as engine:
-        assert engine._lora is not None and engine._lora.nbytes == 0  # nothing allocated before an adapter
+        assert engine.lora is not None and engine.lora.nbytes == 0  # nothing allocated before an adapter
         wide = engine.submit(prompt, params, adapter="wide").result(WAIT)
-        small = engine._lora.nbytes
+        small = engine.lora.nbytes
         big = engine.submit(prompt, params, adapter="big").result(WAIT)
-        assert engine._lora.max_rank == 16 and engine._lora.nbytes == 2 * small
+        assert engine.lora.stacks.max_rank == 16 and engine.lora.nbytes == 2 * small
         again = engine.submit(prompt, params, adapter="wide").result(WAIT)  # resident, moved into the wider stacks
         assert engine.stats()["adapters"] == ["big", "wide"]
     for name, result in (("wide", wide), ("big", big), ("wide", again)):

@@ -10,8 +10,11 @@ from worker.engines.serving.prefill import FIRST_CHUNK, MIN_CHUNK, ChunkBudget
 
 
 class Cache(SlotCache):
-    device, dtype, n_layer, cache_heads, head_dim = torch.device("cpu"), torch.float32, 2, 3, 4
-    max_rows, max_length = 8, 1024
+    """A small cache: 2 layers, 3 heads of 4, up to 8 rows of 1,024 positions."""
+
+    def __init__(self) -> None:
+        super().__init__(n_layer=2, cache_heads=3, head_dim=4, max_rows=8, max_length=1024,
+                         device=torch.device("cpu"), dtype=torch.float32)
 
 
 def written(cache: Cache, row: int, length: int, value: float) -> None:

@@ -91,7 +91,8 @@ def config_for(settings: Settings, storage: ArtifactStore, job: Job, inputs: Job
     config = build_config(settings, job, train_path, eval_path, inputs.hashes, device, inputs.train_format)
     base = getattr(config, "base_model", None)
     if isinstance(base, str) and is_job_model(base):  # continue from a finished job's model
-        config = dataclasses.replace(config, base_model=str(job_base(storage, base)))  # type: ignore[type-var]
+        continued: dict[str, Any] = {"base_model": str(job_base(storage, base))}  # a field of the kind's config
+        config = dataclasses.replace(config, **continued)
     return config
 
 

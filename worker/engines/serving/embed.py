@@ -63,7 +63,8 @@ def read_spec(model_dir: Path) -> EmbeddingSpec:
     modules_file = model_dir / "modules.json"
     if not modules_file.is_file():
         return EmbeddingSpec(transformer_dir=model_dir)
-    transformer_dir, modes, normalize = model_dir, ("mean",), False
+    transformer_dir, normalize = model_dir, False
+    modes: tuple[str, ...] = ("mean",)
     for module in json.loads(modules_file.read_text()):
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         path = model_dir / str(module.get("path", ""))

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
 
 from worker.engines.serving.caches.prefix_cache import PrefixCache
+from worker.engines.serving.caches.slot_cache import SlotCache
 from worker.engines.serving.requests import Request
 
 # Padded prompt tokens per forward: bounds the activations of a burst of prompts (a longer single one goes alone).
@@ -126,21 +126,21 @@ class PrefillQueue:
                 break  # part-way: the budget is spent
         return chunks
 
-    def restore(self, runner: Any, chunks: list[Chunk], groups: list[list[int]]) -> None:
+    def restore(self, cache: SlotCache, chunks: list[Chunk], groups: list[list[int]]) -> None:
         """Before a forward: copy the cached prefixes of requests starting now into their rows."""
         if self.prefix is not None:
             for chunk, rows in zip(chunks, groups, strict=True):
                 if chunk.request.prefix:
-                    self.prefix.restore(runner, chunk.request, rows)
+                    self.prefix.restore(cache, chunk.request, rows)
 
-    def advance(self, runner: Any, chunks: list[Chunk], groups: list[list[int]]) -> None:
+    def advance(self, cache: SlotCache, chunks: list[Chunk], groups: list[list[int]]) -> None:
         """After a forward: drop (and cache) the prompts that ended, note where the part-way one stands."""
         for chunk, rows in zip(chunks, groups, strict=True):
             if chunk.last:
                 self.requests.remove(chunk.request)
                 self.done = 0
                 if self.prefix is not None:
-                    self.prefix.remember(runner, chunk.request, rows[0])
+                    self.prefix.remember(cache, chunk.request, rows[0])
             else:
                 self.done, self.tail = chunk.end, rows[0]
 
@@ -151,13 +151,13 @@ class PrefillQueue:
             self.done = 0
         self.requests = deque(r for r in self.requests if id(r) not in gone)
 
-    def follow(self, runner: Any, rows: int) -> None:
+    def follow(self, cache: SlotCache, rows: int) -> None:
         """Keep the part-way request's cache rows right after the batch's `rows` rows (moved down after a sweep)."""
         partial = self.partial
         if partial is None or self.tail == rows:
             return
         for k in range(partial.params.n):  # increasing order: a target never overwrites a row still to move
-            runner.move_row(self.tail + k, rows + k, self.done)
+            cache.move_row(self.tail + k, rows + k, self.done)
         self.tail = rows
 
 

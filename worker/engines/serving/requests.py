@@ -1,4 +1,4 @@
-"""What the generation scheduler tracks: a request, its sequences (one per choice) and their results."""
+"""What the generation engine tracks: a request, its sequences (one per choice) and their results."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.protocol import SamplingParams, TokenLogprob
+from worker.engines.serving.lora.adapter_cache import LoraWeights
 from worker.engines.serving.sampling.detokenize import Pieces
-from worker.engines.serving.sampling.sampler import TextStream, row_seed
+from worker.engines.serving.sampling.sampler import row_seed
+from worker.engines.serving.sampling.text_stream import TextStream
 
 # on_token(choice index, text delta); a request with params.logprobs set gets a third argument, the logprobs
 # of the tokens that delta came from (a held-back delta's tokens arrive with the next one).
@@ -17,7 +19,7 @@ OnToken = Callable[..., None]
 
 
 class QueueFull(RuntimeError):
-    """max_queue requests are already waiting for a batch slot."""
+    """The waiting queue, or the tenant's share of it, has no room for the request's rows."""
 
 
 class DeadlineExceeded(TimeoutError):
@@ -55,7 +57,7 @@ class AdapterUse:
     """A request's LoRA adapter: its name, its weights when read before submitting, its slot once admitted."""
 
     name: str
-    weights: Any = None  # lora_batch.LoraWeights, read off the decode loop; None when it was resident already
+    weights: LoraWeights | None = None  # read off the decode loop; None when it was resident already
     slot: int = 0  # 0: the base (no adapter slot yet)
 
 
@@ -73,7 +75,9 @@ class Request:
     sequences: list[SequenceState] = field(default_factory=list)
     done: bool = False
     matchers: list[Any] = field(default_factory=list)  # one grammar matcher per choice when constrained
-    adapter: AdapterUse | None = None  # a LoRA adapter over the engine's base model (lora_engine)
+    adapter: AdapterUse | None = None  # a LoRA adapter over the engine's base model (lora/manager.py)
+    tenant: str | None = None  # whose request: the scheduler shares rows and the queue between tenants
+    batch: bool = False  # a /v1/batches line: admitted after interactive requests
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (prefix_cache.py)
     prefix: list[Any] = field(default_factory=list)  # their KV blocks, until copied into the request's rows
 

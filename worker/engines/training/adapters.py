@@ -29,7 +29,8 @@ def lora_config(adapter: AdapterConfig, task: str) -> LoraConfig:
     if task not in TASK_TYPES:
         raise ValueError(f"adapters train causal-lm and text-classification models, not {task!r}")
     targets: str | list[str] = ALL_LINEAR if adapter.target_modules == ALL_LINEAR else list(adapter.target_modules)
-    return LoraConfig(task_type=TASK_TYPES[task], r=adapter.r, lora_alpha=adapter.alpha,
+    # PEFT scales by lora_alpha / r in floats; its annotation says int, the spec allows a float alpha.
+    return LoraConfig(task_type=TASK_TYPES[task], r=adapter.r, lora_alpha=adapter.alpha,  # type: ignore[arg-type]
                       lora_dropout=adapter.dropout, target_modules=targets, bias="none")
 
 
@@ -41,32 +42,15 @@ def apply_adapter(model: PreTrainedModel, adapter: AdapterConfig, task: str) -> 
         raise ValueError(f"adapter.target_modules: {exc}") from exc
 
 
-def is_adapted(model: torch.nn.Module) -> bool:
-    """True for a model wrapped with an adapter."""
-    return isinstance(model, PeftModel)
-
-
-def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors an adapted model's checkpoint holds: those that train (the adapter, a new head)."""
-    return {name: param.detach().contiguous() for name, param in model.named_parameters() if param.requires_grad}
-
-
-def load_trainable(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Put a checkpoint's trainable tensors back; refuse one that does not hold exactly this model's."""
-    expected = set(trainable_tensors(model))
-    if set(tensors) != expected:
-        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-        raise ValueError(f"the checkpoint's adapter does not match this run's (missing {missing[:3]}, "
-                         f"unexpected {extra[:3]}); use an empty checkpoint_dir to start over")
-    model.load_state_dict(tensors, strict=False)
-
-
-def adapter_summary(model: PeftModel, adapter: AdapterConfig) -> dict[str, Any]:
+def adapter_summary(model: torch.nn.Module, adapter: AdapterConfig) -> dict[str, Any]:
     """The manifest's `adapter` entry: settings, resolved target modules and sizes."""
+    if not isinstance(model, PeftModel):
+        raise TypeError(f"an adapter summary needs a PEFT model, got {type(model).__name__}")
     config = model.peft_config["default"]
+    assert isinstance(config, LoraConfig)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    resolved = sorted({name.rsplit(".", 1)[-1] for name in config.target_modules})  # q_proj, not its full path
+    resolved = sorted({name.rsplit(".", 1)[-1] for name in config.target_modules or ()})  # q_proj, not its full path
     return {**adapter.model_dump(), "target_modules_resolved": resolved,
             "trainable_parameters": trainable, "total_parameters": total}
 

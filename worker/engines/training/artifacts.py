@@ -10,7 +10,7 @@ import re
 import shutil
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import datasets
 import numpy as np
@@ -58,6 +58,21 @@ def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
+def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors an adapted model's checkpoint holds: those that train (the adapter, a new head)."""
+    return {name: param.detach().contiguous() for name, param in model.named_parameters() if param.requires_grad}
+
+
+def load_trainable(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Put a checkpoint's trainable tensors back; refuse one that does not hold exactly this model's."""
+    expected = set(trainable_tensors(model))
+    if set(tensors) != expected:
+        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        raise ValueError(f"the checkpoint's adapter does not match this run's (missing {missing[:3]}, "
+                         f"unexpected {extra[:3]}); use an empty checkpoint_dir to start over")
+    model.load_state_dict(tensors, strict=False)
+
+
 def save_checkpoint(checkpoint_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler, plan: DevicePlan, state: dict[str, Any],
                     keep_steps: set[int] | frozenset[int] = frozenset()) -> Path:
@@ -70,8 +85,6 @@ def save_checkpoint(checkpoint_dir: Path, step: int, model: torch.nn.Module, opt
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     tmp.mkdir()
     if hasattr(model, "peft_config"):  # an adapter run: the frozen base is the base model's own file
-        from worker.engines.training.adapters import trainable_tensors  # PEFT is imported by adapter runs only
-
         safetensors.torch.save_file(trainable_tensors(model), str(tmp / ADAPTER_WEIGHTS))
     else:  # save_model/load_model handle shared tensors, so any architecture round-trips exactly.
         safetensors.torch.save_model(model, str(tmp / "model.safetensors"))
@@ -92,8 +105,6 @@ def save_checkpoint(checkpoint_dir: Path, step: int, model: torch.nn.Module, opt
 def load_weights(path: Path, model: torch.nn.Module, plan: DevicePlan) -> None:
     """Load only a checkpoint's model weights (the best evaluation's, to be saved as the final model)."""
     if hasattr(model, "peft_config"):
-        from worker.engines.training.adapters import load_trainable  # PEFT is imported by adapter runs only
-
         load_trainable(model, safetensors.torch.load_file(str(Path(path) / ADAPTER_WEIGHTS), device=plan.device))
         return
     safetensors.torch.load_model(model, str(Path(path) / "model.safetensors"), strict=True, device=plan.device)
@@ -167,7 +178,13 @@ def library_versions() -> dict[str, str]:
             "python": platform.python_version()}
 
 
-def save_final(output_dir: Path, model: transformers.PreTrainedModel, tokenizer: Any,
+class Savable(Protocol):
+    """A model that writes its own folder: a transformers model, or a PEFT model (its adapter only)."""
+
+    def save_pretrained(self, save_directory: str, **kwargs: Any) -> Any: ...
+
+
+def save_final(output_dir: Path, model: Savable, tokenizer: Any,
                manifest: dict[str, Any], *, merged: bool = False) -> Path:
     """Save model and tokenizer with save_pretrained, then the manifest last as the completion mark.
 
@@ -176,11 +193,15 @@ def save_final(output_dir: Path, model: transformers.PreTrainedModel, tokenizer:
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(output_dir, safe_serialization=True)
+    model.save_pretrained(str(output_dir), safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
     if merged:
+        from peft import PeftModel  # only an adapter run asks for a merged copy
+
+        if not isinstance(model, PeftModel):
+            raise TypeError("only an adapted model has a merged copy to save")
         folder = output_dir / MERGED_DIR
-        model.merge_and_unload().save_pretrained(folder, safe_serialization=True)  # type: ignore[operator]
+        model.merge_and_unload().save_pretrained(folder, safe_serialization=True)
         tokenizer.save_pretrained(folder)
         manifest["merged"] = MERGED_DIR  # in place: the caller returns (and may rewrite) this manifest
     write_manifest(output_dir, manifest)

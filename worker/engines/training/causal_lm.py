@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from worker.engines.device import DevicePlan
 from worker.engines.training import adapters, artifacts
 from worker.engines.training import corpus_data as lm_data
 from worker.engines.training.loop import RunConfig, Setup, TrainCallbacks, TrainResult, require_fit, run
+
+if TYPE_CHECKING:
+    from worker.engines.training.loop_types import TrainedModel
 
 DEFAULT_TOKENIZER = GPT2_TOKENIZER_DIR
 MAX_EVAL_BLOCKS = 1024  # evenly spaced validation blocks; keeps each evaluation bounded on big corpora
@@ -95,10 +98,11 @@ class CausalLMRecipe:
             arch, head="causal-lm", batch_size=config.batch_size, seq_len=self.block_size, precision=plan.precision,
             fused_attention=plan.is_cuda, trainable=trainable)
         require_fit(estimate, plan, config.memory_limit_bytes)
-        self.model = _build_model(config, self.model_config)
+        self.model: TrainedModel = _build_model(config, self.model_config)
         if config.adapter is not None:
             self.model = adapters.apply_adapter(self.model, config.adapter, "causal-lm")
-        self.model.to(plan.device)  # in place for modules
+        module: torch.nn.Module = self.model  # (transformers' `to` is typed without its self)
+        module.to(plan.device)  # in place for modules
         adapter = None if config.adapter is None else config.adapter.model_dump()
         accumulation = config.gradient_accumulation_steps
         return Setup(
@@ -195,6 +199,8 @@ def _tokenizer_source(config: LMTrainConfig) -> str:
 
 def _model_config(config: LMTrainConfig, tokenizer, architecture: dict[str, int] | None) -> PretrainedConfig:
     if architecture is None:
+        if config.base_model is None:
+            raise ValueError("a causal-LM run needs either base_model (continue it) or architecture (a fresh one)")
         return AutoConfig.from_pretrained(config.base_model, trust_remote_code=False)
     eos = tokenizer.eos_token_id
     # len(tokenizer) counts added special tokens too, so every id the tokenizer can emit has a row.

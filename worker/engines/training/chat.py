@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,6 +27,9 @@ from worker.engines.training import tabular_data as data
 from worker.engines.training.chat_render import IGNORE, Rendered, collate, render_preference, render_record
 from worker.engines.training.dpo import preference_loss
 from worker.engines.training.loop import RunConfig, Setup, TrainCallbacks, TrainResult, require_fit, run
+
+if TYPE_CHECKING:
+    from worker.engines.training.loop_types import TrainedModel
 
 MAX_PERPLEXITY_LOSS = 100.0
 
@@ -86,11 +89,12 @@ class ChatRecipe:
             arch, head="causal-lm", batch_size=rows, seq_len=int(self.lengths.max()), precision=plan.precision,
             fused_attention=plan.is_cuda, trainable=trainable)
         require_fit(estimate, plan, config.memory_limit_bytes)
-        self.model = AutoModelForCausalLM.from_pretrained(config.base_model, config=model_config,
-                                                          trust_remote_code=False, use_safetensors=True)
+        self.model: TrainedModel = AutoModelForCausalLM.from_pretrained(
+            config.base_model, config=model_config, trust_remote_code=False, use_safetensors=True)
         if config.adapter is not None:
             self.model = adapters.apply_adapter(self.model, config.adapter, "causal-lm")
-        self.model.to(plan.device)
+        module: torch.nn.Module = self.model  # (transformers' `to` is typed without its self)
+        module.to(plan.device)
         settings = {"adapter": config.adapter.model_dump() if config.adapter else None,
                     "preference": config.preference.model_dump() if config.preference else None}
         return Setup(
@@ -140,11 +144,12 @@ class ChatRecipe:
     def _loss(self, model: torch.nn.Module, examples: list[Example]) -> tuple[torch.Tensor, dict[str, Any]]:
         device = self.plan.device
         if self.config.preference is None:
-            batch = {k: v.to(device) for k, v in collate(examples, self.pad_id).items()}  # type: ignore[arg-type]
+            singles = [e for e in examples if isinstance(e, Rendered)]
+            batch = {k: v.to(device) for k, v in collate(singles, self.pad_id).items()}
             return assistant_loss(model, **batch), {}
-        chosen, rejected = (
-            {k: v.to(device) for k, v in collate([pair[side] for pair in examples], self.pad_id).items()}
-            for side in (0, 1))  # type: ignore[index]
+        pairs = [e for e in examples if isinstance(e, tuple)]
+        chosen, rejected = ({k: v.to(device) for k, v in collate([pair[side] for pair in pairs], self.pad_id).items()}
+                            for side in (0, 1))
         return preference_loss(model, self.model, chosen, rejected, self.config.preference.beta)
 
     def evaluate(self) -> dict[str, float] | None:
@@ -157,7 +162,7 @@ class ChatRecipe:
             examples = self.eval_set[start:start + size]
             loss, extra = self._loss(self.model, examples)
             count = (len(examples) if self.config.preference else
-                     sum(e.trained_tokens for e in examples))  # type: ignore[union-attr]
+                     sum(e.trained_tokens for e in examples if isinstance(e, Rendered)))
             total, weight = total + loss.item() * count, weight + count
             accuracy += float(extra.get("reward_accuracy", 0.0)) * len(examples)
         loss_value = total / weight
@@ -175,8 +180,8 @@ class ChatRecipe:
                   "num_eval": len(self.eval_set), "max_length": config.max_length})
         manifest["method"] = "dpo" if config.preference else "sft"
         if config.adapter is not None:
-            manifest["adapter"] = adapters.adapter_summary(self.model, config.adapter)  # type: ignore[arg-type]
-        artifacts.save_final(config.output_dir, self.model, self.tokenizer, manifest,  # type: ignore[arg-type]
+            manifest["adapter"] = adapters.adapter_summary(self.model, config.adapter)
+        artifacts.save_final(config.output_dir, self.model, self.tokenizer, manifest,
                              merged=bool(config.adapter and config.adapter.merge))
         return manifest
 

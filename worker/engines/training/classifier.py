@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ from worker.engines.training.loop import (
     run,
     split_micro_batches,
 )
+
+if TYPE_CHECKING:
+    from worker.engines.training.loop_types import TrainedModel
 
 # Re-exported: the runner, tests and benchmarks import the engine's public names from here.
 __all__ = ["OutOfMemory", "TrainCallbacks", "TrainConfig", "TrainResult", "classification_metrics", "lr_at",
@@ -84,14 +87,15 @@ class ClassifierRecipe:
             arch, head="classifier", batch_size=config.batch_size, seq_len=longest, precision=plan.precision,
             fused_attention=plan.is_cuda, num_labels=len(self.labels), trainable=trainable)
         require_fit(estimate, plan, config.memory_limit_bytes)
-        self.model = _load_model(config.base_model, self.labels, attention_implementation(plan))
+        self.model: TrainedModel = _load_model(config.base_model, self.labels, attention_implementation(plan))
         cls_only = last_layer_at_cls(self.model)
         if config.freeze_word_embeddings:
             freeze_word_embeddings(self.model)
         if adapter is not None:
             self.model = adapters.apply_adapter(self.model, adapter, "text-classification")
         settings = {"adapter": adapter.model_dump()} if adapter else {}
-        self.model.to(plan.device)  # in place for modules
+        module: torch.nn.Module = self.model  # (transformers' `to` is typed without its self)
+        module.to(plan.device)  # in place for modules
         num_eval = len(self.eval_set) if self.eval_set is not None else 0
         return Setup(
             model=self.model, num_examples=len(self.train_set), units_per_example=1,
@@ -102,7 +106,7 @@ class ClassifierRecipe:
             hyperparameters={"max_length": config.max_length, "length_grouped": True, "last_layer_at_cls": cls_only,
                              "attention": self.model.config._attn_implementation,
                              "freeze_word_embeddings": config.freeze_word_embeddings, **settings},
-            sparse_tables=(self.model.get_input_embeddings(),),
+            sparse_tables=(input_embeddings(self.model),),
         )
 
     def epoch_steps(self, epoch: int) -> list[list[list[int]]]:
@@ -144,7 +148,7 @@ class ClassifierRecipe:
                              "num_eval": len(self.eval_set) if self.eval_set is not None else 0},
         )
         if config.adapter is not None:
-            manifest["adapter"] = adapters.adapter_summary(self.model, config.adapter)  # type: ignore[arg-type]
+            manifest["adapter"] = adapters.adapter_summary(self.model, config.adapter)
         artifacts.save_final(config.output_dir, self.model, self.tokenizer, manifest,
                              merged=bool(config.adapter and config.adapter.merge))
         return manifest
@@ -163,12 +167,20 @@ def classification_metrics(predictions: np.ndarray, targets: np.ndarray, num_lab
     return {"eval_accuracy": accuracy, "eval_f1": float(np.mean(scores))}
 
 
-def freeze_word_embeddings(model: torch.nn.Module) -> None:
+def input_embeddings(model: TrainedModel) -> torch.nn.Embedding:
+    """The model's token-embedding table."""
+    table = model.get_input_embeddings()
+    if not isinstance(table, torch.nn.Embedding):
+        raise TypeError(f"expected the token embeddings to be an nn.Embedding, got {type(table).__name__}")
+    return table
+
+
+def freeze_word_embeddings(model: TrainedModel) -> None:
     """Keep the token-embedding table as pretrained: no gradient, no optimizer state, no update."""
     # It is about half of a small BERT's parameters, yet a batch of short texts touches a few hundred of
     # its 30k rows: its dense gradient, clipping and AdamW update are ~10% of a profiled CPU step (the
     # end-to-end gain was within noise, bench/README.md). Opt-in: a poorly trained table would stay poor.
-    model.get_input_embeddings().weight.requires_grad_(False)
+    input_embeddings(model).weight.requires_grad_(False)
 
 
 def _prepare_data(config: TrainConfig, tokenizer) -> tuple[list[int | str], data.Encoded, data.Encoded | None]:

@@ -39,11 +39,12 @@ def last_layer_at_cls(model: torch.nn.Module) -> bool:
     """
     if type(model).__name__ != "BertForSequenceClassification":
         return False
-    config = model.config
+    bert: Any = model  # HF's modules: attributes by the architecture's names
+    config = bert.config
     if (getattr(config, "position_embedding_type", "absolute") != "absolute" or config.is_decoder
             or config.add_cross_attention or getattr(config, "chunk_size_feed_forward", 0)):
         return False
-    layer = model.bert.encoder.layer[-1]
+    layer = bert.bert.encoder.layer[-1]
     if layer.attention.pruned_heads:
         return False
     layer.forward = types.MethodType(_cls_layer_forward, layer)

@@ -6,13 +6,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from core.hyperparams import TrainingHyperparameters, default
 from core.protocol import ErrorCode
 from worker.engines.device import DevicePlan
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+    # What a recipe trains: a transformers model, or one wrapped with a LoRA adapter (PEFT forwards the rest).
+    TrainedModel = PreTrainedModel | PeftModel
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -81,20 +81,22 @@ class RowSparseAdamW(torch.optim.AdamW):
 
 def clip_gradients(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """clip_grad_norm_ (foreach) over dense and sparse gradients alike; returns the total norm before clipping."""
-    params = [p for p in parameters if p.grad is not None]
-    sparse = [p for p in params if p.grad.is_sparse]
-    if not sparse:
+    grads = [(p, p.grad) for p in parameters if p.grad is not None]
+    params = [p for p, _ in grads]
+    if not any(grad.is_sparse for _, grad in grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-    for p in sparse:
-        p.grad = p.grad.coalesce()  # a row looked up twice holds two entries until coalesced
-    dense = [p.grad for p in params if not p.grad.is_sparse]
-    norms = [torch.linalg.vector_norm(p.grad.values()) for p in sparse]
+    sparse = [grad.coalesce() if grad.is_sparse else grad for _, grad in grads]  # a row looked up twice: 2 entries
+    for p, grad in zip(params, sparse, strict=True):
+        p.grad = grad
+    dense = [grad for grad in sparse if not grad.is_sparse]
+    rows = [grad for grad in sparse if grad.is_sparse]
+    norms = [torch.linalg.vector_norm(grad.values()) for grad in rows]
     if dense:
         norms.append(torch.nn.utils.get_total_norm(dense, foreach=True))
     total = torch.linalg.vector_norm(torch.stack(norms))
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if dense:
         torch._foreach_mul_(dense, coefficient)
-    for p in sparse:
-        p.grad.values().mul_(coefficient)
+    for grad in rows:
+        grad.values().mul_(coefficient)
     return total

@@ -15,10 +15,10 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from typing import Any
 
 import torch
 
+from worker.engines.serving.caches.slot_cache import SlotCache
 from worker.engines.serving.requests import Request
 
 BLOCK = 16  # tokens per block: vLLM's default
@@ -57,22 +57,23 @@ class PrefixCache:
         self._touch(hits)
         request.cached_tokens = min(len(hits) * BLOCK, len(request.prompt) - 1)
 
-    def restore(self, runner: Any, request: Request, rows: list[int]) -> None:
+    def restore(self, cache: SlotCache, request: Request, rows: list[int]) -> None:
         """Copy a request's cached prefix into its cache rows (before its first chunk is prefilled)."""
         for index, (keys, values) in enumerate(request.prefix):
             begin, end = index * BLOCK, min((index + 1) * BLOCK, request.cached_tokens)
             if end > begin:
-                runner.write_positions(range(rows[0], rows[-1] + 1), begin, keys[:, :, :end - begin],
+                cache.write_positions(range(rows[0], rows[-1] + 1), begin, keys[:, :, :end - begin],
                                        values[:, :, :end - begin])
         request.prefix = []  # the blocks are in the rows now
 
-    def remember(self, runner: Any, request: Request, row: int) -> None:
+    def remember(self, cache: SlotCache, request: Request, row: int) -> None:
         """Keep the full blocks of a prompt just prefilled into `row` that the store lacks; evict beyond capacity."""
         keys = block_keys(request.prompt, adapter_of(request))
+        assert cache.keys is not None and cache.values is not None
         for index, key in enumerate(keys):
             if key not in self.blocks:
                 span = slice(index * BLOCK, (index + 1) * BLOCK)
-                block = (runner.keys[:, row, :, span].clone(), runner.values[:, row, :, span].clone())
+                block = (cache.keys[:, row, :, span].clone(), cache.values[:, row, :, span].clone())
                 self.blocks[key] = block
                 self.bytes += 2 * block[0].numel() * block[0].element_size()
         self._touch(keys)

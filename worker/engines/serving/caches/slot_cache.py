@@ -39,7 +39,8 @@ def trim_heap() -> None:
 class SlotCache:
     """keys/values [layer, row, cache head, position, head_dim]: row r holds positions 0..len-1 of one sequence.
 
-    A subclass sets device, dtype, n_layer, cache_heads, head_dim, max_rows and max_length before use.
+    A runner holds one (it is given the cache's shape, it is not a cache); the engine's scheduler reserves, moves and
+    releases rows through it.
 
     Growing allocates without zeroing (a long prompt arriving must not stall the running streams while gigabytes
     are cleared) and copies only the positions below the watermarks. Attention still reads masked positions (a
@@ -49,16 +50,14 @@ class SlotCache:
     contiguous, so a row's live positions are always below its watermark and zeroing above it destroys nothing.
     """
 
-    device: torch.device
-    dtype: torch.dtype
-    n_layer: int
-    cache_heads: int
-    head_dim: int
-    max_rows: int
-    max_length: int
-    keys: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-    clean: list[int]
+    def __init__(self, *, n_layer: int, cache_heads: int, head_dim: int, max_rows: int, max_length: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.n_layer, self.cache_heads, self.head_dim = n_layer, cache_heads, head_dim
+        self.max_rows, self.max_length = max_rows, max_length
+        self.device, self.dtype = device, dtype
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.clean: list[int] = []
 
     @property
     def capacity(self) -> tuple[int, int]:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from worker.engines.serving.requests import SequenceState
+from worker.engines.serving.runners.runner import Runner
 from worker.engines.serving.sampling.row_outputs import constrained_logits
 from worker.engines.serving.sampling.sampler import (
     CANDIDATES,
@@ -175,7 +176,7 @@ class _Graph:
 class StaticDecoder:
     """The padded decode step over a runner's cache; captured as CUDA graphs when `capture`, else run eagerly."""
 
-    def __init__(self, runner: Any, seen: torch.Tensor, *, capture: bool) -> None:
+    def __init__(self, runner: Runner, seen: torch.Tensor, *, capture: bool) -> None:
         self.runner = runner
         self.seen = seen  # the engine's [max_rows, V] tokens-seen mask (a persistent tensor: graphs read it)
         self.capture = capture
@@ -196,13 +197,13 @@ class StaticDecoder:
         """Decode one step for rows 0..len(rows)-1: (logits [len(rows), V], next tokens [len(rows)])."""
         n = len(rows)
         bucket = bucket_for(n, self.sizes)
-        self.runner.reserve(bucket, 1)  # spare rows for the padding (the cache grows by doubling: rarely needed)
+        self.runner.cache.reserve(bucket, 1)  # spare rows for the padding (the cache grows by doubling: rarely needed)
         inputs = self.inputs.get(bucket)
         if inputs is None:
             inputs = self.inputs[bucket] = StaticInputs.empty(bucket, self.runner.device)
         inputs.fill([s.tokens[-1] for s in rows], [s.position for s in rows], params)
         # Every bucket row is read over the whole capacity: zero any gaps now, not inside a capture.
-        self.runner.clean_to(range(bucket), self.runner.capacity[1])
+        self.runner.cache.clean_to(range(bucket), self.runner.cache.capacity[1])
         # Streams, captures and replays on the runner's own GPU, whichever is current on this thread.
         with torch.cuda.device(self.runner.device) if self.capture else contextlib.nullcontext():
             graph = self._graph(bucket, inputs) if self.capture else None
@@ -219,7 +220,7 @@ class StaticDecoder:
 
     def _run(self, bucket: int, inputs: StaticInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step itself: the runner's decode over the whole position capacity, then sample_static."""
-        span = self.runner.capacity[1]
+        span = self.runner.cache.capacity[1]
         lora = getattr(self.runner, "lora", None)
         if lora is not None:
             self.runner.lora = None  # adapter rows never come here: the base alone, without per-step plans
@@ -231,12 +232,13 @@ class StaticDecoder:
         return (logits, *sample_static(logits, inputs, self.seen[:bucket]))
 
     def _graph(self, bucket: int, inputs: StaticInputs) -> _Graph | None:
-        keys, values = self.runner.keys, self.runner.values
+        keys, values = self.runner.cache.keys, self.runner.cache.values
+        assert keys is not None and values is not None
         cache = (keys.data_ptr(), values.data_ptr())
         if cache != self._cache:  # the cache was grown or released and rebuilt: the old graphs read freed memory
             self.graphs.clear()
             self._cache = cache
-        key = (bucket, *self.runner.capacity)
+        key = (bucket, *self.runner.cache.capacity)
         graph = self.graphs.get(key)
         if graph is None:
             try:
@@ -251,7 +253,7 @@ class StaticDecoder:
         return graph
 
 
-def static_decoder(mode: str, runner: Any, seen: torch.Tensor) -> StaticDecoder | None:
+def static_decoder(mode: str, runner: Runner, seen: torch.Tensor) -> StaticDecoder | None:
     """The engine's static decode step for mode "off" (none), "cuda" (graphs on a CUDA device, else none) or
     "eager" (the padded step without capture, on any device: for tests and comparisons)."""
     if mode not in MODES:

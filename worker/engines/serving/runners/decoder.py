@@ -21,11 +21,12 @@ from worker.engines.serving.lora.runner_lora import RunnerLora
 from worker.engines.serving.runners.decoder_weights import DecoderWeights, load_decoder
 from worker.engines.serving.runners.gpt2 import Gpt2Runner
 from worker.engines.serving.runners.gpt2_weights import ACTIVATIONS, load_gpt2, model_type
+from worker.engines.serving.runners.runner import DecodeInput, PrefillInput
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, 1, head_dim] in the compute dtype
 
 
-class DecoderRunner(SlotCache):
+class DecoderRunner:
     """A llama-family decoder over a KV cache with one row per running sequence (see Gpt2Runner)."""
 
     def __init__(self, weights: DecoderWeights, plan: DevicePlan, *, max_rows: int) -> None:
@@ -41,6 +42,8 @@ class DecoderRunner(SlotCache):
         self.q_size, self.kv_size = self.heads * self.head_dim, self.cache_heads * self.head_dim
         self.max_rows = max_rows
         self.max_length = weights.context_length
+        self.cache = SlotCache(n_layer=self.n_layer, cache_heads=self.cache_heads, head_dim=self.head_dim,
+                               max_rows=max_rows, max_length=self.max_length, device=self.device, dtype=self.dtype)
         self.act = ACTIVATIONS[weights.act]
         self.inv_freq = weights.inv_freq.to(self.device)
         self.gqa = self.heads != self.cache_heads
@@ -107,13 +110,13 @@ class DecoderRunner(SlotCache):
     def _adapted(self, index: int, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return out if self.lora is None else self.lora.add(index, name, x, out)
 
-    def forward(self, decode: tuple[torch.Tensor, torch.Tensor, int] | None,
-                prefill: tuple[list[list[int]], list[list[int]], list[int]] | None) -> torch.Tensor:
+    def forward(self, decode: DecodeInput | None, prefill: PrefillInput | None) -> torch.Tensor:
         """A decode step for rows 0..B-1 and the prefill of prompt chunks in one pass: logits [B + P, V].
 
         prefill: the chunks, the cache rows of each, where each begins in its prompt (see PrefillLayout).
         """
-        keys, values = self.keys, self.values
+        cache = self.cache
+        keys, values = cache.keys, cache.values
         assert keys is not None and values is not None
         positions: list[torch.Tensor] = []
         ids: list[torch.Tensor] = []
@@ -123,13 +126,13 @@ class DecoderRunner(SlotCache):
             batch = tokens.shape[0]
             # Row b sees its positions 0..positions[b] (a window: only the last `window` of them).
             rows = DecodeLayout(decode_positions, span)
-            rows.clean(self)
-            slots = self.decode_slots(decode_positions)
+            rows.clean(cache)
+            slots = cache.decode_slots(decode_positions)
             ids.append(tokens)
             positions.append(decode_positions)
         if prefill is not None:
             layout = PrefillLayout(*prefill, self.device)
-            layout.note_written(self)
+            layout.note_written(cache)
             ids.append(layout.ids.view(-1))
             positions.append(layout.positions.view(-1))
             if not layout.chunked:
@@ -145,7 +148,7 @@ class DecoderRunner(SlotCache):
             window = self.weights.layers[index].window
             out = []
             if decode is not None:
-                self.write_decode(index, slots, key[:batch], value[:batch])
+                cache.write_decode(index, slots, key[:batch], value[:batch])
                 attended = rows.attend(self._attention, query[:batch, :, None], keys, values, index, window)
                 out.append(attended.reshape(batch, self.q_size))
             if layout is not None:

@@ -1,65 +1,30 @@
-"""Load a GPT-2 checkpoint for serving and run it over a slot-addressed KV cache."""
+"""GPT-2 forward passes for serving over a slot-addressed KV cache."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import GPT2TokenizerFast, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from core.paths import GPT2_TOKENIZER_DIR
 from worker.engines.device import DevicePlan, linear
 from worker.engines.serving.caches.slot_cache import DecodeLayout, PrefillLayout, SlotCache, trim_heap
+from worker.engines.serving.lora.runner_lora import RunnerLora
 from worker.engines.serving.runners.gpt2_weights import (
     ACTIVATIONS,
     PROJECTIONS,
     Gpt2Weights,
-    model_type,
     pack_weights,
-    resolve_folder,
 )
+from worker.engines.serving.runners.runner import DecodeInput, PrefillInput
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
-_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
 # On the CPU (fp32 or bf16) every projection and the LM head run on oneDNN weights packed once at load: MKL's
 # sgemm repacks the weight on every call, which dominates at 4-64 rows (the LM head of a 16-row decode step:
 # 8 ms packed, 25 ms plain in fp32 on a 2-core EPYC; bf16 4 ms packed, 7 ms plain) and costs nothing extra at
 # one row. The packed layout replaces the original (which is then dropped), so the weights are held once.
 
 
-def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
-    """The checkpoint's own fast tokenizer, or the bundled GPT-2 BPE when its folder has no tokenizer files."""
-    # Concrete classes, not AutoTokenizer: the auto class imports HF's modeling code (see gpt2_weights).
-    folder = resolve_folder(model)
-    kind = model_type(folder)
-    if kind != "gpt2":  # Llama, Mistral, Qwen: whatever their tokenizer.json says
-        if not (folder / "tokenizer.json").is_file():
-            raise ValueError(f"{model}: no tokenizer.json; a {kind} model is served with the fast tokenizer it ships")
-        return PreTrainedTokenizerFast.from_pretrained(folder)
-    if not any((folder / name).exists() for name in _TOKENIZER_FILES):
-        return GPT2TokenizerFast.from_pretrained(GPT2_TOKENIZER_DIR)
-    return GPT2TokenizerFast.from_pretrained(folder)
-
-
-def load_causal_lm(model: str | Path, plan: DevicePlan) -> PreTrainedModel:
-    """A GPT-2 HF model from safetensors, on the plan's device and dtype, in eval mode (tests compare with it)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model, trust_remote_code=False)  # checked before any weight is read
-    if config.model_type != "gpt2":
-        raise ValueError(f"{model}: model_type {config.model_type!r} is not supported; the engine serves GPT-2 only")
-    if getattr(config, "add_cross_attention", False):
-        raise ValueError(f"{model}: GPT-2 with cross-attention is not supported")
-    lm = AutoModelForCausalLM.from_pretrained(model, config=config, use_safetensors=True, trust_remote_code=False)
-    # For inference the weights themselves are cast (no autocast): half the memory and no per-op casts.
-    return lm.to(device=plan.device, dtype=plan.autocast_dtype or torch.float32).eval()
-
-
-class Gpt2Runner(SlotCache):
+class Gpt2Runner:
     """GPT-2 forward passes over a KV cache with one row per running sequence.
 
     Row r holds positions 0..len-1 of one sequence, so sequences of any length share a batch without
@@ -91,6 +56,9 @@ class Gpt2Runner(SlotCache):
         self.act = ACTIVATIONS[config.activation_function]
         self.max_rows = max_rows
         self.max_length = config.n_positions
+        self.cache = SlotCache(n_layer=self.n_layer, cache_heads=self.cache_heads, head_dim=self.head_dim,
+                               max_rows=max_rows, max_length=self.max_length, device=self.device, dtype=self.dtype)
+        self.lora: RunnerLora | None = None  # GPT-2 has no adapter path: its adapter requests are refused
         # Eager GPT-2 semantics: 1/sqrt(d) unless scale_attn_weights is off, further divided by the layer
         # number when scale_attn_by_inverse_layer_idx is on. None lets SDPA use its own (identical) 1/sqrt(d).
         self.scales: list[float | None] = []
@@ -169,15 +137,15 @@ class Gpt2Runner(SlotCache):
         """One step for rows 0..B-1: token b sits at positions[b]; attention covers positions < span. Logits [B, V]."""
         return self.forward((tokens, positions, span), None)
 
-    def forward(self, decode: tuple[torch.Tensor, torch.Tensor, int] | None,
-                prefill: tuple[list[list[int]], list[list[int]], list[int]] | None) -> torch.Tensor:
+    def forward(self, decode: DecodeInput | None, prefill: PrefillInput | None) -> torch.Tensor:
         """A decode step for rows 0..B-1 and the prefill of prompt chunks in one pass: logits [B + P, V].
 
         One pass reads every weight once for both (a separate prefill costs a whole weight read while the
         running rows wait). All tokens go through the projections as one flat [N, E] matrix; only attention
         is done per part: decode rows against the cache, prompts causally among themselves.
         """
-        keys, values = self.keys, self.values
+        cache = self.cache
+        keys, values = cache.keys, cache.values
         assert keys is not None and values is not None
         wte, wpe = self.tensors["wte.weight"], self.tensors["wpe.weight"]
         parts: list[torch.Tensor] = []
@@ -186,13 +154,13 @@ class Gpt2Runner(SlotCache):
             tokens, positions, span = decode
             batch = tokens.shape[0]
             rows = DecodeLayout(positions, span)  # row b sees its own positions 0..positions[b]
-            rows.clean(self)
-            slots = self.decode_slots(positions)
+            rows.clean(cache)
+            slots = cache.decode_slots(positions)
             parts.append(self._embed(wte, tokens) + self._embed(wpe, positions))
         layout = None
         if prefill is not None:
             layout = PrefillLayout(*prefill, self.device)
-            layout.note_written(self)
+            layout.note_written(cache)
             embedded = self._embed(wte, layout.ids) + self._embed(wpe, layout.positions)
             parts.append(embedded.view(-1, self.n_embd))
         hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -200,11 +168,11 @@ class Gpt2Runner(SlotCache):
         def attend(index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
             out = []
 
-            def sdpa(*qkv: torch.Tensor, **mask: Any) -> torch.Tensor:  # this layer's attention scale
-                return self._attention(*qkv, index, **mask)
+            def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **mask: Any) -> torch.Tensor:  # its scale
+                return self._attention(q, k, v, index, **mask)
 
             if decode is not None:
-                self.write_decode(index, slots, key[:batch], value[:batch])
+                cache.write_decode(index, slots, key[:batch], value[:batch])
                 q = query[:batch].view(batch, self.n_head, 1, self.head_dim)
                 attended = rows.attend(sdpa, q, keys, values, index, None)
                 out.append(attended.reshape(batch, self.n_embd))

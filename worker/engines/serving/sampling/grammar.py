@@ -20,7 +20,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
@@ -28,9 +28,12 @@ import torch
 
 from core.protocol import Constraint
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 # Compiled grammars kept per engine: a client repeating one schema pays its compile once.
 CACHE_SIZE = 64
-_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 class GrammarError(ValueError):

@@ -1,10 +1,8 @@
-"""What a decode step adds per row beyond the next token (grammar masks before the draw, logprobs after it),
-and a chat rendered to prompt ids."""
+"""What a decode step adds per row beyond the next token (grammar masks before the draw, logprobs after it)."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
 
 import torch
 
@@ -12,21 +10,6 @@ from core.protocol import TokenLogprob, TopLogprob
 from worker.engines.serving.requests import SequenceState
 from worker.engines.serving.sampling.grammar import allowed_tokens
 from worker.engines.serving.sampling.sampler import constrain, step_logprobs
-
-
-class NoChatTemplate(ValueError):
-    """The model's tokenizer has no chat template."""
-
-
-def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Prompt ids of a chat through the tokenizer's own chat template, with the assistant's turn opened.
-
-    Raises NoChatTemplate when it has none; a template's own raise_exception propagates.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise NoChatTemplate("this model has no chat template; use /v1/completions")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
 def constrained_logits(logits: torch.Tensor, rows: list[SequenceState]) -> torch.Tensor:

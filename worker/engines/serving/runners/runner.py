@@ -1,0 +1,37 @@
+"""What the engine needs of a serving runner, whatever the architecture (runners/gpt2.py, runners/decoder.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from worker.engines.serving.caches.slot_cache import SlotCache
+from worker.engines.serving.lora.runner_lora import RunnerLora
+
+# A decode step for rows 0..B-1: the rows' last tokens [B], their positions [B], the span attention covers.
+DecodeInput = tuple[torch.Tensor, torch.Tensor, int]
+# Prompt chunks: their token ids, the cache rows each fills (n choices share one prefill), where each begins.
+PrefillInput = tuple[list[list[int]], list[list[int]], list[int]]
+
+
+class Runner(Protocol):
+    """One architecture's forward pass over the KV cache it holds (it is given a cache, it is not one)."""
+
+    config: Any  # the checkpoint's transformers config (vocab_size, model_type, ...)
+    eos_token_ids: frozenset[int]
+    device: torch.device
+    dtype: torch.dtype
+    max_rows: int
+    max_length: int  # the model's context
+    cache: SlotCache
+    lora: RunnerLora | None  # per-row adapters, where the architecture has an adapter path
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights the runner holds."""
+        ...
+
+    def forward(self, decode: DecodeInput | None, prefill: PrefillInput | None) -> torch.Tensor:
+        """A decode step for rows 0..B-1 and the prefill of prompt chunks in one pass: logits [B + P, V]."""
+        ...
