@@ -133,9 +133,10 @@ class Share:
 
 class Pacer:
     """Keeps a batch's requests in an engine within its share, re-read before each submit: a batch backs off to
-    `busy` rows as soon as interactive requests arrive (the engine admits interactive requests before batch lines,
-    so rows it does not hold are rows an interactive request is admitted to at once) and fills `idle` rows only once the engine has had no
-    interactive request for BUSY_HOLD_S. One per batch run, so the memory of interactive traffic spans chunks."""
+    `busy` rows as soon as interactive requests arrive (the engine admits interactive requests before batch
+    lines, so rows it does not hold are rows an interactive request is admitted to at once) and fills `idle` rows
+    only once the engine has had no interactive request for BUSY_HOLD_S. One per batch run, so the memory of
+    interactive traffic spans chunks."""
 
     def __init__(self, share: Share, tenant: str | None = None) -> None:
         self.share = share

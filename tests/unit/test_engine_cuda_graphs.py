@@ -1,4 +1,4 @@
-"""The static-shape decode step (worker/engines/serving/runners/cuda_graphs.py) run uncaptured on the CPU: bucket choice, padding,
+"""The static-shape decode step (serving/runners/cuda_graphs.py) run uncaptured on the CPU: bucket choice, padding,
 and output equal to the ordinary decode path token for token (GPT-2 and a llama-family decoder, fp32)."""
 
 from __future__ import annotations

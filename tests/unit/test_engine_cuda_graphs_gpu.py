@@ -1,4 +1,4 @@
-"""Decode steps replayed as CUDA graphs (worker/engines/serving/runners/cuda_graphs.py) equal the eager paths on CUDA, fp32."""
+"""Decode steps replayed as CUDA graphs (serving/runners/cuda_graphs.py) equal the eager paths on CUDA, fp32."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Fine-tune a causal LM on conversations (loss on assistant turns) or on preference pairs (DPO): a task of the loop.
 
 The data is a chat, completion or preference dataset (core.chat_data), each record rendered with the base model's
-chat template (worker.engines.training.chat_render); records whose replies fall past max_length are left out and counted.
+chat template (training/chat_render.py); records whose replies fall past max_length are left out and counted.
 With `adapter` the model is the base plus LoRA (worker.engines.training.adapters); DPO needs one, because its reference
 model is the base with the adapter switched off (worker.engines.training.dpo).
 """

@@ -107,7 +107,7 @@ class _Run:
         self.model = model = self.setup.model
         if self.plan.device_type == "cpu":
             use_fast_dropout(model)  # PyTorch's CPU dropout masks cost ~10% of a step (worker.engines.training.dropout)
-            if dist is None:  # looked-up rows only: see worker.engines.training.sparse_adamw (DDP reduces dense gradients)
+            if dist is None:  # looked-up rows only: see training/sparse_adamw.py (DDP reduces dense gradients)
                 for table in self.setup.sparse_tables:
                     table.sparse = table.weight.requires_grad
         self.replica = None if dist is None else Replica(dist, model, self.plan)

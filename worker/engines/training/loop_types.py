@@ -27,7 +27,7 @@ class RunConfig:
     """What every training run shares: data files, outputs, schedule, precision, seed; hyperparameters validated.
 
     Defaults of hyperparameters are the models' (core.hyperparams): what every kind shares from
-    TrainingHyperparameters here, each kind's own in its config (worker.engines.training.kinds fills them from the model).
+    TrainingHyperparameters here, each kind's own in its config (training/kinds.py fills them from the model).
     """
 
     train_file: Path
