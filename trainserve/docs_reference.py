@@ -146,14 +146,17 @@ def _constraints(schema: JSON) -> str:
     return ", ".join(f"{word} `{member[key]}`" for member in members for key, word in words.items() if key in member)
 
 
+def _json_default(schema: JSON) -> str:
+    return f"`{json.dumps(schema['default'])}`" if "default" in schema else ""
+
+
 def _field_rows(schema: JSON) -> list[list[str]]:
     required = set(schema.get("required", []))
     rows = []
     for name, prop in schema.get("properties", {}).items():
-        default = f"`{json.dumps(prop['default'])}`" if "default" in prop else ""
         limits = _constraints(prop)
         rows.append([f"`{name}`", schema_type(prop) + (f" ({limits})" if limits else ""),
-                     "yes" if name in required else "", default, prop.get("description", "")])
+                     "yes" if name in required else "", _json_default(prop), prop.get("description", "")])
     return rows
 
 
@@ -166,10 +169,11 @@ def _operation(method: str, path: str, op: JSON) -> str:
         out.append("No API key needed.\n\n")
     params = op.get("parameters", [])
     if params:
-        out.append(table(["parameter", "in", "type", "required", "meaning"], [
+        out.append(table(["parameter", "in", "type", "required", "default", "meaning"], [
             [f"`{p['name']}`", p["in"], schema_type(p.get("schema", {})) + (
                 f" ({_constraints(p.get('schema', {}))})" if _constraints(p.get("schema", {})) else ""),
-             "yes" if p.get("required") else "", p.get("description", "")] for p in params]))
+             "yes" if p.get("required") else "", _json_default(p.get("schema", {})), p.get("description", "")]
+            for p in params]))
         out.append("\n")
     body = op.get("requestBody", {}).get("content", {})
     for media, content in body.items():

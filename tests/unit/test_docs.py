@@ -80,7 +80,7 @@ def test_http_api_page_renders_operations_and_schemas():
     }
     text = docs_reference.http_api_page(document)
     assert "### GET /things/{id}" in text and "**Read Thing**: One thing." in text
-    assert "| `limit` | query | integer (&lt;= `100`) |  |  |" in text  # `<` as an entity outside code
+    assert "| `limit` | query | integer (&lt;= `100`) |  |  |  |" in text  # `<` as an entity outside code
     assert "| `200` | [Thing](#thing) | OK |" in text
     assert "| `tags` | array of string |  | `[]` |  |" in text
     assert '| `kind` | `"a"` or `"b"` or null |' in text
