@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import html
 import json
 import re
 import sys
@@ -27,10 +28,20 @@ JSON = dict[str, Any]
 
 
 def cell(text: object) -> str:
-    """Text safe inside a Markdown table cell: one line, pipes escaped, `<` outside code spans as an entity (so
-    `<home>` stays text rather than an HTML tag)."""
-    parts = " ".join(str(text).split()).replace("|", "\\|").split("`")
-    return "`".join(part if i % 2 else part.replace("<", "&lt;") for i, part in enumerate(parts))
+    """Text safe inside a Markdown table cell: one line; outside code spans pipes escaped and `<` an entity (so
+    `<home>` stays text, not an HTML tag); a code span with a pipe as HTML (a table keeps `\\|` in a code span)."""
+    parts = " ".join(str(text).split()).split("`")
+    if len(parts) % 2 == 0:  # an unpaired backtick: no code spans
+        parts = ["`".join(parts)]
+    out = []
+    for i, part in enumerate(parts):
+        if not i % 2:
+            out.append(part.replace("|", "\\|").replace("<", "&lt;"))
+        elif "|" in part:
+            out.append("<code>" + html.escape(part).replace("|", "&#124;") + "</code>")
+        else:
+            out.append(f"`{part}`")
+    return "".join(out)
 
 
 def table(header: Iterable[str], rows: Iterable[Iterable[object]]) -> str:

@@ -129,3 +129,10 @@ def test_readme_is_the_first_five_minutes():
         assert must in text, must
     for link in re.findall(r"\]\((docs/[^)#]+)", text):
         assert (ROOT / link).is_file(), link
+
+
+def test_table_cells_keep_pipes_and_angle_brackets_readable():
+    assert docs_reference.cell("a | b\n  c") == "a \\| b c"
+    assert docs_reference.cell("under <home>, `<home>/models`") == "under &lt;home>, `<home>/models`"
+    assert docs_reference.cell("pattern `^(a|b)$`") == "pattern <code>^(a&#124;b)$</code>"
+    assert docs_reference.cell("one ` backtick | here") == "one ` backtick \\| here"
