@@ -23,14 +23,15 @@ def main() -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--key-file", type=Path, default=Path("var/admin.key"))
     parser.add_argument("--data", type=Path, default=Path("examples/data/chat_aye.jsonl"))
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=5)
     args = parser.parse_args()
 
     client = OpenAI(base_url=f"{args.url}/v1", api_key=args.key_file.read_text().strip())
     training = client.files.create(file=args.data.open("rb"), purpose="fine-tune")
     job = client.fine_tuning.jobs.create(
         model=args.model, training_file=training.id, suffix="aye",
-        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": args.epochs, "batch_size": 4}}},
+        method={"type": "supervised", "supervised": {"hyperparameters": {
+            "n_epochs": args.epochs, "batch_size": 4, "learning_rate_multiplier": 4}}},   # lr 1.2e-3 for LoRA
         extra_body={"adapter": {"r": 8}})                      # LoRA: trainserve's own option, as an extra field
     print(f"job {job.id}: watch it at {args.url}/ (paste the key from {args.key_file})")
     while (job := client.fine_tuning.jobs.retrieve(job.id)).status not in ("succeeded", "failed", "cancelled"):
