@@ -237,11 +237,12 @@ def openapi_document() -> JSON:
 # --- Error codes ---
 
 def error_codes_page() -> str:
-    """docs/reference/error-codes.md from ErrorCode and its meanings."""
-    from core.protocol import ERROR_CODE_MEANINGS, ErrorCode
+    """docs/reference/error-codes.md from ErrorCode and its meanings (core.errors)."""
+    from core.errors import ERROR_CODE_MEANINGS
+    from core.protocol import ErrorCode
 
     rows = [[f"`{code.value}`", *ERROR_CODE_MEANINGS[code]] for code in ErrorCode]
-    return ("# Error codes\n\n" + GENERATED.format(source="`core.protocol.ErrorCode`") +
+    return ("# Error codes\n\n" + GENERATED.format(source="`ErrorCode` and `core.errors.ERROR_CODE_MEANINGS`") +
             "Every error, whatever the route, is one JSON envelope naming the field at fault:\n\n"
             "```json\n"
             '{"error": {"code": "validation_error", "message": "column \'sentnce\' is not in dataset ds_... '

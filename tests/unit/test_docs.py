@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from core.protocol import ERROR_CODE_MEANINGS, ErrorCode
+from core.errors import ERROR_CODE_MEANINGS
+from core.protocol import ErrorCode
 from tests.conftest import ROOT
 from trainserve import docs_reference
 
