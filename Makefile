@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # transformers again (20 s of CPU each instead of 9). An empty value is "unset" to Python.
 export PYTHONDONTWRITEBYTECODE =
 
-.PHONY: run test setup lint bench clean
+.PHONY: run test setup lint docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@echo "setup: installing $(VENV) (torch, then .[worker,local,dev])"
@@ -54,8 +54,14 @@ lint: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# The documentation site: regenerate the reference pages (settings, OpenAPI, error codes, benchmark results), then
+# build site/. `make test` checks both (tests/unit/test_docs.py): stale pages and a --strict build fail it.
+docs: setup
+	$(PY) -m trainserve.docs_reference
+	$(VENV)/bin/mkdocs build --strict
+
 bench: setup
 	$(PY) bench/finetune.py
 
 clean:
-	rm -rf $(VENV) var
+	rm -rf $(VENV) var site

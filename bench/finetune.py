@@ -1,6 +1,6 @@
 """Fine-tune MiniLM on SST-2 rows with the engine and with HF Trainer (grouped, grouped eager, default); print medians.
 
-Every side is timed over the same window (inside training steps); see bench/README.md.
+Every side is timed over the same window (inside training steps); see docs/benchmarks/index.md.
 
 Usage: HF_HUB_OFFLINE=1 .venv/bin/python bench/finetune.py [--rows 4000] [--max-steps N] [--repeats 3]
 """
@@ -239,7 +239,7 @@ def write_json(args: argparse.Namespace, runs: dict, summary: dict | None, rows:
 
 
 def parse_args() -> argparse.Namespace:
-    """Command-line options (see bench/README.md)."""
+    """Command-line options (see docs/benchmarks/index.md)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train", type=Path, default=default_data("sst2_train_4k.tsv", "train.tsv"))
     parser.add_argument("--dev", type=Path, default=default_data("sst2_dev.tsv", "dev.tsv"))

@@ -15,7 +15,7 @@
 # Every part runs under a time limit (GPU_CHECK_PART_TIMEOUT, 150 s) and the table (summary.txt) is rewritten
 # after each part, the fine-tune JSON after each run, so a run cut short still reports what it measured.
 #
-#   bash bench/gpu_check.sh           # on the GPU; carry .whl made by bench/gpu_wheels.sh (see bench/README.md)
+#   bash bench/gpu_check.sh           # on the GPU; carry .whl made by bench/gpu_wheels.sh (see docs/benchmarks/index.md)
 #   bash bench/gpu_check.sh --smoke   # or GPU_CHECK_SMOKE=1: everything shrunk, on the CPU, proves the script
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

@@ -1,5 +1,5 @@
 """The one typed settings object: every TRAINSERVE_* variable, grouped by concern, each documented once (its
-`description`, which the README's configuration table restates for readers)."""
+`description`, from which the docs site's configuration reference is generated: trainserve/docs_reference.py)."""
 
 from __future__ import annotations
 

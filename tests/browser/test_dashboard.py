@@ -20,7 +20,7 @@ from tests.integration.conftest import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # Waits are long because a busy CI box can be slow; on a quiet 2-core machine each takes seconds.
-# The README's screenshots are refreshed only on request, so that a test run leaves the checkout clean.
+# The docs site's screenshots are refreshed only on request, so that a test run leaves the checkout clean.
 DOCS = ROOT / "docs" if os.environ.get("TRAINSERVE_UPDATE_DOCS_SCREENSHOTS") == "1" else SCREENSHOTS
 # 36 steps of a 2-layer BERT on 48 rows: enough for the loss to visibly fall in the docs screenshot.
 HYPER = {"epochs": 6, "batch_size": 8, "learning_rate": 5e-3, "warmup_ratio": 0.1, "max_length": 32, "eval_steps": 6}
