@@ -52,6 +52,11 @@ def embed_reply_key(request_id: str) -> str:
     return f"{PREFIX}embed:{request_id}:reply"
 
 
+def tenant_batches_key(tenant_id: str) -> str:
+    """Sorted set of a tenant's running batches (id, last heartbeat): the per-tenant bound on running batches."""
+    return f"{PREFIX}batch-runs:{tenant_id}"
+
+
 def batch_lock_key(batch_id: str) -> str:
     """The lease of the one task running a batch (its token; expires unless its runner renews it)."""
     return f"{PREFIX}batch-run:{batch_id}"

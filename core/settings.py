@@ -150,6 +150,9 @@ class Settings(BaseSettings):
         "interactive request is in it (below 1: an arriving request still finds rows free).")
     batch_chunk_lines: int = Field(64, ge=1, le=10_000, description="/v1/batches: lines run between two durable "
                                    "progress records (and cancel checks).")
+    batch_runs_per_tenant: int = Field(2, ge=1, description="/v1/batches: batches of one tenant running at once; "
+                                       "more wait (taken up again by the batch reaper, every batch_stale_s / 2 at "
+                                       "most) so one tenant's batches cannot take every generation worker.")
     batch_stale_s: float = Field(60.0, gt=0, description="/v1/batches: a running batch whose worker has not beaten "
                                  "its heartbeat for this long is handed to another generation worker (its done "
                                  "lines are kept).")

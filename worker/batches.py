@@ -39,7 +39,7 @@ from core.db import session_scope
 from core.protocol import ErrorCode
 from core.rows import Batch, Dataset, new_id, utcnow
 from core.storage import ArtifactStore
-from worker.batch_recovery import Lease, heartbeat
+from worker.batch_recovery import Lease, TenantRuns, heartbeat
 from worker.batch_runner import RUNNERS, Outcome, Pacer, Share, digest, error_outcome
 from worker.context import WorkerContext
 
@@ -117,12 +117,18 @@ def run_batch(ctx: WorkerContext, batch_id: str) -> None:
     lease = Lease(ctx, batch_id)
     if not lease.acquire():
         return  # another task runs it (a duplicate delivery); if that runner dies, the reaper sends it again
-    ticker = heartbeat(ctx, batch_id, lease)
+    runs = TenantRuns(ctx, tenant, batch_id)
+    if not runs.acquire():  # the tenant runs its limit of batches: the reaper sends this one again later
+        lease.release()
+        log.info("batch %s waits: its tenant already runs %d batches", batch_id, runs.limit)
+        return
+    ticker = heartbeat(ctx, batch_id, lease, runs)
     ticker.start()
     try:
         _run(ctx, batch_id, plan, expires_at, tenant)
     finally:
         ticker.stop()
+        runs.release()
         lease.release()
 
 
