@@ -38,8 +38,8 @@ from pydantic_core import CoreSchema, core_schema
 from core.adapters import AdapterConfig, PreferenceConfig, SupervisedConfig
 from core.errors import ValidationFailed
 from core.hyperparams import Hyperparameters, LMHyperparameters, TrainingHyperparameters
-from core.rows import TaskKind
 from core.tasks import MAX_JOB_DEVICES
+from core.vocab import TaskKind
 
 INT32_MAX = 2**31 - 1  # steps, event ids and model_config values are 32-bit integer columns or smaller
 ModelConfigValue = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]

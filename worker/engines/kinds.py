@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from core.adapters import AdapterConfig, PreferenceConfig
 from core.chat_data import CHAT_FORMATS
 from core.jobspec import KINDS, load_kind_modules
-from core.rows import TaskKind
+from core.vocab import TaskKind
 from worker.engines.chat_training import ChatRecipe, ChatTrainConfig
 from worker.engines.lm_training import CausalLMRecipe, LMTrainConfig
 from worker.engines.loop import Recipe, RunConfig
