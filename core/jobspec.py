@@ -242,20 +242,28 @@ def field_of(loc: tuple[Any, ...], ctx: Any = None) -> str | None:
     return ".".join(parts) or None
 
 
+def _failed(exc: ValidationError, *prefix: str) -> ValidationFailed:
+    error = exc.errors()[0]
+    field = field_of((*prefix, *error["loc"]), error.get("ctx"))
+    return ValidationFailed(field, f"{field}: {error['msg']}" if field else error["msg"])
+
+
 def validate_spec(data: Any) -> JobSpec:
     """parse_spec for bodies built on the server (a sweep's trial, a rerun): ValidationFailed naming the field."""
     try:
         return parse_spec(data)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        field = field_of(error["loc"], error.get("ctx"))
-        raise ValidationFailed(field, f"{field}: {error['msg']}" if field else error["msg"]) from exc
+        raise _failed(exc) from exc
 
 
 def stored_hyperparameters(task: str, stored: Mapping[str, Any]) -> TrainingHyperparameters:
-    """Rebuild a job's typed hyperparameters from its row (fields a row predates get their defaults;
-    `model_fields_set` tells which the row had)."""
-    return kind_of(task).hyperparameters.model_validate(dict(stored))
+    """Rebuild a job's typed hyperparameters from its row, validated by its kind's model (fields a row predates get
+    their defaults; `model_fields_set` tells which the row had); ValidationFailed naming a key the model does not
+    take or a value it refuses."""
+    try:
+        return kind_of(task).hyperparameters.model_validate(dict(stored))
+    except ValidationError as exc:
+        raise _failed(exc, "hyperparameters") from exc
 
 
 register(JobKind(ClassificationJob, {"eval_loss": False, "eval_accuracy": True, "eval_f1": True}))
