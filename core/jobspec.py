@@ -167,7 +167,7 @@ class JobKind:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        """The training methods its spec's `method` field takes (sft, dpo), first the default; none without one."""
+        """The training methods its spec's `method` field takes (sft, dpo); none for a kind without the field."""
         field = self.spec.model_fields.get("method")
         if field is None:
             return ()

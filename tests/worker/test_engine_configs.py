@@ -13,7 +13,7 @@ import pytest
 from pydantic import Field
 
 from core.errors import ValidationFailed
-from core.hyperparams import LMHyperparameters, default
+from core.hyperparams import LMHyperparameters, TrainingHyperparameters, default
 from core.jobspec import KINDS, stored_hyperparameters
 from worker.engines import kinds
 from worker.engines.chat_training import ChatTrainConfig
@@ -109,3 +109,7 @@ def test_a_row_from_before_metric_for_best_keeps_its_last_model():
     new = _config("text-classification", {"metric_for_best": "eval_f1"})
     assert (new.metric_for_best, new.greater_is_better) == ("eval_f1", True)
     assert isinstance(new, TrainConfig) and new.base_model == "base" and new.label_column == "label"
+
+
+def test_the_shared_mapping_covers_what_every_kind_shares():
+    assert set(kinds.RUN_HYPERPARAMETERS) == set(TrainingHyperparameters.model_fields)

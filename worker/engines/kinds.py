@@ -24,7 +24,6 @@ from pydantic import BaseModel
 
 from core.adapters import AdapterConfig, PreferenceConfig
 from core.chat_data import CHAT_FORMATS
-from core.hyperparams import TrainingHyperparameters
 from core.jobspec import KINDS, load_kind_modules
 from core.vocab import TaskKind
 from worker.engines.chat_training import ChatRecipe, ChatTrainConfig
@@ -39,7 +38,6 @@ RUN_HYPERPARAMETERS: Mapping[str, str | None] = {
     "gradient_accumulation_steps": "gradient_accumulation_steps", "precision": "precision",
     "eval_steps": "eval_steps", "metric_for_best": None, "early_stopping_patience": "early_stopping_patience",
     "early_stopping_threshold": "early_stopping_threshold"}
-assert set(RUN_HYPERPARAMETERS) == set(TrainingHyperparameters.model_fields)
 
 
 class UnknownHyperparameter(ValueError):
@@ -120,10 +118,9 @@ def hyperparameter_values(name: str, hyperparameters: BaseModel) -> dict[str, An
     given = set(type(hyperparameters).model_fields)
     unknown, absent = sorted(given - set(mapping)), sorted(set(mapping) - given)
     if unknown or absent:
-        raise UnknownHyperparameter(
-            f"the {name} engine " + "; ".join(
-                part for part in (f"has no place for hyperparameter {', '.join(unknown)}" if unknown else "",
-                                  f"expects hyperparameter {', '.join(absent)}" if absent else "") if part))
+        problems = ([f"has no place for hyperparameter {', '.join(unknown)}"] if unknown else []) + (
+            [f"expects hyperparameter {', '.join(absent)}"] if absent else [])
+        raise UnknownHyperparameter(f"the {name} engine {'; '.join(problems)}")
     return {target: getattr(hyperparameters, field) for field, target in mapping.items() if target is not None}
 
 
