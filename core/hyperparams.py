@@ -1,7 +1,8 @@
 """Training hyperparameters: each kind's typed model, the one place their ranges and defaults live.
 
 The API validates a request into these models (core.jobspec), the job row stores the model's JSON, the worker
-rebuilds the model from the row, and the engines' configs take their defaults from here (`default`).
+validates the row's back into the model and maps every field onto the engine's config (worker.engines.training.kinds); a
+default an engine config keeps for direct callers is the model's (`default`), so each kind has one set.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ Precision = Literal["auto", "fp16", "bf16", "fp32"]
 
 
 def default(model: type[BaseModel], name: str) -> Any:
-    """The default of one field of a hyperparameters model (engine configs take theirs from here)."""
+    """The default of one field of a hyperparameters model (an engine config's default, where it keeps one)."""
     return model.model_fields[name].get_default(call_default_factory=True)
 
 

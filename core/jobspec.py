@@ -6,8 +6,10 @@ it always was); each kind is a `JobSpec` subclass whose `hyperparameters` is tha
 `stored_hyperparameters` rebuilds the model from it on the worker, which derives the engine's config.
 
 `KINDS` is the registry: kind -> `JobKind` (spec model, eval metrics and which way each is better, the
-metric_for_best choices). The worker keys its engine pieces (config, Task) by the same names
-(worker.engines.training.kinds). Adding a kind is one `register` here and one there; a kind shipped outside this
+metric_for_best choices, held-out eval, chat data, the methods its spec takes). The worker keys its engine pieces
+(config, Task, hyperparameters mapping) by the same names (worker.engines.training.kinds), the API a kind's own
+admission checks (app.services.job_kinds); `RegisteredKind` is a request field naming a kind (the fine-tuning
+route's `task`). Adding a kind is one `register` in each; a kind shipped outside this
 package lives in a module named by TRAINSERVE_JOB_KIND_MODULES, which the API imports when it builds its app
 and every worker when it starts (`load_kind_modules`). The request body (`JobCreate`) validates against the
 kinds registered when a request arrives, and the OpenAPI document lists those registered when it is built.
@@ -16,9 +18,9 @@ kinds registered when a request arrives, and the OpenAPI document lists those re
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args
 
 from pydantic import (
     BaseModel,
@@ -33,13 +35,13 @@ from pydantic import (
     field_validator,
 )
 from pydantic.json_schema import JsonSchemaValue
-from pydantic_core import CoreSchema, core_schema
+from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
 from core.adapters import AdapterConfig, PreferenceConfig, SupervisedConfig
 from core.errors import ValidationFailed
 from core.hyperparams import Hyperparameters, LMHyperparameters, TrainingHyperparameters
-from core.rows import TaskKind
 from core.tasks import MAX_JOB_DEVICES
+from core.vocab import TaskKind
 
 INT32_MAX = 2**31 - 1  # steps, event ids and model_config values are 32-bit integer columns or smaller
 ModelConfigValue = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
@@ -135,6 +137,12 @@ class CausalLMJob(JobSpec):
                     "completion dataset; dpo: preference pairs, needs an adapter and a base_model.")
 
 
+def task_name(spec: type[JobSpec]) -> str:
+    """The kind a spec model stands for: its `task` literal."""
+    (value,) = get_args(spec.model_fields["task"].annotation)
+    return str(value)
+
+
 @dataclass(frozen=True)
 class JobKind:
     """One kind of job as every layer above the engines sees it."""
@@ -142,20 +150,29 @@ class JobKind:
     spec: type[JobSpec]
     metrics: Mapping[str, bool]  # the eval metrics it reports -> whether greater is better (metric_for_best)
     holds_out_eval: bool = False  # without an eval_dataset it evaluates on a share of the training data
+    chat_data: bool = False  # it also trains on chat, completion and preference datasets (core.chat_data)
     # A kind from a plugin module: the module that registers its engine pieces (worker.engines.training.kinds), which
     # only workers import, so the API process never loads the ML stack. None: built in (registered there).
     engine_module: str | None = None
 
     @property
     def name(self) -> str:
-        (value,) = self.spec.model_fields["task"].annotation.__args__  # type: ignore[union-attr]
-        return str(value)
+        return task_name(self.spec)
 
     @property
     def hyperparameters(self) -> type[TrainingHyperparameters]:
         annotation = self.spec.model_fields["hyperparameters"].annotation
         assert isinstance(annotation, type) and issubclass(annotation, TrainingHyperparameters)
         return annotation
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The training methods its spec's `method` field takes (sft, dpo); none for a kind without the field."""
+        field = self.spec.model_fields.get("method")
+        if field is None:
+            return ()
+        members = get_args(field.annotation) or (field.annotation,)
+        return tuple(str(value) for member in members for value in get_args(member.model_fields["method"].annotation))
 
     def greater_is_better(self, metric: str) -> bool:
         """Direction of one of its eval metrics (KeyError for a metric it does not report)."""
@@ -184,6 +201,32 @@ def unregister(name: str) -> None:
 def kind_of(name: str) -> JobKind:
     """The registered kind of that name (KeyError for one this version does not know)."""
     return KINDS[name]
+
+
+def kinds_where(predicate: Callable[[JobKind], bool]) -> str:
+    """The names of the registered kinds a predicate holds for, for a message ('causal-lm or ...')."""
+    return " or ".join(name for name, kind in KINDS.items() if predicate(kind))
+
+
+def _known_kind(value: str) -> str:
+    if value not in KINDS:
+        raise PydanticCustomError("literal_error", "Input should be {expected}",
+                                  {"expected": " or ".join(repr(name) for name in KINDS)})
+    return value
+
+
+class RegisteredKind:
+    """A kind's name as a request field (`Annotated[str, RegisteredKind]`): checked against the kinds registered
+    when the request arrives (the error an unknown Literal gives), listed as the kinds registered when the OpenAPI
+    document is built."""
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        return core_schema.no_info_after_validator_function(_known_kind, core_schema.str_schema())
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        return {"type": "string", "enum": list(KINDS)}
 
 
 def _tag(value: Any) -> str | None:
@@ -242,24 +285,32 @@ def field_of(loc: tuple[Any, ...], ctx: Any = None) -> str | None:
     return ".".join(parts) or None
 
 
+def _failed(exc: ValidationError, *prefix: str) -> ValidationFailed:
+    error = exc.errors()[0]
+    field = field_of((*prefix, *error["loc"]), error.get("ctx"))
+    return ValidationFailed(field, f"{field}: {error['msg']}" if field else error["msg"])
+
+
 def validate_spec(data: Any) -> JobSpec:
     """parse_spec for bodies built on the server (a sweep's trial, a rerun): ValidationFailed naming the field."""
     try:
         return parse_spec(data)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        field = field_of(error["loc"], error.get("ctx"))
-        raise ValidationFailed(field, f"{field}: {error['msg']}" if field else error["msg"]) from exc
+        raise _failed(exc) from exc
 
 
 def stored_hyperparameters(task: str, stored: Mapping[str, Any]) -> TrainingHyperparameters:
-    """Rebuild a job's typed hyperparameters from its row (fields a row predates get their defaults;
-    `model_fields_set` tells which the row had)."""
-    return kind_of(task).hyperparameters.model_validate(dict(stored))
+    """Rebuild a job's typed hyperparameters from its row, validated by its kind's model (fields a row predates get
+    their defaults; `model_fields_set` tells which the row had); ValidationFailed naming a key the model does not
+    take or a value it refuses."""
+    try:
+        return kind_of(task).hyperparameters.model_validate(dict(stored))
+    except ValidationError as exc:
+        raise _failed(exc, "hyperparameters") from exc
 
 
 register(JobKind(ClassificationJob, {"eval_loss": False, "eval_accuracy": True, "eval_f1": True}))
-register(JobKind(CausalLMJob, {"eval_loss": False, "perplexity": False}, holds_out_eval=True))
+register(JobKind(CausalLMJob, {"eval_loss": False, "perplexity": False}, holds_out_eval=True, chat_data=True))
 if TYPE_CHECKING:
     JobCreate = JobSpec
 else:

@@ -14,7 +14,7 @@ from core.hyperparams import default
 from core.tabular import read_table
 from tests.toy_kind import TOY, ToyHyperparameters
 from worker.engines.training import artifacts
-from worker.engines.training.kinds import EngineKind, register
+from worker.engines.training.kinds import RUN_HYPERPARAMETERS, EngineKind, register, same_names
 from worker.engines.training.loop import RunConfig, Setup
 
 
@@ -64,4 +64,5 @@ class ToyTask:
         return manifest
 
 
-ENGINE = register(TOY, EngineKind(ToyConfig, ToyTask))
+ENGINE = register(TOY, EngineKind(ToyConfig, ToyTask, {
+    **RUN_HYPERPARAMETERS, **same_names("epochs", "batch_size", "learning_rate", "weight_decay", "seed")}))

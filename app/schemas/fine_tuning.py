@@ -12,7 +12,9 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, field_validator
 
 from core.adapters import AdapterConfig
+from core.jobspec import RegisteredKind
 from core.tasks import MAX_JOB_DEVICES
+from core.vocab import TaskKind
 
 FilePurpose = Literal["fine-tune", "batch", "batch_output"]
 Auto = Literal["auto"]
@@ -102,7 +104,7 @@ class FineTuningJobCreate(BaseModel):
     metadata: dict[str, str] | None = None
     integrations: list[Any] | None = Field(None, description="Not supported: must be empty.")
     # trainserve's own options (extra body fields of the official clients)
-    task: Literal["causal-lm", "text-classification"] = "causal-lm"
+    task: Annotated[str, RegisteredKind] = Field(TaskKind.CAUSAL_LM, description="The job's kind (as POST /jobs).")
     adapter: AdapterConfig | None = Field(None, description="LoRA settings; method dpo without one trains the "
                                                             "default adapter.")
     devices: int = Field(1, ge=1, le=MAX_JOB_DEVICES)

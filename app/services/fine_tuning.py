@@ -32,9 +32,9 @@ from core.adapters import AdapterConfig
 from core.auth import Principal
 from core.errors import NotFound, ValidationFailed
 from core.hyperparams import default
-from core.jobspec import KINDS, kind_of, validate_spec
+from core.jobspec import KINDS, kind_of, kinds_where, validate_spec
 from core.queue import TaskQueue
-from core.rows import EventKind, Job, JobEvent, JobStatus, TaskKind, utcnow
+from core.rows import EventKind, Job, JobEvent, JobStatus, utcnow
 from core.settings import Settings
 from core.store import jobs as store
 from core.store.paging import cursor_of
@@ -44,6 +44,7 @@ SPEC_FIELDS = {"train_dataset": "training_file", "eval_dataset": "validation_fil
                "method.beta": "method.dpo.hyperparameters.beta", "method": "method.type"}
 EVENT_ID = re.compile(r"^ftevent-([0-9]{1,10})$")
 LEVELS = {"warning": "warn", "warn": "warn", "error": "error"}
+METHODS = {"supervised": "sft", "dpo": "dpo"}  # OpenAI's method type -> the job spec's method (JobKind.methods)
 
 
 def create_job(session: Session, settings: Settings, queue: TaskQueue, principal: Principal, *,
@@ -83,14 +84,17 @@ def job_spec(body: FineTuningJobCreate) -> tuple[dict[str, Any], dict[str, str],
         if getattr(body, name) is not None:
             spec[name] = getattr(body, name)
     adapter = body.adapter
-    if method_type == "dpo":
-        if body.task != TaskKind.CAUSAL_LM:
-            raise ValidationFailed("method.type", "method dpo trains causal-lm jobs (task)")
+    method_name = METHODS[method_type]
+    methods = kind_of(body.task).methods  # none: the kind trains one way, which is supervised
+    if method_name not in (methods or (METHODS["supervised"],)):
+        raise ValidationFailed("method.type", f"method {method_type} trains "
+                               f"{kinds_where(lambda kind: method_name in kind.methods)} jobs (task)")
+    if methods:
+        spec["method"] = {"method": method_name}
+    if method_name == "dpo":
         beta = getattr(hp, "beta", "auto")
-        spec["method"] = {"method": "dpo", **({} if beta == "auto" else {"beta": beta})}
+        spec["method"].update({} if beta == "auto" else {"beta": beta})
         adapter = adapter or AdapterConfig()
-    elif body.task == TaskKind.CAUSAL_LM:
-        spec["method"] = {"method": "sft"}
     if adapter is not None:
         spec["adapter"] = adapter.model_dump(mode="json")
     return spec, names, where

@@ -4,8 +4,8 @@ A causal-lm job trains on a text corpus (a table's text column, or .txt) with ne
 dataset (core.chat_data): a chat or completion dataset with method sft (loss on the replies), a preference
 dataset with method dpo. DPO needs a base_model and an adapter (its reference model is the base with the
 adapter switched off); chat data needs a base_model whose tokenizer has a chat template (a completion dataset
-renders without one). Text-classification jobs train on tables only. The worker picks the engine by the same
-rule (core.jobspec.engine_name).
+renders without one). A kind trains on chat data when its registry entry says so (JobKind.chat_data), else on
+tables only. The worker picks the engine by the same rule (worker.engines.training.kinds.engine_name).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from core.auth import Principal
 from core.batch_data import BATCH_FORMAT
 from core.chat_data import CHAT_FORMATS
 from core.errors import NotFound, ValidationFailed
-from core.jobspec import CausalLMJob, JobSpec
+from core.jobspec import JobSpec, kind_of, kinds_where
 from core.pretrained import builtin_aliases, has_chat_template, resolve_base_model
 from core.rows import Dataset, Job, JobStatus
 from core.served_models import NAME_RE, is_job_model
@@ -63,9 +63,10 @@ def require_table_data(spec: JobSpec, train: Dataset, evaluation: Dataset | None
     for field, dataset in (("train_dataset", train), ("eval_dataset", evaluation)):
         if dataset is not None and dataset.format == BATCH_FORMAT:
             raise ValidationFailed(field, f"{dataset.id} is a batch file (requests to run), not training data")
-    if not isinstance(spec, CausalLMJob) and (is_chat(train) or is_chat(evaluation)):
+    if not kind_of(spec.task).chat_data and (is_chat(train) or is_chat(evaluation)):
         field = "train_dataset" if is_chat(train) else "eval_dataset"
-        raise ValidationFailed(field, f"{spec.task} jobs train on tables; chat datasets train causal-lm jobs")
+        raise ValidationFailed(field, f"{spec.task} jobs train on tables; chat datasets train "
+                                      f"{kinds_where(lambda kind: kind.chat_data)} jobs")
 
 
 def method_fields(spec: JobSpec, train: Dataset, evaluation: Dataset | None,
@@ -74,9 +75,10 @@ def method_fields(spec: JobSpec, train: Dataset, evaluation: Dataset | None,
     adapter = getattr(spec, "adapter", None)
     if adapter is not None and spec.base_model is None:
         raise ValidationFailed("adapter", "an adapter trains on top of a base_model; a fresh model trains in full")
-    if not isinstance(spec, CausalLMJob):
+    method = getattr(spec, "method", None)  # the kinds with methods (JobKind.methods) have the field
+    if method is None:
         return {"adapter": adapter.model_dump(mode="json") if adapter else None, "method": None}
-    dpo = isinstance(spec.method, PreferenceConfig)
+    dpo = isinstance(method, PreferenceConfig)
     wanted = ("preference",) if dpo else ("chat", "completion")
     for field, dataset in (("train_dataset", train), ("eval_dataset", evaluation)):
         if dataset is None:
@@ -100,5 +102,4 @@ def method_fields(spec: JobSpec, train: Dataset, evaluation: Dataset | None,
             raise ValidationFailed("base_model", f"{spec.base_model} has no chat template (tokenizer_config.json "
                                                  "chat_template), so its conversations cannot be rendered; use a "
                                                  "chat model or a completion dataset")
-    return {"adapter": adapter.model_dump(mode="json") if adapter else None,
-            "method": spec.method.model_dump(mode="json")}
+    return {"adapter": adapter.model_dump(mode="json") if adapter else None, "method": method.model_dump(mode="json")}

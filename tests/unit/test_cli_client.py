@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 
 import httpx
 import pytest
@@ -48,6 +49,21 @@ def test_train_flags_build_the_jobs_body(tmp_path):
                                                   "lr_scheduler": "cosine"}}
     with pytest.raises(ConfigError, match="--dataset"):
         job_spec(build_parser().parse_args(["train"]))
+
+
+def test_train_offers_the_registered_kinds_those_of_plugin_modules_too(monkeypatch):
+    from core.jobspec import KINDS, unregister
+    from core.settings import Settings
+
+    monkeypatch.setattr("core.settings.get_settings", lambda: Settings(job_kind_modules="tests.toy_kind"))
+    monkeypatch.delitem(sys.modules, "tests.toy_kind", raising=False)  # imported afresh, as a new process would
+    try:
+        args = build_parser().parse_args(["train", "--task", "text-length", "--dataset", "ds_a"])
+        assert job_spec(args)["task"] == "text-length" and "text-length" in KINDS
+    finally:
+        unregister("text-length")
+    with pytest.raises(SystemExit):  # not a registered kind: argparse refuses it
+        build_parser().parse_args(["train", "--task", "text-lengths"])
 
 
 def _sse(*messages: tuple[str, dict, str]) -> bytes:

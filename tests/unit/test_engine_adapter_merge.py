@@ -23,7 +23,7 @@ def test_merge_writes_a_full_model_that_equals_base_plus_adapter(tmp_path: Path)
                             for q in QUESTIONS))
     config = ChatTrainConfig(train_file=data, eval_file=None, output_dir=tmp_path / "out",
                              checkpoint_dir=tmp_path / "ckpt", base_model=str(base), max_steps=4, batch_size=2,
-                             learning_rate=5e-2, device="cpu", precision="fp32", max_length=64,
+                             learning_rate=5e-2, weight_decay=0.0, device="cpu", precision="fp32", max_length=64,
                              adapter=AdapterConfig(r=4, alpha=8, dropout=0.0, merge=True))
     result = train_chat(config)
     assert result.status == "completed"

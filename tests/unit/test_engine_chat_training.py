@@ -99,7 +99,7 @@ def _config(tmp_path: Path, base: Path, records: list[dict], **overrides) -> Cha
     data = _jsonl(tmp_path / "train.jsonl", records)
     values = dict(train_file=data, eval_file=data, output_dir=tmp_path / "out", checkpoint_dir=tmp_path / "ckpt",
                   base_model=str(base), adapter=LORA, max_steps=24, batch_size=2, learning_rate=5e-2, seed=2,
-                  device="cpu", precision="fp32", max_length=128)
+                  weight_decay=0.0, device="cpu", precision="fp32", max_length=128)
     values.update(overrides)
     return ChatTrainConfig(**values)
 

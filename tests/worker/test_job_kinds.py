@@ -77,3 +77,20 @@ def test_a_registered_kind_checks_metric_for_best_against_its_own_metrics(toy_ki
     finally:
         engine.dispose()
     assert refused.value.field == "hyperparameters.metric_for_best" and "eval_mae" in refused.value.message
+
+
+def test_a_registered_kind_is_offered_by_the_fine_tuning_route_and_its_schema(toy_kind, client):
+    schema = client.get("/openapi.json").json()["components"]["schemas"]["FineTuningJobCreate"]
+    assert TOY in schema["properties"]["task"]["enum"]  # the kinds registered when the document is built
+    dataset = upload(client, tsv_bytes(sentiment_rows(2))).json()["id"]
+    body = {"model": "minilm-l6", "training_file": dataset, "task": TOY, "text_column": "sentence",
+            "hyperparameters": {"n_epochs": 2, "max_steps": 5}}
+    refused = client.post("/v1/fine_tuning/jobs", json={**body, "hyperparameters": None, "method": {"type": "dpo"}})
+    assert refused.status_code == 422 and refused.json()["error"]["param"] == "method.type"  # it has no dpo
+    response = client.post("/v1/fine_tuning/jobs", json=body)
+    assert response.status_code == 200, response.text
+    job = client.get(f"/jobs/{response.json()['id']}").json()
+    assert job["task"] == TOY and job["method"] is None and job["hyperparameters"]["epochs"] == 2
+    assert job["hyperparameters"]["learning_rate"] == toy_kind.ToyHyperparameters().learning_rate
+    unknown = client.post("/v1/fine_tuning/jobs", json={**body, "task": "text-lengths"})
+    assert unknown.status_code == 422 and unknown.json()["error"]["param"] == "task"

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core.jobspec import DEFAULT_KIND, KINDS, load_kind_modules
+from core.vocab import JobStatus
 from trainserve.client import SHORT_METRICS, STATUS_STYLE
 from trainserve.client.api import Api, ApiError
 from trainserve.client.config import ConfigError, load_config
@@ -138,6 +140,14 @@ def _run(handler: Any) -> Any:
     return run
 
 
+def kind_choices() -> list[str]:
+    """The job kinds `train --task` offers: those registered once TRAINSERVE_JOB_KIND_MODULES is imported."""
+    from core.settings import get_settings
+
+    load_kind_modules(get_settings().job_kind_module_names)
+    return list(KINDS)
+
+
 def register(sub: Any) -> None:
     """Add the client subcommands to the `trainserve` parser."""
     common = argparse.ArgumentParser(add_help=False)
@@ -152,7 +162,8 @@ def register(sub: Any) -> None:
     train = sub.add_parser("train", parents=[common], help="start a fine-tune and follow it live")
     train.add_argument("--dataset", default=None, help="id of the training dataset")
     train.add_argument("--eval-dataset", default=None)
-    train.add_argument("--task", default="text-classification", choices=["text-classification", "causal-lm"])
+    train.add_argument("--task", default=DEFAULT_KIND, choices=kind_choices(),
+                       help="the job's kind (those TRAINSERVE_JOB_KIND_MODULES adds too)")
     train.add_argument("--base-model", default=None, help="e.g. minilm-l6, a hub id, or a finished job's id")
     train.add_argument("--text-column", default=None)
     train.add_argument("--label-column", default=None)
@@ -167,7 +178,7 @@ def register(sub: Any) -> None:
     follow.add_argument("job_id")
     follow.set_defaults(func=_run(_follow))
     jobs = sub.add_parser("jobs", parents=[common], help="list jobs, newest first")
-    jobs.add_argument("--status", default=None, choices=["queued", "running", "succeeded", "failed", "cancelled"])
+    jobs.add_argument("--status", default=None, choices=list(JobStatus))
     jobs.add_argument("--limit", type=int, default=20)
     jobs.set_defaults(func=_run(_jobs))
     chat = sub.add_parser("chat", parents=[common], help="chat with a served model (streams each reply)")

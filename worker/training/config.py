@@ -44,11 +44,12 @@ def build_config(settings: Settings, job: Job, train_path: Path, eval_path: Path
 
 
 def best_fields(task: str, hp: TrainingHyperparameters) -> dict[str, Any]:
-    """Best-checkpoint settings: the metric's direction, or none for a row from before them (its last model is
-    kept)."""
+    """Best-checkpoint settings: the metric and its direction, or none for a row from before them (its last model
+    is kept)."""
     if "metric_for_best" not in hp.model_fields_set:
         return {"metric_for_best": None}
-    return {"greater_is_better": kind_of(task).greater_is_better(hp.metric_for_best)}
+    return {"metric_for_best": hp.metric_for_best,
+            "greater_is_better": kind_of(task).greater_is_better(hp.metric_for_best)}
 
 
 class DatasetMissing(ValueError):

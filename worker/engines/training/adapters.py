@@ -18,19 +18,20 @@ from peft import LoraConfig, PeftConfig, PeftModel, TaskType, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from core.adapters import ALL_LINEAR, AdapterConfig
+from core.vocab import TaskKind
 from worker.engines.training import artifacts
 
-TASK_TYPES = {"causal-lm": TaskType.CAUSAL_LM, "text-classification": TaskType.SEQ_CLS}
+TASK_TYPES = {TaskKind.CAUSAL_LM: TaskType.CAUSAL_LM, TaskKind.TEXT_CLASSIFICATION: TaskType.SEQ_CLS}
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def lora_config(adapter: AdapterConfig, task: str) -> LoraConfig:
     """PEFT's LoraConfig for an adapter of a causal-LM or classification job."""
     if task not in TASK_TYPES:
-        raise ValueError(f"adapters train causal-lm and text-classification models, not {task!r}")
+        raise ValueError(f"adapters train {' and '.join(TASK_TYPES)} models, not {task!r}")
     targets: str | list[str] = ALL_LINEAR if adapter.target_modules == ALL_LINEAR else list(adapter.target_modules)
     # PEFT scales by lora_alpha / r in floats; its annotation says int, the spec allows a float alpha.
-    return LoraConfig(task_type=TASK_TYPES[task], r=adapter.r, lora_alpha=adapter.alpha,  # type: ignore[arg-type]
+    return LoraConfig(task_type=TASK_TYPES[TaskKind(task)], r=adapter.r, lora_alpha=adapter.alpha,  # type: ignore[arg-type]
                       lora_dropout=adapter.dropout, target_modules=targets, bias="none")
 
 
@@ -68,11 +69,11 @@ def adapter_bytes(folder: Path) -> int:
 def load_adapted(folder: Path, *, trainable: bool = False) -> PeftModel:
     """The base model named in an adapter folder's config with that adapter on top (eval mode unless trainable)."""
     manifest = artifacts.read_manifest(folder) or {}
-    task = manifest.get("task", "causal-lm")
-    auto = AutoModelForSequenceClassification if task == "text-classification" else AutoModelForCausalLM
+    classifier = manifest.get("task", TaskKind.CAUSAL_LM) == TaskKind.TEXT_CLASSIFICATION
+    auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
     base_source = base_model_of(folder)
     kwargs: dict[str, Any] = {}
-    if task == "text-classification" and manifest.get("labels") is not None:
+    if classifier and manifest.get("labels") is not None:
         kwargs["num_labels"] = len(manifest["labels"])
     base = auto.from_pretrained(base_source, trust_remote_code=False, use_safetensors=True, **kwargs)
     return PeftModel.from_pretrained(base, str(folder), is_trainable=trainable)

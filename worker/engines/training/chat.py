@@ -21,6 +21,7 @@ from core.adapters import AdapterConfig, PreferenceConfig
 from core.chat_data import MAX_LENGTH, read_records
 from core.errors import DomainError
 from core.estimate import adapter_parameter_count, architecture, training_memory
+from core.hyperparams import LMHyperparameters, default
 from worker.engines.device import DevicePlan
 from worker.engines.training import adapters, artifacts
 from worker.engines.training import tabular_data as data
@@ -41,11 +42,14 @@ class ChatTrainConfig(RunConfig):
     base_model: str
     adapter: AdapterConfig | None = None
     preference: PreferenceConfig | None = None
-    max_length: int = MAX_LENGTH  # tokens per rendered conversation; the start is kept
-    epochs: float = 3.0
-    batch_size: int = 4
-    learning_rate: float = 1e-4
-    weight_decay: float = 0.0
+    # Tokens per rendered conversation, the start kept (None: core.chat_data.MAX_LENGTH); the job's block_size.
+    max_length: int | None = default(LMHyperparameters, "block_size")
+    # Defaults: the causal-lm kind's hyperparameters model (core.hyperparams), the one place they live.
+    epochs: float = default(LMHyperparameters, "epochs")
+    batch_size: int = default(LMHyperparameters, "batch_size")
+    learning_rate: float = default(LMHyperparameters, "learning_rate")
+    weight_decay: float = default(LMHyperparameters, "weight_decay")
+    seed: int = default(LMHyperparameters, "seed")
 
 
 def train_chat(config: ChatTrainConfig, callbacks: TrainCallbacks | None = None) -> TrainResult:
@@ -65,8 +69,9 @@ class ChatRecipe:
     def __init__(self, config: ChatTrainConfig) -> None:
         if config.preference is not None and config.adapter is None:
             raise ValueError("method 'dpo' needs an adapter: the reference model is the base with it switched off")
-        if config.max_length < 2:
-            raise ValueError(f"max_length must be at least 2, got {config.max_length}")
+        self.max_length = MAX_LENGTH if config.max_length is None else config.max_length
+        if self.max_length < 2:
+            raise ValueError(f"max_length must be at least 2, got {self.max_length}")
         self.config = config
 
     def build(self, plan: DevicePlan) -> Setup:
@@ -77,7 +82,7 @@ class ChatRecipe:
         self.pad_id = next(i for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if i is not None)
         self.train_set, self.dropped = self._examples(config.train_file)
         if not self.train_set:
-            raise ValueError(f"no training record keeps a reply within max_length={config.max_length} tokens")
+            raise ValueError(f"no training record keeps a reply within max_length={self.max_length} tokens")
         self.eval_set = self._examples(config.eval_file)[0] if config.eval_file is not None else []
         self.lengths = np.array([_length(example) for example in self.train_set])
         model_config = AutoConfig.from_pretrained(config.base_model, trust_remote_code=False)
@@ -99,12 +104,12 @@ class ChatRecipe:
                     "preference": config.preference.model_dump() if config.preference else None}
         return Setup(
             model=self.model, num_examples=len(self.train_set), units_per_example=1,
-            identity={"num_train": len(self.train_set), "max_length": config.max_length, "seed": config.seed,
+            identity={"num_train": len(self.train_set), "max_length": self.max_length, "seed": config.seed,
                       "batch_size": config.batch_size,
                       "gradient_accumulation_steps": config.gradient_accumulation_steps, **settings},
             info={"num_train": len(self.train_set), "num_eval": len(self.eval_set), "dropped": self.dropped,
                   "format": self.format, "train_tokens_per_epoch": sum(map(_tokens, self.train_set))},
-            hyperparameters={"max_length": config.max_length, **settings},
+            hyperparameters={"max_length": self.max_length, **settings},
         )
 
     def _examples(self, path: Any) -> tuple[list[Example], int]:
@@ -121,9 +126,9 @@ class ChatRecipe:
         kept: list[Example] = []
         for line_no, record in records:
             try:
-                example: Example = (render_preference(self.tokenizer, record, max_length=config.max_length)
+                example: Example = (render_preference(self.tokenizer, record, max_length=self.max_length)
                                     if config.preference else
-                                    render_record(self.tokenizer, fmt, record, max_length=config.max_length))
+                                    render_record(self.tokenizer, fmt, record, max_length=self.max_length))
             except Exception as exc:  # noqa: BLE001 - a template's own error (raise_exception) names no line
                 raise ValueError(f"{path.name} line {line_no}: the chat template cannot render it: {exc}") from exc
             parts = example if isinstance(example, tuple) else (example,)
@@ -177,7 +182,7 @@ class ChatRecipe:
             task="causal-lm", base_model=config.base_model, base_model_name=config.base_model_name or config.base_model,
             hyperparameters=hyperparameters, dataset_hashes=dict(config.dataset_hashes), metrics=metrics, plan=plan,
             data={"format": self.format, "num_train": len(self.train_set), "dropped": self.dropped,
-                  "num_eval": len(self.eval_set), "max_length": config.max_length})
+                  "num_eval": len(self.eval_set), "max_length": self.max_length})
         manifest["method"] = "dpo" if config.preference else "sft"
         if config.adapter is not None:
             manifest["adapter"] = adapters.adapter_summary(self.model, config.adapter)

@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 class RunConfig:
     """What every training run shares: data files, outputs, schedule, precision, seed; hyperparameters validated.
 
-    Defaults of hyperparameters are the models' (core.hyperparams): what every kind shares from
-    TrainingHyperparameters here, each kind's own in its config (training/kinds.py fills them from the model).
+    A job's config takes every hyperparameter from its kind's model (training/kinds.py maps them); the defaults
+    kept for direct callers are the models' (core.hyperparams): what every kind shares from TrainingHyperparameters
+    here, each kind's own in its config (tests/worker/test_engine_configs.py pins them equal).
     """
 
     train_file: Path
@@ -42,7 +43,7 @@ class RunConfig:
     weight_decay: float
     gradient_accumulation_steps: int = default(TrainingHyperparameters, "gradient_accumulation_steps")
     precision: str = default(TrainingHyperparameters, "precision")
-    seed: int = 42  # a kind whose hyperparameters have a seed takes that model's default (its config)
+    seed: int  # each kind's config defaults it to its own model's seed
     eval_steps: int | None = default(TrainingHyperparameters, "eval_steps")
     checkpoint_steps: int | None = None
     metric_for_best: str | None = None  # None: the final model is the last one, nothing tracked

@@ -1,0 +1,179 @@
+"""The API side of the job-kind registry (core.jobspec holds the kinds): each kind's own admission checks.
+
+POST /jobs validates what every job shares (datasets, columns, devices, method, metric_for_best), then the checks
+registered for the job's kind (`register_checks`, keyed by the kind's name as the worker keys its engine pieces):
+they refuse what the kind cannot train (422 naming the field) and resolve the row's kind-specific columns
+(base_model_path, labels, label_column, model_config). A kind without checks of its own stores no base model
+path and no labels.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from app.services.job_methods import is_chat
+from core.adapters import AdapterConfig
+from core.capacity import largest_device
+from core.chat_data import MAX_LENGTH as CHAT_MAX_LENGTH
+from core.errors import ValidationFailed
+from core.estimate import Head, adapter_parameter_count, architecture, format_bytes, load_model_config, training_memory
+from core.hyperparams import Hyperparameters, LMHyperparameters
+from core.jobspec import CausalLMJob, ClassificationJob, JobSpec, task_name
+from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
+from core.precision import auto_precision
+from core.protocol import ErrorCode
+from core.rows import Dataset
+from core.settings import Settings
+from core.tabular import MAX_LABEL_CHARS, MAX_TRACKED_VALUES, label_space, name_list, short, to_label
+
+S = TypeVar("S", bound=JobSpec)
+# (settings, spec, train dataset, eval dataset, resolved base model path) -> the row's kind-specific columns
+KindChecks = Callable[[Settings, Any, Dataset, Dataset | None, str | None], dict[str, Any]]
+CHECKS: dict[str, KindChecks] = {}
+MAX_HINT_COLUMNS = 1000  # columns searched for a "did you mean" hint
+
+
+def register_checks(spec: type[S], checks: Callable[[Settings, S, Dataset, Dataset | None, str | None],
+                                                     dict[str, Any]]) -> None:
+    """Admission checks of the kind whose spec this is (replacing any it had)."""
+    CHECKS[task_name(spec)] = checks
+
+
+def _no_checks(settings: Settings, spec: JobSpec, train: Dataset, evaluation: Dataset | None,
+               base_path: str | None) -> dict[str, Any]:
+    return {"base_model_path": None, "labels": []}
+
+
+def kind_fields(settings: Settings, spec: JobSpec, train: Dataset, evaluation: Dataset | None,
+                base_path: str | None) -> dict[str, Any]:
+    """Run the checks registered for the spec's kind; the row's columns they resolve."""
+    return CHECKS.get(spec.task, _no_checks)(settings, spec, train, evaluation, base_path)
+
+
+def classification_fields(settings: Settings, spec: ClassificationJob, train: Dataset, evaluation: Dataset | None,
+                          base_path: str | None) -> dict[str, Any]:
+    """Checks and resolved columns of a text-classification job."""
+    if spec.architecture is not None:
+        raise ValidationFailed("model_config", "model_config applies to causal-lm jobs only")
+    if spec.base_model is None or base_path is None:
+        raise ValidationFailed("base_model", "text-classification needs a base_model (e.g. minilm-l6)")
+    hp = spec.hyperparameters
+    if hp.max_length > settings.max_text_length:
+        raise ValidationFailed("hyperparameters.max_length",
+                               f"must be at most {settings.max_text_length} on this server")
+    label_column = spec.label_column or "label"
+    require_column(train, label_column, "label_column")
+    labels = labels_of(train, label_column, "train_dataset")
+    if len(labels) < 2:
+        raise ValidationFailed("train_dataset", f"label column {label_column!r} has only one class "
+                               f"({labels[0]!r}); classification needs at least two")
+    if evaluation is not None:
+        require_column(evaluation, label_column, "eval_dataset")
+        unseen = sorted(map(str, set(labels_of(evaluation, label_column, "eval_dataset")) - set(labels)))
+        if unseen:
+            raise ValidationFailed("eval_dataset", f"labels not present in the training data: {unseen[:10]}")
+    require_fit(settings, load_model_config(base_path), "base_model", head="classifier", hp=hp,
+                seq_len=hp.max_length, num_labels=len(labels), devices=spec.devices, adapter=spec.adapter)
+    return {"base_model_path": base_path, "label_column": label_column, "labels": labels}
+
+
+def causal_lm_fields(settings: Settings, spec: CausalLMJob, train: Dataset, evaluation: Dataset | None,
+                     base_path: str | None) -> dict[str, Any]:
+    """Checks of a causal-lm job: continue from a causal LM, or train a fresh GPT-2 of a given shape."""
+    if spec.label_column is not None:
+        raise ValidationFailed("label_column", "causal-lm jobs have no labels")
+    hp = spec.hyperparameters
+    if base_path is not None:
+        if spec.architecture is not None:
+            raise ValidationFailed("model_config", "give either base_model or model_config, not both")
+        base_config = load_model_config(base_path) or {}
+        context = base_config.get("max_position_embeddings") or base_config.get("n_positions")
+        default_block = min(context, DEFAULT_BLOCK_SIZE) if isinstance(context, int) else DEFAULT_BLOCK_SIZE
+        if is_chat(train):  # a conversation is up to block_size tokens (chat_data.MAX_LENGTH by default), not a block
+            default_block = CHAT_MAX_LENGTH
+        require_fit(settings, base_config, "base_model", head="causal-lm", hp=hp,
+                    seq_len=hp.block_size or default_block, devices=spec.devices, adapter=spec.adapter)
+        return {"base_model_path": base_path, "labels": []}
+    try:
+        architecture = validate_model_config(spec.architecture or {})
+    except ValueError as exc:
+        field = str(exc).split(":", 1)[0].split(" ", 1)[0]
+        raise ValidationFailed(field if field.startswith("model_config") else "model_config", str(exc)) from exc
+    if hp.block_size is not None and hp.block_size > architecture["n_positions"]:
+        raise ValidationFailed("hyperparameters.block_size",
+                               f"must not exceed model_config.n_positions ({architecture['n_positions']})")
+    require_fit(settings, {**architecture, "vocab_size": GPT2_VOCAB_SIZE, "model_type": "gpt2"}, "model_config",
+                head="causal-lm", hp=hp, seq_len=resolve_block_size(hp.block_size, architecture["n_positions"]),
+                devices=spec.devices)
+    return {"base_model_path": None, "model_config_": architecture, "labels": []}
+
+
+def require_fit(settings: Settings, model_config: dict[str, Any] | None, model_field: str, *, head: Head,
+                hp: Hyperparameters | LMHyperparameters, seq_len: int, num_labels: int = 2, devices: int = 1,
+                adapter: AdapterConfig | None = None) -> None:
+    """Refuse (422 does_not_fit) a job whose estimated peak memory exceeds the largest device a live worker
+    reported, or TRAINSERVE_ASSUMED_DEVICE_BYTES while none has; without a config to estimate from, admit."""
+    arch = architecture(model_config) if model_config else None
+    if arch is None:
+        return  # e.g. a hub id not in the local cache: the worker estimates once it has the config
+    device = largest_device(settings.resolved_redis_url, devices=devices)
+    limit = device.total_bytes if device is not None else settings.assumed_device_bytes
+    if not limit:
+        return
+    # The assumed device is a modern GPU; a CPU's bf16 calibration is the worker's to make (fp32 assumed here).
+    precision: str = hp.precision
+    if precision == "auto":
+        precision = (auto_precision(is_cuda=True) if device is None else
+                     auto_precision(is_cuda=device.is_cuda, bf16_supported=device.bf16))
+    # GPUs run attention fused (no seq_len^2 scores); a CPU keeps the scores.
+    # On N devices each one runs a share of every micro-batch (the job's batch_size is the global one).
+    trainable = None if adapter is None else adapter_parameter_count(arch, adapter.r, adapter.target_modules, head,
+                                                                     num_labels)
+    estimate = training_memory(arch, head=head, batch_size=math.ceil(hp.batch_size / devices), seq_len=seq_len,
+                               precision=precision, fused_attention=device is None or device.is_cuda,
+                               num_labels=num_labels, trainable=trainable)
+    if estimate.total_bytes <= limit:
+        return
+    where = (f"the largest device a live worker has reported ({device.device} on {device.worker}, "
+             f"{format_bytes(limit)})" if device is not None else
+             f"the {format_bytes(limit)} assumed while no live worker has reported its device "
+             "(TRAINSERVE_ASSUMED_DEVICE_BYTES)")
+    if estimate.fixed_bytes > limit:
+        field, hint = model_field, "use a smaller model"
+    else:
+        field, hint = "hyperparameters.batch_size", ("lower batch_size (and raise gradient_accumulation_steps for "
+                                                     "the same effective batch) or the sequence length")
+    raise ValidationFailed(field, f"this job needs about {estimate.describe()}, more than {where}; {hint}",
+                           code=ErrorCode.DOES_NOT_FIT)
+
+
+def require_column(dataset: Dataset, column: str, field: str) -> None:
+    """Refuse (422 naming `field`) a column the dataset does not have, with the closest one as a hint."""
+    if column in dataset.columns:
+        return
+    # Bounded work and a bounded message, even for rows stored before datasets had a column limit.
+    candidates = dataset.columns[:MAX_HINT_COLUMNS]
+    close = difflib.get_close_matches(column, candidates, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ValidationFailed(field, f"column {short(column)} is not in dataset {dataset.id} "
+                           f"(columns: {name_list(dataset.columns)}){hint}")
+
+
+def labels_of(dataset: Dataset, column: str, field: str) -> list[int | str]:
+    """The label space of a dataset's column, from its stats (422 naming `field` when it cannot be one)."""
+    stats = dataset.column_stats.get(column, {})
+    if stats.get("empty"):
+        raise ValidationFailed(field, f"{stats['empty']} rows have an empty {short(column)} label")
+    values = stats.get("values")
+    if values is None:
+        raise ValidationFailed(field, f"column {short(column)} has over {MAX_TRACKED_VALUES} distinct values or "
+                               f"values over {MAX_LABEL_CHARS} characters; is it the label?")
+    # Stats keys are strings; numeric labels come back as ints, as the worker reads them, so the maps agree.
+    return label_space([to_label(v) for v in values])
+
+
+register_checks(ClassificationJob, classification_fields)
+register_checks(CausalLMJob, causal_lm_fields)
