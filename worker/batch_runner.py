@@ -111,7 +111,8 @@ def _submit(engine: Any, ids: list[int], line: PlannedLine, request_id: str) -> 
 
     while True:
         try:
-            return engine.submit(ids, line.params, request_id=request_id)  # type: ignore[no-any-return]
+            adapter = {"adapter": line.adapter} if line.adapter is not None else {}  # a LoRA job over its base
+            return engine.submit(ids, line.params, request_id=request_id, **adapter)  # type: ignore[no-any-return]
         except QueueFull:
             time.sleep(QUEUE_FULL_PAUSE_S)
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFun
 from core.adapters import AdapterConfig
 from core.tasks import MAX_JOB_DEVICES
 
-FilePurpose = Literal["fine-tune", "batch", "batch_output"]
+FilePurpose = Literal["fine-tune", "batch", "batch_output", "evals"]
 Auto = Literal["auto"]
 JobStatus = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
 

@@ -16,11 +16,9 @@ from app.services.generation import GenerationGateway
 from core.auth import Principal
 from core.errors import DomainError
 from core.graders import Grade, JudgeReply, ModelCallFailed, grade, sample_namespace
+from core.graders.models import DEFAULT_EMBEDDING_MODEL, JUDGE_MAX_TOKENS
 from core.graders.spec import JudgeSampling
 from core.settings import Settings
-
-DEFAULT_EMBEDDING_MODEL = "minilm-l6"
-JUDGE_MAX_TOKENS = 64
 
 
 class ServedModels:

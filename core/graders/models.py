@@ -11,6 +11,9 @@ from pydantic import BaseModel
 
 from core.graders.spec import JudgeSampling
 
+DEFAULT_EMBEDDING_MODEL = "minilm-l6"  # cosine similarity's embeddings model when a grader names none
+JUDGE_MAX_TOKENS = 64  # a judge's answer is one small JSON object
+
 
 class JudgeReply(BaseModel):
     """A judge's answer text (structured output: JSON) and what it cost."""
