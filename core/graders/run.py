@@ -137,8 +137,11 @@ def _models(models: Models | None) -> Models:
 
 def judge_schema(grader: ScoreModelGrader | LabelModelGrader) -> dict[str, Any]:
     """The structured output the judge must answer with: `{"result": ...}`."""
-    result: dict[str, Any] = {"type": "number"} if isinstance(grader, ScoreModelGrader) \
-        else {"type": "string", "enum": list(grader.labels)}
+    if isinstance(grader, ScoreModelGrader):
+        low, high = grader.bounds()
+        result: dict[str, Any] = {"type": "number", "minimum": low, "maximum": high}
+    else:
+        result = {"type": "string", "enum": list(grader.labels)}
     return {"type": "object", "properties": {"result": result}, "required": ["result"], "additionalProperties": False}
 
 

@@ -124,7 +124,8 @@ def test_score_model_asks_the_judge_for_structured_output() -> None:
     assert (graded.score, graded.passed) == (8.0, True)
     model, messages, schema = models.calls[0]
     assert model == "judge" and messages[1]["content"] == "Q: capital? A: Paris"
-    assert schema["properties"]["result"] == {"type": "number"} and "0 to 10" in messages[-1]["content"]
+    assert schema["properties"]["result"] == {"type": "number", "minimum": 0, "maximum": 10}
+    assert "0 to 10" in messages[-1]["content"]
     assert graded.token_usage == {"judge": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}
     assert run(SCORE, "x", {"q": "?"}, FakeModels(answer='{"result": 11}')).errors == {"model_grader_parse_error"}
     assert run(SCORE, "x", {"q": "?"}, FakeModels(answer="eight")).errors == {"model_grader_parse_error"}
