@@ -18,9 +18,11 @@ from app.routes import (
     classify,
     datasets,
     embeddings,
+    evals,
     files,
     fine_tuning,
     generation,
+    graders,
     health,
     jobs,
     metrics,
@@ -91,7 +93,8 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     app.add_middleware(SecurityHeadersMiddleware)  # outside everything: every answer carries them
     for router in (health.router, datasets.router, jobs.router, sweeps.router,
                    classify.router, embeddings.router, generation.router,
-                   files.router, fine_tuning.router, batches.router, webhooks.router, metrics.router):
+                   files.router, fine_tuning.router, graders.router, evals.router, batches.router, webhooks.router,
+                   metrics.router):
         app.include_router(router)
     mount_dashboard(app)
     return app

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from core.protocol import ChatMessage, SamplingParams
 from core.rows import Batch, utcnow
 from core.store.owned import get_owned
-from core.store.paging import before_cursor
+from core.store.paging import newest_first
 
 VALIDATING, IN_PROGRESS, FINALIZING, COMPLETED = "validating", "in_progress", "finalizing", "completed"
 FAILED, EXPIRED, CANCELLING, CANCELLED = "failed", "expired", "cancelling", "cancelled"
@@ -55,6 +55,7 @@ class PlannedLine(BaseModel):
     url: str
     model: str | None = None  # as the line named it (echoed in the response body)
     path: str | None = None  # where the worker loads it from (core.served_models.ServedModel.path)
+    adapter: str | None = None  # a LoRA adapter job served over `path` (core.served_models.ServedModel.adapter)
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     params: SamplingParams | None = None
@@ -97,12 +98,7 @@ def list_batches(session: Session, *, tenant: str | None, limit: int, after: tup
                  ) -> list[Batch]:
     """Newest first, of `tenant` (None: every tenant's); `after` is the (created_at iso, id) of the previous page's
     last."""
-    query = select(Batch).order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit)
-    if tenant is not None:
-        query = query.where(Batch.tenant_id == tenant)
-    if after is not None:
-        query = query.where(before_cursor(Batch, after))
-    return list(session.scalars(query))
+    return list(session.scalars(newest_first(Batch, tenant=tenant, limit=limit, after=after)))
 
 
 def move(session: Session, batch_id: str, target: str, **values: Any) -> bool:

@@ -16,7 +16,7 @@ from core.jobspec import RegisteredKind
 from core.tasks import MAX_JOB_DEVICES
 from core.vocab import TaskKind
 
-FilePurpose = Literal["fine-tune", "batch", "batch_output"]
+FilePurpose = Literal["fine-tune", "batch", "batch_output", "evals"]
 Auto = Literal["auto"]
 JobStatus = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
 

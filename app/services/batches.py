@@ -3,6 +3,7 @@ cancel. The batch row is the truth; the worker (worker.batches) runs the plan an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 
 from sqlalchemy.orm import Session
@@ -55,8 +56,11 @@ def batch_object(row: BatchRow) -> Batch:
 
 
 def create_batch(session: Session, settings: Settings, storage: ArtifactStore, queue: TaskQueue,
-                 principal: Principal, *, body: BatchCreate) -> BatchRow:
-    """Check every line (a bad body becomes an error line), store the plan, commit the row, enqueue its task."""
+                 principal: Principal, *, body: BatchCreate,
+                 before_commit: Callable[[Session, BatchRow], None] | None = None) -> BatchRow:
+    """Check every line (a bad body becomes an error line), store the plan, commit the row, enqueue its task.
+
+    `before_commit` writes what must commit with the row (an eval run naming its batch) before the task is sent."""
     dataset = files.get_file(session, principal, file_id=body.input_file_id, field="input_file_id")
     if dataset.purpose != "batch":
         raise ValidationFailed("input_file_id", f"file {dataset.id!r} has purpose {dataset.purpose or 'fine-tune'}; "
@@ -97,6 +101,9 @@ def create_batch(session: Session, settings: Settings, storage: ArtifactStore, q
                    total=total, completed=0, failed=0, lines_done=0, created_at=now, in_progress_at=now,
                    expires_at=now + WINDOW)
     session.add(row)
+    if before_commit is not None:
+        session.flush()
+        before_commit(session, row)
     session.commit()
     try:
         queue.send(TASK_BATCH, [batch_id], queue=QUEUE_GENERATE, headers=task_headers())
