@@ -118,6 +118,7 @@ class SamplingParams(BaseModel):
     n: int = 1
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely (0-20)
     constraint: Constraint | None = None
+    speculative: bool = True  # False: never decode this request with drafts (the engine's speculative decoding)
 
     @model_validator(mode="before")
     @classmethod

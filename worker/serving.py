@@ -193,6 +193,8 @@ class GenerationService:
                                       decode_graphs="cuda" if self.settings.cuda_graphs else "off",
                                       max_queue=self.settings.generation_queue_per_model * 4,
                                       tenant_queue_share=self.settings.generation_tenant_queue_share,
+                                      speculative_tokens=self.settings.speculative_tokens,
+                                      speculative_max_rows=self.settings.speculative_max_rows,
                                       cancelled_ids=self.cancelled_ids, on_step=metrics.observe_batch,
                                       max_loras=self.settings.max_loras, adapter_folder=self._adapter_folder)
         log.info("generation engine loaded: %s on %s in %s, %.1f MiB of weights", model, engine.plan.device,

@@ -162,7 +162,7 @@ async def generate(gateway: GenerationGateway, session: Session, principal: Prin
     """/generate: the response, or (stream) its SSE events, one per token then the result."""
     params = sampling(max_new_tokens=body.max_new_tokens, temperature=body.temperature, top_k=body.top_k,
                       top_p=body.top_p, repetition_penalty=body.repetition_penalty, stop=body.stop, seed=body.seed,
-                      n=body.n)
+                      n=body.n, speculative=body.speculative)
     started = await start(gateway, session, principal, body.model, body.prompt, params)
     request_id = started.request_id
     if not body.stream:

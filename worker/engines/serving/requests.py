@@ -128,6 +128,8 @@ class SequenceState:
     matcher: Any = None  # the grammar matcher of a constrained sequence, advanced by every accepted token
     logprobs: list[TokenLogprob] | None = None
     unsent: list[TokenLogprob] = field(default_factory=list)  # logprobs not yet streamed with a text delta
+    draft_skip: int = 0  # steps left without a draft after a miss (speculative.py's backoff)
+    draft_backoff: int = 0  # the length of the last such pause
 
     @property
     def position(self) -> int:
