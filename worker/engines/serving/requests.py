@@ -5,13 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from core.protocol import SamplingParams, TokenLogprob
 from worker.engines.serving.lora.adapter_cache import LoraWeights
 from worker.engines.serving.sampling.detokenize import Pieces
 from worker.engines.serving.sampling.sampler import row_seed
 from worker.engines.serving.sampling.text_stream import TextStream
+
+if TYPE_CHECKING:
+    import torch
+    from llguidance import LLMatcher
 
 # on_token(choice index, text delta); a request with params.logprobs set gets a third argument, the logprobs
 # of the tokens that delta came from (a held-back delta's tokens arrive with the next one).
@@ -74,12 +78,12 @@ class Request:
     future: Future = field(default_factory=Future)
     sequences: list[SequenceState] = field(default_factory=list)
     done: bool = False
-    matchers: list[Any] = field(default_factory=list)  # one grammar matcher per choice when constrained
+    matchers: list[LLMatcher] = field(default_factory=list)  # one grammar matcher per choice when constrained
     adapter: AdapterUse | None = None  # a LoRA adapter over the engine's base model (lora/manager.py)
     tenant: str | None = None  # whose request: the scheduler shares rows and the queue between tenants
     batch: bool = False  # a /v1/batches line: admitted after interactive requests
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (prefix_cache.py)
-    prefix: list[Any] = field(default_factory=list)  # their KV blocks, until copied into the request's rows
+    prefix: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # their KV blocks (keys, values)
 
     def result(self) -> GenerationResult:
         """The outcome from its sequences; a request dropped before it started has empty cancelled choices."""
@@ -125,7 +129,7 @@ class SequenceState:
     seed: int | None  # None when greedy
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    matcher: Any = None  # the grammar matcher of a constrained sequence, advanced by every accepted token
+    matcher: LLMatcher | None = None  # a constrained sequence's grammar matcher, advanced by every accepted token
     logprobs: list[TokenLogprob] | None = None
     unsent: list[TokenLogprob] = field(default_factory=list)  # logprobs not yet streamed with a text delta
     draft_skip: int = 0  # steps left without a draft after a miss (speculative.py's backoff)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from transformers import GPT2TokenizerFast, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -29,7 +28,7 @@ class NoChatTemplate(ValueError):
     """The model's tokenizer has no chat template."""
 
 
-def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
     """Prompt ids of a chat through the tokenizer's own chat template, with the assistant's turn opened.
 
     Raises NoChatTemplate when it has none; a template's own raise_exception propagates.
