@@ -437,3 +437,33 @@ class EvalOutputItem(Base):
     sample: Mapped[dict[str, Any]] = mapped_column(JSON)
     results: Mapped[list[dict[str, Any]]] = mapped_column(JSON)  # one per testing criterion
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ModelAlias(Base):
+    """A tenant's name for a served model (`support-bot:production`): every generation route serves its target."""
+
+    __tablename__ = "model_aliases"
+    __table_args__ = (UniqueConstraint("tenant_id", "name", name="uq_model_aliases_tenant_name"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    name: Mapped[str] = mapped_column(String(130))
+    target: Mapped[str] = mapped_column(String(200))  # a served model name: a local model, a job id, a hub id
+    gate_eval_id: Mapped[str | None] = mapped_column(String(40), nullable=True)  # moves must beat it on this eval
+    description: Mapped[str | None] = mapped_column(String(500), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ModelAliasMove(Base):
+    """One move of an alias (its creation too): who, when, from, to, and the gate's verdict when there was one."""
+
+    __tablename__ = "model_alias_moves"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    alias_id: Mapped[str] = mapped_column(String(40), ForeignKey("model_aliases.id", ondelete="CASCADE"), index=True)
+    from_target: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    to_target: Mapped[str] = mapped_column(String(200))
+    moved_by: Mapped[str] = mapped_column(String(40))  # the API key's id
+    gate: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    moved_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)

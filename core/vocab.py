@@ -74,6 +74,7 @@ class WebhookEventType(enum.StrEnum):
     JOB_FAILED = "job.failed"
     JOB_CANCELLED = "job.cancelled"
     SWEEP_FINISHED = "sweep.finished"
+    MODEL_ALIAS_MOVED = "model_alias.moved"
 
 
 class DeliveryStatus(enum.StrEnum):
