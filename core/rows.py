@@ -417,6 +417,10 @@ class EvalRun(Base):
     data_source: Mapped[dict[str, Any]] = mapped_column(JSON)
     total: Mapped[int] = mapped_column(Integer)
     batch_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
+    # A fine-tuning job's eval: `base` runs on its base model when it is created, `fine_tuned` on it once it succeeds.
+    job_id: Mapped[str | None] = mapped_column(String(40), ForeignKey("jobs.id", ondelete="CASCADE"), nullable=True,
+                                               index=True)
+    role: Mapped[str | None] = mapped_column(String(16), nullable=True)
     status: Mapped[str] = mapped_column(String(16))  # queued until its batch exists; then read from the batch
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, nullable=True)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from jsonschema import Draft202012Validator
+from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -30,13 +32,15 @@ from app.schemas.evals import (
     ResultCounts,
     RunCreate,
 )
+from app.schemas.fine_tuning import JobEval
 from app.services import batches, files
 from app.services.files import unix
 from core.auth import Principal
 from core.batches import send_batch
 from core.errors import Conflict, NotFound, StorageUnavailable, ValidationFailed
-from core.eval_runs import run_sampling, start_run
+from core.eval_runs import run_sampling, start_run, store_items
 from core.evals import (
+    CANCELED,
     IN_PROGRESS,
     MAX_ITEMS,
     QUEUED,
@@ -50,7 +54,7 @@ from core.evals import (
     run_status,
 )
 from core.queue import TaskQueue
-from core.rows import Batch, Eval, EvalOutputItem, EvalRun, new_id, utcnow
+from core.rows import Batch, Eval, EvalOutputItem, EvalRun, Job, JobStatus, TaskKind, new_id, utcnow
 from core.served_models import resolve_served_model
 from core.settings import Settings
 from core.storage import ArtifactStore
@@ -182,6 +186,61 @@ def create_run(session: Session, settings: Settings, storage: ArtifactStore, que
     return run
 
 
+@dataclass
+class JobRuns:
+    """A fine-tuning job's eval, checked before the job is created: the base run (unsaved) and its items."""
+
+    base: EvalRun
+    items: list[SourceItem]
+    file_id: str | None
+
+
+def job_runs(session: Session, settings: Settings, storage: ArtifactStore, principal: Principal, *,
+             job: JobEval | None, base_model: str, task: str) -> JobRuns | None:
+    """Check a job's eval (422s name `eval.*`): the eval, its data source with the base model, the items."""
+    if job is None:
+        return None
+    if task != TaskKind.CAUSAL_LM:
+        raise ValidationFailed("eval", "an eval runs on chat models: causal-lm jobs only")
+    try:
+        eval_row = get_eval(session, principal, eval_id=job.eval_id)
+        source = CompletionsDataSource.model_validate({"type": "completions", **job.data_source,
+                                                       "model": base_model})
+        base, items, file_id = prepare_run(session, settings, storage, principal, eval_row=eval_row, source=source,
+                                           name="base", metadata=None)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(["eval.data_source", *(str(part) for part in first["loc"])])
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise ValidationFailed(field, f"{field}: {message}") from exc
+    except (NotFound, ValidationFailed) as exc:
+        exc.field = "eval.eval_id" if exc.field is None else f"eval.{exc.field}"
+        raise
+    return JobRuns(base=base, items=items, file_id=file_id)
+
+
+def start_job_runs(session: Session, settings: Settings, storage: ArtifactStore, queue: TaskQueue, *, job_id: str,
+                   runs: JobRuns) -> None:
+    """Start the base run now and keep the fine-tuned run queued (a training worker starts it when the job
+    succeeds: worker.evals); nothing for a replayed request whose job has its runs already."""
+    if session.scalar(select(EvalRun.id).where(EvalRun.job_id == job_id).limit(1)) is not None:
+        return
+    base = runs.base
+    base.job_id, base.role = job_id, "base"
+    session.add(base)
+    try:
+        batch = start_run(session, settings, storage, run=base, items=runs.items, file_id=runs.file_id)
+        after = EvalRun(id=new_id("evalrun"), eval_id=base.eval_id, tenant_id=base.tenant_id, name="fine-tuned",
+                        model=job_id, data_source={**base.data_source, "model": job_id}, total=base.total,
+                        status=QUEUED, job_id=job_id, role="fine_tuned", created_at=utcnow())
+        store_items(storage, after.id, runs.items)
+    except OSError as exc:
+        raise StorageUnavailable(f"the artifact store could not be written: {type(exc).__name__}") from exc
+    session.add(after)
+    session.commit()
+    send_batch(session, queue, batch.id)
+
+
 def _batch_status(session: Session, run: EvalRun) -> str | None:
     if run.batch_id is None:
         return None
@@ -189,6 +248,10 @@ def _batch_status(session: Session, run: EvalRun) -> str | None:
 
 
 def _status(session: Session, run: EvalRun) -> str:
+    if run.batch_id is None and run.job_id is not None:  # waits for its job: canceled if the job will not succeed
+        job_status = session.scalar(select(Job.status).where(Job.id == run.job_id))
+        if job_status in (JobStatus.FAILED, JobStatus.CANCELLED):
+            return CANCELED
     return run_status(run.status, _batch_status(session, run), store.graded_count(session, run_id=run.id), run.total)
 
 
@@ -199,6 +262,7 @@ def run_object(session: Session, run: EvalRun) -> EvalRunObject:
     return EvalRunObject(
         id=run.id, eval_id=run.eval_id, name=run.name, model=run.model, status=_status(session, run),
         created_at=unix(run.created_at) or 0, data_source=run.data_source, batch_id=run.batch_id,
+        job_id=run.job_id, role=run.role,  # type: ignore[arg-type]
         result_counts=ResultCounts(total=run.total, passed=by_status["pass"], failed=by_status["fail"],
                                    errored=by_status["error"]),
         per_testing_criteria_results=[CriterionResult(testing_criteria=name, passed=counts["passed"],
