@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import select
@@ -111,11 +111,11 @@ def check_adapter_base(name: str, config: dict | None) -> None:
 
 
 def resolve_served_model(session: Session, settings: Settings, *, name: str, tenant: str | None) -> ServedModel:
-    """Find the model called `name` (an alias: its target's, named as the alias) or raise NotFound naming `model`."""
+    """Find the model called `name` (an alias: its target, so the target's per-model bounds hold for both) or raise
+    NotFound naming `model`."""
     if is_alias_name(name):
         alias = find_alias(session, name=name, tenant=tenant)
-        target = resolve_served_model(session, settings, name=alias.target, tenant=alias.tenant_id)
-        return replace(target, id=name)
+        return resolve_served_model(session, settings, name=alias.target, tenant=alias.tenant_id)
     if name.startswith("job_"):
         job = get_owned(session, Job, name, what="model", tenant=tenant, field="model")
         if job.task != TaskKind.CAUSAL_LM or job.status != JobStatus.SUCCEEDED:

@@ -61,8 +61,6 @@ from core.storage import ArtifactStore
 from core.store import evals as store
 from core.store.paging import cursor_of
 
-ENDPOINT = "/v1/chat/completions"
-
 
 def eval_object(row: Eval) -> EvalObject:
     """An eval row as OpenAI's eval object."""
