@@ -183,3 +183,19 @@ def test_a_fine_tuning_job_names_an_eval_run_on_its_base_now_and_on_it_later(api
             api.fine_tuning.jobs.create(model="tiny", training_file=training.id, extra_body={"eval": extra})
         assert bad.value.status_code in (404, 422) and bad.value.body["param"] == field, bad.value.body
     assert len(api.fine_tuning.jobs.list().data) == 1  # a refused eval creates no job
+
+
+def test_cancel_a_run_with_the_official_client(api, served, queue):  # noqa: F811
+    from core.tasks import TASK_BATCH
+
+    queue.handlers[TASK_BATCH] = lambda batch_id: None  # no worker takes it: the run stays in progress
+    created = _eval(api, CRITERIA[:1])
+    run = api.evals.runs.create(created.id, data_source=_data_source())
+    assert api.evals.runs.retrieve(run.id, eval_id=created.id).status == "in_progress"
+    assert api.evals.runs.cancel(run.id, eval_id=created.id).status == "canceled"
+    assert api.evals.runs.cancel(run.id, eval_id=created.id).status == "canceled"  # again: no error
+    assert api.batches.retrieve(run.batch_id).status == "cancelling"  # its runner stops after the chunk it is on
+    assert list(api.evals.runs.list(created.id, status="canceled"))[0].id == run.id
+    assert api.evals.delete(created.id).deleted is True  # a canceled run does not hold its eval
+    with pytest.raises(openai.NotFoundError):
+        api.evals.runs.retrieve(run.id, eval_id=created.id)
