@@ -20,10 +20,14 @@ from pydantic import BaseModel, Field
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
+from core.errors import BrokerUnavailable
+from core.logs import task_headers
 from core.protocol import ChatMessage, SamplingParams
+from core.queue import TaskQueue
 from core.rows import Batch, utcnow
 from core.store.owned import get_owned
 from core.store.paging import newest_first
+from core.tasks import QUEUE_GENERATE, TASK_BATCH
 
 VALIDATING, IN_PROGRESS, FINALIZING, COMPLETED = "validating", "in_progress", "finalizing", "completed"
 FAILED, EXPIRED, CANCELLING, CANCELLED = "failed", "expired", "cancelling", "cancelled"
@@ -107,6 +111,16 @@ def move(session: Session, batch_id: str, target: str, **values: Any) -> bool:
     result = session.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_(origins))
                              .values(status=target, **{f"{target}_at": utcnow()}, **values))
     return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def send_batch(session: Session, queue: TaskQueue, batch_id: str) -> None:
+    """Send a committed batch's task; if the broker refuses, the batch fails saying why (BrokerUnavailable)."""
+    try:
+        queue.send(TASK_BATCH, [batch_id], queue=QUEUE_GENERATE, headers=task_headers())
+    except Exception as exc:  # noqa: BLE001 - the broker refused: the batch cannot start, and says why
+        move(session, batch_id, FAILED, errors=[{"code": "broker_unavailable", "message": str(exc)[:500]}])
+        session.commit()
+        raise BrokerUnavailable(f"broker unavailable: {type(exc).__name__}") from exc
 
 
 def record_progress(session: Session, batch_id: str, *, lines_done: int, completed: int, failed: int) -> None:

@@ -22,6 +22,7 @@ from core.errors import NotFound, ValidationFailed
 from core.protocol import ErrorBody
 from core.rows import Job, JobStatus, TaskKind
 from core.settings import Settings
+from core.store.aliases import find_alias, is_alias_name
 from core.store.owned import get_owned
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -72,8 +73,12 @@ def resolve_embedding_model(session: Session, settings: Settings, *, name: str, 
                             aliases: dict[str, Path]) -> str:
     """The reference the worker loads for `name` (see the module doc), or NotFound/ValidationFailed naming `model`.
 
-    `aliases` are core.pretrained.builtin_aliases() (a parameter so that tests can add one).
+    `aliases` are core.pretrained.builtin_aliases() (a parameter so that tests can add one); a tenant's model
+    alias (core.store.aliases) resolves to its target.
     """
+    if is_alias_name(name):
+        alias = find_alias(session, name=name, tenant=tenant)
+        return resolve_embedding_model(session, settings, name=alias.target, tenant=alias.tenant_id, aliases=aliases)
     if name in aliases:
         return name
     if name.startswith("job_"):

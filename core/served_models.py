@@ -20,6 +20,7 @@ from core.estimate import load_model_config
 from core.pretrained import HUB_ID, hub_model_available
 from core.rows import Job, JobStatus, TaskKind, is_valid_id
 from core.settings import Settings
+from core.store.aliases import find_alias, is_alias_name
 from core.store.owned import get_owned
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -110,7 +111,11 @@ def check_adapter_base(name: str, config: dict | None) -> None:
 
 
 def resolve_served_model(session: Session, settings: Settings, *, name: str, tenant: str | None) -> ServedModel:
-    """Find the model called `name` or raise NotFound naming the `model` field."""
+    """Find the model called `name` (an alias: its target, so the target's per-model bounds hold for both) or raise
+    NotFound naming `model`."""
+    if is_alias_name(name):
+        alias = find_alias(session, name=name, tenant=tenant)
+        return resolve_served_model(session, settings, name=alias.target, tenant=alias.tenant_id)
     if name.startswith("job_"):
         job = get_owned(session, Job, name, what="model", tenant=tenant, field="model")
         if job.task != TaskKind.CAUSAL_LM or job.status != JobStatus.SUCCEEDED:

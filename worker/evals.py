@@ -15,20 +15,23 @@ import logging
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
-from core.batches import LineResult, PlannedLine
+from core.batches import LineResult, PlannedLine, send_batch
 from core.db import session_scope
 from core.embeddings import resolve_embedding_model
-from core.errors import DomainError
-from core.evals import CompletionsDataSource, SourceItem, input_messages, items_key
+from core.errors import BrokerUnavailable, DomainError
+from core.eval_runs import start_run, stored_items
+from core.evals import RUN_FAILED, CompletionsDataSource, FileIdSource, SourceItem, input_messages, items_key
 from core.graders import GRADER, AnyGrader, Grade, JudgeReply, ModelCallFailed, grade, sample_namespace
 from core.graders.models import DEFAULT_EMBEDDING_MODEL, JUDGE_MAX_TOKENS
 from core.graders.spec import JudgeSampling
 from core.pretrained import builtin_aliases
 from core.protocol import ChatMessage, Constraint, SamplingParams
-from core.rows import Eval, EvalOutputItem, EvalRun, new_id, utcnow
+from core.rows import Eval, EvalOutputItem, EvalRun, EventKind, new_id, utcnow
 from core.served_models import resolve_served_model
-from core.store.evals import graded_ids
+from core.store.evals import graded_count, graded_ids, summary
+from core.store.jobs import add_event
 from worker.batch_runner import RUNNERS, Pacer
 from worker.context import WorkerContext
 
@@ -168,4 +171,56 @@ def grade_results(ctx: WorkerContext, batch_id: str, results: list[LineResult], 
     with session_scope(ctx.sessions) as session:
         graded = graded_ids(session, run_id=run_id)  # a duplicate runner cannot hold the lease: this is belt only
         session.add_all([row for row in rows if row.datasource_item_id not in graded])
+        session.flush()
+        run = session.get(EvalRun, run_id)
+        if run is not None and run.job_id is not None and len(graded) < run.total <= graded_count(session,
+                                                                                                 run_id=run_id):
+            report_to_job(session, run)  # with the last grades: once, whatever dies later
     log.info("eval run %s: graded items %d..%d", run_id, todo[0][0], todo[-1][0])
+
+
+def _counts(session: Session, run: EvalRun) -> dict[str, Any]:
+    by_status, by_criterion, _ = summary(session, run_id=run.id)
+    return {"run_id": run.id, "model": run.model, "passed": by_status["pass"], "total": run.total,
+            "pass_rate": by_status["pass"] / run.total if run.total else 0.0,
+            "per_testing_criteria": {name: dict(counts) for name, counts in by_criterion.items()}}
+
+
+def report_to_job(session: Session, run: EvalRun) -> None:
+    """The job's event for a finished run of its eval: the base's result, or the fine-tune's beside the base's."""
+    name = session.scalar(select(Eval.name).where(Eval.id == run.eval_id))
+    mine = _counts(session, run)
+    line = f"{mine['passed']}/{mine['total']} passed ({mine['pass_rate']:.0%})"
+    data: dict[str, Any] = {"eval_id": run.eval_id, "role": run.role, run.role or "run": mine}
+    if run.role == "fine_tuned":
+        base = session.scalar(select(EvalRun).where(EvalRun.job_id == run.job_id, EvalRun.role == "base"))
+        if base is not None and graded_count(session, run_id=base.id) >= base.total:
+            data["base"] = theirs = _counts(session, base)
+            line += f"; the base model {theirs['passed']}/{theirs['total']} ({theirs['pass_rate']:.0%})"
+        message = f"eval {name!r} on the fine-tuned model: {line}"
+    else:
+        message = f"eval {name!r} on the base model {run.model}: {line}"
+    assert run.job_id is not None
+    add_event(session, job_id=run.job_id, kind=EventKind.EVAL_RUN, message=message, data=data)
+
+
+def start_fine_tuned_runs(ctx: WorkerContext, job_id: str) -> None:
+    """Start the eval runs a succeeded job kept for its fine-tuned model (core.eval_runs), then send their tasks."""
+    started = []
+    with session_scope(ctx.sessions) as session:
+        for run in session.scalars(select(EvalRun).where(EvalRun.job_id == job_id, EvalRun.batch_id.is_(None))):
+            try:
+                source = CompletionsDataSource.model_validate(run.data_source)
+                file_id = source.source.id if isinstance(source.source, FileIdSource) else None
+                items = stored_items(ctx.storage, run.id)
+                started.append(start_run(session, ctx.settings, ctx.storage, run=run, items=items,
+                                         file_id=file_id).id)
+            except (DomainError, OSError) as exc:  # this run cannot start; the job has succeeded all the same
+                log.warning("eval run %s of job %s could not start: %s", run.id, job_id, exc)
+                run.status, run.error = RUN_FAILED, {"code": "run_not_started", "message": str(exc)[:500]}
+    for batch_id in started:
+        with session_scope(ctx.sessions) as session:
+            try:
+                send_batch(session, ctx.queue, batch_id)
+            except BrokerUnavailable:
+                log.warning("eval batch %s: the broker refused; the batch reaper sends it", batch_id)

@@ -102,6 +102,8 @@ class EvalRunObject(BaseModel):
     error: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     batch_id: str | None = None  # this server's own: the /v1/batches batch that generates the samples
+    job_id: str | None = None  # this server's own: the fine-tuning job whose eval this is
+    role: Literal["base", "fine_tuned"] | None = None
 
 
 class RunDeleted(BaseModel):

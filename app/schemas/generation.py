@@ -138,6 +138,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    target: str | None = Field(None, description="An alias's target (the model it serves); null for a model.")
 
 
 class ModelList(BaseModel):

@@ -16,7 +16,6 @@ from core.auth import Principal
 from core.batches import (
     CANCELLED,
     CANCELLING,
-    FAILED,
     IN_PROGRESS,
     MOVES,
     WINDOW,
@@ -24,11 +23,11 @@ from core.batches import (
     list_batches,
     move,
     plan_key,
+    send_batch,
 )
 from core.db import release
 from core.embeddings import resolve_embedding_model
-from core.errors import BrokerUnavailable, Conflict, StorageUnavailable, ValidationFailed
-from core.logs import task_headers
+from core.errors import Conflict, StorageUnavailable, ValidationFailed
 from core.pretrained import builtin_aliases
 from core.queue import TaskQueue
 from core.rows import Batch as BatchRow
@@ -37,7 +36,6 @@ from core.served_models import ServedModel, resolve_served_model
 from core.settings import Settings
 from core.storage import ArtifactStore
 from core.store.paging import cursor_of
-from core.tasks import QUEUE_GENERATE, TASK_BATCH
 
 MOMENTS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
            "cancelled_at")
@@ -105,12 +103,7 @@ def create_batch(session: Session, settings: Settings, storage: ArtifactStore, q
         session.flush()
         before_commit(session, row)
     session.commit()
-    try:
-        queue.send(TASK_BATCH, [batch_id], queue=QUEUE_GENERATE, headers=task_headers())
-    except Exception as exc:  # noqa: BLE001 - the broker refused: the batch cannot start, and says why
-        move(session, batch_id, FAILED, errors=[{"code": "broker_unavailable", "message": str(exc)[:500]}])
-        session.commit()
-        raise BrokerUnavailable(f"broker unavailable: {type(exc).__name__}") from exc
+    send_batch(session, queue, batch_id)
     session.refresh(row)
     return row
 

@@ -7,16 +7,16 @@ creates a /v1/batches batch naming the run in the same commit; the generation wo
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from jsonschema import Draft202012Validator
-from sqlalchemy import select, update
+from pydantic import ValidationError
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.schemas.batches import BatchCreate
 from app.schemas.evals import (
     CriterionResult,
     DataSourceConfigRead,
@@ -32,33 +32,34 @@ from app.schemas.evals import (
     ResultCounts,
     RunCreate,
 )
+from app.schemas.fine_tuning import JobEval
 from app.services import batches, files
 from app.services.files import unix
 from core.auth import Principal
-from core.batch_data import BATCH_COLUMNS
+from core.batches import send_batch
 from core.errors import Conflict, NotFound, StorageUnavailable, ValidationFailed
+from core.eval_runs import run_sampling, start_run, store_items
 from core.evals import (
+    CANCELED,
     IN_PROGRESS,
     MAX_ITEMS,
     QUEUED,
     CompletionsDataSource,
     CustomDataSourceConfig,
     FileContentSource,
+    FileIdSource,
     SourceItem,
     input_messages,
     items_key,
     run_status,
 )
 from core.queue import TaskQueue
-from core.rows import Batch, Dataset, Eval, EvalOutputItem, EvalRun, new_id, utcnow
+from core.rows import Batch, Eval, EvalOutputItem, EvalRun, Job, JobStatus, TaskKind, new_id, utcnow
 from core.served_models import resolve_served_model
 from core.settings import Settings
 from core.storage import ArtifactStore
 from core.store import evals as store
-from core.store.datasets import add_dataset
 from core.store.paging import cursor_of
-
-ENDPOINT = "/v1/chat/completions"
 
 
 def eval_object(row: Eval) -> EvalObject:
@@ -133,16 +134,6 @@ def _messages(source: CompletionsDataSource, item: dict[str, Any], at: int) -> l
         raise ValidationFailed("data_source.input_messages", f"item {at}: {exc}") from exc
 
 
-def _request_lines(source: CompletionsDataSource, items: list[SourceItem]) -> bytes:
-    sampling = source.sampling_params
-    params = {} if sampling is None else sampling.model_dump(exclude_none=True)
-    lines = []
-    for at, entry in enumerate(items):
-        body = {"model": source.model, "messages": _messages(source, entry.item, at), **params}
-        lines.append(json.dumps(dict(zip(BATCH_COLUMNS, (f"item-{at}", "POST", ENDPOINT, body), strict=True))))
-    return ("\n".join(lines) + "\n").encode()
-
-
 def _check_items(schema: dict[str, Any], items: list[SourceItem]) -> None:
     if len(items) > MAX_ITEMS:
         raise ValidationFailed("data_source.source", f"at most {MAX_ITEMS} items per run")
@@ -154,56 +145,98 @@ def _check_items(schema: dict[str, Any], items: list[SourceItem]) -> None:
                                    f"item {at} does not match the eval's item_schema: {error.message}")
 
 
-def _store(storage: ArtifactStore, key: str, data: bytes) -> None:
-    local = storage.work_path(key).with_suffix(".part")
-    local.parent.mkdir(parents=True, exist_ok=True)
+def prepare_run(session: Session, settings: Settings, storage: ArtifactStore, principal: Principal, *,
+                eval_row: Eval, source: CompletionsDataSource, name: str | None,
+                metadata: dict[str, str] | None) -> tuple[EvalRun, list[SourceItem], str | None]:
+    """Check the model, the items and their messages; an unsaved queued run, its items and their file id."""
     try:
-        local.write_bytes(data)
-        storage.move_in(local, key)
-    except OSError as exc:
-        raise StorageUnavailable(f"the artifact store could not be written: {type(exc).__name__}") from exc
-    finally:
-        local.unlink(missing_ok=True)
+        resolve_served_model(session, settings, name=source.model, tenant=principal.scope)
+        run_sampling(source, settings)
+    except (NotFound, ValidationFailed) as exc:
+        exc.field = "data_source.model" if exc.field == "model" else exc.field
+        raise
+    items = _load_items(session, storage, principal, source.source)
+    _check_items(CustomDataSourceConfig.model_validate(eval_row.data_source_config).item_schema, items)
+    for at, entry in enumerate(items):
+        _messages(source, entry.item, at)
+    file_id = source.source.id if isinstance(source.source, FileIdSource) else None
+    run = EvalRun(id=new_id("evalrun"), eval_id=eval_row.id, tenant_id=principal.tenant_id,
+                  name=name or source.model, model=source.model,
+                  data_source=source.model_dump(mode="json", exclude_none=True), total=len(items), status=QUEUED,
+                  metadata_=metadata, created_at=utcnow())
+    return run, items, file_id
 
 
 def create_run(session: Session, settings: Settings, storage: ArtifactStore, queue: TaskQueue, principal: Principal,
                *, eval_id: str, body: RunCreate) -> EvalRun:
-    """Check the items and the model, store them, then create the run and its batch (one commit names both)."""
+    """Check the items and the model, store them with the run's batch (one commit), then send the batch's task."""
     row = get_eval(session, principal, eval_id=eval_id)
-    source = body.data_source
-    try:
-        resolve_served_model(session, settings, name=source.model, tenant=principal.scope)
-    except (NotFound, ValidationFailed) as exc:
-        exc.field = "data_source.model"
-        raise
-    items = _load_items(session, storage, principal, source.source)
-    _check_items(CustomDataSourceConfig.model_validate(row.data_source_config).item_schema, items)
-    requests = _request_lines(source, items)
-    run_id = new_id("evalrun")
-    _store(storage, items_key(run_id), b"".join(entry.model_dump_json().encode() + b"\n" for entry in items))
-    requests_key = f"evals/{run_id}/requests.jsonl"
-    _store(storage, requests_key, requests)
-    file_id = new_id("file")
-    name = f"{run_id}_requests.jsonl"
-    add_dataset(session, dataset=Dataset(
-        id=file_id, tenant_id=principal.tenant_id, name=name, filename=name, format="batch", rows=len(items),
-        columns=list(BATCH_COLUMNS), column_stats={}, sha256=hashlib.sha256(requests).hexdigest(),
-        size_bytes=len(requests), path=requests_key, created_at=utcnow(), purpose="batch"))
-    run = EvalRun(id=run_id, eval_id=row.id, tenant_id=principal.tenant_id, name=body.name or source.model,
-                  model=source.model, data_source=source.model_dump(mode="json", exclude_none=True),
-                  total=len(items), status=QUEUED, metadata_=body.metadata, created_at=utcnow())
+    run, items, file_id = prepare_run(session, settings, storage, principal, eval_row=row, source=body.data_source,
+                                      name=body.name, metadata=body.metadata)
     session.add(run)
+    try:
+        batch = start_run(session, settings, storage, run=run, items=items, file_id=file_id)
+    except OSError as exc:
+        raise StorageUnavailable(f"the artifact store could not be written: {type(exc).__name__}") from exc
     session.commit()
-
-    def name_batch(batch_session: Session, batch: Batch) -> None:
-        batch_session.execute(update(EvalRun).where(EvalRun.id == run_id)
-                              .values(batch_id=batch.id, status=IN_PROGRESS))
-
-    batches.create_batch(session, settings, storage, queue, principal, before_commit=name_batch,
-                         body=BatchCreate(input_file_id=file_id, endpoint=ENDPOINT,  # type: ignore[arg-type]
-                                          metadata={"eval_id": row.id, "eval_run_id": run_id}))
+    send_batch(session, queue, batch.id)
     session.refresh(run)
     return run
+
+
+@dataclass
+class JobRuns:
+    """A fine-tuning job's eval, checked before the job is created: the base run (unsaved) and its items."""
+
+    base: EvalRun
+    items: list[SourceItem]
+    file_id: str | None
+
+
+def job_runs(session: Session, settings: Settings, storage: ArtifactStore, principal: Principal, *,
+             job: JobEval | None, base_model: str, task: str) -> JobRuns | None:
+    """Check a job's eval (422s name `eval.*`): the eval, its data source with the base model, the items."""
+    if job is None:
+        return None
+    if task != TaskKind.CAUSAL_LM:
+        raise ValidationFailed("eval", "an eval runs on chat models: causal-lm jobs only")
+    try:
+        eval_row = get_eval(session, principal, eval_id=job.eval_id)
+        source = CompletionsDataSource.model_validate({"type": "completions", **job.data_source,
+                                                       "model": base_model})
+        base, items, file_id = prepare_run(session, settings, storage, principal, eval_row=eval_row, source=source,
+                                           name="base", metadata=None)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(["eval.data_source", *(str(part) for part in first["loc"])])
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise ValidationFailed(field, f"{field}: {message}") from exc
+    except (NotFound, ValidationFailed) as exc:
+        exc.field = "eval.eval_id" if exc.field is None else f"eval.{exc.field}"
+        raise
+    return JobRuns(base=base, items=items, file_id=file_id)
+
+
+def start_job_runs(session: Session, settings: Settings, storage: ArtifactStore, queue: TaskQueue, *, job_id: str,
+                   runs: JobRuns) -> None:
+    """Start the base run now and keep the fine-tuned run queued (a training worker starts it when the job
+    succeeds: worker.evals); nothing for a replayed request whose job has its runs already."""
+    if session.scalar(select(EvalRun.id).where(EvalRun.job_id == job_id).limit(1)) is not None:
+        return
+    base = runs.base
+    base.job_id, base.role = job_id, "base"
+    session.add(base)
+    try:
+        batch = start_run(session, settings, storage, run=base, items=runs.items, file_id=runs.file_id)
+        after = EvalRun(id=new_id("evalrun"), eval_id=base.eval_id, tenant_id=base.tenant_id, name="fine-tuned",
+                        model=job_id, data_source={**base.data_source, "model": job_id}, total=base.total,
+                        status=QUEUED, job_id=job_id, role="fine_tuned", created_at=utcnow())
+        store_items(storage, after.id, runs.items)
+    except OSError as exc:
+        raise StorageUnavailable(f"the artifact store could not be written: {type(exc).__name__}") from exc
+    session.add(after)
+    session.commit()
+    send_batch(session, queue, batch.id)
 
 
 def _batch_status(session: Session, run: EvalRun) -> str | None:
@@ -213,6 +246,10 @@ def _batch_status(session: Session, run: EvalRun) -> str | None:
 
 
 def _status(session: Session, run: EvalRun) -> str:
+    if run.batch_id is None and run.job_id is not None:  # waits for its job: canceled if the job will not succeed
+        job_status = session.scalar(select(Job.status).where(Job.id == run.job_id))
+        if job_status in (JobStatus.FAILED, JobStatus.CANCELLED):
+            return CANCELED
     return run_status(run.status, _batch_status(session, run), store.graded_count(session, run_id=run.id), run.total)
 
 
@@ -223,6 +260,7 @@ def run_object(session: Session, run: EvalRun) -> EvalRunObject:
     return EvalRunObject(
         id=run.id, eval_id=run.eval_id, name=run.name, model=run.model, status=_status(session, run),
         created_at=unix(run.created_at) or 0, data_source=run.data_source, batch_id=run.batch_id,
+        job_id=run.job_id, role=run.role,  # type: ignore[arg-type]
         result_counts=ResultCounts(total=run.total, passed=by_status["pass"], failed=by_status["fail"],
                                    errored=by_status["error"]),
         per_testing_criteria_results=[CriterionResult(testing_criteria=name, passed=counts["passed"],

@@ -21,6 +21,7 @@ from core.queue import TaskQueue
 from core.redis_keys import cancel_key, rate_key, slots_key, stream_key, tenant_slots_key
 from core.served_models import ServedModel, list_served_models, resolve_served_model
 from core.settings import Settings
+from core.store.aliases import list_aliases
 from core.tasks import QUEUE_GENERATE, TASK_GENERATE
 
 
@@ -174,7 +175,10 @@ return false
 def list_models_for(session: Session, settings: Settings, principal: Principal) -> ModelList:
     """The models /generate and /v1/completions can serve to this caller."""
     models = list_served_models(session, settings, tenant=principal.scope)
-    return ModelList(data=[ModelCard(id=m.id, created=m.created, owned_by=m.owned_by) for m in models])
+    aliases = [ModelCard(id=a.name, created=int(a.updated_at.timestamp()), owned_by=a.tenant_id, target=a.target)
+               for a in list_aliases(session, tenant=principal.scope)]
+    return ModelList(data=[ModelCard(id=m.id, created=m.created, owned_by=m.owned_by) for m in models] + aliases)
+
 
 
 # KEYS[1]: a model's rows in flight, KEYS[2]: one tenant's rows in flight on that model (sorted sets of

@@ -35,6 +35,8 @@ def parse_formula(text: str, *, names: set[str]) -> ast.Expression:
         tree = ast.parse(text.replace("^", "**"), mode="eval")
     except SyntaxError as exc:
         raise FormulaError(f"calculate_output does not parse: {exc.msg}") from exc
+    except (RecursionError, MemoryError) as exc:  # e.g. thousands of unary minus signs in a row
+        raise FormulaError("calculate_output is nested too deeply") from exc
     nodes = list(ast.walk(tree))
     if len(nodes) > MAX_NODES:
         raise FormulaError(f"calculate_output is longer than {MAX_NODES} terms")

@@ -39,14 +39,17 @@ def upgrade() -> None:
         sa.Column('data_source', sa.JSON(), nullable=False),
         sa.Column('total', sa.Integer(), nullable=False),
         sa.Column('batch_id', sa.String(length=40), nullable=True),
+        sa.Column('job_id', sa.String(length=40), nullable=True),
+        sa.Column('role', sa.String(length=16), nullable=True),
         sa.Column('status', sa.String(length=16), nullable=False),
         sa.Column('error', sa.JSON(), nullable=True),
         sa.Column('metadata', sa.JSON(), nullable=True),
         sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
         sa.ForeignKeyConstraint(['eval_id'], ['evals.id'], name=op.f('fk_eval_runs_eval_id_evals'), ondelete='CASCADE'),
+        sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], name=op.f('fk_eval_runs_job_id_jobs'), ondelete='CASCADE'),
         sa.PrimaryKeyConstraint('id', name=op.f('pk_eval_runs')),
     )
-    for column in ('eval_id', 'tenant_id', 'batch_id', 'created_at'):
+    for column in ('eval_id', 'tenant_id', 'batch_id', 'job_id', 'created_at'):
         op.create_index(op.f(f'ix_eval_runs_{column}'), 'eval_runs', [column], unique=False)
     op.create_table(
         'eval_output_items',
@@ -69,7 +72,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_index(op.f('ix_eval_output_items_run_id'), table_name='eval_output_items')
     op.drop_table('eval_output_items')
-    for column in ('eval_id', 'tenant_id', 'batch_id', 'created_at'):
+    for column in ('eval_id', 'tenant_id', 'batch_id', 'job_id', 'created_at'):
         op.drop_index(op.f(f'ix_eval_runs_{column}'), table_name='eval_runs')
     op.drop_table('eval_runs')
     op.drop_index(op.f('ix_evals_created_at'), table_name='evals')

@@ -154,3 +154,48 @@ def test_a_resumed_run_grades_each_item_once(api, served, settings, worker_ctx, 
     # item-0 graded once before the death; item-1 (stored, not graded) graded on resume; item-0 never again
     assert sorted(set(graded)) == ["item-0", "item-1", "item-2"]
     assert graded.count("item-2") == 1
+
+
+def test_a_fine_tuning_job_names_an_eval_run_on_its_base_now_and_on_it_later(api, served, settings):  # noqa: F811
+    from core.db import make_engine, make_sessionmaker, session_scope
+    from core.rows import Job, JobStatus
+    from tests.tiny_chat import chat_jsonl
+
+    created = _eval(api, CRITERIA[:3])
+    training = api.files.create(file=("chat.jsonl", chat_jsonl("red")), purpose="fine-tune")
+    source = {k: v for k, v in _data_source().items() if k not in ("model", "type")}
+    job = api.fine_tuning.jobs.create(model="tiny", training_file=training.id,
+                                      extra_body={"eval": {"eval_id": created.id, "data_source": source}})
+    runs = {r.role: r for r in api.evals.runs.list(created.id)}
+    assert (runs["base"].model, runs["base"].job_id) == ("tiny", job.id)
+    assert (runs["fine_tuned"].model, runs["fine_tuned"].status) == (job.id, "queued")
+    assert _wait(api, created.id, runs["base"].id).status == "completed"
+    engine = make_engine(settings.resolved_database_url)
+    with session_scope(make_sessionmaker(engine)) as session:
+        session.get(Job, job.id).status = JobStatus.FAILED
+    engine.dispose()
+    assert api.evals.runs.retrieve(runs["fine_tuned"].id, eval_id=created.id).status == "canceled"
+    for extra, field in [({"eval_id": "eval_" + "0" * 24, "data_source": source}, "eval.eval_id"),
+                         ({"eval_id": created.id, "data_source": {**source, "input_messages": None}},
+                          "eval.data_source"),
+                         ({"eval_id": created.id, "data_source": source, "model": "x"}, "eval.model")]:
+        with pytest.raises(openai.APIStatusError) as bad:
+            api.fine_tuning.jobs.create(model="tiny", training_file=training.id, extra_body={"eval": extra})
+        assert bad.value.status_code in (404, 422) and bad.value.body["param"] == field, bad.value.body
+    assert len(api.fine_tuning.jobs.list().data) == 1  # a refused eval creates no job
+
+
+def test_cancel_a_run_with_the_official_client(api, served, queue):  # noqa: F811
+    from core.tasks import TASK_BATCH
+
+    queue.handlers[TASK_BATCH] = lambda batch_id: None  # no worker takes it: the run stays in progress
+    created = _eval(api, CRITERIA[:1])
+    run = api.evals.runs.create(created.id, data_source=_data_source())
+    assert api.evals.runs.retrieve(run.id, eval_id=created.id).status == "in_progress"
+    assert api.evals.runs.cancel(run.id, eval_id=created.id).status == "canceled"
+    assert api.evals.runs.cancel(run.id, eval_id=created.id).status == "canceled"  # again: no error
+    assert api.batches.retrieve(run.batch_id).status == "cancelling"  # its runner stops after the chunk it is on
+    assert list(api.evals.runs.list(created.id, status="canceled"))[0].id == run.id
+    assert api.evals.delete(created.id).deleted is True  # a canceled run does not hold its eval
+    with pytest.raises(openai.NotFoundError):
+        api.evals.runs.retrieve(run.id, eval_id=created.id)

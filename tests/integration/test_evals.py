@@ -1,7 +1,8 @@
 """Evals on real processes (`trainserve up`: the API, a training and a generation worker) with the official
-client: one eval (string_check, text_similarity, a served score_model judge) run against a tiny Llama and against
-a LoRA fine-tune of it trained to the eval's answer; the fine-tune passes more. The fine-tune's run survives a
-SIGKILLed generation worker: the restarted worker resumes the run's batch and never grades a finished item again."""
+client: a LoRA fine-tuning job names an eval (string_check, text_similarity, a served score_model judge), which runs
+on the tiny Llama base when the job is created and on the fine-tune once it succeeds; the fine-tune passes more,
+and the job's events say so beside the base's result. The fine-tune's run survives a SIGKILLed generation worker:
+the restarted worker resumes the run's batch and never grades a finished item again."""
 
 from __future__ import annotations
 
@@ -49,30 +50,32 @@ def test_a_fine_tune_beats_its_base_on_an_eval_and_a_killed_worker_grades_nothin
     try:
         api = openai.OpenAI(base_url=f"{str(http.base_url).rstrip('/')}/v1",
                             api_key=http.headers["Authorization"].split()[1], max_retries=0, timeout=60)
-        training = api.files.create(file=("chat.jsonl", chat_jsonl(ANSWER)), purpose="fine-tune")
-        job = http.post("/jobs", json={"task": "causal-lm", "base_model": "tiny", "train_dataset": training.id,
-                                       "adapter": LORA, "hyperparameters": LM_HP})
-        assert job.status_code == 201, job.text
-        job_id = job.json()["id"]
         schema = {"type": "object", "properties": {"question": {"type": "string"}, "answer": {"type": "string"}},
                   "required": ["question", "answer"]}
         evaluation = api.evals.create(name="sky", data_source_config={"type": "custom", "item_schema": schema},
                                       testing_criteria=CRITERIA)
         items = [{"item": {"question": q, "answer": ANSWER}} for q in QUESTIONS] * 2
-
-        def data_source(model: str) -> dict:
-            return {"type": "completions", "model": model, "source": {"type": "file_content", "content": items},
-                    "input_messages": {"type": "template", "template": [
-                        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "{{item.question}}"}]},
-                    "sampling_params": {"max_completion_tokens": 6, "temperature": 0}}
-
-        base = _finished(api, evaluation.id, api.evals.runs.create(evaluation.id, name="base",
-                                                                    data_source=data_source("tiny")).id)
+        template = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "{{item.question}}"}]
+        data_source = {"source": {"type": "file_content", "content": items},
+                       "input_messages": {"type": "template", "template": template},
+                       "sampling_params": {"max_completion_tokens": 6, "temperature": 0}}
+        training = api.files.create(file=("chat.jsonl", chat_jsonl(ANSWER)), purpose="fine-tune")
+        hyperparameters = {"batch_size": LM_HP["batch_size"], "learning_rate": LM_HP["learning_rate"],
+                           "max_steps": LM_HP["max_steps"], "precision": "fp32", "block_size": 128}
+        job = api.fine_tuning.jobs.create(
+            model="tiny", training_file=training.id,
+            method={"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},
+            extra_body={"adapter": LORA, "eval": {"eval_id": evaluation.id, "data_source": data_source}})
+        # The job's eval: a run on the base now, one on the fine-tune once the job succeeds.
+        runs = {r.role: r for r in api.evals.runs.list(evaluation.id)}
+        assert runs["base"].model == "tiny" and runs["fine_tuned"].model == job.id
+        assert runs["fine_tuned"].status == "queued"
+        base = _finished(api, evaluation.id, runs["base"].id)
         assert base.status == "completed" and base.result_counts.total == len(items)
-        wait_for(lambda: http.get(f"/jobs/{job_id}").json()["status"] in ("succeeded", "failed"), 200, "the job")
-        assert http.get(f"/jobs/{job_id}").json()["status"] == "succeeded"
+        wait_for(lambda: api.fine_tuning.jobs.retrieve(job.id).status in ("succeeded", "failed"), 200, "the job")
+        assert api.fine_tuning.jobs.retrieve(job.id).status == "succeeded"
 
-        run = api.evals.runs.create(evaluation.id, name="fine-tune", data_source=data_source(job_id))
+        run = runs["fine_tuned"]
         wait_for(lambda: len(api.evals.runs.output_items.list(run.id, eval_id=evaluation.id).data) >= 2, 120,
                  "a few items graded")
         [victim] = [pid for pid, parent, args in _processes() if parent == proc.pid and "--queues generation" in args]
@@ -97,7 +100,13 @@ def test_a_fine_tune_beats_its_base_on_an_eval_and_a_killed_worker_grades_nothin
         assert tuned_rates["judge"] == len(items)  # the judge's answer is held to {"result": a number in range}
         judged = after[0].results[2]
         assert judged.name == "judge" and judged.sample["output"][0]["content"]  # the judge answered
-        assert {u.model_name for u in tuned.per_model_usage} == {job_id}
+        assert {u.model_name for u in tuned.per_model_usage} == {job.id}
+        # The job's events put the fine-tune's result beside the base's.
+        events = [e for e in api.fine_tuning.jobs.list_events(job.id, limit=100) if "eval 'sky'" in e.message]
+        compared = next(e for e in events if "fine-tuned" in e.message)
+        assert f"{tuned.result_counts.passed}/{len(items)} passed" in compared.message
+        assert f"the base model {base.result_counts.passed}/{len(items)}" in compared.message
+        assert compared.data["fine_tuned"]["pass_rate"] > compared.data["base"]["pass_rate"]
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(60)

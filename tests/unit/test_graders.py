@@ -165,7 +165,8 @@ def test_multi_combines_named_graders_by_formula() -> None:
     assert list(single.graders) == ["only"]  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("formula", ["__import__('os').system('id')", "exact.__class__", "[exact]", "exact if 1 else 0",
+@pytest.mark.parametrize("formula", ["-" * 5000 + "exact", "(" * 500 + "exact" + ")" * 500, "exact" + "+exact" * 150,
+                                     "__import__('os').system('id')", "exact.__class__", "[exact]", "exact if 1 else 0",
                                      "lambda: 1", "open('x')", "exact < 1", "max(exact, key=abs)", "unknown + 1"])
 def test_formulas_refuse_everything_but_arithmetic(formula: str) -> None:
     with pytest.raises(FormulaError):
