@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
+from core.public_text import public_text
+
 MAX_SEED = 2**63 - 1
 
 
@@ -64,7 +66,7 @@ class ErrorBody(BaseModel):
 
     def envelope(self) -> dict[str, Any]:
         """`{"error": {...}}`, with `details` only when there are some."""
-        body: dict[str, Any] = {"code": str(self.code), "message": self.message, "field": self.field}
+        body: dict[str, Any] = {"code": str(self.code), "message": public_text(self.message), "field": self.field}
         if self.details is not None:
             body["details"] = self.details
         return {"error": body}

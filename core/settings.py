@@ -109,6 +109,9 @@ class Settings(BaseSettings):
 
     # --- Generation (/generate, /v1/completions) and its workers ---
     max_new_tokens: int = Field(1024, description="Upper bound of max_new_tokens / max_tokens.")
+    max_response_entries: int = Field(
+        65_536, ge=1, description="Most token entries one generation response may hold: n x max_tokens x (1 + "
+        "top_logprobs) (about 80 bytes of JSON each with logprobs); a request over it is a 422 naming max_tokens.")
     generation_queue_per_model: int = Field(64, description="Generation requests in flight per model (429 beyond).")
     max_loras: int = Field(8, ge=1, le=1024, description="LoRA adapters a generation worker keeps resident over "
                            "one base model (least recently used out, never one in use).")

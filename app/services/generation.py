@@ -42,6 +42,12 @@ class GenerationGateway:
         """Server-side caps that the schema cannot know."""
         if params.max_new_tokens > self.settings.max_new_tokens:
             raise ValidationFailed("max_new_tokens", f"must be at most {self.settings.max_new_tokens} on this server")
+        per_token = 1 + (params.logprobs or 0)
+        entries = params.n * params.max_new_tokens * per_token
+        if entries > self.settings.max_response_entries:
+            raise ValidationFailed("max_tokens", f"n ({params.n}) x max_tokens ({params.max_new_tokens}) x (1 + "
+                                   f"top_logprobs {params.logprobs or 0}) = {entries} token entries; a response "
+                                   f"holds at most {self.settings.max_response_entries} on this server")
 
     async def admit(self, principal: Principal, model: ServedModel) -> str:
         """Apply the per-key rate limit and the per-model queue bound; returns a request id holding a slot."""

@@ -143,6 +143,7 @@ def test_completions_logprobs_in_openai_legacy_format(api, served):
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"n": 16, "logprobs": True, "top_logprobs": 20, "max_tokens": 480}, "max_tokens"),  # 161,280 entries: 13 MB
     ({"made_up_option": 1}, "made_up_option"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
