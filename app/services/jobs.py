@@ -19,6 +19,7 @@ from core.admission import admit_jobs
 from core.auth import Principal
 from core.capacity import largest_device, live_workers
 from core.chat_data import MAX_LENGTH as CHAT_MAX_LENGTH
+from core.chat_data import longest_tokens
 from core.errors import Conflict, NotFound, ValidationFailed
 from core.estimate import (
     Head,
@@ -105,7 +106,8 @@ def prepare_job(session: Session, settings: Settings, principal: Principal, *, s
     _require_devices(settings, spec.devices)
     base_path = resolve_base(session, settings, principal, spec)
     if isinstance(spec, CausalLMJob):
-        fields = _causal_lm_fields(settings, spec, base_path, chat=is_chat(train))
+        fields = _causal_lm_fields(settings, spec, base_path, chat=is_chat(train),
+                                   longest=longest_tokens(train.column_stats))
     elif isinstance(spec, ClassificationJob):
         fields = _classification_fields(settings, spec, train, evaluation, base_path)
     else:  # a kind with no checks of its own beyond its spec
@@ -162,8 +164,8 @@ def _classification_fields(settings: Settings, spec: ClassificationJob, train: D
     return {"base_model_path": base_path, "label_column": label_column, "labels": labels}
 
 
-def _causal_lm_fields(settings: Settings, spec: CausalLMJob, base_path: str | None, *, chat: bool = False
-                      ) -> dict[str, Any]:
+def _causal_lm_fields(settings: Settings, spec: CausalLMJob, base_path: str | None, *, chat: bool = False,
+                      longest: int | None = None) -> dict[str, Any]:
     """Checks of a causal-lm job: continue from a causal LM, or train a fresh GPT-2 of a given shape."""
     if spec.label_column is not None:
         raise ValidationFailed("label_column", "causal-lm jobs have no labels")
@@ -174,10 +176,14 @@ def _causal_lm_fields(settings: Settings, spec: CausalLMJob, base_path: str | No
         base_config = load_model_config(base_path) or {}
         context = base_config.get("max_position_embeddings") or base_config.get("n_positions")
         default_block = min(context, DEFAULT_BLOCK_SIZE) if isinstance(context, int) else DEFAULT_BLOCK_SIZE
-        if chat:  # a conversation is up to block_size tokens (chat_data.MAX_LENGTH by default), not a block
-            default_block = CHAT_MAX_LENGTH
-        _require_fit(settings, base_config, "base_model", head="causal-lm", hp=hp,
-                     seq_len=hp.block_size or default_block, devices=spec.devices, adapter=spec.adapter)
+        seq_len = hp.block_size or default_block
+        if chat:
+            # A batch is padded to its longest conversation, cut at block_size (chat_data.MAX_LENGTH by default):
+            # the data's longest record, known since its validation, bounds it, and so does the model's context.
+            seq_len = min(hp.block_size or CHAT_MAX_LENGTH, longest or CHAT_MAX_LENGTH,
+                          context if isinstance(context, int) else CHAT_MAX_LENGTH)
+        _require_fit(settings, base_config, "base_model", head="causal-lm", hp=hp, seq_len=seq_len,
+                     devices=spec.devices, adapter=spec.adapter)
         return {"base_model_path": base_path, "labels": []}
     try:
         architecture = validate_model_config(spec.architecture or {})
