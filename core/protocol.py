@@ -102,6 +102,11 @@ class Constraint(BaseModel):
     spec: str = ""
 
 
+# The finish reason of a constrained sequence whose grammar matcher failed mid-way (its mask then allows only the end
+# of sequence): reported to the client as an error, never as a "stop" with truncated output.
+GRAMMAR_ERROR = "grammar_error"
+
+
 class SamplingParams(BaseModel):
     """How one request is decoded; the API, the task payload and the engine share this one definition.
 

@@ -184,3 +184,26 @@ def test_the_worker_renders_chats_exactly_as_apply_chat_template(served):
             expected = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
             assert render_chat(engine, task) == list(expected)
             assert expected[0] == tokenizer.bos_token_id  # the template's bos_token came from tokenizer_config.json
+
+
+WIDE = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}
+
+
+@pytest.mark.parametrize("found", ["before", "mid-stream"])
+def test_a_schema_the_matcher_cannot_follow_is_an_error_never_a_stop(client, served, monkeypatch, found):
+    """600 optional properties compiled, then the matcher failed and allowed only the end: 200, "stop", empty."""
+    if found == "mid-stream":
+        from worker.engines import grammar
+
+        monkeypatch.setattr(grammar, "probe", lambda *args, **kwargs: None)
+    body = {"model": "chat", "messages": CHAT, "max_tokens": 16, "temperature": 1.0, "seed": 1,
+            "response_format": {"type": "json_schema", "json_schema": {"name": found, "schema": WIDE}}}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["field"] == "response_format"
+    streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
+    if found == "before":
+        assert streamed.status_code == 422
+    else:
+        assert streamed.status_code == 200 and "event: error" in streamed.text
+        assert '"finish_reason":"stop"' not in streamed.text.replace(" ", "")

@@ -7,7 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.protocol import SamplingParams, TokenLogprob
+from core.protocol import GRAMMAR_ERROR, SamplingParams, TokenLogprob
 from worker.engines.detokenize import Pieces
 from worker.engines.sampling import TextStream, row_seed
 
@@ -34,7 +34,7 @@ class Choice:
 
     index: int
     text: str
-    finish_reason: str  # "length" | "stop" | "eos" | "cancelled"
+    finish_reason: str  # "length" | "stop" | "eos" | "cancelled" | GRAMMAR_ERROR
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None  # one per generated token (not the eos), when asked for
 
@@ -135,6 +135,9 @@ class SequenceState:
         self.tokens.append(token)
         if self.matcher is not None:
             self.matcher.consume_token(token)
+            if self.matcher.is_error():  # its mask allowed only eos from here: end as an error, never as a "stop"
+                self.finish_reason = GRAMMAR_ERROR
+                return self.stream.finish()
         if token in eos_ids:
             self.finish_reason = "eos"
             return self.stream.finish()  # the eos token has no text

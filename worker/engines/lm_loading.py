@@ -19,6 +19,7 @@ from worker.engines.gpt2_weights import (
     pack_weights,
     resolve_folder,
 )
+from worker.engines.grammar_vocab import with_plain_byte_tokens
 from worker.engines.kv_cache import DecodeLayout, PrefillLayout, SlotCache, trim_heap
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
     if kind != "gpt2":  # Llama, Mistral, Qwen: whatever their tokenizer.json says
         if not (folder / "tokenizer.json").is_file():
             raise ValueError(f"{model}: no tokenizer.json; a {kind} model is served with the fast tokenizer it ships")
-        return PreTrainedTokenizerFast.from_pretrained(folder)
+        return with_plain_byte_tokens(PreTrainedTokenizerFast.from_pretrained(folder))
     if not any((folder / name).exists() for name in _TOKENIZER_FILES):
         return GPT2TokenizerFast.from_pretrained(GPT2_TOKENIZER_DIR)
     return GPT2TokenizerFast.from_pretrained(folder)
