@@ -39,7 +39,19 @@ class Settings(BaseSettings):
     max_dataset_rows: int = Field(2_000_000, description="Most rows accepted in one dataset.")
     max_dataset_columns: int = Field(256, description="Most columns accepted in one dataset (413 beyond).")
     max_concurrent_uploads: int = Field(
-        4, description="Dataset uploads one API process receives and parses at a time (429 beyond).")
+        16, ge=1, description="Dataset uploads one API process receives and parses at a time, all tenants together "
+        "(429 too_many_uploads beyond): a bound on the process's disk and CPU.")
+    uploads_per_tenant: int = Field(
+        2, ge=1, description="Dataset uploads one tenant may have in progress at once across every API process "
+        "(counted in Redis; 429 too_many_uploads beyond), so one tenant's slow uploads never take the others' slots.")
+    min_body_rate_bytes: int = Field(
+        8192, ge=0, description="Slowest a request body may arrive, in bytes per second on average after "
+        "TRAINSERVE_BODY_GRACE_S; a slower body is answered 408 request_timeout and its connection closed; 0: off.")
+    body_grace_s: float = Field(10.0, ge=0, description="Seconds a request body may take before "
+                                "TRAINSERVE_MIN_BODY_RATE_BYTES applies.")
+    body_timeout_s: float = Field(
+        900.0, gt=0, description="Longest the API waits for a whole request body (a dataset upload included); "
+        "408 request_timeout beyond.")
     cors_origins: str = Field("", description="Comma-separated origins allowed by CORS (empty: none).")
     log_format: str = Field("text", pattern="^(text|json)$", description="Log lines as text, or one JSON object "
                             "per line carrying request_id and job_id (API and workers).")

@@ -12,6 +12,7 @@ from redis.exceptions import RedisError
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from app.redis_window import take
 from app.schemas.generation import ModelCard, ModelList
 from core.auth import Principal
 from core.errors import BrokerUnavailable, TooManyRequests, ValidationFailed
@@ -71,14 +72,7 @@ class GenerationGateway:
         return request_id
 
     async def _take(self, key: str, *, member: str, now: float, horizon: float, limit: int) -> float | None:
-        """Add `member` to the bounded window `key` in one atomic step; None if taken, else the oldest entry's time.
-
-        A check followed by an add in separate calls lets a concurrent burst interleave: every request adds
-        itself, every one then sees the set over the bound, and all are refused.
-        """
-        args = (str(now), str(horizon), str(limit), member, str(int(horizon) + 1))
-        oldest = await self.redis.eval(_TAKE, 1, key, *args)  # type: ignore[misc]
-        return None if oldest is None else float(oldest)
+        return await take(self.redis, key, member=member, now=now, horizon=horizon, limit=limit)
 
     async def submit(self, request_id: str, model: ServedModel, prompt: str, params: SamplingParams,
                      messages: list[ChatMessage] | None = None) -> None:
@@ -137,22 +131,6 @@ class GenerationGateway:
 
     def _lifetime(self) -> float:
         return self.settings.generation_wait_s + self.settings.generation_timeout_s
-
-
-# KEYS[1]: a sorted set of (member, time); ARGV: now, horizon, limit, member, ttl. Drops entries older than the
-# horizon; below the limit adds the member and returns nil, else returns the oldest entry's time.
-_TAKE = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[1]) - tonumber(ARGV[2]))
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then
-  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-  return oldest[2] or ARGV[1]
-end
-redis.call('ZADD', KEYS[1], ARGV[1], ARGV[4])
-redis.call('EXPIRE', KEYS[1], ARGV[5])
-return false
-"""
-
-
 
 
 def list_models_for(session: Session, settings: Settings, principal: Principal) -> ModelList:
