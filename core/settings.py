@@ -121,6 +121,10 @@ class Settings(BaseSettings):
 
     # --- Generation (/generate, /v1/completions) and its workers ---
     max_new_tokens: int = Field(1024, description="Upper bound of max_new_tokens / max_tokens.")
+    prompt_bytes_per_token: int = Field(
+        32, ge=1, description="A prompt (or a chat's messages) over context length x this many UTF-8 bytes is "
+        "refused by the API (422 naming prompt or messages) before any worker tokenizes it: no tokenizer makes "
+        "fewer tokens of ordinary text (about 4 bytes per token in English).")
     max_response_entries: int = Field(
         65_536, ge=1, description="Most token entries one generation response may hold: n x max_tokens x (1 + "
         "top_logprobs) (about 80 bytes of JSON each with logprobs); a request over it is a 422 naming max_tokens.")

@@ -207,3 +207,16 @@ def test_a_schema_the_matcher_cannot_follow_is_an_error_never_a_stop(client, ser
     else:
         assert streamed.status_code == 200 and "event: error" in streamed.text
         assert '"finish_reason":"stop"' not in streamed.text.replace(" ", "")
+
+
+def test_a_prompt_too_large_for_the_context_is_refused_before_any_worker_tokenizes_it(client, served, queue):
+    """A 960 kB prompt was tokenized on the generation worker (1.5 s) before its 422."""
+    sent = len(queue.sent)
+    huge = "To be, or not to be " * 250  # 5,000 bytes: more than 128 positions x 32 bytes
+    chat = client.post("/v1/chat/completions", json={"model": "chat", "max_tokens": 4,
+                                                     "messages": [{"role": "user", "content": huge}]})
+    assert chat.status_code == 422 and chat.json()["error"]["field"] == "messages", chat.text
+    plain = client.post("/v1/completions", json={"model": "plain", "prompt": huge, "max_tokens": 4})
+    assert plain.status_code == 422 and plain.json()["error"]["field"] == "prompt", plain.text
+    assert "at most 64 tokens" in plain.json()["error"]["message"]
+    assert len(queue.sent) == sent  # no generation task was sent
