@@ -284,6 +284,7 @@ class ClassifyTask(BaseModel):
     job_id: str
     texts: list[str]
     deadline: float  # wall-clock time after which the caller has stopped waiting
+    tenant: str = ""  # whose request: the worker shares its model round robin over tenants (worker/fair_turns.py)
 
     @field_validator("texts")
     @classmethod

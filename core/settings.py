@@ -118,6 +118,14 @@ class Settings(BaseSettings):
     max_embedding_input_chars: int = Field(50_000, ge=1, description="Longest text input, in characters (inputs "
                                            "longer than the model's token limit are refused by the worker).")
     embedding_timeout_s: float = Field(60.0, gt=0, description="How long /v1/embeddings waits for a worker.")
+    max_embedding_tokens: int = Field(
+        65_536, ge=1, description="Most tokens in one /v1/embeddings request, all inputs together (422 naming input "
+        "beyond; the API refuses text over this x TRAINSERVE_PROMPT_BYTES_PER_TOKEN bytes before any tokenizing).")
+    inference_threads: int = Field(8, ge=1, description="Requests one inference worker (embeddings, classify) "
+                                   "holds at once; their batches take turns at the model round robin over tenants.")
+    inference_per_tenant: int = Field(
+        4, ge=1, description="/v1/embeddings and /classify requests one tenant may have in flight across the API "
+        "processes (429 overloaded beyond): its share of the inference queue.")
 
     # --- Generation (/generate, /v1/completions) and its workers ---
     max_new_tokens: int = Field(1024, description="Upper bound of max_new_tokens / max_tokens.")
