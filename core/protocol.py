@@ -12,7 +12,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from core.public_text import public_text
 
@@ -101,11 +101,6 @@ class Constraint(BaseModel):
 
     kind: Literal["json_schema", "json_object", "choice", "regex"]
     spec: str = ""
-
-
-# The finish reason of a constrained sequence whose grammar matcher failed mid-way (its mask then allows only the end
-# of sequence): reported to the client as an error, never as a "stop" with truncated output.
-GRAMMAR_ERROR = "grammar_error"
 
 
 class SamplingParams(BaseModel):
@@ -275,37 +270,6 @@ EVENTS: TypeAdapter[GenerationEvent] = TypeAdapter(GenerationEvent)
 def parse_event(raw: bytes | str) -> GenerationEvent:
     """A stream entry's JSON back into its event model."""
     return EVENTS.validate_json(raw)
-
-
-class ClassifyTask(BaseModel):
-    """The broker message for one /classify call (API -> inference worker)."""
-
-    request_id: str
-    job_id: str
-    texts: list[str]
-    deadline: float  # wall-clock time after which the caller has stopped waiting
-    tenant: str = ""  # whose request: the worker shares its model round robin over tenants (worker/fair_turns.py)
-
-    @field_validator("texts")
-    @classmethod
-    def _some(cls, texts: list[str]) -> list[str]:
-        if not texts:
-            raise ValueError("texts is empty")
-        return texts
-
-
-class Prediction(BaseModel):
-    """One text's label and probability."""
-
-    label: Any
-    score: float
-
-
-class ClassifyResult(BaseModel):
-    """The inference worker's reply: predictions in input order, or an error."""
-
-    predictions: list[Prediction] | None = None
-    error: ErrorBody | None = None
 
 
 class _Rank(BaseModel):

@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from core.embeddings import EmbedResult, EmbedTask
-from core.protocol import ClassifyResult, ClassifyTask, ErrorBody, ErrorCode, Prediction
+from core.embeddings import ClassifyResult, ClassifyTask, EmbedResult, EmbedTask, Prediction
+from core.protocol import ErrorBody, ErrorCode
 from core.redis_keys import abandoned_key, classify_reply_key
 from worker.context import WorkerContext
 from worker.fair_turns import Abandoned, FairTurns

@@ -23,7 +23,6 @@ from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 
 from core.protocol import (
-    GRAMMAR_ERROR,
     AcceptedEvent,
     ChoiceOut,
     DoneEvent,
@@ -234,7 +233,7 @@ class GenerationService:
             metrics.GEN_REQUESTS.labels(outcome.error.code).inc()
 
     def _run(self, engine: Any, task: GenerateTask, writer: EventWriter, remaining: float) -> BaseModel:
-        from worker.engines.batch import context_overflow  # the engine is loaded (and torch with it) by now
+        from worker.engines.batch import GRAMMAR_ERROR, context_overflow  # the engine (and torch) is loaded by now
 
         if task.messages is not None:
             rendered = render_chat(engine, task)

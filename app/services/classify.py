@@ -16,8 +16,8 @@ from starlette.concurrency import run_in_threadpool
 
 from app.services.inference import ask_worker
 from core.auth import Principal
+from core.embeddings import ClassifyResult, ClassifyTask, Prediction
 from core.errors import NotFound, ValidationFailed
-from core.protocol import ClassifyResult, ClassifyTask, Prediction
 from core.queue import TaskQueue
 from core.redis_keys import classify_reply_key
 from core.rows import JobStatus, TaskKind

@@ -17,10 +17,10 @@ from starlette.concurrency import run_in_threadpool
 
 from app.errors import from_wire
 from app.redis_window import take
-from core.embeddings import EmbedResult, EmbedTask
+from core.embeddings import ClassifyResult, ClassifyTask, EmbedResult, EmbedTask
 from core.errors import BrokerUnavailable, ClientGone, TooManyRequests, WorkerTimeout
 from core.logs import task_headers
-from core.protocol import ClassifyResult, ClassifyTask, ErrorCode
+from core.protocol import ErrorCode
 from core.queue import TaskQueue
 from core.redis_keys import abandoned_key, inference_key
 from core.tasks import QUEUE_INFERENCE

@@ -13,8 +13,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaTokenizerFast
 
-from core.protocol import GRAMMAR_ERROR, Constraint, SamplingParams
+from core.protocol import Constraint, SamplingParams
 from worker.engines import grammar
+from worker.engines.batch import GRAMMAR_ERROR
 from worker.engines.generation import GenerationEngine
 from worker.engines.grammar import GrammarError
 

@@ -7,9 +7,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.protocol import GRAMMAR_ERROR, SamplingParams, TokenLogprob
+from core.protocol import SamplingParams, TokenLogprob
 from worker.engines.detokenize import Pieces
 from worker.engines.sampling import TextStream, row_seed
+
+# The finish reason of a constrained sequence whose grammar matcher failed mid-way (its mask then allows only the end
+# of sequence): reported to the client as an error, never as a "stop" with truncated output.
+GRAMMAR_ERROR = "grammar_error"
 
 # on_token(choice index, text delta); a request with params.logprobs set gets a third argument, the logprobs
 # of the tokens that delta came from (a held-back delta's tokens arrive with the next one).
