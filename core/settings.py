@@ -123,6 +123,9 @@ class Settings(BaseSettings):
         "beyond; the API refuses text over this x TRAINSERVE_PROMPT_BYTES_PER_TOKEN bytes before any tokenizing).")
     inference_threads: int = Field(8, ge=1, description="Requests one inference worker (embeddings, classify) "
                                    "holds at once; their batches take turns at the model round robin over tenants.")
+    inference_batch_size: int = Field(
+        16, ge=1, description="Inputs an inference worker computes in one turn at its model: a request of another "
+        "tenant waits for at most one such batch of each tenant ahead of it.")
     inference_per_tenant: int = Field(
         4, ge=1, description="/v1/embeddings and /classify requests one tenant may have in flight across the API "
         "processes (429 overloaded beyond): its share of the inference queue.")

@@ -34,7 +34,8 @@ def classify_texts(ctx: WorkerContext, job_id: str, texts: list[str],
                    turn: Callable[[], AbstractContextManager[Any]] = nullcontext) -> list[dict[str, Any]]:
     """Predictions from a finished job's model: fetched from the store once per host, loaded once per process."""
     model_dir = fetch_model(ctx.storage, job_id)
-    result: list[dict[str, Any]] = ctx.service("classifiers", _classifiers).get(model_dir).predict(texts, turn=turn)
+    classifier = ctx.service("classifiers", _classifiers).get(model_dir)
+    result: list[dict[str, Any]] = classifier.predict(texts, ctx.settings.inference_batch_size, turn=turn)
     return result
 
 

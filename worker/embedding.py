@@ -49,7 +49,8 @@ def embed(ctx: WorkerContext, task: EmbedTask) -> EmbedResult:
         tokens, bound = sum(map(len, ids)), ctx.settings.max_embedding_tokens
         if tokens > bound:
             raise EmbeddingRefused("input", f"the inputs are {tokens} tokens; at most {bound} per request")
-        vectors = embedder.embed(ids, task.dimensions, turn=turns_for(ctx, task))
+        vectors = embedder.embed(ids, task.dimensions, batch_size=ctx.settings.inference_batch_size,
+                                 turn=turns_for(ctx, task))
     except EmbeddingRefused as exc:
         return EmbedResult(error=ErrorBody(code=ErrorCode.VALIDATION_ERROR, message=str(exc), field=exc.field))
     little = vectors.astype("<f4", copy=False)

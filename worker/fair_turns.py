@@ -1,8 +1,8 @@
 """Turns at an inference worker's model, round robin over tenants: a share per tenant instead of arrival order.
 
-An inference worker (embeddings, classify) runs its tasks in threads; each task computes its inputs in batches and
-takes a turn for every batch. One batch runs at a time, and when it ends the next turn goes to the tenant after the
-last one served that has a batch waiting, so a tenant's 2,048-input request runs a batch, then another tenant's
+An inference worker (embeddings, classify) runs its tasks in threads; each task computes its inputs in batches of
+TRAINSERVE_INFERENCE_BATCH_SIZE and takes a turn for every batch. One batch runs at a time and the next turn goes to
+the waiting tenant served longest ago, so a tenant's 2,048-input request runs a batch, then another tenant's
 one-sentence request runs its batch, then the long request goes on. Within a tenant, batches go in arrival order.
 A waiting batch whose caller has gone (disconnected, timed out) is dropped when its turn comes: Abandoned.
 """
@@ -10,12 +10,14 @@ A waiting batch whose caller has gone (disconnected, timed out) is dropped when 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 # How often a waiting batch re-checks whether its caller has gone (a Redis read), in seconds.
 RECHECK_S = 1.0
+# Tenants whose last turn is remembered; one forgotten counts as never served (it goes first once).
+SERVED_KEPT = 1024
 
 
 class Abandoned(Exception):
@@ -27,7 +29,9 @@ class FairTurns:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._waiting: OrderedDict[str, deque[object]] = OrderedDict()  # rotation order of tenants with waiters
+        self._waiting: dict[str, deque[object]] = {}  # tenants with waiters, each its tickets in arrival order
+        self._served: dict[str, int] = {}  # when each tenant was last granted a turn (a grant counter)
+        self._grants = 0
         self._busy = False
         self._granted: object | None = None
 
@@ -55,15 +59,21 @@ class FairTurns:
                 self._grant()
 
     def _grant(self) -> None:
-        """Give the free model to the first waiter of the next tenant in rotation (that tenant then goes last)."""
+        """Give the free model to the first waiter of the waiting tenant served longest ago (or never): a tenant
+        whose batch just ran goes after every other tenant waiting, even one that arrived after its next batch."""
         if self._busy or not self._waiting:
             return
-        tenant, tickets = next(iter(self._waiting.items()))
+        tenant = min(self._waiting, key=lambda t: self._served.get(t, -1))
+        tickets = self._waiting[tenant]
         self._granted = tickets.popleft()
+        if not tickets:
+            del self._waiting[tenant]
+        self._grants += 1
+        self._served[tenant] = self._grants
+        if len(self._served) > SERVED_KEPT:  # forget the tenants served longest ago (they count as never served)
+            for old in sorted(self._served, key=self._served.__getitem__)[:len(self._served) - SERVED_KEPT]:
+                del self._served[old]
         self._busy = True
-        del self._waiting[tenant]
-        if tickets:
-            self._waiting[tenant] = tickets  # to the back of the rotation
         self._cond.notify_all()
 
     def _withdraw(self, tenant: str, ticket: object) -> None:
