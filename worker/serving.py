@@ -249,7 +249,7 @@ class GenerationService:
             metrics.GEN_REQUESTS.labels(outcome.error.code).inc()
 
     def _run(self, engine: GenerationEngine, task: GenerateTask, writer: EventWriter, remaining: float) -> BaseModel:
-        from worker.engines.serving.requests import context_overflow  # the engine is loaded (and torch with it) by now
+        from worker.engines.serving.requests import GRAMMAR_ERROR, context_overflow  # engine and torch are loaded
 
         if task.messages is not None:
             rendered = render_chat(engine, task)
@@ -275,6 +275,13 @@ class GenerationService:
         writer.emit(AcceptedEvent(prompt_tokens=len(prompt_ids)))
         metrics.GEN_PROMPT_TOKENS.inc(len(prompt_ids))
         result = future.result(timeout=self.settings.generation_timeout_s)
+        if any(c.finish_reason == GRAMMAR_ERROR for c in result.choices):
+            from worker.engines.serving.sampling.grammar import field_of
+
+            assert task.params.constraint is not None
+            return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, "the output constraint is too complex to enforce: its "
+                                 "matcher failed during generation; simplify the schema or pattern",
+                                 field_of(task.params.constraint))
         return DoneEvent(choices=[ChoiceOut(index=c.index, text=c.text, finish_reason=c.finish_reason,
                                             logprobs=c.logprobs) for c in result.choices],
                          usage=Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,

@@ -86,6 +86,7 @@ async def start(gateway: GenerationGateway, session: Session, principal: Princip
     """Validate, admit, hand off; returns once the worker accepted the request (or raises its error)."""
     gateway.check(params)
     model = await run_in_threadpool(gateway.resolve, session, principal, name)
+    gateway.check_prompt(model, prompt, messages)
     await run_in_threadpool(session.close)  # no connection held while generating
     request_id = await gateway.admit(principal, model, params.n)
     finished = False

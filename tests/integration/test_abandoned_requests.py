@@ -49,7 +49,9 @@ class Api:
 def api(start_api, settings) -> Api:
     """`trainserve api` (uvicorn) in its own process, with a short /classify timeout."""
     build_tiny_gpt2(settings.home / "models" / "tiny", n_positions=ASKED + 64)
-    url = start_api(TRAINSERVE_CLASSIFY_TIMEOUT_S=str(CLASSIFY_TIMEOUT_S), TRAINSERVE_MAX_NEW_TOKENS=str(ASKED))
+    # 41 calls of one tenant wait at once below: more than its share of the inference queue by default.
+    url = start_api(TRAINSERVE_CLASSIFY_TIMEOUT_S=str(CLASSIFY_TIMEOUT_S), TRAINSERVE_MAX_NEW_TOKENS=str(ASKED),
+                    TRAINSERVE_INFERENCE_PER_TENANT="64")
     return Api(url, int(url.rsplit(":", 1)[1]), make_key(settings.resolved_database_url, tenant=TENANT))
 
 

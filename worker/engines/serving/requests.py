@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     import torch
     from llguidance import LLMatcher
 
+# The finish reason of a constrained sequence whose grammar matcher failed mid-way (its mask then allows only the end
+# of sequence): reported to the client as an error, never as a "stop" with truncated output.
+GRAMMAR_ERROR = "grammar_error"
+
 # on_token(choice index, text delta); a request with params.logprobs set gets a third argument, the logprobs
 # of the tokens that delta came from (a held-back delta's tokens arrive with the next one).
 OnToken = Callable[..., None]
@@ -40,7 +44,7 @@ class Choice:
 
     index: int
     text: str
-    finish_reason: str  # "length" | "stop" | "eos" | "cancelled"
+    finish_reason: str  # "length" | "stop" | "eos" | "cancelled" | GRAMMAR_ERROR
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None  # one per generated token (not the eos), when asked for
 
@@ -145,6 +149,9 @@ class SequenceState:
         self.tokens.append(token)
         if self.matcher is not None:
             self.matcher.consume_token(token)
+            if self.matcher.is_error():  # its mask allowed only eos from here: end as an error, never as a "stop"
+                self.finish_reason = GRAMMAR_ERROR
+                return self.stream.finish()
         if token in eos_ids:
             self.finish_reason = "eos"
             return self.stream.finish()  # the eos token has no text

@@ -8,6 +8,7 @@ from transformers import GPT2TokenizerFast, PreTrainedTokenizerBase, PreTrainedT
 
 from core.paths import GPT2_TOKENIZER_DIR
 from worker.engines.serving.runners.gpt2_weights import model_type, resolve_folder
+from worker.engines.serving.sampling.grammar_vocab import with_plain_byte_tokens
 
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
 def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
@@ -18,7 +19,7 @@ def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
     if kind != "gpt2":  # Llama, Mistral, Qwen: whatever their tokenizer.json says
         if not (folder / "tokenizer.json").is_file():
             raise ValueError(f"{model}: no tokenizer.json; a {kind} model is served with the fast tokenizer it ships")
-        return PreTrainedTokenizerFast.from_pretrained(folder)
+        return with_plain_byte_tokens(PreTrainedTokenizerFast.from_pretrained(folder))
     if not any((folder / name).exists() for name in _TOKENIZER_FILES):
         return GPT2TokenizerFast.from_pretrained(GPT2_TOKENIZER_DIR)
     return GPT2TokenizerFast.from_pretrained(folder)
