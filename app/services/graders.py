@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from app.schemas.chat import ChatCompletion, ChatCompletionRequest
@@ -14,7 +15,7 @@ from app.services import embeddings as embedding_service
 from app.services.completions import Disconnected
 from app.services.generation import GenerationGateway
 from core.auth import Principal
-from core.errors import DomainError
+from core.errors import DomainError, ValidationFailed
 from core.graders import Grade, JudgeReply, ModelCallFailed, grade, sample_namespace
 from core.graders.models import DEFAULT_EMBEDDING_MODEL, JUDGE_MAX_TOKENS
 from core.graders.spec import JudgeSampling
@@ -32,12 +33,15 @@ class ServedModels:
     async def chat(self, model: str, messages: list[dict[str, str]], *, schema: dict[str, Any],
                    sampling: JudgeSampling | None) -> JudgeReply:
         sampling = sampling or JudgeSampling()
-        body = ChatCompletionRequest(
-            model=model, messages=messages,  # type: ignore[arg-type]
-            max_completion_tokens=sampling.max_completions_tokens or JUDGE_MAX_TOKENS,
-            temperature=0.0 if sampling.temperature is None else sampling.temperature, top_p=sampling.top_p,
-            seed=sampling.seed, response_format={"type": "json_schema",
-                                                 "json_schema": {"name": "grade", "schema": schema, "strict": True}})
+        try:  # the grader's own fields were checked already; what the chat route adds is checked here
+            body = ChatCompletionRequest(
+                model=model, messages=messages,  # type: ignore[arg-type]
+                max_completion_tokens=sampling.max_completions_tokens or JUDGE_MAX_TOKENS,
+                temperature=0.0 if sampling.temperature is None else sampling.temperature, top_p=sampling.top_p,
+                seed=sampling.seed, response_format={"type": "json_schema", "json_schema": {
+                    "name": "grade", "schema": schema, "strict": True}})
+        except ValidationError as exc:
+            raise ValidationFailed("grader", f"the judge's request is not valid: {exc.errors()[0]['msg']}") from exc
         try:
             answer = await chat_service.chat(self.gateway, self.session, self.principal, body, self.disconnected)
         except DomainError as exc:

@@ -90,7 +90,7 @@ class JudgeSampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     max_completions_tokens: Annotated[int, Field(ge=1, le=4096)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
 
