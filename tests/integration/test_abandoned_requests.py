@@ -99,7 +99,9 @@ def _send(api: Api, path: str, body: dict) -> socket.socket:
 def test_a_dropped_non_streaming_request_frees_its_slot_and_stops_the_worker(api, start_worker, store):
     start_worker("generation")
     sock = _send(api, "/generate", {"model": "tiny", "prompt": "Hello", "max_new_tokens": ASKED, "seed": 2})
-    request_id = wait_for(lambda: store.zrange(SLOTS, 0, -1), 60, "the request to take a slot")[0].decode()
+    # Its rows' members are "<request id>#<row>" (a request of n choices holds n rows).
+    member = wait_for(lambda: store.zrange(SLOTS, 0, -1), 60, "the request to take a slot")[0].decode()
+    request_id = member.rsplit("#", 1)[0]
     wait_for(lambda: store.xlen(stream_key(request_id)) >= 3, 60, "the first tokens")  # accepted + tokens
     sock.close()
     _assert_abandoned(store, request_id)
