@@ -164,10 +164,10 @@ def renamed(exc: ValidationFailed, names: dict[str, str], where: str) -> Validat
         return exc
     if field in SPEC_FIELDS:
         new = SPEC_FIELDS[field]
-    elif field.startswith("method.grader"):
-        new = f"method.reinforcement.{field.removeprefix('method.')}"
-    elif field.startswith("method.") and where.startswith("method.reinforcement"):
-        new = f"{where}.{field.removeprefix('method.')}"
+    elif field.startswith("method.reinforcement"):  # the spec's method union tags its member
+        rest = field.removeprefix("method.reinforcement").lstrip(".")
+        # The method's own check (the grader runs in the training process) has no location below the method.
+        new = f"method.reinforcement.{rest or 'grader'}" if not rest or rest.startswith("grader") else f"{where}.{rest}"
     elif field.startswith("hyperparameters."):
         name = field.split(".", 1)[1]
         new = "seed" if names.get(name) == "seed" else f"{where}.{names.get(name, name)}"
