@@ -11,13 +11,13 @@ import pytest
 from tests.api.test_openai_platform import _api
 from tests.tiny_chat import QUESTIONS, chat_jsonl
 
-GRADER = {"type": "string_check", "name": "has four", "input": "{{sample.output_text}}",
+GRADER = {"type": "string_check", "name": "has answer", "input": "{{sample.output_text}}",
           "reference": "{{item.answer}}", "operation": "like"}
 
 
 def prompts_jsonl() -> bytes:
     """A prompts dataset: user questions, each with the field its grader reads (item.answer)."""
-    return b"".join(json.dumps({"messages": [{"role": "user", "content": q}], "answer": "4"}).encode() + b"\n"
+    return b"".join(json.dumps({"messages": [{"role": "user", "content": q}], "answer": "1"}).encode() + b"\n"
                     for q in QUESTIONS)
 
 

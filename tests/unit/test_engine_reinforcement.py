@@ -34,16 +34,20 @@ def base(tmp_path_factory) -> Path:
 
 
 def _prompts(path: Path, questions: list[str]) -> Path:
-    records = [{"messages": [{"role": "user", "content": q}], "answer": "4"} for q in questions]
+    records = [{"messages": [{"role": "user", "content": q}], "answer": "1"} for q in questions]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
 
 class Recorder(TrainCallbacks):
     def __init__(self, stop_at: int | None = None) -> None:
+        self.info: dict = {}
         self.logs: dict[int, dict[str, float]] = {}
         self.evals: dict[int, dict[str, float]] = {}
         self.stop_at = stop_at
+
+    def on_start(self, info):
+        self.info = info
 
     def on_log(self, step, epoch, metrics):
         self.logs[step] = metrics
@@ -61,7 +65,7 @@ def _config(tmp_path: Path, base: Path, **overrides) -> ReinforcementTrainConfig
     values = dict(train_file=_prompts(tmp_path / "train.jsonl", QUESTIONS),
                   eval_file=_prompts(tmp_path / "eval.jsonl", QUESTIONS[:4]), output_dir=tmp_path / "out",
                   checkpoint_dir=tmp_path / "checkpoints", base_model=str(base), adapter=LORA, reinforcement=rl,
-                  batch_size=3, learning_rate=5e-2, weight_decay=0.0, max_steps=12, eval_steps=4, seed=0,
+                  batch_size=3, learning_rate=2e-2, weight_decay=0.0, max_steps=12, eval_steps=4, seed=0,
                   device="cpu", precision="fp32")
     values.update(overrides)
     return ReinforcementTrainConfig(**values)
@@ -133,11 +137,12 @@ def test_advantages_and_loss_are_trls():
 def test_rft_raises_the_validation_reward(tmp_path, base):
     recorder = Recorder()
     result = run((config := _config(tmp_path, base, max_steps=16)), ReinforcementRecipe(config), recorder)
-    curve = {step: round(m["eval_reward"], 3) for step, m in sorted(recorder.evals.items())}
+    curve = {0: round(recorder.info["eval_reward_at_start"], 3),
+             **{step: round(m["eval_reward"], 3) for step, m in sorted(recorder.evals.items())}}
     print("validation reward by step:", curve)
     print("train reward by step:", {step: round(m["reward_mean"], 3) for step, m in sorted(recorder.logs.items())})
     assert result.status == "completed" and (tmp_path / "out" / "adapter_model.safetensors").is_file()
-    assert curve[4] < 0.25 and curve[16] >= 0.75, curve
+    assert curve[0] < 0.3 and curve[16] >= 0.75 and curve[16] - curve[0] >= 0.5, curve
     step = recorder.logs[1]
     for name in ("reward_mean", "reward_std", "kl", "clip_fraction", "completion_length", "frac_reward_zero_std"):
         assert name in step

@@ -6,7 +6,8 @@ turn rewards into group-relative advantages and take GRPO's loss (grpo.py) over 
 log-probabilities recomputed by the training forward; the KL reference is the same model with its adapter off
 (no second copy of the base). A step's rewards (mean and spread, per grader), KL, clip fraction and completion
 length reach the loop's on_log through `step_metrics`. Evaluation samples `eval_samples` completions of each
-validation prompt with fixed seeds (the same draws at every evaluation) and reports their mean reward.
+validation prompt with fixed seeds (the same draws at every evaluation) and reports their mean reward; the model
+as it starts is evaluated too (`eval_reward_at_start` in the start report), so the curve has its origin.
 """
 
 from __future__ import annotations
@@ -85,15 +86,29 @@ class ReinforcementRecipe:
             seq_len=int(self.lengths.max()) + rl.max_completion_tokens, memory_limit_bytes=config.memory_limit_bytes)
         settings = {"adapter": config.adapter.model_dump() if config.adapter else None,
                     "reinforcement": rl.model_dump(mode="json")}
+        start = self._evaluate_at_start()
         return Setup(
             model=self.model, num_examples=len(self.train_set), units_per_example=1,
             identity={"num_train": len(self.train_set), "max_length": self.max_length, "seed": config.seed,
                       "batch_size": config.batch_size, "rollout_seeds": "seed/epoch/slot/sample",
                       "gradient_accumulation_steps": config.gradient_accumulation_steps, **settings},
             info={"num_train": len(self.train_set), "num_eval": len(self.eval_set), "dropped": self.dropped,
-                  "format": "prompts", "samples_per_prompt": rl.samples},
+                  "format": "prompts", "samples_per_prompt": rl.samples, **start},
             hyperparameters={"max_length": self.max_length, **settings},
         )
+
+    def _evaluate_at_start(self) -> dict[str, float]:
+        """The validation reward of the model before any step (a new adapter changes nothing yet): the curve's
+        start, reported with the run's start."""
+        if not self.eval_set:
+            return {}
+        self.model.eval()
+        try:
+            with torch.inference_mode(), self.plan.autocast():
+                metrics = self.evaluate() or {}
+        finally:
+            self.model.train()
+        return {f"{name}_at_start": value for name, value in metrics.items()}
 
     def _prompts(self, path: Any) -> tuple[list[Prompt], int]:
         """Each record's messages rendered with the generation prompt; the count of those past max_length."""
