@@ -99,6 +99,11 @@ def method_fields(spec: JobSpec, train: Dataset, evaluation: Dataset | None,
     if name == "dpo" and adapter is None:
         raise ValidationFailed("adapter", "method dpo needs an adapter: its reference model is the base with "
                                           "the adapter switched off")
+    hp = spec.hyperparameters
+    if "metric_for_best" in hp.model_fields_set and (hp.metric_for_best == "eval_reward") != (name == "reinforcement"):
+        raise ValidationFailed("hyperparameters.metric_for_best", "eval_reward (the mean reward of the validation "
+                                                                  "answers) is the one eval metric method "
+                                                                  "reinforcement reports, and no other method does")
     if name == "reinforcement" and adapter is None and getattr(method, "beta", 0) > 0:
         raise ValidationFailed("adapter", "method reinforcement with a KL penalty (beta > 0) needs an adapter: its "
                                           "reference model is the base with the adapter switched off; give one, or "

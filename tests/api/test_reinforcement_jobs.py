@@ -65,6 +65,9 @@ def test_post_jobs_takes_the_method_and_full_weights_without_a_kl_penalty(client
     assert response.json()["adapter"] is None
     response = client.post("/jobs", json={**body, "method": {"method": "reinforcement", "grader": GRADER}})
     assert response.status_code == 422 and response.json()["error"]["field"] == "adapter", response.text
+    response = client.post("/jobs", json={**body, "hyperparameters": {"metric_for_best": "eval_loss"}})
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["field"] == "hyperparameters.metric_for_best", response.text
 
 
 @pytest.mark.parametrize(("reinforcement", "param", "words"), [
