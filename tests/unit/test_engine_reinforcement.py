@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from core.adapters import AdapterConfig
@@ -149,15 +150,33 @@ def test_rft_raises_the_validation_reward(tmp_path, base):
     assert recorder.logs[16]["kl"] > 0  # the policy moved away from the base with the adapter off
 
 
-def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, base):
+class CrashingRecipe(ReinforcementRecipe):
+    """Dies inside the loss of its `crash_at`-th micro-batch, as a killed process would mid-step."""
+
+    crash_at = 5
+
+    def loss(self, model, micro_batch):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == self.crash_at:
+            raise KeyboardInterrupt("killed mid-step")
+        return super().loss(model, micro_batch)
+
+
+@pytest.mark.parametrize("stop", ["cancel", "kill"])
+def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, base, stop):
     whole = Recorder()
     (tmp_path / "whole").mkdir()
     (tmp_path / "parts").mkdir()
     config = _config(tmp_path / "whole", base, max_steps=6, eval_steps=None, eval_file=None)
     run(config, ReinforcementRecipe(config), whole)
     split = _config(tmp_path / "parts", base, max_steps=6, eval_steps=None, eval_file=None, checkpoint_steps=3)
-    first = Recorder(stop_at=3)
-    assert run(split, ReinforcementRecipe(split), first).status == "cancelled"
+    first = Recorder(stop_at=3 if stop == "cancel" else None)
+    if stop == "cancel":
+        assert run(split, ReinforcementRecipe(split), first).status == "cancelled"
+    else:  # step 5 dies half done: the resume starts again from step 3's checkpoint
+        with pytest.raises(KeyboardInterrupt):
+            run(split, CrashingRecipe(split), first)
+        assert max(first.logs) == 4
     second = Recorder()
     assert run(split, ReinforcementRecipe(split), second).status == "completed"
     assert min(second.logs) == 4
@@ -165,8 +184,6 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, base):
     for step in range(1, 7):
         for name in ("reward_mean", "kl", "completion_length", "train_loss"):
             assert resumed[step][name] == pytest.approx(whole.logs[step][name], abs=1e-6), (step, name)
-    from safetensors.torch import load_file
-
     a = load_file(tmp_path / "whole" / "out" / "adapter_model.safetensors")
     b = load_file(tmp_path / "parts" / "out" / "adapter_model.safetensors")
     for key in a:
