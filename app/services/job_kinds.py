@@ -25,6 +25,7 @@ from core.jobspec import CausalLMJob, ClassificationJob, JobSpec, task_name
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
 from core.precision import auto_precision
 from core.protocol import ErrorCode
+from core.reinforcement import ReinforcementConfig
 from core.rows import Dataset
 from core.settings import Settings
 from core.tabular import MAX_LABEL_CHARS, MAX_TRACKED_VALUES, label_space, name_list, short, to_label
@@ -94,8 +95,12 @@ def causal_lm_fields(settings: Settings, spec: CausalLMJob, train: Dataset, eval
         default_block = min(context, DEFAULT_BLOCK_SIZE) if isinstance(context, int) else DEFAULT_BLOCK_SIZE
         if is_chat(train):  # a conversation is up to block_size tokens (chat_data.MAX_LENGTH by default), not a block
             default_block = CHAT_MAX_LENGTH
-        require_fit(settings, base_config, "base_model", head="causal-lm", hp=hp,
-                    seq_len=hp.block_size or default_block, devices=spec.devices, adapter=spec.adapter)
+        seq_len = hp.block_size or default_block
+        if isinstance(spec.method, ReinforcementConfig):  # each prompt trains `samples` rows of prompt + answer
+            hp = hp.model_copy(update={"batch_size": hp.batch_size * spec.method.samples})
+            seq_len += spec.method.max_completion_tokens
+        require_fit(settings, base_config, "base_model", head="causal-lm", hp=hp, seq_len=seq_len,
+                    devices=spec.devices, adapter=spec.adapter)
         return {"base_model_path": base_path, "labels": []}
     try:
         architecture = validate_model_config(spec.architecture or {})

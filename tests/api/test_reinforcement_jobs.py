@@ -8,6 +8,10 @@ import json
 import openai
 import pytest
 
+from core import capacity
+from core.adapters import AdapterConfig
+from core.estimate import adapter_parameter_count, architecture, load_model_config, training_memory
+from core.redis_client import redis_from_url
 from tests.api.test_openai_platform import _api
 from tests.tiny_chat import QUESTIONS, chat_jsonl
 
@@ -110,3 +114,29 @@ def test_data_and_method_must_match(api, client, prompts_file, tiny_llama_dir):
         api.files.create(file=("p.jsonl", prompts_jsonl() + b'{"messages": [{"role": "user", "content": "x", '
                                                             b'"weight": 1}]}\n'), purpose="fine-tune")
     assert bad.value.body["message"].startswith("line 7: messages[0].weight")
+
+
+def test_admission_counts_every_sampled_row(client, settings, prompts_file, tiny_llama_dir):
+    """A prompt trains `samples` rows of prompt + answer: what fits for one row per prompt may not for 64."""
+    arch = architecture(load_model_config(str(tiny_llama_dir)))
+    lora = AdapterConfig()
+    trainable = adapter_parameter_count(arch, lora.r, lora.target_modules)
+
+    def estimate(rows: int, seq_len: int) -> int:
+        return training_memory(arch, head="causal-lm", batch_size=rows, seq_len=seq_len, precision="fp32",
+                               fused_attention=False, trainable=trainable).total_bytes
+
+    # 8 rows of 1024 tokens vs 8 x 64 rows of 1024 + 4096: 320 times the activations; the device sits between.
+    limit = int((estimate(8, 1024) * estimate(8 * 64, 1024 + 4096)) ** 0.5)
+    board = redis_from_url(settings.resolved_redis_url)
+    capacity.publish(board, capacity.DeviceCapacity(worker="small:1", device="cpu", total_bytes=limit), ttl_s=60)
+    try:
+        body = {"task": "causal-lm", "base_model": str(tiny_llama_dir), "train_dataset": prompts_file.id,
+                "adapter": {}, "method": {"method": "reinforcement", "grader": GRADER, "samples": 2}}
+        assert client.post("/jobs", json=body).status_code == 201
+        body["method"].update(samples=64, max_completion_tokens=4096)
+        response = client.post("/jobs", json=body)
+        assert response.status_code == 422 and response.json()["error"]["code"] == "does_not_fit", response.text
+    finally:
+        capacity.withdraw(board, "small:1")
+        board.close()
