@@ -188,3 +188,22 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, base, stop):
     b = load_file(tmp_path / "parts" / "out" / "adapter_model.safetensors")
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
+
+
+def test_a_multi_graders_parts_are_reported_apart(tmp_path, base):
+    grader = {"type": "multi", "name": "combined", "calculate_output": "0.5 * digit + 0.5 * short",
+              "graders": {"digit": GRADER, "short": {"type": "text_similarity", "name": "short",
+                                                     "input": "{{sample.output_text}}", "reference": "1",
+                                                     "evaluation_metric": "fuzzy_match"}}}
+    rl = ReinforcementConfig(grader=grader, samples=4, eval_samples=2, max_completion_tokens=3, beta=0.0,
+                             loss_type="dapo", epsilon_high=0.28)
+    recorder = Recorder()
+    run((config := _config(tmp_path, base, reinforcement=rl, max_steps=2, eval_steps=None)),
+        ReinforcementRecipe(config), recorder)
+    step = recorder.logs[1]
+    for name in ("reward_digit_mean", "reward_digit_std", "reward_short_mean", "reward_short_std"):
+        assert name in step
+    assert step["reward_mean"] == pytest.approx(0.5 * step["reward_digit_mean"] + 0.5 * step["reward_short_mean"])
+    assert step["kl"] == 0.0  # beta 0: no reference forward
+    assert set(recorder.evals[2]) == {"eval_reward", "eval_reward_digit", "eval_reward_short"}
+    assert set(recorder.info) >= {"eval_reward_at_start", "eval_reward_digit_at_start"}
