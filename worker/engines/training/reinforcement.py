@@ -75,7 +75,6 @@ class ReinforcementRecipe:
         self.plan = plan
         self.tokenizer = AutoTokenizer.from_pretrained(config.base_model)
         self.pad_id = next(i for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if i is not None)
-        self.stop_ids = {self.tokenizer.eos_token_id} - {None}
         self.train_set, self.dropped = self._prompts(config.train_file)
         if not self.train_set:
             raise ValueError(f"no training prompt fits in max_length={self.max_length} tokens")
@@ -84,6 +83,7 @@ class ReinforcementRecipe:
         self.model: TrainedModel = load_policy(
             config.base_model, config.adapter, plan, rows=config.batch_size * rl.samples,
             seq_len=int(self.lengths.max()) + rl.max_completion_tokens, memory_limit_bytes=config.memory_limit_bytes)
+        self.stop_ids = stop_ids(self.tokenizer, self.model)
         settings = {"adapter": config.adapter.model_dump() if config.adapter else None,
                     "reinforcement": rl.model_dump(mode="json")}
         start = self._evaluate_at_start()
@@ -254,3 +254,12 @@ class ReinforcementRecipe:
         artifacts.save_final(config.output_dir, self.model, self.tokenizer, manifest,
                              merged=bool(config.adapter and config.adapter.merge))
         return manifest
+
+
+def stop_ids(tokenizer: Any, model: torch.nn.Module) -> set[int]:
+    """The tokens that end an answer: the tokenizer's eos and the model's generation config's (a chat model's
+    end-of-turn token is often only there, e.g. Llama 3's <|eot_id|> beside <|end_of_text|>)."""
+    generation = getattr(model, "generation_config", None)
+    configured = getattr(generation, "eos_token_id", None)
+    ids = set(configured) if isinstance(configured, (list, tuple)) else {configured}
+    return {int(i) for i in ids | {tokenizer.eos_token_id} if i is not None}
