@@ -42,3 +42,5 @@ def test_rft_through_the_official_client_raises_the_validation_reward(live_clien
     assert curve[0] < 0.3 and curve[16] >= 0.75 and curve[16] - curve[0] >= 0.5, curve
     for name in ("reward_mean", "reward_std", "kl", "clip_fraction", "completion_length", "train_loss"):
         assert len(by_name[name]) == 16, name
+    kept = api.fine_tuning.jobs.checkpoints.list(job.id).data  # the kept evaluations, with their rewards
+    assert kept and all(c.metrics.model_dump()["eval_reward"] in curve.values() for c in kept)
