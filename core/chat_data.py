@@ -2,7 +2,9 @@
 
 A `.jsonl` upload whose first record has `messages` is a chat dataset (format "chat"); one with
 `preferred_output` is a preference dataset ("preference", for DPO); one with `prompt` and `completion` is a
-completion dataset ("completion"). Every other JSON Lines file stays a table. Each line is checked as it streams
+completion dataset ("completion"); one whose `messages` end before an assistant turn is a prompts dataset
+("prompts", for reinforcement fine-tuning: the model answers each, a grader scores the answer against the record's
+other fields). Every other JSON Lines file stays a table. Each line is checked as it streams
 (roles, string contents, an assistant turn to learn from, `weight` 0 or 1 on assistant turns only), and every
 defect is a ValidationFailed('file', 'line N: ...'). Whether the base model's chat template renders a
 conversation is checked by the worker, which has the tokenizer (worker.engines.training.chat_render).
@@ -27,6 +29,7 @@ COLUMNS = {
     "chat": ["messages"],
     "preference": ["input", "preferred_output", "non_preferred_output"],
     "completion": ["prompt", "completion"],
+    "prompts": ["messages"],
 }
 CHAT_FORMATS = tuple(COLUMNS)
 MAX_LENGTH = 1024  # tokens per rendered conversation when a job gives no block_size (admission estimates it too)
@@ -65,7 +68,9 @@ def _format_of(line: str) -> str | None:
     if not isinstance(record, dict):
         return None
     if "messages" in record:
-        return "chat"
+        messages = record["messages"]
+        last = messages[-1] if isinstance(messages, list) and messages else None
+        return "prompts" if isinstance(last, dict) and last.get("role") in ("user", "system") else "chat"
     if "preferred_output" in record or "non_preferred_output" in record:
         return "preference"
     if "prompt" in record and "completion" in record:
@@ -142,7 +147,18 @@ def check_completion(record: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-CHECKS = {"chat": check_chat, "preference": check_preference, "completion": check_completion}
+def check_prompts(record: dict[str, Any]) -> dict[str, Any]:
+    """{"messages": [...ending with a user or system turn], any other fields a grader refers to (item.*)}."""
+    messages = check_messages(record.get("messages"))
+    if messages[-1]["role"] == "assistant":
+        raise RecordError("messages ends with an assistant turn; a prompt ends with the turn the model answers")
+    if any("weight" in message for message in messages):
+        raise RecordError("weight has no meaning in a prompt (the sampled answers are what is trained)")
+    return record
+
+
+CHECKS = {"chat": check_chat, "preference": check_preference, "completion": check_completion,
+          "prompts": check_prompts}
 
 
 def _text_bytes(messages: list[dict[str, Any]]) -> int:

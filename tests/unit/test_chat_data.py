@@ -18,6 +18,8 @@ PREFERENCE = {"input": {"messages": [{"role": "user", "content": "Name a colour"
               "preferred_output": [{"role": "assistant", "content": "Blue"}],
               "non_preferred_output": [{"role": "assistant", "content": "Seven"}]}
 COMPLETION = {"prompt": "Q: 2+2?\nA:", "completion": " 4"}
+PROMPTS = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+           "answer": "4", "accepted": ["4", "four"]}
 
 
 def _write(tmp_path: Path, records: list, name: str = "d.jsonl") -> Path:
@@ -30,6 +32,7 @@ def _write(tmp_path: Path, records: list, name: str = "d.jsonl") -> Path:
     (CHAT, "chat", ["messages"]),
     (PREFERENCE, "preference", ["input", "preferred_output", "non_preferred_output"]),
     (COMPLETION, "completion", ["prompt", "completion"]),
+    (PROMPTS, "prompts", ["messages"]),
 ])
 def test_each_format_is_detected_and_summarized(tmp_path, record, fmt, columns):
     path = _write(tmp_path, ["", record, record])
@@ -88,6 +91,19 @@ def test_defects_name_the_line_and_the_field(tmp_path, record, expected):
         summarize_upload(path, "jsonl")
     assert caught.value.field == "file"
     assert caught.value.message.startswith("line 3: ") and expected in caught.value.message, caught.value.message
+
+
+@pytest.mark.parametrize(("record", "expected"), [
+    ({"messages": [{"role": "user", "content": "Hi", "weight": 1}]}, "weight is allowed on assistant messages only"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+     "ends with an assistant turn"),
+    ({"answer": "4"}, "messages must be a non-empty list"),
+])
+def test_a_prompts_line_is_checked(tmp_path, record, expected):
+    path = _write(tmp_path, [PROMPTS, record])
+    with pytest.raises(ValidationFailed) as caught:
+        summarize_upload(path, "jsonl")
+    assert caught.value.message.startswith("line 2: ") and expected in caught.value.message, caught.value.message
 
 
 def test_a_later_line_in_another_format_is_refused(tmp_path):
