@@ -323,7 +323,8 @@ def warm(side: Side) -> None:
         if result["status"] == 200 and result["text"]:
             return
         time.sleep(2 * (attempt + 1))
-    raise RuntimeError(f"the warm-up chat failed with status {result['status']}: {result['error'] or 'an empty answer'}")
+    why = result["error"] or "an empty answer"
+    raise RuntimeError(f"the warm-up chat failed with status {result['status']}: {why}")
 
 
 # --- The result file ---
