@@ -159,12 +159,13 @@ async def replay(side: Side, requests: list[Row], concurrency: int | None) -> li
                 await asyncio.sleep(max(0.0, start + request["at"] - time.perf_counter()))
                 return await chat(client, side, request)
             return list(await asyncio.gather(*(at_arrival(r) for r in requests)))
-        pending = list(reversed(requests))
-        done: list[Row] = []
+        pending = list(reversed(range(len(requests))))
+        done: list[Row] = [{} for _ in requests]  # in trace order, as the open loop's
 
         async def stream() -> None:
             while pending:
-                done.append(await chat(client, side, pending.pop()))
+                index = pending.pop()
+                done[index] = await chat(client, side, requests[index])
         await asyncio.gather(*(stream() for _ in range(concurrency)))
         return done
 
@@ -231,6 +232,19 @@ def report(rows: dict[tuple[str, str], list[Row]]) -> list[str]:
             p90 = mine["e2e_p90"] / median["e2e_p90"] if median["e2e_p90"] else math.nan
             lines.append(f"{load}: trainserve / {side}: {throughput:.2f}x tokens/s at {p90:.2f}x its p90 end-to-end "
                          f"({mine['e2e_p90']:.1f} vs {median['e2e_p90']:.1f} s)")
+    return lines
+
+
+def agreement(answers: dict[tuple[str, str], list[str | None]]) -> list[str]:
+    """Per load and side: how many greedy answers equal trainserve's (same weights; llama.cpp's kernels and f16 KV
+    cache may round differently, so a few answers can part after some tokens)."""
+    lines = []
+    for (load, side), texts in answers.items():
+        ours = answers.get((load, "trainserve"))
+        if side == "trainserve" or ours is None:
+            continue
+        both = [(a, b) for a, b in zip(ours, texts, strict=True) if a is not None and b is not None]
+        lines.append(f"{load}: {side} answered as trainserve in {sum(a == b for a, b in both)} of {len(both)} chats")
     return lines
 
 
@@ -406,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     sides: dict[str, Side] = {}
     failed_sides: dict[str, str] = {}
     rows: dict[tuple[str, str], list[Row]] = {}
+    answers: dict[tuple[str, str], list[str | None]] = {}  # each side's first run: greedy answers to compare
     with tempfile.TemporaryDirectory(prefix="trainserve-peers-") as tmp:
         home = Path(tmp)
         (home / "trainserve").mkdir()
@@ -427,7 +442,9 @@ def main(argv: list[str] | None = None) -> int:
                 order = names[repeat % len(names):] + names[:repeat % len(names)] if names else []
                 for load, requests in loads:
                     for name in order:
-                        run = summarize(asyncio.run(replay(sides[name], requests, concurrency)), tokenizer, args)
+                        results = asyncio.run(replay(sides[name], requests, concurrency))
+                        answers.setdefault((load, name), [r["text"] if r["status"] == 200 else None for r in results])
+                        run = summarize(results, tokenizer, args)
                         rows.setdefault((load, name), []).append(run)
                         print(f"repeat {repeat} {load} {name}: {run['tokens_per_s']:.1f} tokens/s, TTFT p50 "
                               f"{run['ttft_p50']:.2f} s, e2e p90 {run['e2e_p90']:.1f} s, refused {run['refused']}, "
@@ -437,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                 side.close()
     names = [load for load, _ in loads]
     rows = {key: rows[key] for key in sorted(rows, key=lambda k: (names.index(k[0]), args.sides.index(k[1])))}
-    lines = report(rows)
+    lines = report(rows) + agreement(answers)
     print("\n" + "\n".join(lines))
     for name, why in failed_sides.items():
         print(f"{name} did not run: {why}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from bench.peers import parse_args, report, result_json, summarize
+from bench.peers import agreement, parse_args, report, result_json, summarize
 from tests.tiny_chat import build_chat_tokenizer
 from trainserve.docs_reference import BenchmarkResult
 
@@ -39,3 +39,8 @@ def test_the_summary_is_a_benchmark_result_naming_sides_that_did_not_run() -> No
     summary = BenchmarkResult.model_validate(result_json(args, rows, lines, {"llama": "no GGUF"}))
     assert summary.benchmark == "bench/peers.py" and "llama did not run: no GGUF" in summary.result
     assert summary.load == "1.5-1.5" and summary.target == "4x" and "e2e p99 s inf" in summary.result
+
+
+def test_greedy_answers_are_compared_with_trainserves_skipping_requests_a_side_did_not_serve() -> None:
+    answers = {("rate 1/s", "trainserve"): ["a", "b", "c", None], ("rate 1/s", "llama"): ["a", "x", None, "d"]}
+    assert agreement(answers) == ["rate 1/s: llama answered as trainserve in 1 of 2 chats"]
