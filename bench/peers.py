@@ -24,8 +24,8 @@ p50/p90/p99, goodput (requests/s with TTFT <= `--slo-ttft` and ITL <= `--slo-itl
 or failed. A refused or failed request has infinite latency in the percentiles (so p99 reads `inf` once more
 than 1% are refused) and misses the SLO. Every server starts first and is warmed up; then each repeat runs each
 side once, one side at a time, the order rotated per repeat. Printed: every run, then per side the median with
-[min-max] over the repeats, the ratios to trainserve, and the load average over the runs; `--json PATH` writes
-the summary in bench/results/'s format.
+[min-max] over the repeats, the ratios to trainserve, how many greedy answers of each side equal trainserve's
+(first repeat), and the load average over the runs; `--json PATH` writes the summary in bench/results/'s format.
 
     python bench/peers.py --sides trainserve,llama,hf-serve --rates 1 2 --requests 60 --repeats 3
     python bench/peers.py --mode closed --concurrency 16 --sides trainserve,llama,llama-q4 --requests 64
