@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
-from core.protocol import ChatMessage, SamplingParams
+from core.protocol import ChatMessage, ChatOptions, SamplingParams
 from core.rows import Batch, utcnow
 from core.store.owned import get_owned
 from core.store.paging import before_cursor
@@ -57,6 +57,7 @@ class PlannedLine(BaseModel):
     path: str | None = None  # where the worker loads it from (core.served_models.ServedModel.path)
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    chat: ChatOptions | None = None  # a chat line's tools and template arguments
     params: SamplingParams | None = None
     texts: list[str] | None = None  # /v1/embeddings: the inputs as text, or as token ids (one of the two)
     token_ids: list[list[int]] | None = None

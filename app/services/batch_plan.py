@@ -57,9 +57,9 @@ def _parsed(schema: type[BaseModel], body: dict[str, Any]) -> Any:
 
 def _plan_chat(body: dict[str, Any], planning: Planning) -> PlannedLine:
     request = _parsed(ChatCompletionRequest, body)
-    messages, params = chat_params(request)
+    messages, params, options = chat_params(request)
     return PlannedLine(custom_id="", url="/v1/chat/completions", model=request.model,
-                       path=planning.served(request.model).path, messages=messages, params=params)
+                       path=planning.served(request.model).path, messages=messages, params=params, chat=options)
 
 
 def _plan_completion(body: dict[str, Any], planning: Planning) -> PlannedLine:

@@ -139,6 +139,9 @@ class SequenceState:
         self.tokens.append(token)
         if self.matcher is not None:
             self.matcher.consume_token(token)
+            if self.matcher.is_error():  # the grammar could not be followed: an error the client sees
+                self.finish_reason = "grammar_error"
+                return self.stream.finish()
         if token in eos_ids:
             self.finish_reason = "eos"
             return self.stream.finish()  # the eos token has no text

@@ -1,0 +1,102 @@
+"""Tiny random chat models with each tool-calling family's template (Qwen 2.5 / Hermes, Llama 3.1 JSON, Mistral
+[TOOL_CALLS]) and a Qwen 3-style thinking template, built offline from configs with a fixed seed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from tests.tiny_chat import build_chat_tokenizer, tiny_llama_config
+
+# Qwen 2.5's own template (its default system prompt shortened).
+QWEN25 = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}"
+    "{{- messages[0]['content'] }}{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are "
+    "provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}"
+    "{%- for tool in tools %}{{- \"\\n\" }}{{- tool | tojson }}{%- endfor %}"
+    "{{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n\" }}"
+    "{%- else %}{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
+    "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}"
+    "{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}"
+    "{%- endif %}{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+# Qwen 3's: Qwen 2.5's with the thinking switch in the generation prompt.
+QWEN3 = QWEN25.replace(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and "
+    "enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+# Llama 3.1's JSON tool calling (tools in the system turn, one call per turn, results as ipython).
+LLAMA31 = (
+    "{{- bos_token }}{%- if tools %}{{- '<|start_header_id|>system<|end_header_id|>\\n\\nEnvironment: ipython\\n"
+    "Respond with JSON for a function call, in the format {\"name\": function name, \"parameters\": dictionary of "
+    "argument name and its value}.\\n\\n' }}{%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\\n\\n' }}"
+    "{%- endfor %}{{- '<|eot_id|>' }}{%- endif %}"
+    "{%- for message in messages %}{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{%- set tc = message.tool_calls[0].function %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n{\"name\": \"' + tc.name + '\", \"parameters\": ' }}"
+    "{{- tc.arguments | tojson }}{{- '}<|eot_id|>' }}"
+    "{%- elif message.role == 'tool' %}{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + "
+    "message.content + '<|eot_id|>' }}"
+    "{%- else %}{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content | trim + "
+    "'<|eot_id|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+# Mistral v0.3's: tools before the last user turn, calls as a list after the [TOOL_CALLS] control token.
+MISTRAL = (
+    "{{- bos_token }}{%- for message in messages %}{%- if message.role == 'user' %}"
+    "{%- if tools and loop.last %}{{- '[AVAILABLE_TOOLS] ' + tools | tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}"
+    "{{- '[INST] ' + message.content + '[/INST]' }}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}{{- '[TOOL_CALLS] [' }}"
+    "{%- for tc in message.tool_calls %}{{- '{\"name\": \"' + tc.function.name + '\", \"arguments\": ' + "
+    "tc.function.arguments | tojson + '}' }}{%- if not loop.last %}{{- ', ' }}{%- endif %}{%- endfor %}"
+    "{{- ']' + eos_token }}"
+    "{%- elif message.role == 'assistant' %}{{- ' ' + message.content + eos_token }}"
+    "{%- elif message.role == 'tool' %}{{- '[TOOL_RESULTS] {\"content\": ' + message.content | tojson + "
+    "'}[/TOOL_RESULTS]' }}{%- endif %}{%- endfor %}")
+TEMPLATES = {"qwen25": QWEN25, "llama31": LLAMA31, "mistral": MISTRAL, "qwen3": QWEN3}
+
+
+def build_tool_model(folder: Path, name: str, seed: int = 0) -> Path:
+    """A random tiny model whose tokenizer carries family `name`'s template and markers (Qwen's as added tokens,
+    Mistral's [TOOL_CALLS] as a special one); Qwen 3's is a Qwen3 decoder, the others a Llama."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_chat_tokenizer(TEMPLATES[name])
+    if name == "llama31":
+        tokenizer.eos_token = "<|eot_id|>"
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<think>", "</think>"])
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    if name == "mistral":
+        tokenizer.eos_token = "</s>"
+    torch.manual_seed(seed)
+    config = tiny_llama_config(len(tokenizer))
+    config.eos_token_id = tokenizer.eos_token_id
+    if name == "qwen3":
+        qwen = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=2048,
+                           bos_token_id=0, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
+                           initializer_range=0.3)
+        Qwen3ForCausalLM(qwen).save_pretrained(folder, safe_serialization=True)
+    else:
+        config.max_position_embeddings = 2048
+        LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
