@@ -59,10 +59,12 @@ LLAMA31 = (
     "{%- else %}{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content | trim + "
     "'<|eot_id|>' }}{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
-# Mistral v0.3's: tools before the last user turn, calls as a list after the [TOOL_CALLS] control token.
+# Mistral v0.3's: tools before the last user message, calls as a list after the [TOOL_CALLS] control token.
 MISTRAL = (
-    "{{- bos_token }}{%- for message in messages %}{%- if message.role == 'user' %}"
-    "{%- if tools and loop.last %}{{- '[AVAILABLE_TOOLS] ' + tools | tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}"
+    "{{- bos_token }}{%- set ns = namespace(last=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+    "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}"
+    "{%- if tools and loop.index0 == ns.last %}{{- '[AVAILABLE_TOOLS] ' + tools | tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}"
     "{{- '[INST] ' + message.content + '[/INST]' }}"
     "{%- elif message.role == 'assistant' and message.tool_calls %}{{- '[TOOL_CALLS] [' }}"
     "{%- for tc in message.tool_calls %}{{- '{\"name\": \"' + tc.function.name + '\", \"arguments\": ' + "
