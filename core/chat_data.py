@@ -6,8 +6,9 @@ completion dataset ("completion"). Every other JSON Lines file stays a table. Ea
 (roles, string contents, an assistant turn to learn from, `weight` 0 or 1 on assistant turns only), and every
 defect is a ValidationFailed('file', 'line N: ...'). A conversation may carry `tools` and `parallel_tool_calls`
 (a preference record in its `input`), assistant turns with `tool_calls` (names among the tools, arguments a JSON
-object as text) and `role: tool` results naming the `tool_call_id` of an earlier call. Whether the base model's chat template renders a
-conversation is checked by the worker, which has the tokenizer (worker.engines.training.chat_render).
+object as text) and `role: tool` results naming the `tool_call_id` of an earlier call. Whether the base model's
+chat template renders a conversation is checked by the worker, which has the tokenizer
+(worker.engines.training.chat_render).
 """
 
 from __future__ import annotations

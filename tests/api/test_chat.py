@@ -171,8 +171,8 @@ def test_completions_refuse_more_than_five_logprobs(client, served):
 
 def test_the_worker_renders_chats_exactly_as_apply_chat_template(served):
     from core.protocol import ChatMessage, GenerateTask, SamplingParams
-    from worker.engines.serving.engine import GenerationEngine
     from worker.chat_plan import plan_chat
+    from worker.engines.serving.engine import GenerationEngine
 
     tokenizer = AutoTokenizer.from_pretrained(served)
     chats = [CHAT, CHAT + [{"role": "assistant", "content": "Rouge 🙂"}, {"role": "user", "content": "Encore ?"}]]
