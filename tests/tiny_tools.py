@@ -6,9 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
-from tests.tiny_chat import build_chat_tokenizer, tiny_llama_config
+from tests.tiny_chat import CORPUS, SPECIALS, build_chat_tokenizer, tiny_llama_config
 
 # Qwen 2.5's own template (its default system prompt shortened).
 QWEN25 = (
@@ -75,6 +83,37 @@ MISTRAL = (
     "{%- elif message.role == 'tool' %}{{- '[TOOL_RESULTS] {\"content\": ' + message.content | tojson + "
     "'}[/TOOL_RESULTS]' }}{%- endif %}{%- endfor %}")
 TEMPLATES = {"qwen25": QWEN25, "llama31": LLAMA31, "mistral": MISTRAL, "qwen3": QWEN3}
+
+
+def tool_tokenizer(template: str, corpus: str, vocab_size: int = 700) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on `corpus` (say, rendered tool conversations, so their prompts stay short) with
+    the chat specials, Qwen's call markers as added tokens and `template`."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([CORPUS, corpus], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="<|im_end|>",
+                                   pad_token="</s>", chat_template=template)
+    fast.add_tokens(["<tool_call>", "</tool_call>"])
+    return fast
+
+
+def build_tiny_qwen2(folder: Path, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Path:
+    """A 2-layer Qwen2 (q/k/v biases, grouped-query attention) over `tokenizer`, saved with it under `folder`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, initializer_range=0.3)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 def build_tool_model(folder: Path, name: str, seed: int = 0) -> Path:
