@@ -124,7 +124,8 @@ export function chatPanel(model, noChat, signal) {
     delete form.dataset.done;
     form.elements.message.value = "";
     const text = h("div.text");
-    const thinking = h("details.reasoning", { hidden: true, open: true }, h("summary", {}, "reasoning"), h("div.thinking"));
+    const thinking = h("details.reasoning", { hidden: true, open: true }, h("summary", {}, "reasoning"),
+      h("div.thinking"));
     const calls = h("pre.tool-calls", { hidden: true });
     const reply = { role: "assistant", content: "", tool_calls: [], el: h("div.msg.assistant",
       { "data-role": "assistant" }, h("div.role", {}, "assistant"), thinking, text, calls) };
