@@ -184,3 +184,27 @@ def test_a_template_without_tool_calls_refuses_tools(api, models, settings):
     build_tiny_llama(settings.home / "models" / "plain-chat")
     with pytest.raises(openai.UnprocessableEntityError, match="renders no tool calls"):
         api.chat.completions.create(model="plain-chat", messages=CHAT, tools=TOOLS, max_tokens=5)
+
+
+def test_batch_chat_lines_take_tools_and_answer_as_the_interactive_route(api, models, worker_ctx, queue):  # noqa: F811
+    import time
+
+    from core.tasks import TASK_BATCH
+    from worker.batches import run_batch
+
+    queue.handlers[TASK_BATCH] = lambda batch_id: run_batch(worker_ctx, batch_id)
+    body = {"model": "qwen25", "messages": CHAT, "tools": TOOLS, "tool_choice": "required", "temperature": 0,
+            "max_tokens": 120, **ONE}
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    upload = api.files.create(file=("tools.jsonl", json.dumps(line).encode() + b"\n"), purpose="batch")
+    batch = api.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while (batch := api.batches.retrieve(batch.id)).status not in ("completed", "failed") \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert batch.status == "completed" and batch.request_counts.completed == 1, batch
+    answer = json.loads(api.files.content(batch.output_file_id).read())["response"]["body"]["choices"][0]
+    interactive = api.chat.completions.create(**body).choices[0]
+    assert answer["finish_reason"] == interactive.finish_reason == "tool_calls"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in answer["message"]["tool_calls"]] == [
+        (c.function.name, c.function.arguments) for c in interactive.message.tool_calls]
