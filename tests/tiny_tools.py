@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -84,6 +85,25 @@ MISTRAL = (
     "'}[/TOOL_RESULTS]' }}{%- endif %}{%- endfor %}")
 TEMPLATES = {"qwen25": QWEN25, "llama31": LLAMA31, "mistral": MISTRAL, "qwen3": QWEN3}
 
+# Two tools and questions each answered by a call of one: a dataset a tiny model learns in a few dozen steps.
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+           "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+       "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "description": "Sum of two numbers", "parameters": ADD}}]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+ASKS = [(f"What is the weather in {city}?", "get_weather", {"city": city}) for city in ("Paris", "Rome", "Oslo")] + [
+    (f"Add {a} and {b}.", "add", {"a": a, "b": b}) for a, b in ((2, 3), (4, 1), (7, 5))]
+
+
+def tool_conversation(question: str, name: str, arguments: dict) -> dict:
+    """One tool-call conversation in OpenAI's fine-tuning format: the question, then the assistant's call."""
+    call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+    return {"tools": TOOLS, "messages": [{"role": "user", "content": question},
+                                         {"role": "assistant", "content": None, "tool_calls": [call]}]}
+
 
 def tool_tokenizer(template: str, corpus: str, vocab_size: int = 700) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained on `corpus` (say, rendered tool conversations, so their prompts stay short) with
@@ -98,6 +118,17 @@ def tool_tokenizer(template: str, corpus: str, vocab_size: int = 700) -> PreTrai
                                    pad_token="</s>", chat_template=template)
     fast.add_tokens(["<tool_call>", "</tool_call>"])
     return fast
+
+
+def build_tool_base(folder: Path, conversations: list[dict], seed: int = 1) -> Path:
+    """A tiny Qwen2 with Qwen 2.5's tool template whose BPE was trained on `conversations` ({"tools", "messages"},
+    OpenAI's format) rendered by that template, so their prompts stay short (a few hundred tokens)."""
+    from core.tool_calls import template_messages
+
+    renderer = build_chat_tokenizer(QWEN25)
+    texts = [renderer.apply_chat_template(template_messages(c["messages"]), tools=c.get("tools"), tokenize=False)
+             for c in conversations]
+    return build_tiny_qwen2(folder, tool_tokenizer(QWEN25, "\n".join(texts * 4)), seed=seed)
 
 
 def build_tiny_qwen2(folder: Path, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Path:

@@ -14,45 +14,19 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from core.tool_calls import HERMES, ChoiceParser, template_messages
+from core.tool_calls import HERMES, ChoiceParser
 from tests.conftest import INTEGRATION_REDIS, make_key
 from tests.integration.test_lora_jobs import _download
 from tests.service import started_service
 from tests.tiny_adapters import hf_greedy, peft_model
-from tests.tiny_tools import QWEN25, build_tiny_qwen2, tool_tokenizer
+from tests.tiny_tools import ASKS, SCHEMAS, TOOLS, build_tool_base, tool_conversation
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 TERMINAL = ("succeeded", "failed", "cancelled")
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
-           "additionalProperties": False}
-ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
-       "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "add", "description": "Sum of two numbers", "parameters": ADD}}]
-SCHEMAS = {"get_weather": WEATHER, "add": ADD}
-ASKS = [(f"What is the weather in {city}?", "get_weather", {"city": city}) for city in ("Paris", "Rome", "Oslo")] + [
-    (f"Add {a} and {b}.", "add", {"a": a, "b": b}) for a, b in ((2, 3), (4, 1), (7, 5))]
-
-
-def _conversation(question: str, name: str, arguments: dict) -> dict:
-    call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
-    return {"tools": TOOLS, "messages": [{"role": "user", "content": question},
-                                         {"role": "assistant", "content": None, "tool_calls": [call]}]}
 
 
 def _dataset() -> bytes:
-    return "".join(json.dumps(_conversation(*ask)) + "\n" for ask in ASKS * 6).encode()
-
-
-def _build_base(folder):
-    """A tiny Qwen2 whose BPE was trained on the rendered conversations (short prompts, a fast test)."""
-    from tests.tiny_chat import build_chat_tokenizer
-
-    renderer = build_chat_tokenizer(QWEN25)
-    texts = [renderer.apply_chat_template(template_messages(c["messages"]), tools=TOOLS, tokenize=False)
-             for c in map(lambda ask: _conversation(*ask), ASKS)]
-    return build_tiny_qwen2(folder, tool_tokenizer(QWEN25, "\n".join(texts * 4)), seed=1)
+    return "".join(json.dumps(tool_conversation(*ask)) + "\n" for ask in ASKS * 6).encode()
 
 
 def _calls(message) -> list[tuple[str, str]]:
@@ -77,7 +51,7 @@ def _streamed(api, **kwargs) -> list[tuple[str, str]]:
 
 def test_fine_tuned_tool_calls_are_right_valid_and_equal_hf_peft(pg_url, tmp_path):
     home = tmp_path / "home"
-    base_dir = _build_base(home / "models" / "tiny-qwen")
+    base_dir = build_tool_base(home / "models" / "tiny-qwen", [tool_conversation(*ask) for ask in ASKS])
     with started_service(pg_url, INTEGRATION_REDIS, home, tmp_path, TRAINSERVE_GENERATION_PRECISION="fp32",
                          TRAINSERVE_MAX_LORAS="1") as base:
         key = make_key(pg_url, tenant="tools")
