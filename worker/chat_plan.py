@@ -48,6 +48,7 @@ def _think_mode(engine: GenerationEngine, template: str, ids: list[int]) -> str 
 
 def plan_chat(engine: GenerationEngine, task: GenerateTask) -> ChatPlan | ErrorEvent:
     """Render the task's chat with its tools; the params constrained to the family's calls and reasoning first."""
+    from worker.engines.serving.sampling.grammar import field_of  # the engine (and torch) is loaded by now
     from worker.engines.serving.tokenizer import NoChatTemplate
 
     options = task.chat or ChatOptions()
@@ -75,7 +76,8 @@ def plan_chat(engine: GenerationEngine, task: GenerateTask) -> ChatPlan | ErrorE
         rules = constraint_rules(params.constraint)
     if rules is not None:
         grammar = lark(rules, think=think, token_ids=token_ids)
-        params = params.model_copy(update={"constraint": Constraint(kind="lark", spec=grammar)})
+        field = "tools" if family is not None else field_of(params.constraint) if params.constraint else None
+        params = params.model_copy(update={"constraint": Constraint(kind="lark", spec=grammar, field=field)})
     return ChatPlan(ids, params, family, think)
 
 

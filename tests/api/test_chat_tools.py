@@ -208,3 +208,14 @@ def test_batch_chat_lines_take_tools_and_answer_as_the_interactive_route(api, mo
     assert answer["finish_reason"] == interactive.finish_reason == "tool_calls"
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in answer["message"]["tool_calls"]] == [
         (c.function.name, c.function.arguments) for c in interactive.message.tool_calls]
+
+
+def test_a_schema_the_grammar_cannot_enforce_is_a_422_naming_its_field(client, models):
+    unenforceable = {"type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": unenforceable}}]
+    answer = client.post("/v1/chat/completions", json={"model": "qwen25", "messages": CHAT, "tools": tools})
+    assert answer.status_code == 422 and answer.json()["error"]["field"] == "tools", answer.text
+    answer = client.post("/v1/chat/completions", json={  # after a thinking section, the grammar names its field
+        "model": "qwen3", "messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": unenforceable}}})
+    assert answer.status_code == 422 and answer.json()["error"]["field"] == "response_format", answer.text

@@ -46,6 +46,8 @@ class GrammarError(ValueError):
 
 def field_of(constraint: Constraint) -> str:
     """The request field a constraint came from (for error envelopes)."""
+    if constraint.field is not None:
+        return constraint.field
     return {"choice": "guided_choice", "regex": "guided_regex", "lark": "tools"}.get(constraint.kind, "response_format")
 
 
