@@ -209,7 +209,7 @@ def _split_reasoning(text: str, started: bool, final: bool) -> tuple[str | None,
         return text[:end].strip("\n"), text[end + len(THINK_CLOSE):].lstrip(), True
     if final:
         return text.strip("\n"), "", False
-    return _hold_back(text, THINK_CLOSE).lstrip("\n"), "", False
+    return _hold_back(text, THINK_CLOSE).strip("\n"), "", False  # newlines before </think> are not reasoning
 
 
 def _hold_back(text: str, marker: str) -> str:

@@ -116,6 +116,11 @@ def test_reasoning_and_text_are_split_and_a_cut_call_is_dropped():
     for piece in ("<thi", "nk>\nweigh", "ing it</th", "ink>\n\nHello", " there"):
         parser.feed(piece)
     assert (parser.result().reasoning, parser.result().content) == ("weighing it", "Hello there")
+    streamed = ChoiceParser(None, reasoning=True)  # Qwen 3's newlines around the thought are not reasoning
+    deltas = [streamed.feed(piece) for piece in ("<think>\n", "a\n", "b\n", "</think>\n\n", "Hi")]
+    deltas.append(streamed.finish())
+    assert "".join(d[1] for d in deltas) == streamed.result().reasoning == "a\nb"
+    assert "".join(d[0] for d in deltas) == streamed.result().content == "Hi"
     cut = ChoiceParser(HERMES, reasoning=False)
     cut.feed(_calls(HERMES, ADD) + "\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\"")
     assert [c.name for c in cut.result().calls] == ["add"] and cut.result().content == ""
