@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import threading
+import time
+import uuid
 from typing import Any
 
+from redis.exceptions import RedisError
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import envelope
-from core.errors import TooManyRequests
+from app.errors import domain_headers, envelope, respond, status_for
+from app.redis_window import take
+from core.auth import authenticate, refuse_query_credentials
+from core.errors import DomainError, TooManyRequests
 from core.protocol import ErrorCode
+from core.redis_keys import uploads_key
 from core.settings import Settings
+
+log = logging.getLogger(__name__)
+# How long parsing an upload may take after its body arrived, beyond TRAINSERVE_BODY_TIMEOUT_S (a slot older than
+# both is a crashed process's leftover).
+UPLOAD_PARSE_S = 600.0
 
 # The routes that take a file (/v1/files is OpenAI's name for a dataset upload). Everything else takes JSON,
 # whatever Content-Type a client claims: a body labelled multipart/... elsewhere gets the JSON limit.
@@ -44,11 +60,25 @@ class BodyLimitMiddleware:
             return
         received = 0
         too_large = False
+        timed_out = body_done = False
+        pace = BodyPace(self.settings)
 
         async def limited_receive() -> Message:
-            nonlocal received, too_large
-            message = await receive()
+            nonlocal received, too_large, timed_out, body_done
+            if timed_out:
+                return {"type": "http.disconnect"}
+            if body_done:  # after the body, receive waits for a disconnect (streams listen for it): no pace
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=pace.wait_s(received))
+            except TimeoutError:
+                # Too slow (a trickle, a stall): answer now and let the app see the client gone; the server
+                # closes the connection, since the rest of the body was never read.
+                timed_out = True
+                await _send_error(send, 408, ErrorCode.REQUEST_TIMEOUT, pace.why(received), [(b"connection", b"close")])
+                return {"type": "http.disconnect"}
             received += len(message.get("body", b""))
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
             if received > limit:  # a chunked body without Content-Length: stop reading it here
                 too_large = True
                 return {"type": "http.request", "body": b"", "more_body": False}
@@ -56,6 +86,8 @@ class BodyLimitMiddleware:
 
         async def guarded_send(message: Message) -> None:
             # The app saw a truncated body and answers something; the client gets the 413 instead.
+            if timed_out:
+                return
             if not too_large:
                 await send(message)
             elif message["type"] == "http.response.start":
@@ -64,11 +96,38 @@ class BodyLimitMiddleware:
         await self.app(scope, limited_receive, guarded_send)
 
 
-class UploadSlotsMiddleware:
-    """At most `max_concurrent_uploads` uploads received and parsed at once per process; 429 beyond.
+class BodyPace:
+    """How long the next piece of a request body may take: the whole body within TRAINSERVE_BODY_TIMEOUT_S, and
+    after TRAINSERVE_BODY_GRACE_S at least TRAINSERVE_MIN_BODY_RATE_BYTES per second on average (a client sending a
+    byte every 25 seconds holds a connection, and an upload slot, for nothing)."""
 
-    The slot is taken before the multipart body is read (the framework spools it to disk while parsing the
-    form) and given back when the response is done or the client goes away.
+    def __init__(self, settings: Settings, now: float | None = None) -> None:
+        self.settings = settings
+        self.started = time.monotonic() if now is None else now
+
+    def wait_s(self, received: int, now: float | None = None) -> float:
+        """Seconds to wait for more of the body, having `received` bytes (at least a moment, so it can fail)."""
+        settings = self.settings
+        allowed = settings.body_timeout_s
+        if settings.min_body_rate_bytes:
+            allowed = min(allowed, settings.body_grace_s + received / settings.min_body_rate_bytes)
+        return max(self.started + allowed - (time.monotonic() if now is None else now), 0.001)
+
+    def why(self, received: int) -> str:
+        """The 408's message."""
+        elapsed = time.monotonic() - self.started
+        return (f"the request body came too slowly ({received} bytes in {elapsed:.0f} s; at least "
+                f"{self.settings.min_body_rate_bytes} bytes per second after {self.settings.body_grace_s:g} s, and all "
+                f"of it within {self.settings.body_timeout_s:g} s)")
+
+
+class UploadSlotsMiddleware:
+    """Uploads in progress, bounded per tenant across API processes and per process; 429 too_many_uploads beyond.
+
+    The caller's key is checked first (401 before a byte of the body is read), then the tenant takes a slot in a
+    Redis window (TRAINSERVE_UPLOADS_PER_TENANT; a Redis outage leaves only the process bound) and the process one
+    of its TRAINSERVE_MAX_CONCURRENT_UPLOADS. Both are given back when the response is done or the client goes
+    away: the framework spools the multipart body to disk while parsing the form, so the slot covers all of it.
     """
 
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
@@ -80,32 +139,84 @@ class UploadSlotsMiddleware:
         if scope["type"] != "http" or not is_upload(scope):
             await self.app(scope, receive, send)
             return
-        limit = self.settings.max_concurrent_uploads
-        if self.in_flight >= limit:
-            await _send_error(send, 429, ErrorCode.TOO_MANY_UPLOADS,
-                              f"{self.in_flight} uploads are in progress; the limit is {limit}; retry shortly",
-                              [(b"retry-after", b"5")])
+        request = Request(scope)
+        try:
+            tenant = await _tenant(request)
+            limit = self.settings.max_concurrent_uploads
+            if self.in_flight >= limit:
+                raise TooManyRequests(f"{self.in_flight} uploads are in progress in this API process; the limit is "
+                                      f"{limit}; retry shortly", retry_after=5, code=ErrorCode.TOO_MANY_UPLOADS)
+            member = await self._take(request, tenant)
+        except DomainError as exc:
+            await respond(request, status_for(exc), exc.envelope(), domain_headers(exc))(scope, receive, send)
             return
         self.in_flight += 1
         held = True
 
-        def release() -> None:
+        async def release() -> None:
             nonlocal held
             if held:
                 held = False
                 self.in_flight -= 1
+                if member is not None:
+                    await asyncio.shield(_give_back(request, tenant, member))
 
         async def releasing_send(message: Message) -> None:
             # Given back as the last byte of the response goes out, not when the app returns afterwards:
             # a client that uploads again right after reading the answer must find its slot free.
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                release()
+                await release()
             await send(message)
 
         try:
             await self.app(scope, receive, releasing_send)
         finally:
-            release()
+            await release()
+
+    async def _take(self, request: Request, tenant: str | None) -> str | None:
+        """The tenant's slot (its member in the Redis window), None when there is no tenant or no Redis."""
+        redis = getattr(request.app.state, "redis", None)
+        if tenant is None or redis is None:
+            return None
+        member = uuid.uuid4().hex
+        # Entries older than the longest an upload may take are leftovers of a crashed API process.
+        horizon = self.settings.body_timeout_s + UPLOAD_PARSE_S
+        per_tenant = self.settings.uploads_per_tenant
+        try:
+            taken = await take(redis, uploads_key(tenant), member=member, now=time.time(), horizon=horizon,
+                               limit=per_tenant)
+        except RedisError:
+            log.warning("redis unavailable: uploads bounded per API process only")
+            return None
+        if taken is not None:
+            raise TooManyRequests(f"{per_tenant} uploads of this tenant are in progress; retry when one ends",
+                                  retry_after=5, code=ErrorCode.TOO_MANY_UPLOADS)
+        return member
+
+
+async def _tenant(request: Request) -> str | None:
+    """The caller's tenant (Unauthorized for a bad key, as the route would answer); None when the database is
+    unreachable (the route answers that)."""
+    factory = getattr(request.app.state, "sessionmaker", None)
+    if factory is None:
+        return None
+
+    def lookup() -> str:
+        refuse_query_credentials(request.query_params.multi_items())
+        with factory() as session:
+            return authenticate(session, authorization=request.headers.get("authorization")).tenant_id
+
+    try:
+        return await run_in_threadpool(lookup)
+    except SQLAlchemyError:
+        return None
+
+
+async def _give_back(request: Request, tenant: str | None, member: str) -> None:
+    try:
+        await request.app.state.redis.zrem(uploads_key(tenant or ""), member)
+    except RedisError:
+        pass  # the entry ages out of the window (see _take)
 
 
 class TenantSlots:

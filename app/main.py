@@ -14,13 +14,16 @@ from app.errors import install_error_handlers
 from app.limits import BodyLimitMiddleware, TenantSlots, UploadSlotsMiddleware
 from app.observability import HttpMetrics, ObservabilityMiddleware
 from app.routes import (
+    aliases,
     batches,
     classify,
     datasets,
     embeddings,
+    evals,
     files,
     fine_tuning,
     generation,
+    graders,
     health,
     jobs,
     metrics,
@@ -91,7 +94,8 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     app.add_middleware(SecurityHeadersMiddleware)  # outside everything: every answer carries them
     for router in (health.router, datasets.router, jobs.router, sweeps.router,
                    classify.router, embeddings.router, generation.router,
-                   files.router, fine_tuning.router, batches.router, webhooks.router, metrics.router):
+                   files.router, fine_tuning.router, graders.router, evals.router, aliases.router, batches.router,
+                   webhooks.router, metrics.router):
         app.include_router(router)
     mount_dashboard(app)
     return app

@@ -72,23 +72,31 @@ def concat_rows(source: Path, target: Path, k: int) -> None:
     target.write_text("\n".join(lines) + "\n")
 
 
-def flops_per_sample(model_folder: Path, train_file: Path, max_length: int) -> tuple[float, float]:
-    """Mean model FLOPs of one training sample (forward + backward) and its mean real (unpadded) tokens.
+def flops_per_sample(model_folder: Path, train_file: Path, max_length: int) -> tuple[float, float, float]:
+    """Mean FLOPs of one training sample (forward + backward) as HF computes it and as the engine computes it, and
+    the mean real (unpadded) tokens.
 
-    6 x non-embedding parameters per token (matmuls, forward and backward) plus attention's scores and
-    weighted sum, 12 x layers x width x tokens^2 per sequence; padding is not useful work and not counted.
+    Per token, 6 x the encoder layers' parameters (matmuls, forward and backward), plus attention's scores and
+    weighted sum, 12 x layers x width x tokens^2 per sequence; the pooler runs on [CLS] alone; padding is not
+    useful work and not counted. The engine computes the last layer at [CLS] only (keys and values over every
+    token; queries, attention output, feed-forward and norms at one position: worker/engines/training/encoder.py),
+    so its FLOPs leave out the rest of that layer: MFU is from the FLOPs each side actually computes.
     """
     from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(model_folder)
     width, layers, ffn = config.hidden_size, config.num_hidden_layers, config.intermediate_size
     # per layer: QKV + output projections (4 w^2) and the FFN (2 w ffn), weights plus biases and norms
-    params = layers * (4 * width * width + 2 * width * ffn + 9 * width + ffn) + width * width + 2 * width
+    layer = 4 * width * width + 2 * width * ffn + 9 * width + ffn
+    keys_values = 2 * width * width + 2 * width  # the last layer's part the engine still runs at every token
+    pooler = width * width + width
     tokenizer = AutoTokenizer.from_pretrained(model_folder)
     texts = [str(r["sentence"]) for r in read_table(train_file).rows]
     lengths = [len(ids) for ids in tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]]
-    flops = [6 * params * n + 12 * layers * width * n * n for n in lengths]
-    return statistics.mean(flops), statistics.mean(lengths)
+    full = [6 * layers * layer * n + 6 * pooler + 12 * layers * width * n * n for n in lengths]
+    engine = [f - 6 * (layer - keys_values) * (n - 1) - 12 * width * (n * n - n) for f, n in zip(full, lengths,
+                                                                                              strict=True)]
+    return statistics.mean(full), statistics.mean(engine), statistics.mean(lengths)
 
 
 def default_data(name: str, shared_name: str) -> Path:
@@ -229,11 +237,12 @@ def _spread(values: list[float]) -> str:
 
 
 def write_json(args: argparse.Namespace, runs: dict, summary: dict | None, rows: int, mean_tokens: float,
-               sample_flops: float) -> None:
+               sample_flops: dict[str, float]) -> None:
     """Every run so far and (at the end) the medians; `summary` None marks a partial file."""
     args.json.write_text(json.dumps({
         "model": args.model_config, "max_length": args.max_length, "batch_size": args.batch_size, "rows": rows,
-        "mean_tokens": mean_tokens, "gflop_per_sample": sample_flops / 1e9, "peak_tflops": args.peak_tflops,
+        "mean_tokens": mean_tokens, "gflop_per_sample": {side: f / 1e9 for side, f in sample_flops.items()},
+        "peak_tflops": args.peak_tflops,
         "device": args.device, "torch": torch.__version__, "partial": summary is None, "summary": summary or {},
         "runs": {side: results for side, results in runs.items()}}, indent=1, default=str))
 
@@ -307,9 +316,11 @@ def main() -> None:
         else:
             train_file = work / "first-rows.tsv"
         args.model_folder = base_model_folder(args.model_config, work, args.vocab)
-        sample_flops, mean_tokens = flops_per_sample(args.model_folder, train_file, args.max_length)
+        hf_flops, engine_flops, mean_tokens = flops_per_sample(args.model_folder, train_file, args.max_length)
+        sample_flops = {side: engine_flops if side == "engine" else hf_flops for side in args.sides}
         print(f"model {args.model_config}, max_length {args.max_length}, batch {args.batch_size}: {rows} rows of "
-              f"{mean_tokens:.1f} tokens on average, {sample_flops / 1e9:.2f} GFLOP per training sample", flush=True)
+              f"{mean_tokens:.1f} tokens on average, {hf_flops / 1e9:.2f} GFLOP per training sample "
+              f"({engine_flops / 1e9:.2f} as the engine computes it)", flush=True)
         runners = {
             "engine": lambda: run_engine(train_file, args.dev, work, args, args.precision),
             BASELINE: lambda: run_trainer(train_file, work, args, baseline_precision, grouped=True),
@@ -332,7 +343,7 @@ def main() -> None:
                 # The 1-min load average as the run ends: the run itself accounts for about one per
                 # torch thread; more means another process shared the CPU and the timing is suspect.
                 result["load"] = os.getloadavg()[0]
-                result["tflops"] = result["samples_per_second"] * sample_flops / 1e12
+                result["tflops"] = result["samples_per_second"] * sample_flops[side] / 1e12
                 result["mfu"] = result["tflops"] / args.peak_tflops if args.peak_tflops else None
                 result["dev_accuracy"] = dev_accuracy(result.pop("model"), result.pop("tokenizer"), dev_texts,
                                                       dev_labels, HYPER["max_length"])
@@ -355,7 +366,7 @@ def main() -> None:
         loads = [r["load"] for r in results]
         medians[side] = statistics.median(speeds)
         accuracy = statistics.median(r["dev_accuracy"] for r in results)
-        tflops = medians[side] * sample_flops / 1e12
+        tflops = medians[side] * sample_flops[side] / 1e12
         mfu = tflops / args.peak_tflops if args.peak_tflops else None
         summary[side] = {"precision": results[0]["precision"], "samples_per_second": medians[side], "tflops": tflops,
                          "mfu": mfu, "dev_accuracy": accuracy, "steps": results[0]["steps"]}

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# GPU check (issue 9, item 6), one prepared run sized for under 8 minutes on one lent GPU:
+# GPU check, one prepared run that fits 8 minutes on one lent GPU (a total budget, GPU_CHECK_BUDGET, 420 s of parts;
+# each part also has its own limit; parts run most important first and those the budget does not reach are
+# listed as skipped):
 #   1. the fine-tuning engine vs HF Trainer (group_by_length, fused AdamW, the same precision) on a BERT-base
 #      shaped model (BertConfig defaults, random weights) at sequence length 128, bf16 and fp16, with model
 #      FLOPs utilisation against the GPU's dense peak: 313 timed steps per run after an untimed warm-up, both
@@ -55,7 +57,7 @@ else
   # steps per run, after 20 untimed warm-up steps per side (CUDA context, kernels, cuBLAS heuristics).
   FINETUNE=(--model-config bert-base --rows 4000 --epochs 5 --warmup-steps 20 --repeats 3 --max-length 128
             --batch-size 64 --concat-rows 10)
-  PART_TIMEOUT=${GPU_CHECK_PART_TIMEOUT:-150}  # seconds per part: one slow part cannot take the others' time
+  PART_TIMEOUT=${GPU_CHECK_PART_TIMEOUT:-120}  # seconds per part: one slow part cannot take the others' time
   GENERATE=(--layers 12 --max-new-tokens 64 --precision bf16)
 fi
 
@@ -75,40 +77,57 @@ case "$GPU_NAME" in
   *) PEAK=0 ;;
 esac
 FAILED=()
-step() {  # step NAME COMMAND...: run it under the part's time limit, log it, remember a failure, report so far
+SKIPPED=()
+BUDGET=${GPU_CHECK_BUDGET:-420}  # seconds for all parts together (the device's 15 minutes include its start)
+STARTED=$SECONDS
+step() {  # step NAME COMMAND...: run it under the part's and the budget's limit, log it, remember a failure
   local name=$1; shift
-  echo "== $name (limit ${PART_TIMEOUT}s): $*" | tee -a "$LOG"
-  timeout -k 10 "$PART_TIMEOUT" "$@" 2>&1 | grep --line-buffered -v -e "it/s\]" -e "examples/s\]" | tee -a "$LOG"
+  local left=$((BUDGET - (SECONDS - STARTED)))
+  if (( left < 30 )); then
+    SKIPPED+=("$name"); echo "== $name: skipped (the ${BUDGET}s budget is spent)" | tee -a "$LOG"; return
+  fi
+  local limit=$(( left < PART_TIMEOUT ? left : PART_TIMEOUT ))
+  echo "== $name (limit ${limit}s): $*" | tee -a "$LOG"
+  timeout -k 10 "$limit" "$@" 2>&1 | grep --line-buffered -v -e "it/s\]" -e "examples/s\]" | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
-  [[ $rc == 124 || $rc == 137 ]] && echo "== $name: stopped at its ${PART_TIMEOUT}s limit (its runs so far are kept)" \
+  [[ $rc == 124 || $rc == 137 ]] && echo "== $name: stopped at its ${limit}s limit (its runs so far are kept)" \
     | tee -a "$LOG"
   [[ $rc == 0 ]] || FAILED+=("$name")
   # The table so far, after every part: a run that the session's limit cuts short still leaves its figures.
   "$PY" bench/gpu_report.py "$DEST" --env "$WORK/env.txt" --more "$WORK" > /dev/null 2>&1
 }
 
+generate() {  # generate C [graphs]: the engine at C concurrent requests, against batched generate (or graphs off)
+  local c=$1 mode=${2:-batched}
+  local name="generate-c$c" json="$DEST/generate-c$c.json" extra=(--sequential -1 --batched)
+  [[ $c == 1 ]] && extra=(--sequential "$SEQUENTIAL" --batched)  # one prompt at a time does not depend on c
+  if [[ $mode == graphs ]]; then
+    name="graphs-c$c" json="$WORK/graphs-c$c.json" extra=(--sequential -1 --graphs)
+  fi
+  step "$name" "$PY" bench/generate_engine.py "${GENERATE[@]}" --device "$DEVICE" --concurrency "$c" \
+    --requests $((c > 4 ? 2 * c : 8)) --max-batch-size $((c > 32 ? c : 32)) "${extra[@]}" \
+    --text examples/data/tinyshakespeare.txt --json "$json"
+}
+# Most important first: the targets never measured on a GPU (fine-tune MFU in bf16, generation at 128 concurrent,
+# CUDA graphs), then the rest.
+first_precision=${PRECISIONS%% *}
+finetune() {
+  step "finetune-$1" "$PY" bench/finetune.py "${FINETUNE[@]}" "${VOCAB[@]}" --device "$DEVICE" \
+    --precision "$1" --baseline-precision match --sides engine,hf-trainer-grouped --peak-tflops "$PEAK" \
+    --json "$DEST/finetune-$1.json"
+}
+finetune "$first_precision"
+top=${CONCURRENCY##* }
+generate "$top"
+for c in $GRAPHS_CONCURRENCY; do generate "$c" graphs; done
 step device-pin "$PY" bench/device_pin_check.py --json "$DEST/device_pin.json"
-for precision in $PRECISIONS; do
-  step "finetune-$precision" "$PY" bench/finetune.py "${FINETUNE[@]}" "${VOCAB[@]}" --device "$DEVICE" \
-    --precision "$precision" --baseline-precision match --sides engine,hf-trainer-grouped --peak-tflops "$PEAK" \
-    --json "$DEST/finetune-$precision.json"
-done
-for c in $CONCURRENCY; do
-  extra=(--sequential -1)
-  [[ $c == 1 ]] && extra=(--sequential "$SEQUENTIAL")  # one prompt at a time does not depend on concurrency
-  step "generate-c$c" "$PY" bench/generate_engine.py "${GENERATE[@]}" --device "$DEVICE" --concurrency "$c" \
-    --requests $((c > 4 ? 2 * c : 8)) --max-batch-size $((c > 32 ? c : 32)) --batched "${extra[@]}" \
-    --text examples/data/tinyshakespeare.txt --json "$DEST/generate-c$c.json"
-done
-for c in $GRAPHS_CONCURRENCY; do
-  step "graphs-c$c" "$PY" bench/generate_engine.py "${GENERATE[@]}" --device "$DEVICE" --concurrency "$c" \
-    --requests $((c > 4 ? 2 * c : 8)) --max-batch-size 32 --sequential -1 --graphs \
-    --text examples/data/tinyshakespeare.txt --json "$WORK/graphs-c$c.json"
-done
+for c in $CONCURRENCY; do [[ $c == "$top" ]] || generate "$c"; done
+for precision in $PRECISIONS; do [[ $precision == "$first_precision" ]] || finetune "$precision"; done
 
 echo | tee -a "$LOG"
 "$PY" bench/gpu_report.py "$DEST" --env "$WORK/env.txt" --more "$WORK"
 rm -rf "$WORK"
+(( ${#SKIPPED[@]} )) && echo "SKIPPED (budget): ${SKIPPED[*]}"
 if (( ${#FAILED[@]} )); then
   echo "FAILED: ${FAILED[*]} (see $LOG)"
   exit 1

@@ -20,10 +20,14 @@ from pydantic import BaseModel, Field
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
+from core.errors import BrokerUnavailable
+from core.logs import task_headers
 from core.protocol import ChatMessage, ChatOptions, SamplingParams
+from core.queue import TaskQueue
 from core.rows import Batch, utcnow
 from core.store.owned import get_owned
-from core.store.paging import before_cursor
+from core.store.paging import newest_first
+from core.tasks import QUEUE_GENERATE, TASK_BATCH
 
 VALIDATING, IN_PROGRESS, FINALIZING, COMPLETED = "validating", "in_progress", "finalizing", "completed"
 FAILED, EXPIRED, CANCELLING, CANCELLED = "failed", "expired", "cancelling", "cancelled"
@@ -55,6 +59,7 @@ class PlannedLine(BaseModel):
     url: str
     model: str | None = None  # as the line named it (echoed in the response body)
     path: str | None = None  # where the worker loads it from (core.served_models.ServedModel.path)
+    adapter: str | None = None  # a LoRA adapter job served over `path` (core.served_models.ServedModel.adapter)
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     chat: ChatOptions | None = None  # a chat line's tools and template arguments
@@ -98,12 +103,7 @@ def list_batches(session: Session, *, tenant: str | None, limit: int, after: tup
                  ) -> list[Batch]:
     """Newest first, of `tenant` (None: every tenant's); `after` is the (created_at iso, id) of the previous page's
     last."""
-    query = select(Batch).order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit)
-    if tenant is not None:
-        query = query.where(Batch.tenant_id == tenant)
-    if after is not None:
-        query = query.where(before_cursor(Batch, after))
-    return list(session.scalars(query))
+    return list(session.scalars(newest_first(Batch, tenant=tenant, limit=limit, after=after)))
 
 
 def move(session: Session, batch_id: str, target: str, **values: Any) -> bool:
@@ -112,6 +112,16 @@ def move(session: Session, batch_id: str, target: str, **values: Any) -> bool:
     result = session.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_(origins))
                              .values(status=target, **{f"{target}_at": utcnow()}, **values))
     return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def send_batch(session: Session, queue: TaskQueue, batch_id: str) -> None:
+    """Send a committed batch's task; if the broker refuses, the batch fails saying why (BrokerUnavailable)."""
+    try:
+        queue.send(TASK_BATCH, [batch_id], queue=QUEUE_GENERATE, headers=task_headers())
+    except Exception as exc:  # noqa: BLE001 - the broker refused: the batch cannot start, and says why
+        move(session, batch_id, FAILED, errors=[{"code": "broker_unavailable", "message": str(exc)[:500]}])
+        session.commit()
+        raise BrokerUnavailable(f"broker unavailable: {type(exc).__name__}") from exc
 
 
 def record_progress(session: Session, batch_id: str, *, lines_done: int, completed: int, failed: int) -> None:

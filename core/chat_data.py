@@ -35,6 +35,12 @@ COLUMNS = {
 }
 CHAT_FORMATS = tuple(COLUMNS)
 MAX_LENGTH = 1024  # tokens per rendered conversation when a job gives no block_size (admission estimates it too)
+# Where an upload's record sizes are kept in the dataset's column_stats (no chat column has this name).
+RECORDS_STATS = "_records"
+# A chat template's own tokens: role headers and end-of-turn markers per message (Llama 3 uses 5, ChatML 5, Llama 2
+# fewer), and once per conversation a BOS and a default system prompt some templates add (SmolLM2's is 20 tokens).
+TEMPLATE_TOKENS_PER_MESSAGE = 16
+TEMPLATE_TOKENS = 128
 _SNIFF_BYTES = 64 * 1024 * 1024  # the first record decides the format; a longer first line stays a table
 
 
@@ -192,6 +198,41 @@ def check_completion(record: dict[str, Any]) -> dict[str, Any]:
 CHECKS = {"chat": check_chat, "preference": check_preference, "completion": check_completion}
 
 
+def _text_bytes(messages: list[dict[str, Any]], tools: Any = None) -> int:
+    """The UTF-8 bytes of the messages' contents, names and tool calls, and of the tools' specs, as JSON."""
+    calls = [m["tool_calls"] for m in messages if m.get("tool_calls")]
+    extra = len(json.dumps([calls, tools], ensure_ascii=False).encode()) if calls or tools else 0
+    return extra + sum(len((m.get("content") or "").encode()) + len(str(m.get("name", "")).encode())
+                       + len(str(m.get("tool_call_id", "")).encode()) for m in messages)
+
+
+def record_tokens_bound(fmt: str, record: dict[str, Any]) -> int:
+    """At most how many tokens a checked record renders to with any tokenizer and chat template.
+
+    Byte-level BPE (GPT-2, Llama 3, Qwen) never makes more tokens than UTF-8 bytes, nor does SentencePiece with
+    byte fallback (Llama 2, Mistral: at most one token per byte, plus the prefix space) or WordPiece; the template
+    adds its markers per message (TEMPLATE_TOKENS_PER_MESSAGE) and once (TEMPLATE_TOKENS). A preference record
+    renders as two sequences, each the prompt and one output: the longer counts.
+    """
+    if fmt == "completion":
+        return len(record["prompt"].encode()) + len(record["completion"].encode()) + 2 + TEMPLATE_TOKENS
+    if fmt == "preference":
+        prompt = record["input"]["messages"]
+        outputs = [record["preferred_output"], record["non_preferred_output"]]
+        messages = len(prompt) + 1
+        text = _text_bytes(prompt, record["input"].get("tools")) + max(_text_bytes(output) for output in outputs)
+    else:
+        messages, text = len(record["messages"]), _text_bytes(record["messages"], record.get("tools"))
+    return text + messages * (TEMPLATE_TOKENS_PER_MESSAGE + 1) + TEMPLATE_TOKENS
+
+
+def longest_tokens(column_stats: dict[str, Any] | None) -> int | None:
+    """The longest record's token bound a dataset's validation stored (None for tables and older uploads)."""
+    entry = (column_stats or {}).get(RECORDS_STATS)
+    value = entry.get("max_tokens") if isinstance(entry, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def _only_keys(record: dict[str, Any], required: set[str], optional: frozenset[str] | set[str] = frozenset()
                ) -> None:
     missing = sorted(key for key in required if key not in record)
@@ -237,9 +278,13 @@ def summarize_upload(path: Path, fmt: str, *, max_rows: int | None = None,
     fmt = detect_format(path, fmt)
     if fmt not in CHAT_FORMATS:
         return summarize_file(path, fmt, max_rows=max_rows, max_columns=max_columns)
+    count, longest = 0, 0
     with open(path, "rb") as stream:
-        count = sum(1 for _ in ChatReader(stream, fmt, max_rows=max_rows))
-    return TableSummary(format=fmt, columns=list(COLUMNS[fmt]), rows=count, stats={})
+        for record in ChatReader(stream, fmt, max_rows=max_rows):
+            count += 1
+            longest = max(longest, record_tokens_bound(fmt, record))
+    return TableSummary(format=fmt, columns=list(COLUMNS[fmt]), rows=count,
+                        stats={RECORDS_STATS: {"max_tokens": longest}})
 
 
 def read_records(path: Path) -> tuple[str, list[tuple[int, dict[str, Any]]]]:

@@ -1,4 +1,5 @@
-"""/v1/embeddings apart from HTTP and torch: the wire messages (API -> inference worker) and which models embed.
+"""/v1/embeddings and /classify apart from HTTP and torch: the wire messages (API -> inference worker) and which
+models embed.
 
 A model is named by the client as one of:
 - a built-in alias of a sentence-transformers model shipped as a package (`minilm-l6`);
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, field_validator, model_validator
 from sqlalchemy.orm import Session
@@ -22,10 +24,42 @@ from core.errors import NotFound, ValidationFailed
 from core.protocol import ErrorBody
 from core.rows import Job, JobStatus, TaskKind
 from core.settings import Settings
+from core.store.aliases import find_alias, is_alias_name
 from core.store.owned import get_owned
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 MODULES = "modules.json"
+
+
+class ClassifyTask(BaseModel):
+    """The broker message for one /classify call (API -> inference worker)."""
+
+    request_id: str
+    job_id: str
+    texts: list[str]
+    deadline: float  # wall-clock time after which the caller has stopped waiting
+    tenant: str = ""  # whose request: the worker shares its model round robin over tenants (worker/fair_turns.py)
+
+    @field_validator("texts")
+    @classmethod
+    def _some(cls, texts: list[str]) -> list[str]:
+        if not texts:
+            raise ValueError("texts is empty")
+        return texts
+
+
+class Prediction(BaseModel):
+    """One text's label and probability."""
+
+    label: Any
+    score: float
+
+
+class ClassifyResult(BaseModel):
+    """The inference worker's reply: predictions in input order, or an error."""
+
+    predictions: list[Prediction] | None = None
+    error: ErrorBody | None = None
 
 
 class EmbedTask(BaseModel):
@@ -37,6 +71,7 @@ class EmbedTask(BaseModel):
     token_ids: list[list[int]] | None = None  # the model's own vocabulary; special tokens are added by the worker
     dimensions: int | None = None
     deadline: float  # wall-clock time after which the caller has stopped waiting
+    tenant: str = ""  # whose request: the worker shares its model round robin over tenants (worker/fair_turns.py)
 
     @model_validator(mode="after")
     def _one_input(self) -> EmbedTask:
@@ -72,8 +107,12 @@ def resolve_embedding_model(session: Session, settings: Settings, *, name: str, 
                             aliases: dict[str, Path]) -> str:
     """The reference the worker loads for `name` (see the module doc), or NotFound/ValidationFailed naming `model`.
 
-    `aliases` are core.pretrained.builtin_aliases() (a parameter so that tests can add one).
+    `aliases` are core.pretrained.builtin_aliases() (a parameter so that tests can add one); a tenant's model
+    alias (core.store.aliases) resolves to its target.
     """
+    if is_alias_name(name):
+        alias = find_alias(session, name=name, tenant=tenant)
+        return resolve_embedding_model(session, settings, name=alias.target, tenant=alias.tenant_id, aliases=aliases)
     if name in aliases:
         return name
     if name.startswith("job_"):

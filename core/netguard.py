@@ -45,6 +45,9 @@ EMBEDDING_LOW_32 = tuple(ipaddress.IPv6Network(n) for n in ("::/96", "::ffff:0:0
 # RFC 8215's local-use NAT64 prefix: where the IPv4 address sits depends on the operator's prefix length, and it
 # is only meaningful inside one network, so no address in it is public.
 LOCAL_NAT64 = ipaddress.IPv6Network("64:ff9b:1::/48")
+# Site-local unicast (RFC 3879 deprecated it, so Python's is_global no longer knows it) is still routed inside many
+# sites as their private range.
+SITE_LOCAL = ipaddress.IPv6Network("fec0::/10")
 
 
 def embedded_ipv4(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
@@ -69,7 +72,7 @@ def is_public(address: str) -> bool:
     ip = ipaddress.ip_address(address.split("%", 1)[0])
     if isinstance(ip, ipaddress.IPv4Address):
         return _public(ip)
-    if ip in LOCAL_NAT64:
+    if ip in LOCAL_NAT64 or ip in SITE_LOCAL:
         return False
     embedded = embedded_ipv4(ip)
     if any(not _public(v4) for v4 in embedded):

@@ -12,7 +12,9 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+from core.public_text import public_text
 
 MAX_SEED = 2**63 - 1
 
@@ -34,6 +36,7 @@ class ErrorCode(StrEnum):
     RATE_LIMITED = "rate_limited"
     QUOTA_EXCEEDED = "quota_exceeded"
     TOO_MANY_UPLOADS = "too_many_uploads"
+    REQUEST_TIMEOUT = "request_timeout"
     TOO_MANY_STREAMS = "too_many_streams"
     TOO_MANY_DOWNLOADS = "too_many_downloads"
     OVERLOADED = "overloaded"
@@ -64,7 +67,7 @@ class ErrorBody(BaseModel):
 
     def envelope(self) -> dict[str, Any]:
         """`{"error": {...}}`, with `details` only when there are some."""
-        body: dict[str, Any] = {"code": str(self.code), "message": self.message, "field": self.field}
+        body: dict[str, Any] = {"code": str(self.code), "message": public_text(self.message), "field": self.field}
         if self.details is not None:
             body["details"] = self.details
         return {"error": body}
@@ -119,6 +122,7 @@ class SamplingParams(BaseModel):
     n: int = 1
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely (0-20)
     constraint: Constraint | None = None
+    speculative: bool = True  # False: never decode this request with drafts (the engine's speculative decoding)
 
     @model_validator(mode="before")
     @classmethod
@@ -288,36 +292,6 @@ EVENTS: TypeAdapter[GenerationEvent] = TypeAdapter(GenerationEvent)
 def parse_event(raw: bytes | str) -> GenerationEvent:
     """A stream entry's JSON back into its event model."""
     return EVENTS.validate_json(raw)
-
-
-class ClassifyTask(BaseModel):
-    """The broker message for one /classify call (API -> inference worker)."""
-
-    request_id: str
-    job_id: str
-    texts: list[str]
-    deadline: float  # wall-clock time after which the caller has stopped waiting
-
-    @field_validator("texts")
-    @classmethod
-    def _some(cls, texts: list[str]) -> list[str]:
-        if not texts:
-            raise ValueError("texts is empty")
-        return texts
-
-
-class Prediction(BaseModel):
-    """One text's label and probability."""
-
-    label: Any
-    score: float
-
-
-class ClassifyResult(BaseModel):
-    """The inference worker's reply: predictions in input order, or an error."""
-
-    predictions: list[Prediction] | None = None
-    error: ErrorBody | None = None
 
 
 class _Rank(BaseModel):

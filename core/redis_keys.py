@@ -32,6 +32,16 @@ def tenant_slots_key(model_id: str, tenant_id: str) -> str:
     return f"{PREFIX}slots:{model_id}:tenant:{tenant_id}"
 
 
+def uploads_key(tenant_id: str) -> str:
+    """A tenant's uploads in progress, across API processes: a bounded window (app.redis_window)."""
+    return f"{PREFIX}uploads:{tenant_id}"
+
+
+def inference_key(tenant_id: str) -> str:
+    """A tenant's /v1/embeddings and /classify requests in flight, across API processes (app.redis_window)."""
+    return f"{PREFIX}inference:{tenant_id}"
+
+
 def rate_key(api_key_id: str) -> str:
     """Sorted set of an API key's generation requests in the last minute (the rate limit)."""
     return f"{PREFIX}rate:{api_key_id}"

@@ -388,3 +388,8 @@ class Batch(Base):
     expired_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     cancelling_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     cancelled_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+# The eval and model-alias tables live in core.rows_evals (this module's size); importing them here registers them
+# on Base.metadata wherever the rows are imported, and keeps `from core.rows import EvalRun` working.
+from core.rows_evals import Eval, EvalOutputItem, EvalRun, ModelAlias, ModelAliasMove  # noqa: E402,F401

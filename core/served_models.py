@@ -6,6 +6,7 @@ job is served over its base model: the worker loads the base once and batches it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from core.estimate import load_model_config
 from core.pretrained import HUB_ID, hub_model_available
 from core.rows import Job, JobStatus, TaskKind, is_valid_id
 from core.settings import Settings
+from core.store.aliases import find_alias, is_alias_name
 from core.store.owned import get_owned
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -34,6 +36,16 @@ class ServedModel:
     owned_by: str
     created: int
     adapter: str | None = None  # a LoRA adapter job's id, served over `path` (its base model)
+    context: int | None = None  # tokens the model attends to (its config's positions); None when unknown here
+
+
+def context_of(config: dict | None) -> int | None:
+    """The context length a model's config.json declares (the engine serves exactly that many positions)."""
+    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = (config or {}).get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def _is_causal_lm(folder: Path) -> bool:
@@ -110,7 +122,11 @@ def check_adapter_base(name: str, config: dict | None) -> None:
 
 
 def resolve_served_model(session: Session, settings: Settings, *, name: str, tenant: str | None) -> ServedModel:
-    """Find the model called `name` or raise NotFound naming the `model` field."""
+    """Find the model called `name` (an alias: its target, so the target's per-model bounds hold for both) or raise
+    NotFound naming `model`."""
+    if is_alias_name(name):
+        alias = find_alias(session, name=name, tenant=tenant)
+        return resolve_served_model(session, settings, name=alias.target, tenant=alias.tenant_id)
     if name.startswith("job_"):
         job = get_owned(session, Job, name, what="model", tenant=tenant, field="model")
         if job.task != TaskKind.CAUSAL_LM or job.status != JobStatus.SUCCEEDED:
@@ -119,14 +135,17 @@ def resolve_served_model(session: Session, settings: Settings, *, name: str, ten
         check_servable(name, config)
         if job.adapter is not None:
             check_adapter_base(name, config)
-        return _job_model(job)
+        context = context_of(job.model_config_) if job.base_model_path is None else context_of(config)
+        return dataclasses.replace(_job_model(job), context=context)
     if NAME_RE.match(name):
         folder = settings.home / "models" / name  # NAME_RE admits no separators, so this stays under models/
         if folder.is_dir() and _is_causal_lm(folder):
-            check_servable(name, load_model_config(str(folder)))
+            config = load_model_config(str(folder))
+            check_servable(name, config)
             return ServedModel(id=name, path=str(folder.resolve()), owned_by="local",
-                               created=int(folder.stat().st_mtime))
+                               created=int(folder.stat().st_mtime), context=context_of(config))
     if "/" in name and HUB_ID.match(name) and hub_model_available(name, max_bytes=settings.max_model_bytes):
-        check_servable(name, load_model_config(name))
-        return ServedModel(id=name, path=name, owned_by="hub", created=0)
+        config = load_model_config(name)
+        check_servable(name, config)
+        return ServedModel(id=name, path=name, owned_by="hub", created=0, context=context_of(config))
     raise NotFound(f"model {name!r} not found; GET /v1/models lists what can be served", field="model")

@@ -39,7 +39,19 @@ class Settings(BaseSettings):
     max_dataset_rows: int = Field(2_000_000, description="Most rows accepted in one dataset.")
     max_dataset_columns: int = Field(256, description="Most columns accepted in one dataset (413 beyond).")
     max_concurrent_uploads: int = Field(
-        4, description="Dataset uploads one API process receives and parses at a time (429 beyond).")
+        16, ge=1, description="Dataset uploads one API process receives and parses at a time, all tenants together "
+        "(429 too_many_uploads beyond): a bound on the process's disk and CPU.")
+    uploads_per_tenant: int = Field(
+        2, ge=1, description="Dataset uploads one tenant may have in progress at once across every API process "
+        "(counted in Redis; 429 too_many_uploads beyond), so one tenant's slow uploads never take the others' slots.")
+    min_body_rate_bytes: int = Field(
+        8192, ge=0, description="Slowest a request body may arrive, in bytes per second on average after "
+        "TRAINSERVE_BODY_GRACE_S; a slower body is answered 408 request_timeout and its connection closed; 0: off.")
+    body_grace_s: float = Field(10.0, ge=0, description="Seconds a request body may take before "
+                                "TRAINSERVE_MIN_BODY_RATE_BYTES applies.")
+    body_timeout_s: float = Field(
+        900.0, gt=0, description="Longest the API waits for a whole request body (a dataset upload included); "
+        "408 request_timeout beyond.")
     cors_origins: str = Field("", description="Comma-separated origins allowed by CORS (empty: none).")
     log_format: str = Field("text", pattern="^(text|json)$", description="Log lines as text, or one JSON object "
                             "per line carrying request_id and job_id (API and workers).")
@@ -106,9 +118,27 @@ class Settings(BaseSettings):
     max_embedding_input_chars: int = Field(50_000, ge=1, description="Longest text input, in characters (inputs "
                                            "longer than the model's token limit are refused by the worker).")
     embedding_timeout_s: float = Field(60.0, gt=0, description="How long /v1/embeddings waits for a worker.")
+    max_embedding_tokens: int = Field(
+        65_536, ge=1, description="Most tokens in one /v1/embeddings request, all inputs together (422 naming input "
+        "beyond; the API refuses text over this x TRAINSERVE_PROMPT_BYTES_PER_TOKEN bytes before any tokenizing).")
+    inference_threads: int = Field(8, ge=1, description="Requests one inference worker (embeddings, classify) "
+                                   "holds at once; their batches take turns at the model round robin over tenants.")
+    inference_batch_size: int = Field(
+        16, ge=1, description="Inputs an inference worker computes in one turn at its model: a request of another "
+        "tenant waits for at most one such batch of each tenant ahead of it.")
+    inference_per_tenant: int = Field(
+        4, ge=1, description="/v1/embeddings and /classify requests one tenant may have in flight across the API "
+        "processes (429 overloaded beyond): its share of the inference queue.")
 
     # --- Generation (/generate, /v1/completions) and its workers ---
     max_new_tokens: int = Field(1024, description="Upper bound of max_new_tokens / max_tokens.")
+    prompt_bytes_per_token: int = Field(
+        32, ge=1, description="A prompt (or a chat's messages) over context length x this many UTF-8 bytes is "
+        "refused by the API (422 naming prompt or messages) before any worker tokenizes it: no tokenizer makes "
+        "fewer tokens of ordinary text (about 4 bytes per token in English).")
+    max_response_entries: int = Field(
+        65_536, ge=1, description="Most token entries one generation response may hold: n x max_tokens x (1 + "
+        "top_logprobs) (about 80 bytes of JSON each with logprobs); a request over it is a 422 naming max_tokens.")
     generation_queue_per_model: int = Field(64, ge=1, description="Generation rows in flight per model, a request "
                                             "of n choices taking n (429 beyond).")
     generation_queue_per_tenant: int = Field(32, ge=1, description="Generation rows one tenant may have in flight "
@@ -156,6 +186,12 @@ class Settings(BaseSettings):
     batch_stale_s: float = Field(60.0, gt=0, description="/v1/batches: a running batch whose worker has not beaten "
                                  "its heartbeat for this long is handed to another generation worker (its done "
                                  "lines are kept).")
+    speculative_tokens: int = Field(0, ge=0, le=16, description="Speculative decoding: prompt-lookup draft tokens "
+                                    "a greedy request's row checks per step (its own earlier tokens that followed "
+                                    "the same n-gram; no draft model); 0: off. Greedy output is unchanged.")
+    speculative_max_rows: int = Field(4, ge=1, description="Speculative decoding runs only while at most this many "
+                                      "rows decode (a larger batch is compute-bound: checking drafts costs more "
+                                      "than it saves).")
     generation_memory_budget_mb: float = Field(
         8192.0, gt=0, description="Model weights one generation worker keeps warm; least recently used idle "
         "models are unloaded beyond it.")

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from core.errors import IllegalTransition, StaleAttempt
 from core.logs import task_headers
+from core.public_text import public_text
 from core.rows import TERMINAL, EventKind, Job, JobEvent, JobStatus, WebhookEventType, utcnow
 from core.store import outbox, webhooks
 
@@ -96,7 +97,7 @@ def move(session: Session, job: Job, target: JobStatus, *, message: str, kind: E
     if target in TERMINAL:
         values["finished_at"] = now
     if target == JobStatus.FAILED:
-        values["error"] = {"code": code, "message": message, "field": None}
+        values["error"] = {"code": code, "message": public_text(message), "field": None}
     conditions = [Job.id == job.id, Job.status == source]
     if attempt is not None:
         conditions.append(Job.attempts == attempt)
@@ -154,5 +155,6 @@ def _level(target: JobStatus) -> str:
 
 def _event(session: Session, job_id: str, *, kind: str, level: str, message: str, data: dict[str, Any] | None,
            now: datetime) -> None:
-    session.add(JobEvent(job_id=job_id, kind=kind, level=level, message=message, data=data, created_at=now))
+    session.add(JobEvent(job_id=job_id, kind=kind, level=level, message=public_text(message), data=data,
+                         created_at=now))
     session.flush()

@@ -47,6 +47,7 @@ class EventKind(enum.StrEnum):
     REQUEUED = "requeued"  # back to the queue: the reaper found its worker silent
     STARTED = "started"
     EVAL = "eval"
+    EVAL_RUN = "eval_run"  # an eval run named by the job (on its base, or on it) has graded every item
     CHECKPOINT = "checkpoint"
     CHECKPOINT_NOT_STORED = "checkpoint_not_stored"
     RESUMED = "resumed"
@@ -74,6 +75,7 @@ class WebhookEventType(enum.StrEnum):
     JOB_FAILED = "job.failed"
     JOB_CANCELLED = "job.cancelled"
     SWEEP_FINISHED = "sweep.finished"
+    MODEL_ALIAS_MOVED = "model_alias.moved"
 
 
 class DeliveryStatus(enum.StrEnum):

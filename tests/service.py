@@ -40,8 +40,10 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 @contextmanager
-def started_service(pg_url: str, redis_url: str, home: Path, logs: Path, **env: str) -> Iterator[str]:
-    """Run `trainserve api` and the two workers on `pg_url`, `redis_url` and `home`; yields the API's base URL.
+def started_service(pg_url: str, redis_url: str, home: Path, logs: Path, *,
+                    roles: tuple[tuple[str, list[str]], ...] = ROLES, **env: str) -> Iterator[str]:
+    """Run `trainserve api` and the workers (`roles`: the two of ROLES) on `pg_url`, `redis_url` and `home`; yields
+    the API's base URL.
 
     Redis's database is emptied first (an unreachable Redis fails the test: never a silent skip); on exit the
     processes stop and the test database's tables are emptied for the tests after this module.
@@ -53,7 +55,7 @@ def started_service(pg_url: str, redis_url: str, home: Path, logs: Path, **env: 
     env = dict(os.environ, TRAINSERVE_HOME=str(home), TRAINSERVE_DATABASE_URL=pg_url, TRAINSERVE_REDIS_URL=redis_url,
                HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **{"TRAINSERVE_GENERATION_PRECISION": "fp32", **env})
     procs: list[subprocess.Popen[bytes]] = []
-    for name, args in (("api", ["api", "--port", str(port)]), *ROLES):
+    for name, args in (("api", ["api", "--port", str(port)]), *roles):
         log = open(logs / f"{name}.log", "wb")  # noqa: SIM115
         procs.append(subprocess.Popen([sys.executable, "-m", "trainserve.cli", *args], env=env, stdout=log,
                                       stderr=subprocess.STDOUT, cwd=ROOT))

@@ -114,11 +114,15 @@ def _worker(args: argparse.Namespace) -> int:
            f"@{socket.gethostname()}"
     # Solo pool: the task runs in the worker's main process, so a shutdown signal reaches the training loop,
     # which checkpoints and requeues its job instead of losing it.
-    if args.queues == QUEUE_GENERATE:
-        # Generation tasks mostly wait on the engine's batch: many threads keep many requests in flight.
+    if args.queues in (QUEUE_GENERATE, QUEUE_INFERENCE):
+        # Generation tasks mostly wait on the engine's batch: many threads keep many requests in flight. Inference
+        # tasks take turns at the model batch by batch, round robin over tenants (worker/fair_turns.py), so a
+        # long request of one tenant cannot hold the model while another tenant's short one waits.
         from core.settings import get_settings
 
-        pool = ["--pool=threads", f"--concurrency={get_settings().generation_threads}"]
+        settings = get_settings()
+        threads = settings.generation_threads if args.queues == QUEUE_GENERATE else settings.inference_threads
+        pool = ["--pool=threads", f"--concurrency={threads}"]
     else:
         pool = ["--pool=solo", "--concurrency=1"]
     celery.worker_main(["worker", *pool, "-Q", args.queues, "-n", name, "--loglevel", args.loglevel,

@@ -131,7 +131,9 @@ def _submit(engine: GenerationEngine, ids: list[int], line: PlannedLine, request
 
     while True:
         try:
-            return engine.submit(ids, line.params, request_id=request_id, tenant=tenant, batch=True)
+            # A LoRA adapter job's lines run over its base, in the base's batches.
+            return engine.submit(ids, line.params, request_id=request_id, adapter=line.adapter, tenant=tenant,
+                                 batch=True)
         except QueueFull:
             time.sleep(QUEUE_FULL_PAUSE_S)
 

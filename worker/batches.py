@@ -42,6 +42,7 @@ from core.storage import ArtifactStore
 from worker.batch_recovery import Lease, TenantRuns, heartbeat
 from worker.batch_runner import RUNNERS, Outcome, Pacer, Share, digest, error_outcome
 from worker.context import WorkerContext
+from worker.evals import grade_results
 
 log = logging.getLogger(__name__)
 COLUMNS = ["id", "custom_id", "response", "error"]
@@ -141,6 +142,7 @@ def _run(ctx: WorkerContext, batch_id: str, plan: list[PlannedLine], expires_at:
     pacer = Pacer(Share(busy=max(1, round(settings.max_batch_size * settings.batch_share)),
                         idle=max(1, round(settings.max_batch_size * settings.batch_idle_share)),
                         time=settings.batch_share), tenant=tenant)
+    grade_results(ctx, batch_id, results, pacer)  # an eval run's items stored before a restart and not graded
     while done < len(plan):
         _record(ctx, batch_id, done, results)
         status = _status(ctx, batch_id)
@@ -149,6 +151,7 @@ def _run(ctx: WorkerContext, batch_id: str, plan: list[PlannedLine], expires_at:
         chunk = plan[done:done + settings.batch_chunk_lines]
         part = run_chunk(ctx, batch_id, done, chunk, pacer)
         _put(ctx.storage, part_key(batch_id, done), Part(results=part).model_dump_json().encode())
+        grade_results(ctx, batch_id, part, pacer)  # before the progress commit: a finished batch is graded
         results.extend(part)
         done += len(chunk)
     _record(ctx, batch_id, done, results)

@@ -9,14 +9,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from core.embeddings import EmbedResult, EmbedTask
-from core.protocol import ClassifyResult, ClassifyTask, ErrorBody, ErrorCode, Prediction
+from core.embeddings import ClassifyResult, ClassifyTask, EmbedResult, EmbedTask, Prediction
+from core.protocol import ErrorBody, ErrorCode
 from core.redis_keys import abandoned_key, classify_reply_key
 from worker.context import WorkerContext
+from worker.fair_turns import Abandoned, FairTurns
 from worker.sync import fetch_model
 
 log = logging.getLogger(__name__)
@@ -28,11 +30,20 @@ def _classifiers(ctx: WorkerContext) -> Any:
     return ClassifierCache(device=ctx.settings.worker_device)
 
 
-def classify_texts(ctx: WorkerContext, job_id: str, texts: list[str]) -> list[dict[str, Any]]:
+def classify_texts(ctx: WorkerContext, job_id: str, texts: list[str],
+                   turn: Callable[[], AbstractContextManager[Any]] = nullcontext) -> list[dict[str, Any]]:
     """Predictions from a finished job's model: fetched from the store once per host, loaded once per process."""
     model_dir = fetch_model(ctx.storage, job_id)
-    result: list[dict[str, Any]] = ctx.service("classifiers", _classifiers).get(model_dir).predict(texts)
+    classifier = ctx.service("classifiers", _classifiers).get(model_dir)
+    result: list[dict[str, Any]] = classifier.predict(texts, ctx.settings.inference_batch_size, turn=turn)
     return result
+
+
+def turns_for(ctx: WorkerContext, task: ClassifyTask | EmbedTask) -> Callable[[], AbstractContextManager[Any]]:
+    """The task's turns at the process's model, shared round robin over tenants; its batches are dropped
+    (Abandoned) once its caller has gone."""
+    turns = ctx.service("inference_turns", lambda _: FairTurns())
+    return lambda: turns.turn(task.tenant, gone=lambda: abandoned(ctx, task))
 
 
 def abandoned(ctx: WorkerContext, task: ClassifyTask | EmbedTask) -> bool:
@@ -67,6 +78,9 @@ def serve_request(ctx: WorkerContext, payload: dict[str, Any], *, task_type: typ
         return "skipped"
     try:
         result = answer(task)
+    except Abandoned:
+        log.info("dropping the rest of %s %s: its caller has given up", what, task.request_id)
+        return "skipped"
     except Exception as exc:  # noqa: BLE001 - the caller gets the error instead of waiting for its timeout
         log.exception("%s %s failed", what, task.request_id)
         error = ErrorBody(code=ErrorCode.WORKER_ERROR, message=f"worker failed: {exc}")
@@ -79,7 +93,7 @@ def serve_classify(ctx: WorkerContext, payload: dict[str, Any]) -> str:
     """Run one /classify task and push its result; returns "skipped", "answered" or "failed"."""
 
     def answer(task: ClassifyTask) -> ClassifyResult:
-        predictions = classify_texts(ctx, task.job_id, task.texts)
+        predictions = classify_texts(ctx, task.job_id, task.texts, turn=turns_for(ctx, task))
         return ClassifyResult(predictions=[Prediction(**p) for p in predictions])
 
     return serve_request(ctx, payload, task_type=ClassifyTask, answer=answer, reply_key=classify_reply_key)

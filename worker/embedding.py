@@ -14,7 +14,7 @@ from core.pretrained import builtin_aliases
 from core.protocol import ErrorBody, ErrorCode
 from core.redis_keys import embed_reply_key
 from core.served_models import is_job_model
-from worker.classification import serve_request
+from worker.classification import serve_request, turns_for
 from worker.context import WorkerContext
 from worker.sync import fetch_model
 
@@ -46,7 +46,11 @@ def embed(ctx: WorkerContext, task: EmbedTask) -> EmbedResult:
     embedder = embedder_for(ctx, task.model)
     try:
         ids = embedder.tokenize(task.texts, task.token_ids)
-        vectors = embedder.embed(ids, task.dimensions)
+        tokens, bound = sum(map(len, ids)), ctx.settings.max_embedding_tokens
+        if tokens > bound:
+            raise EmbeddingRefused("input", f"the inputs are {tokens} tokens; at most {bound} per request")
+        vectors = embedder.embed(ids, task.dimensions, batch_size=ctx.settings.inference_batch_size,
+                                 turn=turns_for(ctx, task))
     except EmbeddingRefused as exc:
         return EmbedResult(error=ErrorBody(code=ErrorCode.VALIDATION_ERROR, message=str(exc), field=exc.field))
     little = vectors.astype("<f4", copy=False)

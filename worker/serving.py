@@ -195,6 +195,8 @@ class GenerationService:
                                       decode_graphs="cuda" if self.settings.cuda_graphs else "off",
                                       max_queue=self.settings.generation_queue_per_model * 4,
                                       tenant_queue_share=self.settings.generation_tenant_queue_share,
+                                      speculative_tokens=self.settings.speculative_tokens,
+                                      speculative_max_rows=self.settings.speculative_max_rows,
                                       cancelled_ids=self.cancelled_ids, on_step=metrics.observe_batch,
                                       max_loras=self.settings.max_loras, adapter_folder=self._adapter_folder)
         log.info("generation engine loaded: %s on %s in %s, %.1f MiB of weights", model, engine.plan.device,
@@ -249,7 +251,7 @@ class GenerationService:
             metrics.GEN_REQUESTS.labels(outcome.error.code).inc()
 
     def _run(self, engine: GenerationEngine, task: GenerateTask, writer: EventWriter, remaining: float) -> BaseModel:
-        from worker.engines.serving.requests import context_overflow  # the engine is loaded (and torch with it) by now
+        from worker.engines.serving.requests import GRAMMAR_ERROR, context_overflow  # engine and torch are loaded
 
         parsers: list[ChoiceParser | None] = [None] * task.params.n
         if task.messages is not None:
@@ -284,6 +286,13 @@ class GenerationService:
         for index, parser in enumerate(parsers):
             if parser is not None:  # what was held back (a marker's possible start) goes out before the result
                 _emit(writer, index, parser.finish(), None)
+        if any(c.finish_reason == GRAMMAR_ERROR for c in result.choices):
+            from worker.engines.serving.sampling.grammar import field_of
+
+            assert params.constraint is not None
+            return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, "the output constraint is too complex to enforce: its "
+                                 "matcher failed during generation; simplify the schema or pattern",
+                                 field_of(params.constraint))
         return done_event(result, parsers)
 
 
@@ -308,11 +317,8 @@ def choice_out(choice: Any, parser: ChoiceParser | None) -> ChoiceOut:
                      reasoning=parsed.reasoning or None, tool_calls=calls)
 
 
-def done_event(result: Any, parsers: list[ChoiceParser | None]) -> DoneEvent | ErrorEvent:
-    """The engine's result as the wire's last event; a grammar that could not be followed is an error."""
-    if any(c.finish_reason == "grammar_error" for c in result.choices):
-        return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, "the model reached a point where the tools' or "
-                             "response_format's grammar allows no token; loosen the schema", "tools")
+def done_event(result: Any, parsers: list[ChoiceParser | None]) -> DoneEvent:
+    """The engine's result as the wire's last event, each chat choice split into content, reasoning and calls."""
     return DoneEvent(choices=[choice_out(c, parsers[c.index]) for c in result.choices],
                      usage=Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
                                  cached_tokens=result.cached_tokens))

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Query
 
-from app.deps import IdempotencyKeyDep, PrincipalDep, QueueDep, SessionDep, SettingsDep
+from app.deps import IdempotencyKeyDep, PrincipalDep, QueueDep, SessionDep, SettingsDep, StorageDep
 from app.errors import ERROR_RESPONSES
 from app.schemas.fine_tuning import (
     FineTuningJob,
@@ -24,10 +24,11 @@ After = Annotated[str | None, Query(max_length=100, description="The last id of 
 
 @router.post("", response_model=FineTuningJob)
 def create_fine_tuning_job(body: Annotated[FineTuningJobCreate, Body()], session: SessionDep, settings: SettingsDep,
-                           queue: QueueDep, principal: PrincipalDep, idempotency_key: IdempotencyKeyDep
-                           ) -> FineTuningJob:
+                           storage: StorageDep, queue: QueueDep, principal: PrincipalDep,
+                           idempotency_key: IdempotencyKeyDep) -> FineTuningJob:
     """Start a fine-tune (the same job as POST /jobs would make); answers at once with the queued job."""
-    job = service.create_job(session, settings, queue, principal, body=body, idempotency_key=idempotency_key)
+    job = service.create_job(session, settings, storage, queue, principal, body=body,
+                             idempotency_key=idempotency_key)
     return service.read_job(session, job)
 
 

@@ -16,7 +16,7 @@ from core.jobspec import RegisteredKind
 from core.tasks import MAX_JOB_DEVICES
 from core.vocab import TaskKind
 
-FilePurpose = Literal["fine-tune", "batch", "batch_output"]
+FilePurpose = Literal["fine-tune", "batch", "batch_output", "evals"]
 Auto = Literal["auto"]
 JobStatus = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
 
@@ -86,6 +86,17 @@ class MethodCreate(BaseModel):
     dpo: DpoMethod | None = None
 
 
+class JobEval(BaseModel):
+    """A fine-tuning job's eval: run on the base model when the job is created, and on the job once it succeeds.
+
+    `data_source` is a completions data source without `model` (the server names the base, then the job)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    eval_id: str = Field(min_length=1, max_length=40)
+    data_source: dict[str, Any]
+
+
 class FineTuningJobCreate(BaseModel):
     """OpenAI's fine-tuning job body; trainserve's own options as extra fields. Unknown fields are refused."""
 
@@ -111,6 +122,8 @@ class FineTuningJobCreate(BaseModel):
     priority: int = Field(0, ge=-100, le=100)
     text_column: str | None = Field(None, min_length=1, max_length=200)
     label_column: str | None = Field(None, min_length=1, max_length=200)
+    eval: JobEval | None = Field(None, description="An eval to run on the base model now and on the fine-tuned "
+                                 "model once the job succeeds; the job's events compare the two.")
 
     @field_validator("integrations")
     @classmethod

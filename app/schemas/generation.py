@@ -45,6 +45,8 @@ class GenerateRequest(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same text, whatever shares the batch.")
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
+    speculative: bool = Field(True, description="False: never decode this request with prompt-lookup drafts, where "
+                              "the server speculates (greedy output is the same either way).")
 
 
 class GeneratedChoice(BaseModel):
@@ -136,6 +138,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    target: str | None = Field(None, description="An alias's target (the model it serves); null for a model.")
 
 
 class ModelList(BaseModel):

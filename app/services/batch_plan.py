@@ -58,8 +58,9 @@ def _parsed(schema: type[BaseModel], body: dict[str, Any]) -> Any:
 def _plan_chat(body: dict[str, Any], planning: Planning) -> PlannedLine:
     request = _parsed(ChatCompletionRequest, body)
     messages, params, options = chat_params(request)
-    return PlannedLine(custom_id="", url="/v1/chat/completions", model=request.model,
-                       path=planning.served(request.model).path, messages=messages, params=params, chat=options)
+    served = planning.served(request.model)
+    return PlannedLine(custom_id="", url="/v1/chat/completions", model=request.model, path=served.path,
+                       adapter=served.adapter, messages=messages, params=params, chat=options)
 
 
 def _plan_completion(body: dict[str, Any], planning: Planning) -> PlannedLine:
@@ -67,8 +68,9 @@ def _plan_completion(body: dict[str, Any], planning: Planning) -> PlannedLine:
     if request.logprobs is not None:  # the legacy logprobs shape is built by the interactive route only
         raise ValidationFailed("logprobs", "logprobs are not returned by batch completions; use the chat endpoint")
     prompt, params = openai_params(request)
-    return PlannedLine(custom_id="", url="/v1/completions", model=request.model,
-                       path=planning.served(request.model).path, prompt=prompt, params=params)
+    served = planning.served(request.model)
+    return PlannedLine(custom_id="", url="/v1/completions", model=request.model, path=served.path,
+                       adapter=served.adapter, prompt=prompt, params=params)
 
 
 def _plan_embeddings(body: dict[str, Any], planning: Planning) -> PlannedLine:

@@ -3,6 +3,7 @@ cancel. The batch row is the truth; the worker (worker.batches) runs the plan an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 
 from sqlalchemy.orm import Session
@@ -15,7 +16,6 @@ from core.auth import Principal
 from core.batches import (
     CANCELLED,
     CANCELLING,
-    FAILED,
     IN_PROGRESS,
     MOVES,
     WINDOW,
@@ -23,11 +23,11 @@ from core.batches import (
     list_batches,
     move,
     plan_key,
+    send_batch,
 )
 from core.db import release
 from core.embeddings import resolve_embedding_model
-from core.errors import BrokerUnavailable, Conflict, StorageUnavailable, ValidationFailed
-from core.logs import task_headers
+from core.errors import Conflict, StorageUnavailable, ValidationFailed
 from core.pretrained import builtin_aliases
 from core.queue import TaskQueue
 from core.rows import Batch as BatchRow
@@ -36,7 +36,6 @@ from core.served_models import ServedModel, resolve_served_model
 from core.settings import Settings
 from core.storage import ArtifactStore
 from core.store.paging import cursor_of
-from core.tasks import QUEUE_GENERATE, TASK_BATCH
 
 MOMENTS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
            "cancelled_at")
@@ -55,8 +54,11 @@ def batch_object(row: BatchRow) -> Batch:
 
 
 def create_batch(session: Session, settings: Settings, storage: ArtifactStore, queue: TaskQueue,
-                 principal: Principal, *, body: BatchCreate) -> BatchRow:
-    """Check every line (a bad body becomes an error line), store the plan, commit the row, enqueue its task."""
+                 principal: Principal, *, body: BatchCreate,
+                 before_commit: Callable[[Session, BatchRow], None] | None = None) -> BatchRow:
+    """Check every line (a bad body becomes an error line), store the plan, commit the row, enqueue its task.
+
+    `before_commit` writes what must commit with the row (an eval run naming its batch) before the task is sent."""
     dataset = files.get_file(session, principal, file_id=body.input_file_id, field="input_file_id")
     if dataset.purpose != "batch":
         raise ValidationFailed("input_file_id", f"file {dataset.id!r} has purpose {dataset.purpose or 'fine-tune'}; "
@@ -97,13 +99,11 @@ def create_batch(session: Session, settings: Settings, storage: ArtifactStore, q
                    total=total, completed=0, failed=0, lines_done=0, created_at=now, in_progress_at=now,
                    expires_at=now + WINDOW)
     session.add(row)
+    if before_commit is not None:
+        session.flush()
+        before_commit(session, row)
     session.commit()
-    try:
-        queue.send(TASK_BATCH, [batch_id], queue=QUEUE_GENERATE, headers=task_headers())
-    except Exception as exc:  # noqa: BLE001 - the broker refused: the batch cannot start, and says why
-        move(session, batch_id, FAILED, errors=[{"code": "broker_unavailable", "message": str(exc)[:500]}])
-        session.commit()
-        raise BrokerUnavailable(f"broker unavailable: {type(exc).__name__}") from exc
+    send_batch(session, queue, batch_id)
     session.refresh(row)
     return row
 

@@ -16,8 +16,8 @@ from starlette.concurrency import run_in_threadpool
 
 from app.services.inference import ask_worker
 from core.auth import Principal
+from core.embeddings import ClassifyResult, ClassifyTask, Prediction
 from core.errors import NotFound, ValidationFailed
-from core.protocol import ClassifyResult, ClassifyTask, Prediction
 from core.queue import TaskQueue
 from core.redis_keys import classify_reply_key
 from core.rows import JobStatus, TaskKind
@@ -51,8 +51,8 @@ async def classify(session: Session, settings: Settings, queue: TaskQueue, redis
     await run_in_threadpool(check_classifier, session, settings, principal, model=model, texts=texts)
     timeout = settings.classify_timeout_s
     task = ClassifyTask(request_id=f"cls-{uuid.uuid4().hex}", job_id=model, texts=texts,
-                        deadline=time.time() + timeout)
+                        deadline=time.time() + timeout, tenant=principal.tenant_id)
     result = await ask_worker(redis, queue, task_name=TASK_CLASSIFY, task=task,
                               reply_key=classify_reply_key(task.request_id), reply_type=ClassifyResult,
-                              timeout=timeout, disconnected=disconnected)
+                              timeout=timeout, disconnected=disconnected, per_tenant=settings.inference_per_tenant)
     return result.predictions or []

@@ -88,6 +88,7 @@ async def start(gateway: GenerationGateway, session: Session, principal: Princip
     """Validate, admit, hand off; returns once the worker accepted the request (or raises its error)."""
     gateway.check(params)
     model = await run_in_threadpool(gateway.resolve, session, principal, name)
+    gateway.check_prompt(model, prompt, messages)
     await run_in_threadpool(session.close)  # no connection held while generating
     request_id = await gateway.admit(principal, model, params.n)
     finished = False
@@ -164,7 +165,7 @@ async def generate(gateway: GenerationGateway, session: Session, principal: Prin
     """/generate: the response, or (stream) its SSE events, one per token then the result."""
     params = sampling(max_new_tokens=body.max_new_tokens, temperature=body.temperature, top_k=body.top_k,
                       top_p=body.top_p, repetition_penalty=body.repetition_penalty, stop=body.stop, seed=body.seed,
-                      n=body.n)
+                      n=body.n, speculative=body.speculative)
     started = await start(gateway, session, principal, body.model, body.prompt, params)
     request_id = started.request_id
     if not body.stream:

@@ -20,6 +20,7 @@ from core.batch_data import summarize_batch
 from core.chat_data import open_rows, summarize_upload
 from core.db import release
 from core.errors import PayloadTooLarge, ValidationFailed
+from core.evals import summarize_eval_items
 from core.paths import dataset_key
 from core.rows import Dataset, new_id, utcnow
 from core.settings import Settings
@@ -76,9 +77,13 @@ def create_dataset(session: Session, settings: Settings, storage: ArtifactStore,
             return store.get_dataset(session, dataset_id=replayed)
         release(session)  # parsing can take a while and storing may be an upload: no connection held meanwhile
         # A JSON Lines file of conversations, preference pairs or prompt/completion pairs is a chat dataset.
-        summary = (summarize_batch(part, fmt, max_rows=settings.max_dataset_rows) if purpose == "batch" else
-                   summarize_upload(part, fmt, max_rows=settings.max_dataset_rows,
-                                    max_columns=settings.max_dataset_columns))
+        if purpose == "batch":
+            summary = summarize_batch(part, fmt, max_rows=settings.max_dataset_rows)
+        elif purpose == "evals":
+            summary = summarize_eval_items(part, fmt, max_rows=settings.max_dataset_rows)
+        else:
+            summary = summarize_upload(part, fmt, max_rows=settings.max_dataset_rows,
+                                       max_columns=settings.max_dataset_columns)
         storage.move_in(part, key)  # a rename, or an upload: readers never see a half-written file
     except BaseException:
         part.unlink(missing_ok=True)

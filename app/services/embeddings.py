@@ -58,8 +58,18 @@ def split_inputs(body: EmbeddingRequest, settings: Settings) -> Inputs:
             raise ValidationFailed(field(index), f"input is longer than {limit} {what}")
         if isinstance(item, list) and min(item) < 0:
             raise ValidationFailed(field(index), "token ids must be >= 0")
+    # The request's tokens are bounded too (the worker counts them exactly): token ids by count here, text by its
+    # bytes, over which no tokenizer makes fewer tokens, so a request that cannot fit is refused before tokenizing.
+    tokens = settings.max_embedding_tokens
     if isinstance(items[0], str):
+        size = sum(len(item.encode()) for item in items)
+        if size > tokens * settings.prompt_bytes_per_token:
+            raise ValidationFailed("input", f"the inputs are {size} bytes; a request holds at most {tokens} tokens, "
+                                   f"which no tokenizer makes of more than {tokens * settings.prompt_bytes_per_token}")
         return items, None
+    if sum(map(len, items)) > tokens:
+        raise ValidationFailed("input", f"the inputs are {sum(map(len, items))} token ids; at most {tokens} per "
+                               "request")
     return None, items
 
 
@@ -87,9 +97,10 @@ async def embed(session: Session, settings: Settings, queue: TaskQueue, redis: R
     reference = await run_in_threadpool(check_model, session, settings, principal, name=body.model)
     timeout = settings.embedding_timeout_s
     task = EmbedTask(request_id=f"emb-{uuid.uuid4().hex}", model=reference, texts=texts, token_ids=token_ids,
-                     dimensions=body.dimensions, deadline=time.time() + timeout)
+                     dimensions=body.dimensions, deadline=time.time() + timeout, tenant=principal.tenant_id)
     result = await ask_worker(redis, queue, task_name=TASK_EMBED, task=task, reply_key=embed_reply_key(task.request_id),
-                              reply_type=EmbedResult, timeout=timeout, disconnected=disconnected)
+                              reply_type=EmbedResult, timeout=timeout, disconnected=disconnected,
+                              per_tenant=settings.inference_per_tenant)
     vectors = result.embeddings or []
     if len(vectors) != len(texts or token_ids or []):
         raise UpstreamFailed(f"the worker returned {len(vectors)} embeddings for {len(texts or token_ids or [])} "

@@ -25,7 +25,7 @@ from core.store.paging import cursor_of
 from core.tabular import short
 
 ROUTE = "POST /v1/files"
-PURPOSES = ("fine-tune", "batch")  # what an upload may say
+PURPOSES = ("fine-tune", "batch", "evals")  # what an upload may say
 LISTED = (*PURPOSES, "batch_output")  # plus the results of /v1/batches, which the workers write
 CHUNK = 256 * 1024
 

@@ -26,7 +26,7 @@ from app.schemas.fine_tuning import (
     MethodRead,
     SupervisedHyperparameters,
 )
-from app.services import jobs
+from app.services import evals, jobs
 from app.services.files import unix
 from core.adapters import AdapterConfig
 from core.auth import Principal
@@ -36,6 +36,7 @@ from core.jobspec import KINDS, kind_of, kinds_where, validate_spec
 from core.queue import TaskQueue
 from core.rows import EventKind, Job, JobEvent, JobStatus, utcnow
 from core.settings import Settings
+from core.storage import ArtifactStore
 from core.store import jobs as store
 from core.store.paging import cursor_of
 
@@ -47,16 +48,21 @@ LEVELS = {"warning": "warn", "warn": "warn", "error": "error"}
 METHODS = {"supervised": "sft", "dpo": "dpo"}  # OpenAI's method type -> the job spec's method (JobKind.methods)
 
 
-def create_job(session: Session, settings: Settings, queue: TaskQueue, principal: Principal, *,
-               body: FineTuningJobCreate, idempotency_key: str | None) -> Job:
+def create_job(session: Session, settings: Settings, storage: ArtifactStore, queue: TaskQueue,
+               principal: Principal, *, body: FineTuningJobCreate, idempotency_key: str | None) -> Job:
     """Map the request onto a job spec and create the job as POST /jobs does; errors name OpenAI's fields."""
     spec_body, names, where = job_spec(body)
     try:
         spec = validate_spec(spec_body)
-        return jobs.create_job(session, settings, queue, principal, spec=spec, idempotency_key=idempotency_key,
-                               route=ROUTE, suffix=body.suffix)
+        runs = evals.job_runs(session, settings, storage, principal, job=body.eval, base_model=body.model,
+                              task=body.task)
+        job = jobs.create_job(session, settings, queue, principal, spec=spec, idempotency_key=idempotency_key,
+                              route=ROUTE, suffix=body.suffix)
     except ValidationFailed as exc:
         raise renamed(exc, names, where) from exc
+    if runs is not None:
+        evals.start_job_runs(session, settings, storage, queue, job_id=job.id, runs=runs)
+    return job
 
 
 def job_spec(body: FineTuningJobCreate) -> tuple[dict[str, Any], dict[str, str], str]:

@@ -12,6 +12,7 @@ from redis.exceptions import RedisError
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from app.redis_window import take
 from app.schemas.generation import ModelCard, ModelList
 from core.auth import Principal
 from core.errors import BrokerUnavailable, TooManyRequests, ValidationFailed
@@ -30,6 +31,7 @@ from core.queue import TaskQueue
 from core.redis_keys import cancel_key, rate_key, slots_key, stream_key, tenant_slots_key
 from core.served_models import ServedModel, list_served_models, resolve_served_model
 from core.settings import Settings
+from core.store.aliases import list_aliases
 from core.tasks import QUEUE_GENERATE, TASK_GENERATE
 
 
@@ -51,6 +53,24 @@ class GenerationGateway:
         """Server-side caps that the schema cannot know."""
         if params.max_new_tokens > self.settings.max_new_tokens:
             raise ValidationFailed("max_new_tokens", f"must be at most {self.settings.max_new_tokens} on this server")
+        per_token = 1 + (params.logprobs or 0)
+        entries = params.n * params.max_new_tokens * per_token
+        if entries > self.settings.max_response_entries:
+            raise ValidationFailed("max_tokens", f"n ({params.n}) x max_tokens ({params.max_new_tokens}) x (1 + "
+                                   f"top_logprobs {params.logprobs or 0}) = {entries} token entries; a response "
+                                   f"holds at most {self.settings.max_response_entries} on this server")
+
+    def check_prompt(self, model: ServedModel, prompt: str, messages: list[ChatMessage] | None) -> None:
+        """Refuse, by its size in bytes, a prompt that cannot fit the model's context: before a worker spends
+        seconds tokenizing it (a 960 kB prompt is 200k tokens, 1.5 s of a generation worker's CPU)."""
+        if model.context is None:
+            return
+        field = "messages" if messages is not None else "prompt"
+        size = (sum(len(m.content.encode()) for m in messages) if messages is not None else len(prompt.encode()))
+        bound = model.context * self.settings.prompt_bytes_per_token
+        if size > bound:
+            raise ValidationFailed(field, f"the {field} is {size} bytes; model {model.id!r} reads at most "
+                                   f"{model.context} tokens, which no tokenizer makes of more than {bound} bytes")
 
     async def admit(self, principal: Principal, model: ServedModel, rows: int = 1) -> str:
         """Apply the per-key rate limit and the per-model queue bound, in rows (a request of n choices takes n), with
@@ -92,14 +112,7 @@ class GenerationGateway:
                                   code=ErrorCode.OVERLOADED)
 
     async def _take(self, key: str, *, member: str, now: float, horizon: float, limit: int) -> float | None:
-        """Add `member` to the bounded window `key` in one atomic step; None if taken, else the oldest entry's time.
-
-        A check followed by an add in separate calls lets a concurrent burst interleave: every request adds
-        itself, every one then sees the set over the bound, and all are refused.
-        """
-        args = (str(now), str(horizon), str(limit), member, str(int(horizon) + 1))
-        oldest = await self.redis.eval(_TAKE, 1, key, *args)  # type: ignore[misc]
-        return None if oldest is None else float(oldest)
+        return await take(self.redis, key, member=member, now=now, horizon=horizon, limit=limit)
 
     async def submit(self, request_id: str, model: ServedModel, prompt: str, params: SamplingParams,
                      messages: list[ChatMessage] | None = None, *, tenant: str | None = None,
@@ -165,26 +178,13 @@ class GenerationGateway:
         return self.settings.generation_wait_s + self.settings.generation_timeout_s
 
 
-# KEYS[1]: a sorted set of (member, time); ARGV: now, horizon, limit, member, ttl. Drops entries older than the
-# horizon; below the limit adds the member and returns nil, else returns the oldest entry's time.
-_TAKE = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[1]) - tonumber(ARGV[2]))
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then
-  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-  return oldest[2] or ARGV[1]
-end
-redis.call('ZADD', KEYS[1], ARGV[1], ARGV[4])
-redis.call('EXPIRE', KEYS[1], ARGV[5])
-return false
-"""
-
-
-
-
 def list_models_for(session: Session, settings: Settings, principal: Principal) -> ModelList:
     """The models /generate and /v1/completions can serve to this caller."""
     models = list_served_models(session, settings, tenant=principal.scope)
-    return ModelList(data=[ModelCard(id=m.id, created=m.created, owned_by=m.owned_by) for m in models])
+    aliases = [ModelCard(id=a.name, created=int(a.updated_at.timestamp()), owned_by=a.tenant_id, target=a.target)
+               for a in list_aliases(session, tenant=principal.scope)]
+    return ModelList(data=[ModelCard(id=m.id, created=m.created, owned_by=m.owned_by) for m in models] + aliases)
+
 
 
 # KEYS[1]: a model's rows in flight, KEYS[2]: one tenant's rows in flight on that model (sorted sets of

@@ -16,12 +16,13 @@ from redis.exceptions import RedisError
 from starlette.concurrency import run_in_threadpool
 
 from app.errors import from_wire
-from core.embeddings import EmbedResult, EmbedTask
-from core.errors import BrokerUnavailable, ClientGone, WorkerTimeout
+from app.redis_window import take
+from core.embeddings import ClassifyResult, ClassifyTask, EmbedResult, EmbedTask
+from core.errors import BrokerUnavailable, ClientGone, TooManyRequests, WorkerTimeout
 from core.logs import task_headers
-from core.protocol import ClassifyResult, ClassifyTask
+from core.protocol import ErrorCode
 from core.queue import TaskQueue
-from core.redis_keys import abandoned_key
+from core.redis_keys import abandoned_key, inference_key
 from core.tasks import QUEUE_INFERENCE
 
 # Longest single blocking read: between reads the caller's connection is checked, and it stays well below
@@ -32,11 +33,27 @@ Reply = TypeVar("Reply", ClassifyResult, EmbedResult)
 
 
 async def ask_worker(redis: Redis, queue: TaskQueue, *, task_name: str, task: Task, reply_key: str,
-                     reply_type: type[Reply], timeout: float, disconnected: Callable[[], Awaitable[bool]]) -> Reply:
+                     reply_type: type[Reply], timeout: float, disconnected: Callable[[], Awaitable[bool]],
+                     per_tenant: int | None = None) -> Reply:
     """Send `task` to the inference queue and return the worker's reply; its error as the domain error, and
-    WorkerTimeout after `timeout` s."""
-    raw = await _ask(redis, queue, task_name=task_name, payload=task.model_dump(mode="json"),
-                     request_id=task.request_id, reply_key=reply_key, timeout=timeout, disconnected=disconnected)
+    WorkerTimeout after `timeout` s. With `per_tenant`, 429 overloaded while the task's tenant already has that
+    many requests in flight (its share of the queue, across API processes)."""
+    key = inference_key(task.tenant)
+    if per_tenant is not None:
+        try:
+            taken = await take(redis, key, member=task.request_id, now=time.time(), horizon=timeout + 60,
+                               limit=per_tenant)
+        except RedisError as exc:
+            raise BrokerUnavailable(f"broker unavailable: {type(exc).__name__}") from exc
+        if taken is not None:
+            raise TooManyRequests(f"{per_tenant} inference requests of this tenant are in flight; retry when one "
+                                  "ends", retry_after=1, code=ErrorCode.OVERLOADED)
+    try:
+        raw = await _ask(redis, queue, task_name=task_name, payload=task.model_dump(mode="json"),
+                         request_id=task.request_id, reply_key=reply_key, timeout=timeout, disconnected=disconnected)
+    finally:
+        if per_tenant is not None:
+            await asyncio.shield(_leave(redis, key, task.request_id))
     reply = reply_type.model_validate_json(raw)
     if reply.error is not None:
         raise from_wire(reply.error)
@@ -68,6 +85,13 @@ async def _wait(redis: Redis, key: str, deadline: float, disconnected: Callable[
         if await disconnected():
             raise ClientGone("the client disconnected")
     return None
+
+
+async def _leave(redis: Redis, key: str, member: str) -> None:
+    try:
+        await redis.zrem(key, member)
+    except RedisError:
+        pass  # the entry ages out of the window
 
 
 async def _give_up(redis: Redis, queue: TaskQueue, request_id: str, task_id: str) -> None:

@@ -18,6 +18,7 @@ from app.services.job_methods import is_chat
 from core.adapters import AdapterConfig
 from core.capacity import largest_device
 from core.chat_data import MAX_LENGTH as CHAT_MAX_LENGTH
+from core.chat_data import longest_tokens
 from core.errors import ValidationFailed
 from core.estimate import Head, adapter_parameter_count, architecture, format_bytes, load_model_config, training_memory
 from core.hyperparams import Hyperparameters, LMHyperparameters
@@ -92,10 +93,15 @@ def causal_lm_fields(settings: Settings, spec: CausalLMJob, train: Dataset, eval
         base_config = load_model_config(base_path) or {}
         context = base_config.get("max_position_embeddings") or base_config.get("n_positions")
         default_block = min(context, DEFAULT_BLOCK_SIZE) if isinstance(context, int) else DEFAULT_BLOCK_SIZE
-        if is_chat(train):  # a conversation is up to block_size tokens (chat_data.MAX_LENGTH by default), not a block
-            default_block = CHAT_MAX_LENGTH
-        require_fit(settings, base_config, "base_model", head="causal-lm", hp=hp,
-                    seq_len=hp.block_size or default_block, devices=spec.devices, adapter=spec.adapter)
+        seq_len = hp.block_size or default_block
+        if is_chat(train):
+            # A batch is padded to its longest conversation, cut at block_size (chat_data.MAX_LENGTH by default):
+            # the data's longest record, known since its validation, bounds it, and so does the model's context.
+            longest = longest_tokens(train.column_stats)
+            seq_len = min(hp.block_size or CHAT_MAX_LENGTH, longest or CHAT_MAX_LENGTH,
+                          context if isinstance(context, int) else CHAT_MAX_LENGTH)
+        require_fit(settings, base_config, "base_model", head="causal-lm", hp=hp, seq_len=seq_len,
+                    devices=spec.devices, adapter=spec.adapter)
         return {"base_model_path": base_path, "labels": []}
     try:
         architecture = validate_model_config(spec.architecture or {})

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from core import states
 from core.errors import NotFound, StaleAttempt
+from core.public_text import public_text
 from core.rows import Artifact, EventKind, Job, JobEvent, JobStatus, MetricPoint, is_valid_id, utcnow
 from core.states import sources
 from core.store.owned import get_owned
@@ -56,7 +57,8 @@ def add_event(session: Session, *, job_id: str, kind: str, message: str, level: 
     """Append an event to a job's log; with `attempt`, only while that attempt holds the job."""
     if attempt is not None:
         fence(session, job_id=job_id, attempt=attempt)
-    event = JobEvent(job_id=job_id, kind=kind, level=level, message=message, data=data, created_at=utcnow())
+    event = JobEvent(job_id=job_id, kind=kind, level=level, message=public_text(message), data=data,
+                     created_at=utcnow())
     session.add(event)
     session.flush()
     return event

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import and_, or_
+from sqlalchemy import Select, and_, or_, select
 
 from core.errors import ValidationFailed
 
@@ -58,3 +58,13 @@ def next_in_order(model: Any, after: tuple[str, str], *, ascending: bool = False
 def cursor_of(row: Any) -> tuple[str, str]:
     """The (created_at iso, id) cursor a row ends a page on (for APIs whose cursor is the last object's id)."""
     return row.created_at.isoformat(), row.id
+
+
+def newest_first(model: Any, *, tenant: str | None, limit: int, after: tuple[str, str] | None) -> Select[Any]:
+    """A page of `model` rows newest first, of `tenant` (None: every tenant's), after a (created_at iso, id) cursor."""
+    query = select(model).order_by(model.created_at.desc(), model.id.desc()).limit(limit)
+    if tenant is not None:
+        query = query.where(model.tenant_id == tenant)
+    if after is not None:
+        query = query.where(before_cursor(model, after))
+    return query

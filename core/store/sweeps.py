@@ -7,7 +7,7 @@ from sqlalchemy.orm import Session
 
 from core.rows import Sweep, SweepStatus
 from core.store.owned import get_owned
-from core.store.paging import before_cursor
+from core.store.paging import newest_first
 
 
 def get_sweep(session: Session, *, sweep_id: str, tenant: str | None = None, for_update: bool = False) -> Sweep:
@@ -18,12 +18,7 @@ def get_sweep(session: Session, *, sweep_id: str, tenant: str | None = None, for
 def list_sweeps(session: Session, *, limit: int, tenant: str | None = None,
                 after: tuple[str, str] | None = None) -> list[Sweep]:
     """Newest first."""
-    query = select(Sweep).order_by(Sweep.created_at.desc(), Sweep.id.desc()).limit(limit)
-    if tenant is not None:
-        query = query.where(Sweep.tenant_id == tenant)
-    if after is not None:
-        query = query.where(before_cursor(Sweep, after))
-    return list(session.scalars(query))
+    return list(session.scalars(newest_first(Sweep, tenant=tenant, limit=limit, after=after)))
 
 
 def running_sweep_using(session: Session, *, dataset_id: str) -> str | None:

@@ -101,3 +101,32 @@ def test_devices_beyond_every_live_worker_are_refused_and_others_go_to_their_siz
     for bad in (0, 65, "two"):
         response = client.post("/jobs", json=job_body(train, devices=bad))
         assert response.status_code == 422 and response.json()["error"]["field"] == "devices", response.text
+
+
+# SmolLM2-135M-Instruct's config.json (Llama-shaped: 30 layers, 576 wide, 8,192 positions, a 49,152 vocabulary).
+SMOLLM2_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+                "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                "num_key_value_heads": 3, "max_position_embeddings": 8192, "vocab_size": 49152,
+                "rope_theta": 100000, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def test_a_default_lora_job_of_a_135m_model_on_short_chats_is_admitted(client, queue, board, settings):
+    """Its micro-batch is bounded by the data's longest conversation (stored at validation), not by 1,024 tokens
+    per conversation: 8 x 1,024 tokens needed about 54 GB on a CPU worker and was refused."""
+    import json
+
+    from tests.tiny_chat import build_tiny_llama, chat_jsonl
+
+    folder = build_tiny_llama(settings.home / "models" / "smollm2-135m")
+    (folder / "config.json").write_text(json.dumps(SMOLLM2_135M))  # the API reads the config only
+    dataset = upload(client, chat_jsonl("Blue.", repeat=8), filename="chats.jsonl").json()
+    assert dataset["format"] == "chat" and dataset["rows"] == 48
+    capacity.publish(board, capacity.DeviceCapacity(worker="cpu:1", device="cpu", total_bytes=16 * GB), ttl_s=60)
+    body = {"task": "causal-lm", "train_dataset": dataset["id"], "base_model": str(folder), "adapter": {}}
+    response = client.post("/jobs", json=body)
+    assert response.status_code == 201, response.text
+    # The bound is the data's: one long conversation makes the batch 8 x 1,024 tokens (cut at 1,024), refused.
+    long = {"messages": [{"role": "user", "content": "why? " * 400}, {"role": "assistant", "content": "Blue."}]}
+    body["train_dataset"] = upload(client, json.dumps(long).encode() + b"\n" + chat_jsonl("Blue."),
+                                   filename="long.jsonl").json()["id"]
+    assert "8192 tokens per micro-batch" in _refused(client.post("/jobs", json=body), "hyperparameters.batch_size")

@@ -143,6 +143,7 @@ def test_completions_logprobs_in_openai_legacy_format(api, served):
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"n": 16, "logprobs": True, "top_logprobs": 20, "max_tokens": 480}, "max_tokens"),  # 161,280 entries: 13 MB
     ({"made_up_option": 1}, "made_up_option"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
@@ -183,3 +184,39 @@ def test_the_worker_renders_chats_exactly_as_apply_chat_template(served):
             expected = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
             assert plan_chat(engine, task).ids == list(expected)
             assert expected[0] == tokenizer.bos_token_id  # the template's bos_token came from tokenizer_config.json
+
+
+WIDE = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}
+
+
+@pytest.mark.parametrize("found", ["before", "mid-stream"])
+def test_a_schema_the_matcher_cannot_follow_is_an_error_never_a_stop(client, served, monkeypatch, found):
+    """600 optional properties compiled, then the matcher failed and allowed only the end: 200, "stop", empty."""
+    if found == "mid-stream":
+        from worker.engines import grammar
+
+        monkeypatch.setattr(grammar, "probe", lambda *args, **kwargs: None)
+    body = {"model": "chat", "messages": CHAT, "max_tokens": 16, "temperature": 1.0, "seed": 1,
+            "response_format": {"type": "json_schema", "json_schema": {"name": found, "schema": WIDE}}}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["field"] == "response_format"
+    streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
+    if found == "before":
+        assert streamed.status_code == 422
+    else:
+        assert streamed.status_code == 200 and "event: error" in streamed.text
+        assert '"finish_reason":"stop"' not in streamed.text.replace(" ", "")
+
+
+def test_a_prompt_too_large_for_the_context_is_refused_before_any_worker_tokenizes_it(client, served, queue):
+    """A 960 kB prompt was tokenized on the generation worker (1.5 s) before its 422."""
+    sent = len(queue.sent)
+    huge = "To be, or not to be " * 250  # 5,000 bytes: more than 128 positions x 32 bytes
+    chat = client.post("/v1/chat/completions", json={"model": "chat", "max_tokens": 4,
+                                                     "messages": [{"role": "user", "content": huge}]})
+    assert chat.status_code == 422 and chat.json()["error"]["field"] == "messages", chat.text
+    plain = client.post("/v1/completions", json={"model": "plain", "prompt": huge, "max_tokens": 4})
+    assert plain.status_code == 422 and plain.json()["error"]["field"] == "prompt", plain.text
+    assert "at most 64 tokens" in plain.json()["error"]["message"]
+    assert len(queue.sent) == sent  # no generation task was sent

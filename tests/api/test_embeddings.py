@@ -190,3 +190,11 @@ def test_unfinished_jobs_are_refused_and_a_lost_model_is_a_worker_error(client, 
     engine.dispose()
     response = _embed(client, model=job, input="a")
     assert response.status_code == 502 and response.json()["error"]["code"] == "worker_error", response.text
+
+
+def test_inputs_over_the_token_bound_are_refused_before_any_worker(client, worker_ctx, settings, queue):
+    settings.max_embedding_tokens = 10  # at most 320 bytes of text, 10 token ids
+    sent = len(queue.sent)
+    _refused(_embed(client, model="minilm-l6", input=["word " * 40, "word " * 40]), 422, "input")
+    _refused(_embed(client, model="minilm-l6", input=[[5] * 6, [7] * 6]), 422, "input")
+    assert len(queue.sent) == sent

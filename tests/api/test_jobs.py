@@ -180,3 +180,25 @@ def test_classify_refuses_unknown_and_unfinished_models(client, train_id):
 def test_unknown_route_and_method_use_the_envelope(client):
     assert client.get("/nope").json()["error"]["code"] == "not_found"
     assert client.put("/jobs").json()["error"]["code"] == "method_not_allowed"
+
+
+def test_events_and_errors_a_tenant_reads_name_no_server_paths(client, settings, train_id):
+    job = client.post("/jobs", json=job_body(train_id)).json()
+    home = settings.home.resolve()
+    engine = make_engine(settings.resolved_database_url)
+    with session_scope(make_sessionmaker(engine)) as session:
+        from core import states
+        from core.rows import EventKind, JobStatus, utcnow
+
+        row = store.claim_job(session, job_id=job["id"], device="cpu", now=utcnow(), stale_before=utcnow())
+        assert row is not None
+        store.add_event(session, job_id=job["id"], kind=EventKind.SAVED, attempt=1,
+                        message=f"model saved to {home}/jobs/{job['id']}/model")
+        states.move(session, row, JobStatus.FAILED, code="worker_error", attempt=1,
+                    message="[Errno 28] No space left on device: '/tmp/trainserve-x/shard-0.safetensors'")
+    engine.dispose()
+    events = client.get(f"/jobs/{job['id']}/events").json()["data"]
+    texts = [e["message"] for e in events] + [client.get(f"/jobs/{job['id']}").json()["error"]["message"]]
+    assert f"model saved to jobs/{job['id']}/model" in texts
+    assert "[Errno 28] No space left on device: 'shard-0.safetensors'" in texts
+    assert not [t for t in texts if str(home) in t or "/tmp" in t]

@@ -9,6 +9,7 @@ import pytest
 
 from tests.conftest import make_key
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
+from tests.tiny_lm import build_tiny_gpt2
 
 PUBLIC = {"/health", "/docs", "/openapi.json", "/redoc", "/docs/oauth2-redirect"}
 
@@ -66,15 +67,29 @@ def test_other_tenants_get_404_on_every_route_with_an_id(client, settings, queue
     requests = client.post("/v1/files", files={"file": ("b.jsonl", json.dumps(line).encode())},
                            data={"purpose": "batch"}).json()["id"]
     batch = client.post("/v1/batches", json={"input_file_id": requests, "endpoint": "/v1/completions"}).json()["id"]
+    build_tiny_gpt2(settings.home / "models" / "tiny", n_positions=64)
+    evaluation = client.post("/v1/evals", json={"data_source_config": {"type": "custom", "item_schema": {}},
+                                                "testing_criteria": [{"type": "string_check", "name": "c",
+                                                                      "input": "a", "reference": "a",
+                                                                      "operation": "eq"}]}).json()["id"]
+    run_body = {"data_source": {"type": "completions", "model": "tiny", "input_messages": {
+        "type": "template", "template": [{"role": "user", "content": "hi"}]},
+        "source": {"type": "file_content", "content": [{"item": {}}]}}}
+    run = client.post(f"/v1/evals/{evaluation}/runs", json=run_body).json()["id"]
+    assert client.post("/aliases", json={"name": "bot:prod", "target": "tiny"}).status_code == 201
     ids = {"dataset_id": ds, "job_id": job, "artifact_id": "art_x", "endpoint_id": hook["id"],
-           "sweep_id": "swp_x", "file_id": ds, "batch_id": batch}
+           "sweep_id": "swp_x", "file_id": ds, "batch_id": batch, "eval_id": evaluation, "run_id": run,
+           "item_id": "outitem_" + "0" * 24, "name": "bot:prod"}
+    bodies = {"/v1/evals/{eval_id}": {}, "/v1/evals/{eval_id}/runs": run_body,
+              "/aliases/{name}/move": {"target": "tiny"}}  # a valid body: the 404 is the owner check's
     checked = 0
     for method, path in _routes(client):
         names = re.findall(r"\{([^}]+)\}", path)
         if not names:
             continue
         url = path.format(**{name: ids[name] for name in names})
-        response = client.request(method, url, headers=other)
+        body = bodies.get(path) if method == "POST" else None
+        response = client.request(method, url, headers=other, json=body)
         assert response.status_code == 404, (method, path, response.text)
         checked += 1
     assert checked >= 7

@@ -49,7 +49,9 @@ class Api:
 def api(start_api, settings) -> Api:
     """`trainserve api` (uvicorn) in its own process, with a short /classify timeout."""
     build_tiny_gpt2(settings.home / "models" / "tiny", n_positions=ASKED + 64)
-    url = start_api(TRAINSERVE_CLASSIFY_TIMEOUT_S=str(CLASSIFY_TIMEOUT_S), TRAINSERVE_MAX_NEW_TOKENS=str(ASKED))
+    # 41 calls of one tenant wait at once below: more than its share of the inference queue by default.
+    url = start_api(TRAINSERVE_CLASSIFY_TIMEOUT_S=str(CLASSIFY_TIMEOUT_S), TRAINSERVE_MAX_NEW_TOKENS=str(ASKED),
+                    TRAINSERVE_INFERENCE_PER_TENANT="64")
     return Api(url, int(url.rsplit(":", 1)[1]), make_key(settings.resolved_database_url, tenant=TENANT))
 
 
@@ -97,7 +99,9 @@ def _send(api: Api, path: str, body: dict) -> socket.socket:
 def test_a_dropped_non_streaming_request_frees_its_slot_and_stops_the_worker(api, start_worker, store):
     start_worker("generation")
     sock = _send(api, "/generate", {"model": "tiny", "prompt": "Hello", "max_new_tokens": ASKED, "seed": 2})
-    request_id = wait_for(lambda: store.zrange(SLOTS, 0, -1), 60, "the request to take a slot")[0].decode()
+    # Its rows' members are "<request id>#<row>" (a request of n choices holds n rows).
+    member = wait_for(lambda: store.zrange(SLOTS, 0, -1), 60, "the request to take a slot")[0].decode()
+    request_id = member.rsplit("#", 1)[0]
     wait_for(lambda: store.xlen(stream_key(request_id)) >= 3, 60, "the first tokens")  # accepted + tokens
     sock.close()
     _assert_abandoned(store, request_id)

@@ -16,7 +16,7 @@ from trainserve.client.api import Api, ApiError
 from trainserve.client.chat import chat
 from trainserve.client.commands import job_spec
 from trainserve.client.config import ClientConfig, ConfigError, load_config
-from trainserve.client.follow import follow
+from trainserve.client.follow import follow, summary
 
 
 @pytest.fixture()
@@ -118,3 +118,38 @@ def test_errors_name_the_field_and_chat_streams_each_turn():
     with pytest.raises(ApiError, match=r"not found \(field model\) \[404 not_found\]"):
         chat(api, Console(file=io.StringIO()), io.StringIO("x\n"), model="nope", system=None, max_tokens=8,
              temperature=0)
+
+
+def test_server_text_is_printed_as_text_without_markup_or_terminal_escapes(tmp_path, capsys):
+    """A column named `[/bold]` used to raise MarkupError after the upload succeeded; escape codes in events and
+    chat text reached the terminal."""
+    hostile = "[/bold][red]x\x1b[2J\x1b]0;owned\x07 :smile:"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/datasets":
+            return httpx.Response(201, json={"id": "ds_1", "rows": 2, "columns": ["text", hostile]})
+        if request.url.path.endswith("/events"):
+            return httpx.Response(200, content=_sse(
+                ("job_event", {"message": hostile, "created_at": "2026-12-01T10:00:00"}, "1-1"),
+                ("state", {"status": "failed", "step": 1, "total_steps": 1,
+                           "error": {"code": "x", "message": hostile}}, "1-2"),
+                ("end", {"status": "failed"}, "1-2")), headers={"content-type": "text/event-stream"})
+        chunk = {"choices": [{"delta": {"content": hostile}}]}
+        return httpx.Response(200, content=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode(),
+                              headers={"content-type": "text/event-stream"})
+
+    from trainserve.client import commands
+
+    data = tmp_path / "d.csv"
+    data.write_text("text\nhi\n")
+    api = Api(ClientConfig(url="http://svc", api_key="k"), transport=httpx.MockTransport(handler))
+    out = io.StringIO()
+    console = Console(file=out, width=400, emoji=False)
+    args = build_parser().parse_args(["upload", str(data)])
+    assert commands._upload(api, args, console) == 0
+    state = follow(api, "job_x", console)
+    console.print(summary(state))
+    chat(api, console, io.StringIO("hi\n"), model="m", system=None, max_tokens=4, temperature=0)
+    text = out.getvalue()
+    assert "\x1b" not in text and "\x07" not in text
+    assert text.count("[/bold][red]x\\x1b[2J\\x1b]0;owned\\x07 :smile:") == 4  # column, event, summary, chat reply

@@ -8,11 +8,11 @@ from safetensors.torch import load_file
 
 from tests.factories import sentiment_rows, tsv_bytes
 from tests.tiny_models import build_tiny_bert
+from worker.engines.training import loop
 from worker.engines.training.classifier import (
     OutOfMemory,
     TrainCallbacks,
     TrainConfig,
-    loop,
     split_micro_batches,
     train,
 )

@@ -35,6 +35,7 @@ def test_public_addresses_and_ipv6_forms_of_public_ipv4_pass(address):
     assert resolve(address, 80, allow_private=False) == [address]
 
 
-@pytest.mark.parametrize("address", ["::", "::1", "fe80::1", "fc00::1", "ff02::1", "10.0.0.1", "169.254.169.254"])
+@pytest.mark.parametrize("address", ["::", "::1", "fe80::1", "fc00::1", "fec0::1", "feff::1", "ff02::1", "10.0.0.1",
+                                     "169.254.169.254"])
 def test_loopback_link_local_unique_local_and_multicast_are_not_public(address):
     assert not is_public(address)

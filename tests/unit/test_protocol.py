@@ -9,10 +9,9 @@ import pytest
 import core.auth
 import core.errors
 from app.errors import from_wire, status_for
+from core.embeddings import ClassifyResult, ClassifyTask
 from core.protocol import (
     AcceptedEvent,
-    ClassifyResult,
-    ClassifyTask,
     DoneEvent,
     ErrorBody,
     ErrorCode,

@@ -56,7 +56,7 @@ def test_sse_framing_of_both_streams():
 def test_redis_keys_share_one_prefix_and_never_collide():
     keys = [redis_keys.capacity_key("h:1"), redis_keys.stream_key("r"), redis_keys.cancel_key("r"),
             redis_keys.slots_key("m"), redis_keys.tenant_slots_key("m", "t"), redis_keys.rate_key("k"),
-            redis_keys.classify_reply_key("r"),
-            redis_keys.abandoned_key("r"), redis_keys.BROKER_SENTINEL]
+            redis_keys.classify_reply_key("r"), redis_keys.abandoned_key("r"), redis_keys.uploads_key("t"),
+            redis_keys.inference_key("t"), redis_keys.BROKER_SENTINEL]
     assert all(key.startswith(redis_keys.PREFIX) for key in keys) and len(set(keys)) == len(keys)
     assert redis_keys.capacity_key("h:1").startswith(redis_keys.CAPACITY_PREFIX)

@@ -24,7 +24,7 @@ class FakeEngine:
     def stats(self) -> dict:
         return {"running": self.interactive + sum(not f.done() for f in self.futures), "waiting": 0}
 
-    def submit(self, ids, params, *, request_id, tenant=None, batch=False):
+    def submit(self, ids, params, *, request_id, adapter=None, tenant=None, batch=False):
         assert batch  # batch lines go after interactive requests in the engine's scheduler
         future: Future = Future()
         self.futures.append(future)

@@ -7,6 +7,7 @@ from typing import Any, TextIO
 from rich.console import Console
 
 from trainserve.client.api import Api, loads
+from trainserve.client.text import plain, visible
 
 EXIT_WORDS = {"/exit", "/quit"}
 
@@ -32,7 +33,7 @@ def chat(api: Api, console: Console, stdin: TextIO, *, model: str, system: str |
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     interactive = stdin.isatty()
     if interactive:
-        console.print(f"[dim]chatting with {model}; /exit or Ctrl-D to leave[/]")
+        console.print(f"[dim]chatting with {plain(model)}; /exit or Ctrl-D to leave[/]")
     while True:
         if interactive:
             console.print("[bold green]you>[/] ", end="")
@@ -42,9 +43,10 @@ def chat(api: Api, console: Console, stdin: TextIO, *, model: str, system: str |
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
-        console.print(f"[bold cyan]{model}>[/] ", end="")
+        console.print(f"[bold cyan]{plain(model)}>[/] ", end="")
         reply = stream_reply(api, {"model": model, "messages": messages, "max_tokens": max_tokens,
                                    "temperature": temperature},
-                             lambda text: console.print(text, end="", markup=False, highlight=False, soft_wrap=True))
+                             lambda text: console.print(visible(text), end="", markup=False, highlight=False,
+                                                         emoji=False, soft_wrap=True))
         console.print()
         messages.append({"role": "assistant", "content": reply})

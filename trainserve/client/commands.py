@@ -13,6 +13,7 @@ from core.vocab import JobStatus
 from trainserve.client import SHORT_METRICS, STATUS_STYLE
 from trainserve.client.api import Api, ApiError
 from trainserve.client.config import ConfigError, load_config
+from trainserve.client.text import plain, visible
 
 if TYPE_CHECKING:  # rich is imported when a client command runs, not when `trainserve worker` starts
     from rich.console import Console
@@ -30,10 +31,10 @@ def _upload(api: Api, args: argparse.Namespace, console: Console) -> int:
         dataset = api.call("POST", "/datasets", files={"file": (path.name, handle)},
                            data={"name": args.name} if args.name else {}, timeout=300)
     if args.quiet:  # the id alone, for scripts: ds=$(trainserve upload -q train.csv)
-        print(dataset["id"])
+        print(visible(dataset["id"]))
     else:
-        console.print(f"[green]uploaded[/] {dataset['id']}  {dataset['rows']} rows, columns "
-                      f"{', '.join(dataset['columns'])}")
+        console.print(f"[green]uploaded[/] {plain(dataset['id'])}  {plain(dataset['rows'])} rows, columns "
+                      f"{plain(', '.join(map(str, dataset['columns'])))}")
     return 0
 
 
@@ -69,9 +70,10 @@ def _value(text: str) -> Any:
 def _train(api: Api, args: argparse.Namespace, console: Console) -> int:
     job = api.call("POST", "/jobs", json=job_spec(args))
     if args.detach and args.quiet:
-        print(job["id"])
+        print(visible(job["id"]))
         return 0
-    console.print(f"[green]started[/] {job['id']}  ({job['task']} on {job['base_model'] or 'a new model'})")
+    console.print(f"[green]started[/] {plain(job['id'])}  ({plain(job['task'])} on "
+                  f"{plain(job['base_model'] or 'a new model')})")
     if args.detach:
         return 0
     args.job_id = job["id"]
@@ -82,7 +84,7 @@ def _follow(api: Api, args: argparse.Namespace, console: Console) -> int:
     from trainserve.client.follow import follow, summary  # imports rich
 
     state = follow(api, args.job_id, console)
-    console.print(f"{args.job_id} {summary(state)}")
+    console.print(f"{plain(args.job_id)} {summary(state)}")
     return 0 if state.get("status") == "succeeded" else 1
 
 
@@ -101,10 +103,10 @@ def _jobs(api: Api, args: argparse.Namespace, console: Console) -> int:
         metrics = " ".join(f"{short} {job['metrics'][k]:.3g}" for k, short in SHORT_METRICS.items()
                            if k in job["metrics"])
         base = str(job["base_model"] or "-")
-        table.add_row(job["id"], f"[{STATUS_STYLE.get(status, 'white')}]{status}[/]", job["task"],
-                      base.rsplit("/", 1)[-1] if base.startswith("/") else base,
-                      f"{progress['step']}/{progress['total_steps'] or '?'}", metrics,
-                      job["created_at"][5:16].replace("T", " "))
+        table.add_row(plain(job["id"]), f"[{STATUS_STYLE.get(status, 'white')}]{plain(status)}[/]", plain(job["task"]),
+                      plain(base.rsplit("/", 1)[-1] if base.startswith("/") else base),
+                      plain(f"{progress['step']}/{progress['total_steps'] or '?'}"), plain(metrics),
+                      plain(job["created_at"][5:16].replace("T", " ")))
     console.print(table)
     return 0
 
@@ -120,17 +122,17 @@ def _run(handler: Any) -> Any:
     def run(args: argparse.Namespace) -> int:
         from rich.console import Console
 
-        console = Console(stderr=False, highlight=False)
-        errors = Console(stderr=True, highlight=False)
+        console = Console(stderr=False, highlight=False, emoji=False)
+        errors = Console(stderr=True, highlight=False, emoji=False)
         try:
             api = _api(args)
         except ConfigError as exc:
-            errors.print(f"[red]error:[/] {exc}")
+            errors.print(f"[red]error:[/] {plain(exc)}")
             return 2
         try:
             return int(handler(api, args, console))
         except (ApiError, ConfigError, OSError, ValueError) as exc:
-            errors.print(f"[red]error:[/] {exc}", markup=True, highlight=False)
+            errors.print(f"[red]error:[/] {plain(exc)}", markup=True, highlight=False)
             return 2 if isinstance(exc, ConfigError) else 1
         except KeyboardInterrupt:
             errors.print("[yellow]interrupted[/] (a started job keeps running; `trainserve follow` resumes)")

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from trainserve.client import SHORT_METRICS, STATUS_STYLE
 from trainserve.client.api import Api, ApiError, loads
+from trainserve.client.text import plain
 
 RECONNECTS = 20
 
@@ -40,11 +41,13 @@ class _Feed:
             for point in payload.get("points", []):
                 self.latest[point["name"]] = point["value"]
         elif event == "job_event":
-            self.progress.console.print(f"[dim]{payload.get('created_at', '')[11:19]}[/] {payload.get('message')}")
+            self.progress.console.print(f"[dim]{plain(str(payload.get('created_at', ''))[11:19])}[/] "
+                                        f"{plain(payload.get('message'))}")
         status = str(self.state.get("status"))
         style = STATUS_STYLE.get(status, "white")
         self.progress.update(self.bar, completed=self.state.get("step") or 0, total=self.state.get("total_steps"),
-                             description=f"{self.job_id} [{style}]{status}[/]", metrics=_metrics_text(self.latest))
+                             description=f"{plain(self.job_id)} [{style}]{plain(status)}[/]",
+                             metrics=plain(_metrics_text(self.latest)))
         return event == "end"
 
 
@@ -77,4 +80,5 @@ def summary(state: dict[str, Any]) -> str:
                         if isinstance(v, int | float) and not k.endswith(("_per_second", "runtime")))
     error = state.get("error") or {}
     tail = f": {error.get('message')}" if error else (f" ({metrics})" if metrics else "")
-    return f"[{STATUS_STYLE.get(status, 'white')}]{status}[/] at step {state.get('step')}{tail}"
+    rest = f"at step {state.get('step')}{tail}"
+    return f"[{STATUS_STYLE.get(status, 'white')}]{plain(status)}[/] {plain(rest)}"

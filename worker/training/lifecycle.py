@@ -25,6 +25,7 @@ from worker.engines.device import release_memory, resolve_device
 from worker.engines.training.kinds import run_task
 from worker.engines.training.launch import train_on_devices
 from worker.engines.training.loop import TrainResult, run
+from worker.evals import start_fine_tuned_runs
 from worker.metrics import JOB_DURATION, JOB_QUEUE_WAIT
 from worker.recovery import Heartbeat
 from worker.sync import clear_work, pull_checkpoint, push_model, storage_errors
@@ -48,6 +49,8 @@ def run_training_job(ctx: WorkerContext, job_id: str) -> str:
     status = _run(ctx, job_id, ran)
     if ran and status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED):
         clear_work(ctx.storage, ctx.settings, ran[0])  # the store has all that is kept; no host hoards copies
+    if ran and status == JobStatus.SUCCEEDED:
+        start_fine_tuned_runs(ctx, ran[0])  # the job's eval on its result (its base run started with the job)
     if ran and status not in (SKIPPED, LOST, JobStatus.QUEUED):
         with ctx.sessions() as session:
             sweep_id = session.scalar(select(Job.sweep_id).where(Job.id == ran[0]))

@@ -3,6 +3,7 @@ import { api, forgetKey, getKey, setKey, whenUnauthorized } from "./api.js";
 import { renderCompare } from "./compare.js";
 import { renderDatasets } from "./datasets.js";
 import { errorBox } from "./dom.js";
+import { renderAliases, renderEvals } from "./evals.js";
 import { renderJob } from "./job.js";
 import { renderJobs } from "./jobs.js";
 import { renderPlayground } from "./playground.js";
@@ -19,6 +20,8 @@ function route() {
   if (parts[0] === "compare") return ["compare", (root, s) => renderCompare(root, params, s)];
   if (parts[0] === "datasets") return ["datasets", (root, s) => renderDatasets(root, parts[1], s)];
   if (parts[0] === "playground") return ["playground", (root, s) => renderPlayground(root, s)];
+  if (parts[0] === "evals") return ["evals", (root, s) => renderEvals(root, parts.slice(1), params, s)];
+  if (parts[0] === "aliases") return ["aliases", (root, s) => renderAliases(root, s)];
   return ["jobs", (root, s) => renderJobs(root, params, s)];
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +43,17 @@ class Classifier:
         self.max_length = int(manifest.get("hyperparameters", {}).get("max_length") or
                               min(self.tokenizer.model_max_length, DEFAULT_MAX_LENGTH))
 
-    def predict(self, texts: list[str], batch_size: int = 32) -> list[dict[str, Any]]:
-        """Label and probability for each text, in input order."""
+    def predict(self, texts: list[str], batch_size: int = 32,
+                turn: Callable[[], AbstractContextManager[Any]] = nullcontext) -> list[dict[str, Any]]:
+        """Label and probability for each text, in input order; each batch runs inside `turn()` (see Embedder.embed)."""
         if not texts:
             return []
         # A live request is small: tokenize directly rather than through a datasets.Dataset.
         token_ids = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)["input_ids"]
         encoded = data.pack(token_ids, [0] * len(texts), self.tokenizer.pad_token_id)
         results: list[dict[str, Any]] = [{} for _ in texts]
-        with torch.inference_mode(), self.plan.autocast():
-            for indices in data.sorted_batches(encoded, batch_size):
+        for indices in data.sorted_batches(encoded, batch_size):
+            with turn(), torch.inference_mode(), self.plan.autocast():
                 batch = data.collate(encoded, indices)
                 batch.pop("labels")
                 logits = self.model(**{k: v.to(self.plan.device) for k, v in batch.items()}).logits

@@ -13,6 +13,8 @@ Matryoshka: a model may declare the widths it was trained to be cut to with `mat
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,13 +170,15 @@ class Embedder:
             raise EmbeddingRefused("dimensions", f"at most {self.width} for this model")
         return dimensions
 
-    def embed(self, ids: list[list[int]], dimensions: int | None = None, batch_size: int = 32) -> np.ndarray:
-        """[inputs, width] float32 vectors in input order, in length-sorted batches."""
+    def embed(self, ids: list[list[int]], dimensions: int | None = None, batch_size: int = 32,
+              turn: Callable[[], AbstractContextManager[Any]] = nullcontext) -> np.ndarray:
+        """[inputs, width] float32 vectors in input order, in length-sorted batches, each run inside `turn()` (the
+        worker's share of the model among tenants; it may raise to drop the rest)."""
         width = self.check_dimensions(dimensions)
         encoded = data.pack(ids, [0] * len(ids), self.tokenizer.pad_token_id)
         out = np.zeros((len(ids), width), dtype=np.float32)
-        with torch.inference_mode(), self.plan.autocast():
-            for indices in data.sorted_batches(encoded, batch_size):
+        for indices in data.sorted_batches(encoded, batch_size):
+            with turn(), torch.inference_mode(), self.plan.autocast():
                 batch = data.collate(encoded, indices)
                 mask = batch["attention_mask"].to(self.plan.device)
                 hidden = self.model(input_ids=batch["input_ids"].to(self.plan.device), attention_mask=mask)[0]

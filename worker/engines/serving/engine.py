@@ -22,6 +22,7 @@ import torch
 
 from core.protocol import SamplingParams, TokenLogprob
 from worker.engines.device import DevicePlan, resolve_device
+from worker.engines.serving import speculative
 from worker.engines.serving.lora.manager import LoraManager
 from worker.engines.serving.prefill import Chunk, chunk_groups
 from worker.engines.serving.requests import (
@@ -32,6 +33,7 @@ from worker.engines.serving.requests import (
     OnToken,
     QueueFull,
     Request,
+    SequenceState,
     check_fits,
     prompt_ids,
 )
@@ -64,8 +66,12 @@ class GenerationEngine:
         cancelled_ids: Callable[[list[str]], Collection[str]] | None = None,
         on_step: Callable[[int], None] | None = None, prefill_chunk_tokens: int = 2048, prefill_step_ratio: float = 1.5,
         prefix_cache_bytes: int = 0, decode_graphs: str = "off", max_loras: int = 8,
-        adapter_folder: Callable[[str], Path] | None = None,
+        adapter_folder: Callable[[str], Path] | None = None, speculative_tokens: int = 0,
+        speculative_max_rows: int = 4,
     ) -> None:
+        for name, value in (("speculative_tokens", speculative_tokens), ("speculative_max_rows", speculative_max_rows)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be 0 (off) or a positive integer, got {value!r}")
         self.scheduler = Scheduler(max_batch_size=max_batch_size, max_tokens_in_flight=max_tokens_in_flight,
                                    max_queue=max_queue, tenant_queue_share=tenant_queue_share,
                                    prefill_chunk_tokens=prefill_chunk_tokens, prefill_step_ratio=prefill_step_ratio,
@@ -98,7 +104,11 @@ class GenerationEngine:
         self._wake = threading.Condition(self._lock)
         self._closed = False
         self._counters = {"steps": 0, "prefills": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                          "completed": 0, "cancelled": 0, "expired": 0, "failed": 0, "peak_running_sequences": 0}
+                          "completed": 0, "cancelled": 0, "expired": 0, "failed": 0, "peak_running_sequences": 0,
+                          "speculative_steps": 0, "draft_tokens": 0, "accepted_draft_tokens": 0}
+        # Speculative decoding (speculative.py): up to this many prompt-lookup draft tokens per greedy row, while at
+        # most speculative_max_rows rows decode; 0: off.
+        self.speculative_tokens, self.speculative_max_rows = speculative_tokens, speculative_max_rows
         self._running = RunningRows(max_batch_size, self.vocab_size, self._device)  # the scheduler thread's
         # decode_graphs "cuda": plain decode steps replay CUDA graphs on a GPU (cuda_graphs.py); "eager": uncaptured
         self._static = static_decoder(decode_graphs, self._runner, self._running.seen)
@@ -292,8 +302,10 @@ class GenerationEngine:
         rows = self._running.rows
         if self.lora is not None:  # the decode rows' adapters, and each prompt chunk keeps its request's
             self.lora.set_rows([s.request for s in rows[:first]], [c.request for c in chunks])
-        params = self._running.params()
         prefilling = self.scheduler.prefilling
+        if not chunks and prefilling.partial is None and self._speculate(rows):
+            return
+        params = self._running.params()
         if not chunks and self._static is not None and self._static.failed is None and \
                 prefilling.partial is None and static_eligible(rows):
             self._sampled(*self._static.step(rows, params), decoded=True)
@@ -327,6 +339,45 @@ class GenerationEngine:
             return  # only a prompt's first chunks ran: nothing to sample yet
         seen = self._running.seen[:len(rows)] if params.penalty is not None else None
         self._sampled(logits, next_tokens(constrained_logits(logits, rows), params, seen), step is not None)
+
+    def _speculate(self, rows: list[SequenceState]) -> bool:
+        """A decode step that checks prompt-lookup drafts (speculative.py); False when this step does not speculate."""
+        if not self.speculative_tokens or len(rows) > self.speculative_max_rows or \
+                not all(speculative.eligible(s) for s in rows):
+            return False
+        drafts = [speculative.draft(s, self.speculative_tokens, self.context_length) for s in rows]
+        if 2 * sum(bool(d) for d in drafts) < len(rows):  # rows without a draft step as chunks too: not worth it
+            return False
+        chunks = [[s.tokens[-1], *d] for s, d in zip(rows, drafts, strict=True)]
+        starts = [s.position for s in rows]
+        self._runner.cache.reserve(len(rows), max(start + len(c) for start, c in zip(starts, chunks, strict=True)))
+        if self.lora is not None:  # every row goes as a chunk, with its request's adapter
+            self.lora.set_rows([], [s.request for s in rows])
+        logits = self._runner.forward(None, (chunks, [[r] for r in range(len(rows))], starts), every_position=True)
+        choices = logits.argmax(dim=-1).tolist()  # greedy rows only: the model's own token at every position
+        kept = offset = 0
+        for sequence, chunk, drafted in zip(rows, chunks, drafts, strict=True):
+            kept_tokens = speculative.accepted(drafted, choices[offset:offset + len(chunk)])
+            speculative.record(sequence, drafted, kept_tokens)
+            for token in kept_tokens:
+                delta = sequence.accept(token, self.eos_token_ids)
+                kept += 1
+                if delta and sequence.request.on_token is not None and not sequence.request.done:
+                    self._emit(sequence.request, sequence.index, delta)
+                if sequence.finish_reason is not None:
+                    break
+            offset += len(chunk)
+        with self._lock:
+            self._counters["steps"] += 1
+            self._counters["speculative_steps"] += 1
+            self._counters["generated_tokens"] += kept
+            self._counters["draft_tokens"] += sum(len(d) for d in drafts)
+            self._counters["accepted_draft_tokens"] += kept - len(rows)
+        if self._on_step is not None:
+            self._on_step(len(rows))
+        self._running.invalidate()
+        self._sweep()
+        return True
 
     def _sampled(self, logits: torch.Tensor, new: torch.Tensor, decoded: bool) -> None:
         """After a step's draw: logprobs, the step counted when it decoded running rows, the tokens accepted."""

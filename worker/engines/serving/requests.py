@@ -5,13 +5,21 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from core.protocol import SamplingParams, TokenLogprob
 from worker.engines.serving.lora.adapter_cache import LoraWeights
 from worker.engines.serving.sampling.detokenize import Pieces
 from worker.engines.serving.sampling.sampler import row_seed
 from worker.engines.serving.sampling.text_stream import TextStream
+
+if TYPE_CHECKING:
+    import torch
+    from llguidance import LLMatcher
+
+# The finish reason of a constrained sequence whose grammar matcher failed mid-way (its mask then allows only the end
+# of sequence): reported to the client as an error, never as a "stop" with truncated output.
+GRAMMAR_ERROR = "grammar_error"
 
 # on_token(choice index, text delta); a request with params.logprobs set gets a third argument, the logprobs
 # of the tokens that delta came from (a held-back delta's tokens arrive with the next one).
@@ -36,7 +44,7 @@ class Choice:
 
     index: int
     text: str
-    finish_reason: str  # "length" | "stop" | "eos" | "cancelled"
+    finish_reason: str  # "length" | "stop" | "eos" | "cancelled" | GRAMMAR_ERROR
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None  # one per generated token (not the eos), when asked for
 
@@ -74,12 +82,12 @@ class Request:
     future: Future = field(default_factory=Future)
     sequences: list[SequenceState] = field(default_factory=list)
     done: bool = False
-    matchers: list[Any] = field(default_factory=list)  # one grammar matcher per choice when constrained
+    matchers: list[LLMatcher] = field(default_factory=list)  # one grammar matcher per choice when constrained
     adapter: AdapterUse | None = None  # a LoRA adapter over the engine's base model (lora/manager.py)
     tenant: str | None = None  # whose request: the scheduler shares rows and the queue between tenants
     batch: bool = False  # a /v1/batches line: admitted after interactive requests
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (prefix_cache.py)
-    prefix: list[Any] = field(default_factory=list)  # their KV blocks, until copied into the request's rows
+    prefix: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # their KV blocks (keys, values)
 
     def result(self) -> GenerationResult:
         """The outcome from its sequences; a request dropped before it started has empty cancelled choices."""
@@ -125,9 +133,11 @@ class SequenceState:
     seed: int | None  # None when greedy
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    matcher: Any = None  # the grammar matcher of a constrained sequence, advanced by every accepted token
+    matcher: LLMatcher | None = None  # a constrained sequence's grammar matcher, advanced by every accepted token
     logprobs: list[TokenLogprob] | None = None
     unsent: list[TokenLogprob] = field(default_factory=list)  # logprobs not yet streamed with a text delta
+    draft_skip: int = 0  # steps left without a draft after a miss (speculative.py's backoff)
+    draft_backoff: int = 0  # the length of the last such pause
 
     @property
     def position(self) -> int:
@@ -139,8 +149,8 @@ class SequenceState:
         self.tokens.append(token)
         if self.matcher is not None:
             self.matcher.consume_token(token)
-            if self.matcher.is_error():  # the grammar could not be followed: an error the client sees
-                self.finish_reason = "grammar_error"
+            if self.matcher.is_error():  # its mask allowed only eos from here: end as an error, never as a "stop"
+                self.finish_reason = GRAMMAR_ERROR
                 return self.stream.finish()
         if token in eos_ids:
             self.finish_reason = "eos"

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from transformers import GPT2TokenizerFast, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from core.paths import GPT2_TOKENIZER_DIR
 from worker.engines.serving.runners.gpt2_weights import model_type, resolve_folder
+from worker.engines.serving.sampling.grammar_vocab import with_plain_byte_tokens
 
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
 def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
@@ -19,7 +20,7 @@ def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
     if kind != "gpt2":  # Llama, Mistral, Qwen: whatever their tokenizer.json says
         if not (folder / "tokenizer.json").is_file():
             raise ValueError(f"{model}: no tokenizer.json; a {kind} model is served with the fast tokenizer it ships")
-        return PreTrainedTokenizerFast.from_pretrained(folder)
+        return with_plain_byte_tokens(PreTrainedTokenizerFast.from_pretrained(folder))
     if not any((folder / name).exists() for name in _TOKENIZER_FILES):
         return GPT2TokenizerFast.from_pretrained(GPT2_TOKENIZER_DIR)
     return GPT2TokenizerFast.from_pretrained(folder)
@@ -29,8 +30,8 @@ class NoChatTemplate(ValueError):
     """The model's tokenizer has no chat template."""
 
 
-def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-             **template_kwargs: Any) -> list[int]:
+def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+             tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> list[int]:
     """Prompt ids of a chat through the tokenizer's own chat template, with the assistant's turn opened.
 
     `tools` and `template_kwargs` (enable_thinking) go to the template. Raises NoChatTemplate when it has none;
@@ -38,7 +39,7 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[st
     """
     if not getattr(tokenizer, "chat_template", None):
         raise NoChatTemplate("this model has no chat template; use /v1/completions")
-    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+    ids = tokenizer.apply_chat_template(messages, tools=cast(Any, tools), add_generation_prompt=True, tokenize=True,
                                         **template_kwargs)
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 

@@ -217,9 +217,14 @@ class PrefillLayout:
         at = torch.arange(start, start + length, device=self.positions.device)
         return sees(at, start + length, window)[None, None]
 
-    def picked(self, batch: int, device: torch.device) -> torch.Tensor:
-        """Flat token indices that need logits: the `batch` decode rows first, then each prompt's last position."""
-        last = torch.tensor([batch + i * self.width + n - 1 for i, n in enumerate(self.lengths)], device=device)
+    def picked(self, batch: int, device: torch.device, every_position: bool = False) -> torch.Tensor:
+        """Flat token indices that need logits: the `batch` decode rows first, then each prompt's last position (or,
+        `every_position`, every real position of each chunk: speculative decoding checks a draft at each)."""
+        if every_position:
+            last = torch.tensor([batch + i * self.width + j for i, n in enumerate(self.lengths) for j in range(n)],
+                                device=device)
+        else:
+            last = torch.tensor([batch + i * self.width + n - 1 for i, n in enumerate(self.lengths)], device=device)
         return last if batch == 0 else torch.cat([torch.arange(batch, device=device), last])
 
 

@@ -110,7 +110,8 @@ class DecoderRunner:
     def _adapted(self, index: int, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return out if self.lora is None else self.lora.add(index, name, x, out)
 
-    def forward(self, decode: DecodeInput | None, prefill: PrefillInput | None) -> torch.Tensor:
+    def forward(self, decode: DecodeInput | None, prefill: PrefillInput | None, *, every_position: bool = False
+                ) -> torch.Tensor:
         """A decode step for rows 0..B-1 and the prefill of prompt chunks in one pass: logits [B + P, V].
 
         prefill: the chunks, the cache rows of each, where each begins in its prompt (see PrefillLayout).
@@ -169,7 +170,7 @@ class DecoderRunner:
             hidden = self._block(index, hidden, rotary, attend)
         # Only the decode rows and each prompt's last position need logits: the LM head is the largest matmul.
         if layout is not None:
-            hidden = hidden.index_select(0, layout.picked(batch, self.device))
+            hidden = hidden.index_select(0, layout.picked(batch, self.device, every_position))
         return linear(self._norm(hidden, self.weights.norm), self.weights.head, None).float()
 
     def _windows(self) -> set[int]:

@@ -137,7 +137,8 @@ class Gpt2Runner:
         """One step for rows 0..B-1: token b sits at positions[b]; attention covers positions < span. Logits [B, V]."""
         return self.forward((tokens, positions, span), None)
 
-    def forward(self, decode: DecodeInput | None, prefill: PrefillInput | None) -> torch.Tensor:
+    def forward(self, decode: DecodeInput | None, prefill: PrefillInput | None, *, every_position: bool = False
+                ) -> torch.Tensor:
         """A decode step for rows 0..B-1 and the prefill of prompt chunks in one pass: logits [B + P, V].
 
         One pass reads every weight once for both (a separate prefill costs a whole weight read while the
@@ -192,6 +193,6 @@ class Gpt2Runner:
             hidden = self._block(index, hidden, attend)
         # Only the decode rows and each prompt's last position need logits: the LM head is the largest matmul.
         if layout is not None:
-            hidden = hidden.index_select(0, layout.picked(batch, self.device))
+            hidden = hidden.index_select(0, layout.picked(batch, self.device, every_position))
         return self._logits(hidden)
 

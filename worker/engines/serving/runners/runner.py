@@ -32,6 +32,8 @@ class Runner(Protocol):
         """Bytes of the weights the runner holds."""
         ...
 
-    def forward(self, decode: DecodeInput | None, prefill: PrefillInput | None) -> torch.Tensor:
-        """A decode step for rows 0..B-1 and the prefill of prompt chunks in one pass: logits [B + P, V]."""
+    def forward(self, decode: DecodeInput | None, prefill: PrefillInput | None, *, every_position: bool = False
+                ) -> torch.Tensor:
+        """A decode step for rows 0..B-1 and the prefill of prompt chunks in one pass: logits [B + P, V] (with
+        `every_position`, one row of logits per real chunk position instead of each chunk's last)."""
         ...

@@ -16,23 +16,30 @@ closes within a bounded number of tokens.
 
 from __future__ import annotations
 
+import copy
 import json
+import random
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import llguidance
-import llguidance.hf
 import torch
 
 from core.protocol import Constraint
+from worker.engines.serving.sampling.grammar_vocab import llama2_shape
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 # Compiled grammars kept per engine: a client repeating one schema pays its compile once.
 CACHE_SIZE = 64
+# The probe of a newly compiled grammar (probe()): a few short random walks, bounded in time.
+PROBE_WALKS = 4
+PROBE_STEPS = 12
+PROBE_BUDGET_S = 0.5
 _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
@@ -72,6 +79,15 @@ def grammar_text(constraint: Constraint) -> str:
     return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
 
 
+def _ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos: list[int]) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer from a fast HF tokenizer (as llguidance.hf.from_tokenizer builds it, from the backend's
+    JSON without padding or truncation), its decoder and byte tokens put in a shape it reads (grammar_vocab)."""
+    backend = copy.copy(hf_tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return llguidance.LLTokenizer(llama2_shape(backend.to_str()), n_vocab=vocab_size, eos_token=eos)
+
+
 class Grammars:
     """An engine's grammar compiler: the llguidance tokenizer (built on first use) and an LRU of compiled grammars.
 
@@ -95,12 +111,12 @@ class Grammars:
                 self._compiled.move_to_end(constraint)
                 return compiled.deep_copy()
             if self._tokenizer is None:
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size,
-                                                               eos_token=self._eos)
+                self._tokenizer = _ll_tokenizer(self._hf_tokenizer, self._vocab_size, self._eos)
             tokenizer = self._tokenizer
         compiled = llguidance.LLMatcher(tokenizer, grammar_text(constraint), log_level=0)
-        if compiled.is_error():
-            raise GrammarError(f"cannot enforce this {constraint.kind}: {compiled.get_error()}", field_of(constraint))
+        error = compiled.get_error() if compiled.is_error() else probe(compiled, self._vocab_size, self._eos)
+        if error:
+            raise GrammarError(f"cannot enforce this {constraint.kind}: {_first_line(error)}", field_of(constraint))
         with self._lock:
             self._compiled[constraint] = compiled
             while len(self._compiled) > self._size:
@@ -112,6 +128,39 @@ class Grammars:
         """How many compiled grammars are cached."""
         with self._lock:
             return len(self._compiled)
+
+
+def probe(compiled: llguidance.LLMatcher, vocab_size: int, eos: list[int], *, walks: int = PROBE_WALKS,
+          steps: int = PROBE_STEPS, budget_s: float = PROBE_BUDGET_S) -> str | None:
+    """The error a matcher of this grammar meets on a few short seeded random walks through its masks, else None.
+
+    A grammar can compile and still fail once generation starts: an Earley row past llguidance's item limit (600
+    optional properties fail on the first key), a lexer that cannot follow. Its matcher then allows only the end of
+    sequence, which would read as an empty answer; walking it here, off the decode loop, turns that into a 4xx
+    before generation. Each step takes a random allowed token other than eos, so the walk goes into the grammar.
+    """
+    rng = random.Random(0)
+    started = time.monotonic()
+    for _ in range(walks):
+        matcher = compiled.deep_copy()
+        for _ in range(steps):
+            allowed = allowed_tokens([matcher], vocab_size)[0]
+            if matcher.is_error():
+                return str(matcher.get_error())
+            allowed[eos] = False
+            choices = allowed.nonzero()[:, 0]
+            if not len(choices) or time.monotonic() - started > budget_s:
+                break
+            matcher.consume_token(int(choices[rng.randrange(len(choices))]))
+            if matcher.is_error():
+                return str(matcher.get_error())
+        if time.monotonic() - started > budget_s:
+            break
+    return None
+
+
+def _first_line(error: str) -> str:
+    return error.strip().splitlines()[0] if error.strip() else "the matcher failed"
 
 
 def allowed_tokens(matchers: list[llguidance.LLMatcher], vocab_size: int) -> torch.Tensor:

@@ -14,10 +14,11 @@ from worker.engines.serving.sampling.sampler import constrain, step_logprobs
 
 def constrained_logits(logits: torch.Tensor, rows: list[SequenceState]) -> torch.Tensor:
     """The step's logits [len(rows), V] with each constrained row's grammar mask applied (free rows untouched)."""
-    constrained = [i for i, s in enumerate(rows) if s.matcher is not None]
-    if not constrained:
+    matchers = [(i, s.matcher) for i, s in enumerate(rows) if s.matcher is not None]
+    if not matchers:
         return logits
-    allowed = allowed_tokens([rows[i].matcher for i in constrained], logits.shape[-1])
+    constrained = [i for i, _ in matchers]
+    allowed = allowed_tokens([matcher for _, matcher in matchers], logits.shape[-1])
     return constrain(logits, constrained, allowed)
 
 

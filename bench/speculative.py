@@ -1,0 +1,131 @@
+"""Benchmark: speculative decoding with prompt-lookup drafts against plain decoding, on editing and extraction chats.
+
+The same engine settings but `speculative_tokens` (the baseline: 0, plain decoding) decode the same greedy chats:
+"copy this text with one word changed" and "list the words of this text that ..." prompts over SST-2 sentences
+(examples/data), rendered with the model's chat template: answers that repeat their input, the narrow tasks a
+fine-tune serves. At each `--concurrency` c, c chats are submitted at once to one engine; tokens/s is all
+generated tokens over the wall time from submit to the last answer (per stream: divided by c). Every answer is
+compared token for token between the sides (greedy: they must be equal). Sides interleaved (the first side
+alternating per repeat), medians and the spread over `--repeats`, the load average after each run; engine alone,
+fp32 on the CPU unless `--precision`.
+
+    python bench/speculative.py --model ~/.cache/trainserve/smollm2-135m-instruct   # c = 1 and 16, k = 4
+    python bench/speculative.py --model DIR --concurrency 1 --repeats 1 --max-tokens 48 --chats 2   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+
+from worker.engines.serving.engine import GenerationEngine, SamplingParams  # noqa: E402
+
+BASELINE = "plain"
+TASKS = (
+    "Copy the following text exactly, but replace the word \"the\" with \"a\" everywhere. Text: {text}",
+    "Repeat the following sentence word for word, then repeat it once more: {text}",
+    "Rewrite the text below with every word in lowercase, keeping everything else the same.\n\n{text}",
+    "List every word of this text that is longer than four letters, one per line, in order: {text}",
+)
+
+
+def sentences(count: int) -> list[str]:
+    """SST-2 sentences (examples/data/sst2_train_4k.tsv), the longer ones first: the texts the tasks repeat."""
+    with open(ROOT / "examples" / "data" / "sst2_train_4k.tsv", newline="") as handle:
+        rows = [row["sentence"].strip() for row in csv.DictReader(handle, delimiter="\t")]
+    return sorted(rows, key=len, reverse=True)[:count]
+
+
+def chats(engine: GenerationEngine, count: int) -> list[list[int]]:
+    texts = sentences(count)
+    return [engine.encode_chat([{"role": "user", "content": TASKS[i % len(TASKS)].format(text=text)}])
+            for i, text in enumerate(texts)]
+
+
+def run(engine: GenerationEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    """Submit every prompt at once; (generated tokens per second, each answer's token ids)."""
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0)
+    started = time.perf_counter()
+    with engine._lock:  # admitted together
+        futures = [engine.submit(prompt, params) for prompt in prompts]
+    answers = [future.result().choices[0].token_ids for future in futures]
+    elapsed = time.perf_counter() - started
+    return sum(len(a) for a in answers) / elapsed, answers
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.1f}-{max(values):.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a served model's folder (e.g. SmolLM2-135M-Instruct)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--k", type=int, default=4, help="draft tokens per step (the speculative side)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--json", type=Path, help="write the result here (bench/results format)")
+    args = parser.parse_args()
+    top = max(args.concurrency)
+    sides = {BASELINE: 0, f"prompt-lookup k={args.k}": args.k}
+    engines = {name: GenerationEngine(args.model, device="cpu", precision=args.precision, max_batch_size=top,
+                                      speculative_tokens=k, speculative_max_rows=top) for name, k in sides.items()}
+    lines = []
+    try:
+        prompts = chats(engines[BASELINE], top)
+        for engine in engines.values():  # warm up: first forwards allocate and pack
+            run(engine, prompts[:1], 8)
+        for c in args.concurrency:
+            rates: dict[str, list[float]] = {name: [] for name in sides}
+            for repeat in range(args.repeats):
+                order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
+                answers = {}
+                for name in order:
+                    rate, answers[name] = run(engines[name], prompts[:c], args.max_tokens)
+                    rates[name].append(rate)
+                    print(f"c={c} repeat {repeat + 1} {name}: {rate:.1f} tokens/s (load {os.getloadavg()[0]:.2f})",
+                          flush=True)
+                first, *others = answers.values()
+                equal = all(other == first for other in others)
+                print(f"  outputs equal across sides: {equal}")
+                if not equal:
+                    raise SystemExit("speculative decoding changed a greedy answer")
+            stats = engines[f"prompt-lookup k={args.k}"].stats()
+            base = statistics.median(rates[BASELINE])
+            for name, values in rates.items():
+                median = statistics.median(values)
+                line = (f"c={c} {name}: {median:.1f} tokens/s ({median / c:.1f} per stream), spread "
+                        f"{spread(values)}, {median / base:.2f}x {BASELINE}")
+                print(line)
+                lines.append(line)
+            print(f"  drafts kept: {stats['accepted_draft_tokens']} of {stats['draft_tokens']}")
+    finally:
+        for engine in engines.values():
+            engine.close()
+    if args.json:
+        args.json.write_text(json.dumps({
+            "benchmark": "bench/speculative.py",
+            "what": f"Speculative decoding (prompt-lookup drafts, k={args.k}) against plain decoding: greedy "
+                    f"editing and extraction chats over SST-2 sentences, {args.max_tokens} tokens, engine alone, "
+                    f"{args.precision}; outputs equal token for token; medians of {args.repeats} interleaved repeats",
+            "command": "python bench/speculative.py " + " ".join(sys.argv[1:]),
+            "date": date.today().isoformat(),
+            "machine": f"{os.cpu_count()}-core CPU",
+            "load": f"{os.getloadavg()[0]:.2f} at the end",
+            "result": "; ".join(lines),
+        }, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

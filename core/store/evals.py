@@ -1,0 +1,90 @@
+"""Data access for evals, their runs and output items."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from core.rows import Eval, EvalOutputItem, EvalRun
+from core.store.owned import get_owned
+from core.store.paging import newest_first
+
+
+def get_eval(session: Session, *, eval_id: str, tenant: str | None) -> Eval:
+    """One eval visible to `tenant`, or NotFound."""
+    return get_owned(session, Eval, eval_id, what="eval", tenant=tenant)
+
+
+def list_evals(session: Session, *, tenant: str | None, limit: int, after: tuple[str, str] | None) -> list[Eval]:
+    """Newest first."""
+    return list(session.scalars(newest_first(Eval, tenant=tenant, limit=limit, after=after)))
+
+
+def get_run(session: Session, *, eval_id: str, run_id: str, tenant: str | None) -> EvalRun:
+    """One run of the eval, or NotFound."""
+    run = get_owned(session, EvalRun, run_id, what="eval run", tenant=tenant)
+    if run.eval_id != eval_id:
+        from core.errors import NotFound
+
+        raise NotFound(f"eval run {run_id!r} not found")
+    return run
+
+
+def list_runs(session: Session, *, eval_id: str, limit: int, after: tuple[str, str] | None) -> list[EvalRun]:
+    """An eval's runs, newest first."""
+    query = newest_first(EvalRun, tenant=None, limit=limit, after=after).where(EvalRun.eval_id == eval_id)
+    return list(session.scalars(query))
+
+
+def list_output_items(session: Session, *, run_id: str, limit: int, after: int | None, status: str | None,
+                      ascending: bool = True) -> list[EvalOutputItem]:
+    """A run's graded items by item index; `after` is the previous page's last index."""
+    order = EvalOutputItem.datasource_item_id
+    query = select(EvalOutputItem).where(EvalOutputItem.run_id == run_id) \
+        .order_by(order.asc() if ascending else order.desc()).limit(limit)
+    if after is not None:
+        query = query.where(order > after if ascending else order < after)
+    if status is not None:
+        query = query.where(EvalOutputItem.status == status)
+    return list(session.scalars(query))
+
+
+def graded_ids(session: Session, *, run_id: str) -> set[int]:
+    """The item indexes of a run that already have their grades."""
+    return set(session.scalars(select(EvalOutputItem.datasource_item_id).where(EvalOutputItem.run_id == run_id)))
+
+
+def graded_count(session: Session, *, run_id: str) -> int:
+    return int(session.scalar(select(func.count()).where(EvalOutputItem.run_id == run_id)) or 0)
+
+
+Summary = tuple[Counter[str], dict[str, Counter[str]], dict[str, dict[str, int]]]
+
+
+def summary(session: Session, *, run_id: str) -> Summary:
+    """A run's counts: items by status, each criterion's passed/failed, tokens by model (the samples')."""
+    by_status: Counter[str] = Counter()
+    by_criterion: dict[str, Counter[str]] = {}
+    usage: dict[str, dict[str, int]] = {}
+    rows = session.execute(select(EvalOutputItem.status, EvalOutputItem.results, EvalOutputItem.sample)
+                           .where(EvalOutputItem.run_id == run_id))
+    for status, results, sample in rows:
+        by_status[status] += 1
+        for result in results:
+            counts = by_criterion.setdefault(result["name"], Counter())
+            counts["passed" if result.get("passed") else "failed"] += 1
+        _add_usage(usage, sample)
+    return by_status, by_criterion, usage
+
+
+def _add_usage(usage: dict[str, dict[str, int]], sample: dict[str, Any]) -> None:
+    tokens = sample.get("usage") or {}
+    model = str(sample.get("model") or "")
+    total = usage.setdefault(model, {"invocation_count": 0, "prompt_tokens": 0, "completion_tokens": 0,
+                                     "total_tokens": 0, "cached_tokens": 0})
+    total["invocation_count"] += 1
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens"):
+        total[key] += int(tokens.get(key) or 0)

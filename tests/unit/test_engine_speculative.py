@@ -1,0 +1,110 @@
+"""Speculative decoding with prompt-lookup drafts: greedy output equal token for token to plain decoding and to HF
+`generate` (GPT-2 and a llama-family decoder, fp32, alone and several rows at once, adapters included), drafts
+really kept, and requests that must not speculate (sampled, opted out, constrained) decoding one token a step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from core.protocol import Constraint, SamplingParams
+from tests.tiny_chat import build_tiny_llama
+from worker.engines.serving.engine import GenerationEngine
+from worker.engines.serving.speculative import accepted, propose
+
+REPEATING = [11, 12, 13, 14, 15, 16, 11, 12, 13, 14, 15, 16, 11, 12, 13]  # an input the answer is likely to echo
+
+
+def test_propose_takes_what_followed_the_most_recent_longest_match():
+    assert propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # "1 2 3" last seen before 7
+    assert propose([5, 6, 7, 5, 6], 3) == [7, 5, 6]
+    assert propose([1, 2, 3, 4], 3) == []  # the suffix occurs nowhere earlier
+    assert propose([4, 4], 5) == [4]
+
+
+def test_accepted_keeps_agreeing_drafts_then_the_models_token():
+    assert accepted([7, 8, 9], [7, 8, 5, 1]) == [7, 8, 5]
+    assert accepted([7, 8], [7, 8, 6]) == [7, 8, 6]  # all kept, plus the token after them
+    assert accepted([], [4]) == [4]
+    assert accepted([7], [3, 9]) == [3]
+
+
+def greedy(new: int = 40, **kwargs) -> SamplingParams:
+    return SamplingParams(max_new_tokens=new, temperature=0.0, **kwargs)
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], new: int) -> list[int]:
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          do_sample=False, max_new_tokens=new, pad_token_id=0)
+    tokens = out[0, len(prompt):].tolist()
+    eos = hf.generation_config.eos_token_id
+    eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+    for i, token in enumerate(tokens):  # HF pads after eos; the engine's tokens end with it
+        if token in eos_ids:
+            return tokens[:i + 1]
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("spec-llama") / "llama", seed=5)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_greedy_output_is_the_same_with_drafts_and_equals_hf(arch, tiny_gpt2_dir, llama_dir):
+    model_dir = tiny_gpt2_dir if arch == "gpt2" else llama_dir
+    prompts = [REPEATING, REPEATING[3:] + [21, 22], [30, 31, 30, 31, 30]]
+    results = {}
+    for k in (0, 4):
+        with GenerationEngine(model_dir, device="cpu", precision="fp32", max_batch_size=4,
+                              speculative_tokens=k) as engine:
+            with engine._lock:  # all three decode together: drafts checked for several rows in one forward
+                futures = [engine.submit(p, greedy()) for p in prompts]
+            results[k] = [f.result(timeout=120).choices[0].token_ids for f in futures]
+            alone = engine.generate(prompts[0], greedy()).choices[0].token_ids
+            stats = engine.stats()
+        assert alone == results[k][0]
+        if k:  # drafts were checked; the tiny GPT-2 echoes its input, so some were kept: fewer forwards than tokens
+            assert stats["speculative_steps"] > 0, stats
+            if arch == "gpt2":
+                assert stats["accepted_draft_tokens"] > 0 and stats["steps"] < stats["generated_tokens"], stats
+    assert results[4] == results[0]
+    assert results[0][0] == hf_greedy(model_dir, prompts[0], 40)
+
+
+def test_adapter_rows_speculate_with_their_adapter(llama_dir, tmp_path):
+    from core.adapters import AdapterConfig
+    from worker.engines.training import adapters
+
+    torch.manual_seed(0)
+    model = adapters.apply_adapter(AutoModelForCausalLM.from_pretrained(llama_dir),
+                                   AdapterConfig(r=4, alpha=8, target_modules="all-linear"), "causal-lm")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3)
+    model.save_pretrained(tmp_path / "adapter")
+    outputs = {}
+    for k in (0, 4):
+        with GenerationEngine(llama_dir, device="cpu", precision="fp32", max_batch_size=4, speculative_tokens=k,
+                              adapter_folder=lambda name: tmp_path / name) as engine:
+            with engine._lock:
+                futures = [engine.submit(REPEATING, greedy(), adapter="adapter"), engine.submit(REPEATING, greedy())]
+            outputs[k] = [f.result(timeout=120).choices[0].token_ids for f in futures]
+    assert outputs[4] == outputs[0] and outputs[0][0] != outputs[0][1]
+
+
+def test_requests_that_must_not_speculate_decode_one_token_a_step(tiny_gpt2_dir):
+    with GenerationEngine(tiny_gpt2_dir, device="cpu", precision="fp32", max_batch_size=4,
+                          speculative_tokens=4) as engine:
+        for params in (SamplingParams(max_new_tokens=30, temperature=1.0, seed=1),
+                       greedy(30, speculative=False),
+                       greedy(30, constraint=Constraint(kind="regex", spec="[a-z ]{1,40}"))):
+            before = engine.stats()["speculative_steps"]
+            engine.generate(REPEATING, params)
+            assert engine.stats()["speculative_steps"] == before, params

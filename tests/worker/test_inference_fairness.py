@@ -1,0 +1,119 @@
+"""The inference worker shares its model round robin over tenants, drops work whose caller has gone, and bounds a
+request's tokens: its real task code (serve_embed) in threads, as the threads pool runs it, over Redis."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from core.embeddings import EmbedResult, EmbedTask
+from core.redis_keys import abandoned_key, embed_reply_key
+from worker import embedding, fair_turns
+from worker.fair_turns import Abandoned, FairTurns
+
+BIG = [f"sentence number {i} about cats, markets and the weather in spring" for i in range(600)]
+
+
+def test_turns_go_round_robin_over_tenants():
+    turns, order = FairTurns(), []
+    started = threading.Event()
+
+    def run(tenant: str, batches: int) -> None:
+        for i in range(batches):
+            with turns.turn(tenant):
+                order.append(f"{tenant}{i}")
+                started.set()
+                time.sleep(0.1)
+
+    long = [threading.Thread(target=run, args=("a", 6)) for _ in range(2)]  # two requests of one tenant
+    for thread in long:
+        thread.start()
+    started.wait(5)
+    short = [threading.Thread(target=run, args=(t, 1)) for t in ("b", "c")]
+    for thread in short:
+        thread.start()
+    for thread in [*long, *short]:
+        thread.join(10)
+    # b and c wait only for the batch running when they came: not for the other request of a queued before them
+    assert set(order[1:3]) == {"b0", "c0"}, order
+    assert sorted(x for x in order if x.startswith("a")) == sorted([f"a{i}" for i in range(6)] * 2)
+
+
+def test_a_waiting_batch_whose_caller_left_is_dropped(monkeypatch):
+    monkeypatch.setattr(fair_turns, "RECHECK_S", 0.05)
+    turns, gone, outcome = FairTurns(), threading.Event(), []
+
+    def wait() -> None:
+        try:
+            with turns.turn("b", gone=gone.is_set):
+                outcome.append("ran")
+        except Abandoned:
+            outcome.append("dropped")
+
+    with turns.turn("a"):
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        gone.set()
+        waiter.join(5)
+    assert outcome == ["dropped"]
+    with turns.turn("c"):  # the turn is free again
+        pass
+
+
+@pytest.fixture()
+def ctx(settings, queue):
+    from worker.context import WorkerContext
+
+    ctx = WorkerContext(settings, queue)
+    yield ctx
+    ctx.close()
+
+
+def _task(tenant: str, texts: list[str], timeout: float = 120) -> EmbedTask:
+    return EmbedTask(request_id=f"emb-{uuid.uuid4().hex}", model="minilm-l6", texts=texts,
+                     deadline=time.time() + timeout, tenant=tenant)
+
+
+def _serve(ctx, task: EmbedTask, outcome: dict) -> None:
+    outcome["status"] = embedding.serve_embed(ctx, task.model_dump(mode="json"))
+    outcome["at"] = time.monotonic()
+
+
+def test_a_one_sentence_request_is_served_between_the_batches_of_another_tenants_long_one(ctx):
+    """The worker served in arrival order: 2,048-input requests of one tenant made the other's sentence a 504."""
+    embedding.embed(ctx, _task("warm", ["warm the model up"]))
+    big, small = _task("hostile", BIG), _task("normal", ["one short sentence"])
+    long, short = {}, {}
+    worker = threading.Thread(target=_serve, args=(ctx, big, long))
+    worker.start()
+    time.sleep(0.5)  # the long request is computing its batches
+    sent = time.monotonic()
+    _serve(ctx, small, short)
+    worker.join(120)
+    assert short["status"] == long["status"] == "answered"
+    assert short["at"] < long["at"], "the short request waited for the whole long one"
+    assert short["at"] - sent < (long["at"] - sent) / 3
+    reply = EmbedResult.model_validate_json(ctx.redis.lpop(embed_reply_key(small.request_id)))
+    assert reply.error is None and len(reply.embeddings or []) == 1
+
+
+def test_the_rest_of_a_request_is_dropped_once_its_caller_has_gone(ctx):
+    embedding.embed(ctx, _task("warm", ["warm the model up"]))
+    big, outcome = _task("hostile", BIG * 2), {}
+    worker = threading.Thread(target=_serve, args=(ctx, big, outcome))
+    started = time.monotonic()
+    worker.start()
+    time.sleep(0.5)
+    ctx.redis.set(abandoned_key(big.request_id), "1", ex=60)  # the API gave up (timeout or disconnect)
+    worker.join(120)
+    assert outcome["status"] == "skipped" and outcome["at"] - started < 5
+    assert ctx.redis.llen(embed_reply_key(big.request_id)) == 0  # nobody reads it: nothing is pushed
+
+
+def test_a_request_over_the_token_bound_is_refused_naming_input(ctx, settings):
+    settings.max_embedding_tokens = 100
+    result = embedding.embed(ctx, _task("t", ["a few words of text"] * 20))
+    assert result.error is not None and result.error.field == "input" and "at most 100" in result.error.message
