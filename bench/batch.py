@@ -11,7 +11,8 @@ as prompts and `--max-tokens` greedy tokens each.
    `--seconds` s, first alone, then while a batch of `--batch-lines` lines runs (cancelled after). p50 and p99 of
    their end-to-end latency, and the ratio with / without the batch.
 A batch holds at most `--batch-share` of the engine's `max_batch_size` rows while interactive requests are in the
-engine (TRAINSERVE_BATCH_SHARE) and `--batch-idle-share` while none are (TRAINSERVE_BATCH_IDLE_SHARE).
+engine (TRAINSERVE_BATCH_SHARE) and `--batch-idle-share` while none are (TRAINSERVE_BATCH_IDLE_SHARE); by default
+that is `--concurrency` rows, so in 1. the batch decodes as many rows at once as the interactive clients.
 
 `--embeddings`: the batches are /v1/embeddings lines (`minilm-l6`, one SST-2 sentence per line) instead. 1. compares
 inputs/s of the same requests through the interactive /v1/embeddings route (`--concurrency` clients; the inference
@@ -41,10 +42,12 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 from bench.generate import build_model, free_port, start_service  # noqa: E402
+from core.settings import Settings  # noqa: E402
 
 SST2 = ROOT / "examples" / "data" / "sst2_train_4k.tsv"
 MODEL = "bench"
 EMBEDDER = "minilm-l6"
+MAX_ROWS: int = Settings.model_fields["max_batch_size"].default  # the engine's rows (the service's default)
 
 
 def prompts(count: int, offset: int = 0) -> list[str]:
@@ -152,9 +155,13 @@ def main() -> None:
     parser.add_argument("--batch-lines", type=int, default=400, help="lines of the batch running under the probes")
     parser.add_argument("--chunk-lines", type=int, default=64, help="TRAINSERVE_BATCH_CHUNK_LINES")
     parser.add_argument("--batch-share", type=float, default=0.125, help="rows held beside interactive requests")
-    parser.add_argument("--batch-idle-share", type=float, default=0.75, help="rows filled while the engine is idle")
+    parser.add_argument("--batch-idle-share", type=float, default=None,
+                        help="rows filled while the engine is idle (default: --concurrency of max_batch_size rows, "
+                             "the interactive side's budget)")
     parser.add_argument("--embeddings", action="store_true", help="batches of /v1/embeddings lines (minilm-l6)")
     args = parser.parse_args()
+    if args.batch_idle_share is None:  # equal row budgets: the batch alone decodes as many rows as the clients
+        args.batch_idle_share = min(1.0, args.concurrency / MAX_ROWS)
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
         build_model(home / "models" / MODEL, args.layers)

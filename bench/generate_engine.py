@@ -1,4 +1,5 @@
 """GPT-2 generation: the continuous-batching engine vs one-at-a-time and batched `model.generate`; print tokens/s.
+Random weights with eos suppressed in the saved model, so every side generates exactly --max-new-tokens per request.
 
 Usage: HF_HUB_OFFLINE=1 .venv/bin/python bench/generate_engine.py [--requests 32] [--concurrency 16]
        [--max-new-tokens 64] [--layers 12] [--sampling greedy|seeded] [--threads N] [--batched]
@@ -25,9 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: `worker` lives in ROOT
 
 import torch  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast  # noqa: E402
+from transformers import GPT2LMHeadModel, GPT2TokenizerFast  # noqa: E402
 
-from core.paths import GPT2_TOKENIZER_DIR  # noqa: E402
+# GPT-2 small's shape with `layers` blocks, random weights from seed 0, eos suppressed in the saved config and
+# generation config: every side (the engine, and both `generate` baselines) produces exactly max_new_tokens.
+from bench.generate import build_model  # noqa: E402
 from worker.engines.device import resolve_device  # noqa: E402
 from worker.engines.serving.engine import GenerationEngine, SamplingParams  # noqa: E402
 
@@ -52,11 +55,6 @@ def load_prompts(source: Path, count: int) -> list[str]:
     return prompts
 
 
-def build_model(folder: Path, layers: int) -> None:
-    """GPT-2 small's shape (GPT2Config defaults) with `layers` blocks, random weights from seed 0."""
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(n_layer=layers)).save_pretrained(folder, safe_serialization=True)
-    GPT2TokenizerFast.from_pretrained(GPT2_TOKENIZER_DIR).save_pretrained(folder)
 
 
 def run_baseline(folder: Path, prompts: list[str], args: argparse.Namespace) -> dict:
@@ -91,7 +89,7 @@ def run_batched(folder: Path, prompts: list[str], args: argparse.Namespace) -> d
     tokenizer.pad_token = tokenizer.eos_token
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     model = GPT2LMHeadModel.from_pretrained(folder).eval().to(args.device, dtype)
-    # eos suppressed, as the engine is asked for exactly max_new_tokens: equal work on both sides
+    # eos is suppressed in the saved model (build_model); min_new_tokens keeps it so for any model: equal work
     kwargs = {"do_sample": False, "max_new_tokens": args.max_new_tokens, "min_new_tokens": args.max_new_tokens,
               "pad_token_id": tokenizer.eos_token_id}
 

@@ -6,8 +6,8 @@ drawn uniformly from `--min-tokens`..`--max-tokens`, greedy; all from `--seed`. 
 with one shared system prompt of 300-600 tokens (Shakespeare, length drawn from the seed), as chat traffic does.
 Sides, on the same model (`bench/generate.py`'s GPT-2-small shape or `--arch llama`, random weights, eos
 suppressed so every request gets exactly its tokens) and precision (`--precision`, fp32 by default):
-- `static` (the baseline): `bench/static_server.py`, HF `generate` with static batching (up to 16 requests,
-  20 ms wait), streaming each row's tokens as its batch produces them;
+- `static` (the baseline): `bench/static_server.py`, HF `generate` with static batching (up to 32 requests,
+  the service's max_batch_size; 20 ms wait), streaming each row's tokens as its batch produces them;
 - `trainserve`: the whole service (`trainserve up`: API, Celery over Redis, the continuous batcher), streaming.
 Both servers start first and are warmed up; then each trace runs on one side, then the other (the first side
 alternating per repeat), so only one side works at a time. Per side and rate: tokens/s over the trace (tokens
@@ -15,7 +15,8 @@ over first arrival to last end), time to first token, inter-token latency and en
 and goodput: requests/s meeting the SLO (TTFT <= `--slo-ttft` s and mean inter-token latency <= `--slo-itl` s).
 Medians over `--repeats`; the load average as each trace ended; the ratios trainserve / static. Requests the
 service refuses with 429 (past `TRAINSERVE_GENERATION_QUEUE_PER_MODEL` in flight) are counted as `refused`: they
-miss the SLO and are left out of the latency percentiles (the static server never refuses; it queues).
+miss the SLO and count as infinite latency in the percentiles, so p99 reads `inf` once more than 1% are refused
+(the static server never refuses; it queues).
 
     python bench/serve.py                                   # GPT-2 small, 1.5 and 4 requests/s, 80 requests
     python bench/serve.py --chat --rates 1                  # shared system prompt
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import signal
@@ -111,13 +113,14 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summarize(results: list[dict], args: argparse.Namespace) -> dict:
-    """Throughput, latency percentiles (of the requests served) and goodput of one replayed trace; refused
-    requests (429) count against goodput and are reported."""
+    """Throughput, latency percentiles and goodput of one replayed trace; a refused request (429) misses the SLO
+    and has infinite latency in the percentiles (never dropped from them)."""
     span = max(r["end"] for r in results) - min(r["sent"] for r in results)
     served = [r for r in results if not r["refused"]]
-    ttft = [r["times"][0] for r in served if r["times"]]
-    itl = [b - a for r in served for a, b in zip(r["times"], r["times"][1:], strict=False)]
-    e2e = [r["e2e"] for r in served]
+    refused = [math.inf] * (len(results) - len(served))
+    ttft = [r["times"][0] for r in served if r["times"]] + refused
+    itl = [b - a for r in served for a, b in zip(r["times"], r["times"][1:], strict=False)] + refused
+    e2e = [r["e2e"] for r in served] + refused
 
     def meets(r: dict) -> bool:
         gaps = len(r["times"]) - 1

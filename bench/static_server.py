@@ -9,7 +9,10 @@ the baseline `bench/serve.py` compares continuous batching with.
     POST /generate {"prompt": str, "max_tokens": int}  ->  text/event-stream of
         data: {"token": id} ... data: {"done": true, "text": str, "completion_tokens": n}
 
-    python bench/static_server.py --model FOLDER --port 8100 [--max-batch 16] [--max-wait-ms 20] [--dtype fp32]
+    python bench/static_server.py --model FOLDER --port 8100 [--max-batch 32] [--max-wait-ms 20] [--dtype fp32]
+
+`--max-batch` defaults to the service's own row budget (TRAINSERVE_MAX_BATCH_SIZE's default), so both sides of
+`bench/serve.py` decode at most as many rows at once.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import asyncio
 import json
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +34,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from core.settings import Settings  # noqa: E402
 
 
 class Body(BaseModel):
@@ -142,7 +149,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--max-batch", type=int, default=Settings.model_fields["max_batch_size"].default,
+                        help="requests per batch (default: the service's max_batch_size)")
     parser.add_argument("--max-wait-ms", type=float, default=20.0)
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     args = parser.parse_args()

@@ -2,7 +2,9 @@
 
 A `.jsonl` upload whose first record has `messages` is a chat dataset (format "chat"); one with
 `preferred_output` is a preference dataset ("preference", for DPO); one with `prompt` and `completion` is a
-completion dataset ("completion"). Every other JSON Lines file stays a table. Each line is checked as it streams
+completion dataset ("completion"); one whose `messages` end before an assistant turn is a prompts dataset
+("prompts", for reinforcement fine-tuning: the model answers each, a grader scores the answer against the record's
+other fields). Every other JSON Lines file stays a table. Each line is checked as it streams
 (roles, string contents, an assistant turn to learn from, `weight` 0 or 1 on assistant turns only), and every
 defect is a ValidationFailed('file', 'line N: ...'). A conversation may carry `tools` and `parallel_tool_calls`
 (a preference record in its `input`), assistant turns with `tool_calls` (names among the tools, arguments a JSON
@@ -27,11 +29,13 @@ from core.tool_calls import ToolSpecError, check_tool_calls, check_tools
 ROLES = ("system", "user", "assistant", "tool")
 MESSAGE_KEYS = {"role", "content", "weight", "name", "tool_calls", "tool_call_id"}
 TOOL_KEYS = {"tools", "parallel_tool_calls"}  # a conversation's own tools (OpenAI's fine-tuning format)
+TOOL_TEMPLATE_TOKENS = 1024  # a template's instructions around the tools (Qwen 2.5's: about 100 tokens)
 MAX_MESSAGES = 1000
 COLUMNS = {
     "chat": ["messages"],
     "preference": ["input", "preferred_output", "non_preferred_output"],
     "completion": ["prompt", "completion"],
+    "prompts": ["messages"],
 }
 CHAT_FORMATS = tuple(COLUMNS)
 MAX_LENGTH = 1024  # tokens per rendered conversation when a job gives no block_size (admission estimates it too)
@@ -70,7 +74,9 @@ def _format_of(line: str) -> str | None:
     if not isinstance(record, dict):
         return None
     if "messages" in record:
-        return "chat"
+        messages = record["messages"]
+        last = messages[-1] if isinstance(messages, list) and messages else None
+        return "prompts" if isinstance(last, dict) and last.get("role") in ("user", "system") else "chat"
     if "preferred_output" in record or "non_preferred_output" in record:
         return "preference"
     if "prompt" in record and "completion" in record:
@@ -195,13 +201,26 @@ def check_completion(record: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-CHECKS = {"chat": check_chat, "preference": check_preference, "completion": check_completion}
+def check_prompts(record: dict[str, Any]) -> dict[str, Any]:
+    """{"messages": [...ending with a user or system turn], any other fields a grader refers to (item.*)}."""
+    messages = check_messages(record.get("messages"))
+    if messages[-1]["role"] == "assistant":
+        raise RecordError("messages ends with an assistant turn; a prompt ends with the turn the model answers")
+    if any("weight" in message for message in messages):
+        raise RecordError("weight has no meaning in a prompt (the sampled answers are what is trained)")
+    return record
+
+
+CHECKS = {"chat": check_chat, "preference": check_preference, "completion": check_completion,
+          "prompts": check_prompts}
 
 
 def _text_bytes(messages: list[dict[str, Any]], tools: Any = None) -> int:
     """The UTF-8 bytes of the messages' contents, names and tool calls, and of the tools' specs, as JSON."""
     calls = [m["tool_calls"] for m in messages if m.get("tool_calls")]
-    extra = len(json.dumps([calls, tools], ensure_ascii=False).encode()) if calls or tools else 0
+    extra = len(json.dumps(calls, ensure_ascii=False).encode()) if calls else 0
+    if tools:  # templates write the specs indented (Llama 3.1: indent=4) beside their own instructions
+        extra += 2 * len(json.dumps(tools, ensure_ascii=False, indent=4).encode()) + TOOL_TEMPLATE_TOKENS
     return extra + sum(len((m.get("content") or "").encode()) + len(str(m.get("name", "")).encode())
                        + len(str(m.get("tool_call_id", "")).encode()) for m in messages)
 

@@ -40,6 +40,7 @@ from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 from core.adapters import AdapterConfig, PreferenceConfig, SupervisedConfig
 from core.errors import ValidationFailed
 from core.hyperparams import Hyperparameters, LMHyperparameters, TrainingHyperparameters
+from core.reinforcement import ReinforcementConfig
 from core.tasks import MAX_JOB_DEVICES
 from core.vocab import TaskKind
 
@@ -125,16 +126,18 @@ class ClassificationJob(JobSpec):
 
 class CausalLMJob(JobSpec):
     """Train a fresh GPT-2 (model_config) or continue a causal LM (base_model) on a text corpus, or fine-tune
-    base_model on chat data (SFT: loss on assistant turns) or preference pairs (DPO)."""
+    base_model on chat data (SFT: loss on assistant turns), preference pairs (DPO) or prompts scored by a grader
+    (reinforcement: GRPO)."""
 
     task: Literal[TaskKind.CAUSAL_LM]
     hyperparameters: LMHyperparameters = Field(default_factory=LMHyperparameters)
     adapter: AdapterConfig | None = Field(
         None, description="LoRA: train a low-rank adapter on the frozen base_model instead of all its weights.")
-    method: Annotated[SupervisedConfig | PreferenceConfig, Field(discriminator="method")] = Field(
+    method: Annotated[SupervisedConfig | PreferenceConfig | ReinforcementConfig, Field(discriminator="method")] = Field(
         default_factory=SupervisedConfig,
         description="sft (default): next-token loss on a text corpus, or on the assistant turns of a chat or "
-                    "completion dataset; dpo: preference pairs, needs an adapter and a base_model.")
+                    "completion dataset; dpo: preference pairs, needs an adapter and a base_model; reinforcement: "
+                    "GRPO on a prompts dataset, rewarded by a grader.")
 
 
 def task_name(spec: type[JobSpec]) -> str:
@@ -310,7 +313,8 @@ def stored_hyperparameters(task: str, stored: Mapping[str, Any]) -> TrainingHype
 
 
 register(JobKind(ClassificationJob, {"eval_loss": False, "eval_accuracy": True, "eval_f1": True}))
-register(JobKind(CausalLMJob, {"eval_loss": False, "perplexity": False}, holds_out_eval=True, chat_data=True))
+register(JobKind(CausalLMJob, {"eval_loss": False, "perplexity": False, "eval_reward": True}, holds_out_eval=True,
+                  chat_data=True))
 if TYPE_CHECKING:
     JobCreate = JobSpec
 else:

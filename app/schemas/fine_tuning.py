@@ -66,6 +66,28 @@ class DpoHyperparameters(SupervisedHyperparameters):
     beta: Auto | Annotated[float, Field(gt=0, le=100)] = "auto"
 
 
+class ReinforcementHyperparameters(SupervisedHyperparameters):
+    """OpenAI's reinforcement hyperparameters; GRPO's own (beta, temperature, loss_type...) by trainserve's name."""
+
+    compute_multiplier: Auto | Annotated[float, Field(gt=0, le=16)] = Field(
+        "auto", description="Scales the completions sampled per prompt (trainserve's default group of 4).")
+    eval_interval: Auto | Annotated[int, Field(ge=1, le=10_000_000)] = Field(
+        "auto", description="Training steps between validation runs (the job's eval_steps).")
+    eval_samples: Auto | Annotated[int, Field(ge=1, le=64)] = Field(
+        "auto", description="Completions sampled per validation prompt.")
+    reasoning_effort: Literal["default", "low", "medium", "high"] | None = Field(
+        None, description="Only default: the models trainserve trains have no reasoning-effort setting; bound "
+                          "the answers with max_completion_tokens.")
+
+
+class ReinforcementMethod(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    grader: dict[str, Any] = Field(description="The grader whose score is the reward (OpenAI's grader shapes; "
+                                               "graders that need a served model are refused).")
+    hyperparameters: ReinforcementHyperparameters = Field(default_factory=ReinforcementHyperparameters)
+
+
 class SupervisedMethod(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -81,9 +103,10 @@ class DpoMethod(BaseModel):
 class MethodCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["supervised", "dpo"]
+    type: Literal["supervised", "dpo", "reinforcement"]
     supervised: SupervisedMethod | None = None
     dpo: DpoMethod | None = None
+    reinforcement: ReinforcementMethod | None = None
 
 
 class JobEval(BaseModel):
@@ -146,16 +169,24 @@ class HyperparametersRead(BaseModel):
     learning_rate_multiplier: float | None = None
     n_epochs: float | None = None
     beta: float | None = None
+    compute_multiplier: float | None = None
+    eval_interval: int | None = None
+    eval_samples: int | None = None
 
 
 class MethodHyperparameters(BaseModel):
     hyperparameters: HyperparametersRead
 
 
+class ReinforcementRead(MethodHyperparameters):
+    grader: dict[str, Any]
+
+
 class MethodRead(BaseModel):
-    type: Literal["supervised", "dpo"]
+    type: Literal["supervised", "dpo", "reinforcement"]
     supervised: MethodHyperparameters | None = None
     dpo: MethodHyperparameters | None = None
+    reinforcement: ReinforcementRead | None = None
 
 
 class FineTuningJob(BaseModel):

@@ -1,10 +1,11 @@
 """/v1/fine_tuning/jobs over trainserve's jobs: the same job (same id) under /jobs and under OpenAI's API.
 
-A request maps onto one job spec: `model` is base_model, the files are datasets, `method` supervised is sft and
-dpo is dpo (with the default LoRA adapter unless one is given: DPO's reference model is the base with the adapter
-off). "auto" leaves trainserve's default of the job's kind; learning_rate_multiplier scales the default learning
-rate. A validation error names OpenAI's field (training_file, method.dpo.hyperparameters.n_epochs...).
-A succeeded job's `fine_tuned_model` is its id: the name /v1/chat/completions and /v1/completions serve it by.
+A request maps onto one job spec: `model` is base_model, the files are datasets, `method` supervised is sft, dpo is
+dpo and reinforcement is reinforcement (the last two with the default LoRA adapter unless one is given: their
+reference model is the base with the adapter off; a reinforcement job's grader is validated with the spec). "auto"
+leaves trainserve's default of the job's kind; learning_rate_multiplier scales the default learning rate. A
+validation error names OpenAI's field (training_file, method.dpo.hyperparameters.n_epochs...). A succeeded job's
+`fine_tuned_model` is its id: the name /v1/chat/completions and /v1/completions serve it by.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from app.schemas.fine_tuning import (
     JobError,
     MethodHyperparameters,
     MethodRead,
+    ReinforcementHyperparameters,
+    ReinforcementMethod,
+    ReinforcementRead,
     SupervisedHyperparameters,
 )
 from app.services import evals, jobs
@@ -34,6 +38,7 @@ from core.errors import NotFound, ValidationFailed
 from core.hyperparams import default
 from core.jobspec import KINDS, kind_of, kinds_where, validate_spec
 from core.queue import TaskQueue
+from core.reinforcement import ReinforcementConfig
 from core.rows import EventKind, Job, JobEvent, JobStatus, utcnow
 from core.settings import Settings
 from core.storage import ArtifactStore
@@ -45,7 +50,8 @@ SPEC_FIELDS = {"train_dataset": "training_file", "eval_dataset": "validation_fil
                "method.beta": "method.dpo.hyperparameters.beta", "method": "method.type"}
 EVENT_ID = re.compile(r"^ftevent-([0-9]{1,10})$")
 LEVELS = {"warning": "warn", "warn": "warn", "error": "error"}
-METHODS = {"supervised": "sft", "dpo": "dpo"}  # OpenAI's method type -> the job spec's method (JobKind.methods)
+METHODS = {"supervised": "sft", "dpo": "dpo", "reinforcement": "reinforcement"}  # OpenAI's -> the spec's method
+REINFORCEMENT_SAMPLES = default(ReinforcementConfig, "samples")
 
 
 def create_job(session: Session, settings: Settings, storage: ArtifactStore, queue: TaskQueue,
@@ -71,15 +77,22 @@ def job_spec(body: FineTuningJobCreate) -> tuple[dict[str, Any], dict[str, str],
     if method is not None and body.hyperparameters is not None:
         raise ValidationFailed("hyperparameters", "give the hyperparameters in method, not both")
     if method is not None:
-        chosen = method.dpo if method.type == "dpo" else method.supervised
-        other = "supervised" if method.type == "dpo" else "dpo"
-        if getattr(method, other) is not None:
-            raise ValidationFailed(f"method.{other}", f"method.type is {method.type}; give method.{method.type}")
+        chosen = getattr(method, method.type)
+        for other in METHODS:
+            if other != method.type and getattr(method, other) is not None:
+                raise ValidationFailed(f"method.{other}", f"method.type is {method.type}; give method.{method.type}")
+        if chosen is None and method.type == "reinforcement":
+            raise ValidationFailed("method.reinforcement", "method reinforcement needs method.reinforcement.grader")
     method_type = method.type if method is not None else "supervised"
     hp: SupervisedHyperparameters = (chosen.hyperparameters if chosen is not None
                                      else body.hyperparameters or SupervisedHyperparameters())
     where = f"method.{method_type}.hyperparameters" if method is not None else "hyperparameters"
-    values, names = _hyperparameters(body.task, hp, where)
+    reinforcement = _reinforcement(chosen, where) if isinstance(chosen, ReinforcementMethod) else None
+    values, names = _hyperparameters(body.task, hp, where, exclude=set(reinforcement or {}))
+    if isinstance(hp, ReinforcementHyperparameters):
+        if hp.eval_interval != "auto":
+            values["eval_steps"], names["eval_steps"] = hp.eval_interval, "eval_interval"
+        values.setdefault("metric_for_best", "eval_reward")
     if body.seed is not None:
         values["seed"] = body.seed
         names["seed"] = "seed"
@@ -100,15 +113,40 @@ def job_spec(body: FineTuningJobCreate) -> tuple[dict[str, Any], dict[str, str],
     if method_name == "dpo":
         beta = getattr(hp, "beta", "auto")
         spec["method"].update({} if beta == "auto" else {"beta": beta})
+    if reinforcement is not None:
+        spec["method"].update(reinforcement)
+    if method_name in ("dpo", "reinforcement"):
         adapter = adapter or AdapterConfig()
     if adapter is not None:
         spec["adapter"] = adapter.model_dump(mode="json")
     return spec, names, where
 
 
-def _hyperparameters(task: str, hp: SupervisedHyperparameters, where: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """trainserve's hyperparameters from OpenAI's ("auto": left to the default) and trainserve's own names."""
-    values: dict[str, Any] = dict(hp.model_extra or {})
+def _reinforcement(chosen: ReinforcementMethod, where: str) -> dict[str, Any]:
+    """The spec's reinforcement method fields: the grader, OpenAI's sampling settings, GRPO's own given by name."""
+    hp = chosen.hyperparameters
+    if hp.reasoning_effort not in (None, "default"):
+        raise ValidationFailed(f"{where}.reasoning_effort", "reasoning_effort: trainserve's models have no "
+                                                            "reasoning effort; bound answers with "
+                                                            "max_completion_tokens")
+    own = set(ReinforcementConfig.model_fields) - {"method", "grader"}
+    fields: dict[str, Any] = {"grader": chosen.grader}
+    fields.update({name: value for name, value in (hp.model_extra or {}).items() if name in own})
+    if hp.compute_multiplier != "auto":
+        if "samples" in fields:
+            raise ValidationFailed(f"{where}.compute_multiplier", "give compute_multiplier or samples, not both")
+        fields["samples"] = max(2, round(REINFORCEMENT_SAMPLES * float(hp.compute_multiplier)))
+    if hp.eval_samples != "auto":
+        fields["eval_samples"] = hp.eval_samples
+    return fields
+
+
+def _hyperparameters(task: str, hp: SupervisedHyperparameters, where: str,
+                     exclude: set[str] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """trainserve's hyperparameters from OpenAI's ("auto": left to the default) and trainserve's own names (but
+    those in `exclude`: a method's own)."""
+    values: dict[str, Any] = {name: value for name, value in (hp.model_extra or {}).items()
+                              if name not in (exclude or set())}
     names = {name: name for name in values}
     model = kind_of(task).hyperparameters
     for ours, theirs, value in (("epochs", "n_epochs", hp.n_epochs), ("batch_size", "batch_size", hp.batch_size),
@@ -132,6 +170,10 @@ def renamed(exc: ValidationFailed, names: dict[str, str], where: str) -> Validat
         return exc
     if field in SPEC_FIELDS:
         new = SPEC_FIELDS[field]
+    elif field.startswith("method.reinforcement"):  # the spec's method union tags its member
+        rest = field.removeprefix("method.reinforcement").lstrip(".")
+        # The method's own check (the grader runs in the training process) has no location below the method.
+        new = f"method.reinforcement.{rest or 'grader'}" if not rest or rest.startswith("grader") else f"{where}.{rest}"
     elif field.startswith("hyperparameters."):
         name = field.split(".", 1)[1]
         new = "seed" if names.get(name) == "seed" else f"{where}.{names.get(name, name)}"
@@ -156,9 +198,19 @@ def fine_tuning_job(job: Job, started: dict[str, Any] | None = None) -> FineTuni
     `started`: its engine's report at the start (a chat job's tokens per epoch)."""
     hp = job.hyperparameters or {}
     method = job.method or {}
-    method_type = "dpo" if method.get("method") == "dpo" else "supervised"
+    method_type = {"dpo": "dpo", "reinforcement": "reinforcement"}.get(str(method.get("method")), "supervised")
     resolved = HyperparametersRead(batch_size=hp.get("batch_size"), learning_rate_multiplier=_multiplier(job),
-                                   n_epochs=hp.get("epochs"), beta=method.get("beta") if method_type == "dpo" else None)
+                                   n_epochs=hp.get("epochs"), beta=method.get("beta") if method_type != "supervised"
+                                   else None)
+    if method_type == "reinforcement":
+        resolved = resolved.model_copy(update={
+            "compute_multiplier": round(method.get("samples", REINFORCEMENT_SAMPLES) / REINFORCEMENT_SAMPLES, 6),
+            "eval_interval": hp.get("eval_steps"), "eval_samples": method.get("eval_samples")})
+        method_read = MethodRead(type="reinforcement", reinforcement=ReinforcementRead(
+            hyperparameters=resolved, grader=method.get("grader") or {}))
+    else:
+        method_read = MethodRead(type=method_type,  # type: ignore[arg-type]
+                                 **{method_type: MethodHyperparameters(hyperparameters=resolved)})
     error = job.error or None
     running_eta = job.status == JobStatus.RUNNING and job.eta_seconds is not None
     return FineTuningJob(
@@ -173,7 +225,7 @@ def fine_tuning_job(job: Job, started: dict[str, Any] | None = None) -> FineTuni
         estimated_finish=int((job.heartbeat_at or utcnow()).timestamp() + job.eta_seconds)  # type: ignore[operator]
         if running_eta else None,
         metadata={str(k): str(v) for k, v in job.metadata_.items()} if job.metadata_ else None,
-        method=MethodRead(type=method_type, **{method_type: MethodHyperparameters(hyperparameters=resolved)}),
+        method=method_read,
         user_provided_suffix=job.suffix)
 
 

@@ -26,6 +26,7 @@ from core.jobspec import CausalLMJob, ClassificationJob, JobSpec, task_name
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
 from core.precision import auto_precision
 from core.protocol import ErrorCode
+from core.reinforcement import ReinforcementConfig
 from core.rows import Dataset
 from core.settings import Settings
 from core.tabular import MAX_LABEL_CHARS, MAX_TRACKED_VALUES, label_space, name_list, short, to_label
@@ -100,6 +101,9 @@ def causal_lm_fields(settings: Settings, spec: CausalLMJob, train: Dataset, eval
             longest = longest_tokens(train.column_stats)
             seq_len = min(hp.block_size or CHAT_MAX_LENGTH, longest or CHAT_MAX_LENGTH,
                           context if isinstance(context, int) else CHAT_MAX_LENGTH)
+        if isinstance(spec.method, ReinforcementConfig):  # each prompt trains `samples` rows of prompt + answer
+            hp = hp.model_copy(update={"batch_size": hp.batch_size * spec.method.samples})
+            seq_len += spec.method.max_completion_tokens
         require_fit(settings, base_config, "base_model", head="causal-lm", hp=hp, seq_len=seq_len,
                     devices=spec.devices, adapter=spec.adapter)
         return {"base_model_path": base_path, "labels": []}

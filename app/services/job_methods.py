@@ -1,11 +1,13 @@
 """What a job's adapter and method ask of its datasets and base model, checked at POST /jobs.
 
-A causal-lm job trains on a text corpus (a table's text column, or .txt) with next-token loss, or on a chat
-dataset (core.chat_data): a chat or completion dataset with method sft (loss on the replies), a preference
-dataset with method dpo. DPO needs a base_model and an adapter (its reference model is the base with the
-adapter switched off); chat data needs a base_model whose tokenizer has a chat template (a completion dataset
-renders without one). A kind trains on chat data when its registry entry says so (JobKind.chat_data), else on
-tables only. The worker picks the engine by the same rule (worker.engines.training.kinds.engine_name).
+A causal-lm job trains on a text corpus (a table's text column, or .txt) with next-token loss, or on a chat dataset
+(core.chat_data): a chat or completion dataset with method sft (loss on the replies), a preference dataset with
+method dpo, a prompts dataset with method reinforcement (GRPO, rewarded by a grader). DPO needs a base_model and an
+adapter (its reference model is the base with the adapter switched off); so does reinforcement with a KL penalty
+(beta > 0), which trains all weights only without one; chat data needs a base_model whose tokenizer has a chat
+template (a completion dataset renders without one). A kind trains on chat data when its registry entry says so
+(JobKind.chat_data), else on tables only. The worker picks the engine by the same rule
+(worker.engines.training.kinds.engine_name).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from core.adapters import PreferenceConfig
 from core.auth import Principal
 from core.batch_data import BATCH_FORMAT
 from core.chat_data import CHAT_FORMATS
@@ -26,7 +27,10 @@ from core.served_models import NAME_RE, is_job_model
 from core.settings import Settings
 from core.store.owned import get_owned
 
-NEEDS_TEMPLATE = ("chat", "preference")
+NEEDS_TEMPLATE = ("chat", "preference", "prompts")
+# The datasets each method trains on (the job spec's method -> core.chat_data formats).
+METHOD_FORMATS = {"sft": ("chat", "completion"), "dpo": ("preference",), "reinforcement": ("prompts",)}
+FORMAT_METHODS = {"preference": "dpo", "prompts": "reinforcement"}
 
 
 def resolve_base(session: Session, settings: Settings, principal: Principal, spec: JobSpec) -> str | None:
@@ -78,23 +82,32 @@ def method_fields(spec: JobSpec, train: Dataset, evaluation: Dataset | None,
     method = getattr(spec, "method", None)  # the kinds with methods (JobKind.methods) have the field
     if method is None:
         return {"adapter": adapter.model_dump(mode="json") if adapter else None, "method": None}
-    dpo = isinstance(method, PreferenceConfig)
-    wanted = ("preference",) if dpo else ("chat", "completion")
+    name = method.method
+    wanted = METHOD_FORMATS[name]
     for field, dataset in (("train_dataset", train), ("eval_dataset", evaluation)):
         if dataset is None:
             continue
-        if dpo and dataset.format not in wanted:
-            raise ValidationFailed(field, f"method dpo trains on a preference dataset; {dataset.id} is "
+        if name != "sft" and dataset.format not in wanted:
+            raise ValidationFailed(field, f"method {name} trains on a {wanted[0]} dataset; {dataset.id} is "
                                           f"{dataset.format}")
-        if not dpo and dataset.format == "preference":
-            raise ValidationFailed(field, f"{dataset.id} is a preference dataset: train it with "
-                                          "method {\"method\": \"dpo\"} and an adapter")
+        if name == "sft" and dataset.format in FORMAT_METHODS:
+            raise ValidationFailed(field, f"{dataset.id} is a {dataset.format} dataset: train it with method "
+                                          f"{{\"method\": \"{FORMAT_METHODS[dataset.format]}\"}}")
         if field == "eval_dataset" and is_chat(dataset) != is_chat(train):
             raise ValidationFailed(field, "the eval dataset must be chat data when the training data is, "
                                           "and a text corpus when it is one")
-    if dpo and adapter is None:
+    if name == "dpo" and adapter is None:
         raise ValidationFailed("adapter", "method dpo needs an adapter: its reference model is the base with "
                                           "the adapter switched off")
+    hp = spec.hyperparameters
+    if "metric_for_best" in hp.model_fields_set and (hp.metric_for_best == "eval_reward") != (name == "reinforcement"):
+        raise ValidationFailed("hyperparameters.metric_for_best", "eval_reward (the mean reward of the validation "
+                                                                  "answers) is the one eval metric method "
+                                                                  "reinforcement reports, and no other method does")
+    if name == "reinforcement" and adapter is None and getattr(method, "beta", 0) > 0:
+        raise ValidationFailed("adapter", "method reinforcement with a KL penalty (beta > 0) needs an adapter: its "
+                                          "reference model is the base with the adapter switched off; give one, or "
+                                          "beta 0 to train all weights")
     if is_chat(train):
         if spec.base_model is None or base_path is None:
             raise ValidationFailed("base_model", f"a {train.format} dataset fine-tunes a base_model")

@@ -154,7 +154,7 @@ def test_auto_hyperparameters_take_trainserves_defaults_and_values_map_onto_the_
      "method.supervised.hyperparameters.learning_rate_multiplier"),
     ({"method": {"type": "supervised", "supervised": {"hyperparameters": {"block_size": 0}}}},
      "method.supervised.hyperparameters.block_size"),
-    ({"method": {"type": "reinforcement"}}, "method.type"),
+    ({"method": {"type": "reinforcement"}}, "method.reinforcement"),
     ({"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0}}}}, "method.dpo.hyperparameters.beta"),
     ({"method": {"type": "dpo"}}, "training_file"),  # a chat file, not preference pairs
     ({"validation_file": "ds_0000000000000000"}, "validation_file"),

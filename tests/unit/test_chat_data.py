@@ -27,6 +27,8 @@ TOOL_CHAT = {"tools": [WEATHER], "parallel_tool_calls": False, "messages": [
 TOOL_PREFERENCE = {"input": {"messages": [{"role": "user", "content": "Weather in Rome?"}], "tools": [WEATHER]},
                    "preferred_output": [{"role": "assistant", "tool_calls": [CALL]}],
                    "non_preferred_output": [{"role": "assistant", "content": "No idea."}]}
+PROMPTS = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+           "answer": "4", "accepted": ["4", "four"]}
 
 
 def _write(tmp_path: Path, records: list, name: str = "d.jsonl") -> Path:
@@ -41,6 +43,7 @@ def _write(tmp_path: Path, records: list, name: str = "d.jsonl") -> Path:
     (COMPLETION, "completion", ["prompt", "completion"]),
     (TOOL_CHAT, "chat", ["messages"]),
     (TOOL_PREFERENCE, "preference", ["input", "preferred_output", "non_preferred_output"]),
+    (PROMPTS, "prompts", ["messages"]),
 ])
 def test_each_format_is_detected_and_summarized(tmp_path, record, fmt, columns):
     path = _write(tmp_path, ["", record, record])
@@ -111,6 +114,19 @@ def test_defects_name_the_line_and_the_field(tmp_path, record, expected):
         summarize_upload(path, "jsonl")
     assert caught.value.field == "file"
     assert caught.value.message.startswith("line 3: ") and expected in caught.value.message, caught.value.message
+
+
+@pytest.mark.parametrize(("record", "expected"), [
+    ({"messages": [{"role": "user", "content": "Hi", "weight": 1}]}, "weight is allowed on assistant messages only"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+     "ends with an assistant turn"),
+    ({"answer": "4"}, "messages must be a non-empty list"),
+])
+def test_a_prompts_line_is_checked(tmp_path, record, expected):
+    path = _write(tmp_path, [PROMPTS, record])
+    with pytest.raises(ValidationFailed) as caught:
+        summarize_upload(path, "jsonl")
+    assert caught.value.message.startswith("line 2: ") and expected in caught.value.message, caught.value.message
 
 
 def test_a_later_line_in_another_format_is_refused(tmp_path):

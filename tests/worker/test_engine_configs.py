@@ -23,7 +23,10 @@ from worker.training.config import best_fields
 
 COMMON: dict[str, Any] = {"train_file": Path("train.jsonl"), "eval_file": None, "output_dir": Path("out"),
                           "checkpoint_dir": Path("ckpt"), "text_column": "text", "device": "cpu"}
-ROW = SimpleNamespace(base_model_path="base", label_column="label", model_config_=None, adapter=None, method=None)
+# A reinforcement method (the prompts entry needs its grader; every other entry reads past it).
+METHOD = {"method": "reinforcement", "grader": {"type": "string_check", "name": "g", "input": "{{sample.output_text}}",
+                                                "reference": "1", "operation": "eq"}}
+ROW = SimpleNamespace(base_model_path="base", label_column="label", model_config_=None, adapter=None, method=METHOD)
 
 
 def _task(entry: str) -> str:

@@ -10,6 +10,12 @@ export const PANELS = [
   ["Learning rate", ["learning_rate"]],
   ["Throughput", ["samples_per_second", "tokens_per_second"]],
 ];
+// A reinforcement job's steps also report rewards, KL to the base, clipping and completion length.
+export const REINFORCEMENT_PANELS = [
+  ["Reward", ["reward_mean", "reward_std", "eval_reward"]],
+  ["Policy", ["kl", "clip_fraction"]],
+  ["Completions", ["completion_length"]],
+];
 export const MAX_POINTS = 2000;  // per metric: the server keeps each bucket's min and max beyond this
 
 const seconds = (iso, origin) => (Date.parse(iso) - origin) / 1000;
@@ -21,7 +27,8 @@ export async function renderJob(root, jobId, signal) {
   const error = h("div");
   const controls = chartControls((state) => charts.forEach((c) => c.setOptions(state)));
   const grid = h("div.charts");
-  const charts = PANELS.map(([title, names]) => new MetricChart(grid, title,
+  const panels = job.method?.method === "reinforcement" ? [...REINFORCEMENT_PANELS, ...PANELS] : PANELS;
+  const charts = panels.map(([title, names]) => new MetricChart(grid, title,
     names.map((name, i) => ({ key: name, label: name, color: PALETTE[i] })), controls.state));
   const eventsBox = h("div.events.card", { id: "events" });
   const settingsBox = h("div");

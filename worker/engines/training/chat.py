@@ -85,21 +85,9 @@ class ChatRecipe:
             raise ValueError(f"no training record keeps a reply within max_length={self.max_length} tokens")
         self.eval_set = self._examples(config.eval_file)[0] if config.eval_file is not None else []
         self.lengths = np.array([_length(example) for example in self.train_set])
-        model_config = AutoConfig.from_pretrained(config.base_model, trust_remote_code=False)
-        arch = architecture(model_config.to_dict())
         rows = config.batch_size * (2 if config.preference else 1)
-        trainable = None if arch is None or config.adapter is None else adapter_parameter_count(
-            arch, config.adapter.r, config.adapter.target_modules)
-        estimate = None if arch is None else training_memory(
-            arch, head="causal-lm", batch_size=rows, seq_len=int(self.lengths.max()), precision=plan.precision,
-            fused_attention=plan.is_cuda, trainable=trainable)
-        require_fit(estimate, plan, config.memory_limit_bytes)
-        self.model: TrainedModel = AutoModelForCausalLM.from_pretrained(
-            config.base_model, config=model_config, trust_remote_code=False, use_safetensors=True)
-        if config.adapter is not None:
-            self.model = adapters.apply_adapter(self.model, config.adapter, "causal-lm")
-        module: torch.nn.Module = self.model  # (transformers' `to` is typed without its self)
-        module.to(plan.device)
+        self.model = load_policy(config.base_model, config.adapter, plan, rows=rows, seq_len=int(self.lengths.max()),
+                                 memory_limit_bytes=config.memory_limit_bytes)
         settings = {"adapter": config.adapter.model_dump() if config.adapter else None,
                     "preference": config.preference.model_dump() if config.preference else None}
         return Setup(
@@ -189,6 +177,26 @@ class ChatRecipe:
         artifacts.save_final(config.output_dir, self.model, self.tokenizer, manifest,
                              merged=bool(config.adapter and config.adapter.merge))
         return manifest
+
+
+def load_policy(base_model: str, adapter: AdapterConfig | None, plan: DevicePlan, *, rows: int, seq_len: int,
+                memory_limit_bytes: int | None) -> TrainedModel:
+    """The causal LM to tune on plan.device (with its LoRA adapter when given), refused first if the estimate of
+    training `rows` sequences of `seq_len` tokens does not fit."""
+    model_config = AutoConfig.from_pretrained(base_model, trust_remote_code=False)
+    arch = architecture(model_config.to_dict())
+    trainable = None if arch is None or adapter is None else adapter_parameter_count(arch, adapter.r,
+                                                                                     adapter.target_modules)
+    estimate = None if arch is None else training_memory(
+        arch, head="causal-lm", batch_size=rows, seq_len=seq_len, precision=plan.precision,
+        fused_attention=plan.is_cuda, trainable=trainable)
+    require_fit(estimate, plan, memory_limit_bytes)
+    base = AutoModelForCausalLM.from_pretrained(base_model, config=model_config, trust_remote_code=False,
+                                                use_safetensors=True)
+    model: TrainedModel = base if adapter is None else adapters.apply_adapter(base, adapter, "causal-lm")
+    module: torch.nn.Module = model  # (transformers' `to` is typed without its self)
+    module.to(plan.device)
+    return model
 
 
 def assistant_loss(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

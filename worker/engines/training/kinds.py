@@ -25,11 +25,13 @@ from pydantic import BaseModel
 from core.adapters import AdapterConfig, PreferenceConfig
 from core.chat_data import CHAT_FORMATS
 from core.jobspec import KINDS, load_kind_modules
+from core.reinforcement import ReinforcementConfig
 from core.vocab import TaskKind
 from worker.engines.training.causal_lm import CausalLMRecipe, LMTrainConfig
 from worker.engines.training.chat import ChatRecipe, ChatTrainConfig
 from worker.engines.training.classifier import ClassifierRecipe, TrainConfig
 from worker.engines.training.loop import Recipe, RunConfig
+from worker.engines.training.reinforcement import ReinforcementRecipe, ReinforcementTrainConfig
 
 # What every kind's hyperparameters share (TrainingHyperparameters) -> RunConfig's fields; metric_for_best is
 # None: the worker resolves it with its direction (or none, for a row from before it: worker.training.config).
@@ -105,9 +107,11 @@ def kind_name(config: RunConfig) -> str:
 
 
 def engine_name(task: str, data_format: str) -> str:
-    """The entry that runs a job of kind `task` on data of that format: `<task>/chat` for chat data when the
-    kind has one, else the kind's own."""
-    chat = f"{task}/chat"
+    """The entry that runs a job of kind `task` on data of that format: `<task>/<format>` when the kind has one
+    (causal-lm/prompts: reinforcement), else `<task>/chat` for chat data when it has one, else the kind's own."""
+    own, chat = f"{task}/{data_format}", f"{task}/chat"
+    if data_format and own in ENGINE_KINDS:
+        return own
     return chat if data_format in CHAT_FORMATS and chat in ENGINE_KINDS else task
 
 
@@ -172,3 +176,10 @@ register(f"{TaskKind.CAUSAL_LM}/chat", EngineKind(
     {**RUN_HYPERPARAMETERS, **same_names("epochs", "batch_size", "learning_rate", "weight_decay", "seed"),
      "block_size": "max_length", "val_fraction": None},
     _chat_fields))
+# Prompts scored by a grader (method reinforcement): GRPO with rollouts from the policy being trained.
+register(f"{TaskKind.CAUSAL_LM}/prompts", EngineKind(
+    ReinforcementTrainConfig, ReinforcementRecipe,
+    {**RUN_HYPERPARAMETERS, **same_names("epochs", "batch_size", "learning_rate", "weight_decay", "seed"),
+     "block_size": "max_length", "val_fraction": None},
+    lambda row: {"base_model": row.base_model_path, "adapter": adapter_of(row),
+                 "reinforcement": ReinforcementConfig.model_validate(row.method)}))

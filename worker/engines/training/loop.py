@@ -171,9 +171,11 @@ class _Run:
         progress.step += 1
         progress.loss_sum += loss
         progress.units += examples * self.setup.units_per_example
+        # A recipe may report what its step did besides the loss (reinforcement: rewards, KL): `step_metrics()`.
+        step_metrics = getattr(self.recipe, "step_metrics", None)
         self.callbacks.on_log(progress.step, progress.step / self.per_epoch, {
             "train_loss": loss, "learning_rate": lr, "grad_norm": grad_norm,
-            f"{self.recipe.unit}_per_second": progress.rate,
+            f"{self.recipe.unit}_per_second": progress.rate, **(step_metrics() if step_metrics else {}),
         })
 
     def evaluate_now(self) -> bool | None:
