@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from core.errors import BrokerUnavailable
 from core.logs import task_headers
-from core.protocol import ChatMessage, SamplingParams
+from core.protocol import ChatMessage, ChatOptions, SamplingParams
 from core.queue import TaskQueue
 from core.rows import Batch, utcnow
 from core.store.owned import get_owned
@@ -62,6 +62,7 @@ class PlannedLine(BaseModel):
     adapter: str | None = None  # a LoRA adapter job served over `path` (core.served_models.ServedModel.adapter)
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    chat: ChatOptions | None = None  # a chat line's tools and template arguments
     params: SamplingParams | None = None
     texts: list[str] | None = None  # /v1/embeddings: the inputs as text, or as token ids (one of the two)
     token_ids: list[list[int]] | None = None

@@ -6,8 +6,11 @@ completion dataset ("completion"); one whose `messages` end before an assistant 
 ("prompts", for reinforcement fine-tuning: the model answers each, a grader scores the answer against the record's
 other fields). Every other JSON Lines file stays a table. Each line is checked as it streams
 (roles, string contents, an assistant turn to learn from, `weight` 0 or 1 on assistant turns only), and every
-defect is a ValidationFailed('file', 'line N: ...'). Whether the base model's chat template renders a
-conversation is checked by the worker, which has the tokenizer (worker.engines.training.chat_render).
+defect is a ValidationFailed('file', 'line N: ...'). A conversation may carry `tools` and `parallel_tool_calls`
+(a preference record in its `input`), assistant turns with `tool_calls` (names among the tools, arguments a JSON
+object as text) and `role: tool` results naming the `tool_call_id` of an earlier call. Whether the base model's
+chat template renders a conversation is checked by the worker, which has the tokenizer
+(worker.engines.training.chat_render).
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ from typing import Any, BinaryIO
 from core.batch_data import BATCH_FORMAT, BatchReader
 from core.errors import ValidationFailed
 from core.tabular import RowReader, TableSummary, Value, json_objects, short, summarize_file
+from core.tool_calls import ToolSpecError, check_tool_calls, check_tools
 
-ROLES = ("system", "user", "assistant")
-MESSAGE_KEYS = {"role", "content", "weight", "name"}
+ROLES = ("system", "user", "assistant", "tool")
+MESSAGE_KEYS = {"role", "content", "weight", "name", "tool_calls", "tool_call_id"}
+TOOL_KEYS = {"tools", "parallel_tool_calls"}  # a conversation's own tools (OpenAI's fine-tuning format)
+TOOL_TEMPLATE_TOKENS = 1024  # a template's instructions around the tools (Qwen 2.5's: about 100 tokens)
 MAX_MESSAGES = 1000
 COLUMNS = {
     "chat": ["messages"],
@@ -78,28 +84,25 @@ def _format_of(line: str) -> str | None:
     return None
 
 
-def check_messages(value: Any, where: str = "messages") -> list[dict[str, Any]]:
-    """A list of {role, content[, weight][, name]} messages, checked; returns them as given."""
+def check_messages(value: Any, where: str = "messages", tools: list[dict[str, Any]] | None = None,
+                   parallel: bool = True) -> list[dict[str, Any]]:
+    """A list of {role, content[, weight][, name][, tool_calls][, tool_call_id]} messages, checked; returns them."""
     if not isinstance(value, list) or not value:
         raise RecordError(f"{where} must be a non-empty list of messages")
     if len(value) > MAX_MESSAGES:
         raise RecordError(f"{where} has {len(value)} messages; the limit is {MAX_MESSAGES}")
+    calls: set[str] = set()
     for i, message in enumerate(value):
         at = f"{where}[{i}]"
         if not isinstance(message, dict):
             raise RecordError(f"{at} must be an object with role and content")
         unknown = sorted(set(message) - MESSAGE_KEYS)
         if unknown:
-            hint = " (tool calls are not supported)" if {"tool_calls", "function_call"} & set(unknown) else ""
-            raise RecordError(f"{at} has unknown field {short(unknown[0])}{hint}")
+            raise RecordError(f"{at} has unknown field {short(unknown[0])}")
         role = message.get("role")
         if role not in ROLES:
             raise RecordError(f"{at}.role must be one of {', '.join(ROLES)}, got {short(role)}")
-        content = message.get("content")
-        if not isinstance(content, str):
-            raise RecordError(f"{at}.content must be a string")
-        if role == "assistant" and not content.strip():
-            raise RecordError(f"{at}.content is empty; an assistant turn needs text to learn")
+        calls |= _check_turn(message, at, tools, parallel, calls)
         if "name" in message and not (isinstance(message["name"], str) and 0 < len(message["name"]) <= 64):
             raise RecordError(f"{at}.name must be a string of 1-64 characters")
         if "weight" in message:
@@ -111,26 +114,77 @@ def check_messages(value: Any, where: str = "messages") -> list[dict[str, Any]]:
     return value
 
 
+def _check_turn(message: dict[str, Any], at: str, tools: list[dict[str, Any]] | None, parallel: bool,
+                calls: set[str]) -> set[str]:
+    """One message's content, calls and call id; returns the ids of the calls it makes."""
+    role, content = message["role"], message.get("content")
+    if "tool_calls" in message:
+        if role != "assistant":
+            raise RecordError(f"{at}.tool_calls is allowed on assistant messages only")
+        if not tools:
+            raise RecordError(f"{at} has tool_calls but the example has no tools")
+        try:
+            made = check_tool_calls(message["tool_calls"], f"{at}.tool_calls")
+        except ToolSpecError as exc:
+            raise RecordError(f"{exc.field}: {exc}") from exc
+        names = {t["function"]["name"] for t in tools}
+        for j, call in enumerate(made):
+            if call["function"]["name"] not in names:
+                raise RecordError(f"{at}.tool_calls[{j}] calls {short(call['function']['name'])}, which is not one "
+                                  "of the example's tools")
+        if not parallel and len(made) > 1:
+            raise RecordError(f"{at} makes {len(made)} calls but parallel_tool_calls is false")
+        if content is not None and not isinstance(content, str):
+            raise RecordError(f"{at}.content must be a string or null")
+        return {call["id"] for call in made}
+    if role == "tool":
+        if not isinstance(message.get("tool_call_id"), str) or message["tool_call_id"] not in calls:
+            raise RecordError(f"{at}.tool_call_id must name a call made earlier in the conversation")
+    elif "tool_call_id" in message:
+        raise RecordError(f"{at}.tool_call_id is allowed on tool messages only")
+    if not isinstance(content, str):
+        raise RecordError(f"{at}.content must be a string")
+    if role == "assistant" and not content.strip():
+        raise RecordError(f"{at}.content is empty; an assistant turn needs text or tool_calls to learn")
+    return set()
+
+
+def _tools_of(record: dict[str, Any], where: str) -> tuple[list[dict[str, Any]] | None, bool]:
+    """A record's checked tools and parallel_tool_calls (true unless false)."""
+    tools = None
+    if "tools" in record:
+        try:
+            tools = check_tools(record["tools"], f"{where}tools")
+        except ToolSpecError as exc:
+            raise RecordError(f"{exc.field}: {exc}") from exc
+    parallel = record.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise RecordError(f"{where}parallel_tool_calls must be true or false")
+    return tools, parallel
+
+
 def check_chat(record: dict[str, Any]) -> dict[str, Any]:
-    """{"messages": [...]} with at least one assistant turn of weight 1."""
-    _only_keys(record, {"messages"})
-    messages = check_messages(record.get("messages"))
+    """{"messages": [...][, "tools": [...], "parallel_tool_calls": bool]} with an assistant turn of weight 1."""
+    _only_keys(record, {"messages"}, TOOL_KEYS)
+    tools, parallel = _tools_of(record, "")
+    messages = check_messages(record.get("messages"), tools=tools, parallel=parallel)
     if not any(m["role"] == "assistant" and m.get("weight", 1) == 1 for m in messages):
         raise RecordError("messages has no assistant message to learn from (each has weight 0, or there is none)")
     return record
 
 
 def check_preference(record: dict[str, Any]) -> dict[str, Any]:
-    """{"input": {"messages": [...]}, "preferred_output": [assistant], "non_preferred_output": [assistant]}."""
+    """{"input": {"messages": [...][, "tools"]}, "preferred_output": [assistant], "non_preferred_output": [...]}."""
     _only_keys(record, set(COLUMNS["preference"]))
     prompt = record.get("input")
     if not isinstance(prompt, dict) or "messages" not in prompt:
         raise RecordError("input must be an object with messages")
-    if set(prompt) - {"messages"}:
-        raise RecordError(f"input has unknown field {short(sorted(set(prompt) - {'messages'})[0])}")
-    check_messages(prompt["messages"], "input.messages")
+    if set(prompt) - {"messages"} - TOOL_KEYS:
+        raise RecordError(f"input has unknown field {short(sorted(set(prompt) - {'messages'} - TOOL_KEYS)[0])}")
+    tools, parallel = _tools_of(prompt, "input.")
+    check_messages(prompt["messages"], "input.messages", tools, parallel)
     for key in ("preferred_output", "non_preferred_output"):
-        output = check_messages(record.get(key), key)
+        output = check_messages(record.get(key), key, tools, parallel)
         if len(output) != 1 or output[0]["role"] != "assistant" or "weight" in output[0]:
             raise RecordError(f"{key} must hold exactly one assistant message (without weight)")
     return record
@@ -161,8 +215,14 @@ CHECKS = {"chat": check_chat, "preference": check_preference, "completion": chec
           "prompts": check_prompts}
 
 
-def _text_bytes(messages: list[dict[str, Any]]) -> int:
-    return sum(len(m["content"].encode()) + len(str(m.get("name", "")).encode()) for m in messages)
+def _text_bytes(messages: list[dict[str, Any]], tools: Any = None) -> int:
+    """The UTF-8 bytes of the messages' contents, names and tool calls, and of the tools' specs, as JSON."""
+    calls = [m["tool_calls"] for m in messages if m.get("tool_calls")]
+    extra = len(json.dumps(calls, ensure_ascii=False).encode()) if calls else 0
+    if tools:  # templates write the specs indented (Llama 3.1: indent=4) beside their own instructions
+        extra += 2 * len(json.dumps(tools, ensure_ascii=False, indent=4).encode()) + TOOL_TEMPLATE_TOKENS
+    return extra + sum(len((m.get("content") or "").encode()) + len(str(m.get("name", "")).encode())
+                       + len(str(m.get("tool_call_id", "")).encode()) for m in messages)
 
 
 def record_tokens_bound(fmt: str, record: dict[str, Any]) -> int:
@@ -179,9 +239,9 @@ def record_tokens_bound(fmt: str, record: dict[str, Any]) -> int:
         prompt = record["input"]["messages"]
         outputs = [record["preferred_output"], record["non_preferred_output"]]
         messages = len(prompt) + 1
-        text = _text_bytes(prompt) + max(_text_bytes(output) for output in outputs)
+        text = _text_bytes(prompt, record["input"].get("tools")) + max(_text_bytes(output) for output in outputs)
     else:
-        messages, text = len(record["messages"]), _text_bytes(record["messages"])
+        messages, text = len(record["messages"]), _text_bytes(record["messages"], record.get("tools"))
     return text + messages * (TEMPLATE_TOKENS_PER_MESSAGE + 1) + TEMPLATE_TOKENS
 
 
@@ -192,10 +252,12 @@ def longest_tokens(column_stats: dict[str, Any] | None) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def _only_keys(record: dict[str, Any], allowed: set[str]) -> None:
-    missing = sorted(key for key in allowed if key not in record)
+def _only_keys(record: dict[str, Any], required: set[str], optional: frozenset[str] | set[str] = frozenset()
+               ) -> None:
+    missing = sorted(key for key in required if key not in record)
     if missing:
         raise RecordError(f"field {short(missing[0])} is missing")
+    allowed = required | optional
     unknown = sorted(set(record) - allowed)
     if unknown:
         raise RecordError(f"unknown field {short(unknown[0])}; a line holds only {', '.join(sorted(allowed))}")

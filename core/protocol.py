@@ -99,8 +99,9 @@ class Constraint(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: Literal["json_schema", "json_object", "choice", "regex"]
-    spec: str = ""
+    kind: Literal["json_schema", "json_object", "choice", "regex", "lark"]
+    spec: str = ""  # "lark": a whole llguidance grammar, built by the worker (tool calls, reasoning first)
+    field: str | None = None  # the request field a "lark" grammar came from (tools or response_format)
 
 
 class SamplingParams(BaseModel):
@@ -173,8 +174,22 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, OpenAI's shape (core.tool_calls)
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    name: str | None = None
+
+
+class ChatOptions(BaseModel):
+    """What a chat renders and constrains by beyond its messages: the tools and the template's own arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tools: list[dict[str, Any]] | None = None  # checked by core.tool_calls.check_tools
+    tool_choice: str = "none"  # "none", "auto", "required" or the one function's name
+    parallel_tool_calls: bool = True
+    template_kwargs: dict[str, Any] = Field(default_factory=dict)  # chat_template_kwargs (enable_thinking)
 
 
 class GenerateTask(BaseModel):
@@ -186,6 +201,7 @@ class GenerateTask(BaseModel):
     tenant: str | None = None  # whose request: the engine shares its queue and rows between tenants
     prompt: str
     messages: list[ChatMessage] | None = None  # a chat: the prompt is rendered from these by the worker
+    chat: ChatOptions | None = None  # a chat's tools and template arguments
     params: SamplingParams
     deadline: float  # wall-clock time after which a worker drops the request unstarted
 
@@ -213,8 +229,10 @@ class TokenEvent(BaseModel):
 
     type: Literal["token"] = "token"
     index: int
-    text: str
+    text: str  # the content's delta
     logprobs: list[TokenLogprob] | None = None
+    reasoning: str | None = None  # the thinking section's delta
+    tool_calls: list[dict[str, Any]] | None = None  # tool-call deltas in OpenAI's streaming shape (with index)
 
 
 class AcceptedEvent(BaseModel):
@@ -229,8 +247,10 @@ class ChoiceOut(BaseModel):
 
     index: int
     text: str
-    finish_reason: str  # "length" | "stop" | "eos" | "cancelled"
+    finish_reason: str  # "length" | "stop" | "eos" | "cancelled" | "tool_calls"
     logprobs: list[TokenLogprob] | None = None
+    reasoning: str | None = None  # a chat's thinking section, apart from the text
+    tool_calls: list[dict[str, Any]] | None = None  # a chat's calls: {"id", "type", "function": {name, arguments}}
 
 
 class Usage(BaseModel):

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 from core.batches import LineError, PlannedLine
 from core.protocol import ErrorCode, ErrorEvent, GenerateTask, Usage
+from worker.chat_plan import ChatPlan, plan_chat
 from worker.context import WorkerContext
 from worker.embedding import embedder_for
-from worker.serving import GenerationService, render_chat
+from worker.serving import GenerationService, choice_out
 
 if TYPE_CHECKING:
     from worker.engines.serving.engine import GenerationEngine, GenerationResult
@@ -67,17 +68,29 @@ def _usage(result: Any) -> dict[str, Any]:
                  cached_tokens=result.cached_tokens).openai()
 
 
-def chat_body(line: PlannedLine, result: Any, rid: str) -> dict[str, Any]:
-    """A ChatCompletion, as /v1/chat/completions answers it."""
+def chat_body(line: PlannedLine, result: Any, rid: str, plan: ChatPlan | None = None) -> dict[str, Any]:
+    """A ChatCompletion, as /v1/chat/completions answers it (content, tool calls and reasoning apart)."""
     wants = line.params is not None and line.params.logprobs is not None
+    choices = []
+    for engine_choice in result.choices:
+        parser = plan.parser() if plan is not None else None
+        if parser is not None:
+            parser.feed(engine_choice.text)
+        c = choice_out(engine_choice, parser)
+        message: dict[str, Any] = {"role": "assistant", "content": c.text if c.text or not c.tool_calls else None,
+                                   "refusal": None}
+        if c.tool_calls:
+            message["tool_calls"] = c.tool_calls
+        if c.reasoning:
+            message["reasoning_content"] = c.reasoning
+        reason = "tool_calls" if c.finish_reason == "tool_calls" else _reason(c.finish_reason)
+        choices.append({"index": c.index, "message": message, "finish_reason": reason,
+                        "logprobs": {"content": [e.model_dump() for e in c.logprobs or []]} if wants else None})
     return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()), "model": line.model,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                         "logprobs": {"content": [e.model_dump() for e in c.logprobs or []]} if wants else None,
-                         "finish_reason": _reason(c.finish_reason)} for c in result.choices],
-            "usage": _usage(result)}
+            "choices": choices, "usage": _usage(result)}
 
 
-def completion_body(line: PlannedLine, result: Any, rid: str) -> dict[str, Any]:
+def completion_body(line: PlannedLine, result: Any, rid: str, plan: ChatPlan | None = None) -> dict[str, Any]:
     """A Completion, as /v1/completions answers it (without logprobs: the plan refuses them)."""
     return {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": line.model,
             "choices": [{"text": c.text, "index": c.index, "logprobs": None, "finish_reason": _reason(c.finish_reason)}
@@ -85,27 +98,29 @@ def completion_body(line: PlannedLine, result: Any, rid: str) -> dict[str, Any]:
             "usage": _usage(result)}
 
 
-def _prompt_ids(engine: GenerationEngine, line: PlannedLine, request_id: str) -> list[int] | LineError:
+def _prompt_ids(engine: GenerationEngine, line: PlannedLine, request_id: str
+                ) -> tuple[list[int], PlannedLine, ChatPlan | None] | LineError:
     from worker.engines.serving.requests import context_overflow  # the engine is loaded (and torch with it) by now
 
     assert line.params is not None and line.path is not None
+    plan: ChatPlan | None = None
     if line.messages is not None:
         task = GenerateTask(request_id=request_id, model=line.path, prompt="", messages=line.messages,
-                            params=line.params, deadline=time.time() + 60)
-        rendered = render_chat(engine, task)
-        if isinstance(rendered, ErrorEvent):
-            return LineError(status_code=422, code=rendered.error.code, message=rendered.error.message or "",
-                             param=rendered.error.field)
-        ids = rendered
+                            chat=line.chat, params=line.params, deadline=time.time() + 60)
+        planned = plan_chat(engine, task)
+        if isinstance(planned, ErrorEvent):
+            return LineError(status_code=422, code=planned.error.code, message=planned.error.message or "",
+                             param=planned.error.field)
+        plan, ids, line = planned, planned.ids, line.model_copy(update={"params": planned.params})
     else:
         ids = engine.encode(line.prompt or "")
     if not ids:
         return LineError(status_code=422, code=ErrorCode.VALIDATION_ERROR, message="the prompt encodes to no tokens",
                          param="prompt")
-    overflow = context_overflow(len(ids), line.params.max_new_tokens, engine.context_length)
+    overflow = context_overflow(len(ids), line.params.max_new_tokens if line.params else 0, engine.context_length)
     if overflow is not None:
         return LineError(status_code=422, code=ErrorCode.VALIDATION_ERROR, message=overflow, param="max_tokens")
-    return ids
+    return ids, line, plan
 
 
 def _submit(engine: GenerationEngine, ids: list[int], line: PlannedLine, request_id: str, tenant: str | None
@@ -190,14 +205,14 @@ class Pacer:
         return pause
 
 
-def run_generation(body: Callable[[PlannedLine, Any, str], dict[str, Any]]) -> Runner:
+def run_generation(body: Callable[[PlannedLine, Any, str, ChatPlan | None], dict[str, Any]]) -> Runner:
     """The runner of a generation endpoint: the chunk's lines submitted at once, within the batch's share."""
 
     def run(ctx: WorkerContext, batch_id: str, lines: list[tuple[int, PlannedLine]], pacer: Pacer
             ) -> dict[int, Outcome]:
         service = ctx.service("generation", GenerationService.build)
         outcomes: dict[int, Outcome] = {}
-        pending: list[tuple[int, PlannedLine, str, Future[Any]]] = []
+        pending: list[tuple[int, PlannedLine, str, Future[Any], ChatPlan | None]] = []
         with ExitStack() as stack:
             engines: dict[str, Any] = {}
             for index, line in lines:
@@ -206,18 +221,19 @@ def run_generation(body: Callable[[PlannedLine, Any, str], dict[str, Any]]) -> R
                 try:
                     if path not in engines:
                         engines[path] = stack.enter_context(service.registry.use(path))
-                    ids = _prompt_ids(engines[path], line, f"batch-{rid}")
-                    if isinstance(ids, LineError):
-                        outcomes[index] = error_outcome(ids)
+                    prepared = _prompt_ids(engines[path], line, f"batch-{rid}")
+                    if isinstance(prepared, LineError):
+                        outcomes[index] = error_outcome(prepared)
                         continue
+                    ids, line, plan = prepared
                     future = pacer.submit(engines[path], ids, line, f"batch-{rid}")
                 except Exception as exc:  # noqa: BLE001 - this line fails (e.g. its model cannot load), not the batch
                     outcomes[index] = _failure(exc)
                     continue
-                pending.append((index, line, rid, future))
-            for index, line, rid, future in pending:
+                pending.append((index, line, rid, future, plan))
+            for index, line, rid, future, plan in pending:
                 try:
-                    outcomes[index] = Outcome(200, body(line, future.result(), rid))
+                    outcomes[index] = Outcome(200, body(line, future.result(), rid, plan))
                 except Exception as exc:  # noqa: BLE001 - a failed forward fails its lines only
                     outcomes[index] = _failure(exc)
         return outcomes

@@ -37,7 +37,9 @@ from core.redis_keys import cancel_key
 from core.served_models import is_job_model
 from core.settings import Settings
 from core.storage import ArtifactStore
+from core.tool_calls import ChoiceParser
 from worker import metrics
+from worker.chat_plan import plan_chat
 from worker.context import WorkerContext
 from worker.events import EventPump, EventWriter
 from worker.sync import fetch_model
@@ -251,59 +253,75 @@ class GenerationService:
     def _run(self, engine: GenerationEngine, task: GenerateTask, writer: EventWriter, remaining: float) -> BaseModel:
         from worker.engines.serving.requests import GRAMMAR_ERROR, context_overflow  # engine and torch are loaded
 
+        parsers: list[ChoiceParser | None] = [None] * task.params.n
         if task.messages is not None:
-            rendered = render_chat(engine, task)
-            if isinstance(rendered, ErrorEvent):
-                return rendered
-            prompt_ids = rendered
+            plan = plan_chat(engine, task)
+            if isinstance(plan, ErrorEvent):
+                return plan
+            prompt_ids, params = plan.ids, plan.params
+            parsers = [plan.parser() for _ in range(params.n)]
         else:
-            prompt_ids = engine.encode(task.prompt)
+            prompt_ids, params = engine.encode(task.prompt), task.params
         if not prompt_ids:
             return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, "the prompt encodes to no tokens", "prompt")
-        overflow = context_overflow(len(prompt_ids), task.params.max_new_tokens, engine.context_length)
+        overflow = context_overflow(len(prompt_ids), params.max_new_tokens, engine.context_length)
         if overflow is not None:  # the engine would refuse it too; here the error names the field
             return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, overflow, "max_new_tokens")
         clock = metrics.TokenClock()
 
         def on_token(index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> None:
             clock.tick(index)
-            writer.token(TokenEvent(index=index, text=text, logprobs=logprobs))
+            parser = parsers[index]
+            if parser is None:
+                writer.token(TokenEvent(index=index, text=text, logprobs=logprobs))
+            else:
+                _emit(writer, index, parser.feed(text), logprobs)
 
         # The adapter's folder is read here, on this thread, before the queue (unless it is resident).
-        future = engine.submit(prompt_ids, task.params, request_id=task.request_id, on_token=on_token,
+        future = engine.submit(prompt_ids, params, request_id=task.request_id, on_token=on_token,
                                deadline=time.monotonic() + remaining, adapter=task.adapter, tenant=task.tenant)
         writer.emit(AcceptedEvent(prompt_tokens=len(prompt_ids)))
         metrics.GEN_PROMPT_TOKENS.inc(len(prompt_ids))
         result = future.result(timeout=self.settings.generation_timeout_s)
+        for index, parser in enumerate(parsers):
+            if parser is not None:  # what was held back (a marker's possible start) goes out before the result
+                _emit(writer, index, parser.finish(), None)
         if any(c.finish_reason == GRAMMAR_ERROR for c in result.choices):
             from worker.engines.serving.sampling.grammar import field_of
 
-            assert task.params.constraint is not None
+            assert params.constraint is not None
             return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, "the output constraint is too complex to enforce: its "
                                  "matcher failed during generation; simplify the schema or pattern",
-                                 field_of(task.params.constraint))
-        return DoneEvent(choices=[ChoiceOut(index=c.index, text=c.text, finish_reason=c.finish_reason,
-                                            logprobs=c.logprobs) for c in result.choices],
-                         usage=Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
-                                     cached_tokens=result.cached_tokens))
+                                 field_of(params.constraint))
+        return done_event(result, parsers)
 
 
-def render_chat(engine: GenerationEngine, task: GenerateTask) -> list[int] | ErrorEvent:
-    """The chat's prompt ids through the model's own chat template, as transformers renders it.
+def _emit(writer: EventWriter, index: int, deltas: tuple[str, str, list[dict[str, Any]]],
+          logprobs: list[TokenLogprob] | None) -> None:
+    content, reasoning, calls = deltas
+    if content or reasoning or calls or logprobs:
+        writer.token(TokenEvent(index=index, text=content, logprobs=logprobs, reasoning=reasoning or None,
+                                tool_calls=calls or None))
 
-    Rendered in the worker rather than the API: the API may not hold the model's files (a job's model lives
-    in the artifact store and is fetched by the worker), and the worker's ids equal
-    `tokenizer.apply_chat_template` by construction, whatever Jinja extensions a template uses.
-    """
-    from worker.engines.serving.tokenizer import NoChatTemplate
 
-    try:
-        return list(engine.encode_chat([m.model_dump() for m in task.messages or []]))
-    except NoChatTemplate as exc:
-        return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, str(exc), "model")
-    except Exception as exc:  # noqa: BLE001 - a template's raise_exception (e.g. roles out of order) is the client's
-        return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, f"the chat template refused the messages: {exc}",
-                             "messages")
+def choice_out(choice: Any, parser: ChoiceParser | None) -> ChoiceOut:
+    """One engine choice as the wire's, its text split into content, reasoning and calls when it is a chat's."""
+    if parser is None:
+        return ChoiceOut(index=choice.index, text=choice.text, finish_reason=choice.finish_reason,
+                         logprobs=choice.logprobs)
+    parsed = parser.result()
+    calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+             for c in parsed.calls] or None
+    reason = "tool_calls" if calls and choice.finish_reason in ("eos", "stop") else choice.finish_reason
+    return ChoiceOut(index=choice.index, text=parsed.content, finish_reason=reason, logprobs=choice.logprobs,
+                     reasoning=parsed.reasoning or None, tool_calls=calls)
+
+
+def done_event(result: Any, parsers: list[ChoiceParser | None]) -> DoneEvent:
+    """The engine's result as the wire's last event, each chat choice split into content, reasoning and calls."""
+    return DoneEvent(choices=[choice_out(c, parsers[c.index]) for c in result.choices],
+                     usage=Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
+                                 cached_tokens=result.cached_tokens))
 
 
 def _error(exc: Exception, request_id: str) -> ErrorEvent:

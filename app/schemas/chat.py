@@ -15,9 +15,11 @@ class ChatMessageIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="An assistant's earlier calls.")
+    tool_call_id: str | None = Field(None, description="A tool result: the id of the call it answers.")
 
 
 class ChatCompletionRequest(OpenAISampling):
@@ -30,26 +32,43 @@ class ChatCompletionRequest(OpenAISampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=8192, description="Default 256.")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[dict[str, Any]] | None = Field(None, description="Function tools; calls always match their "
+                                                    "parameters' JSON schema.")
+    tool_choice: str | dict[str, Any] | None = Field(None, description='"none", "auto" (the default with tools), '
+                                                     '"required" or {"type": "function", "function": {"name"}}.')
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra arguments of the model's chat "
+                                                        "template, e.g. {\"enable_thinking\": false}.")
 
 
 class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, valid against the tool's parameters
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # the template's thinking section (Qwen 3's <think>)
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
 
 
 class ChatCompletion(BaseModel):

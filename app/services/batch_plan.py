@@ -57,10 +57,10 @@ def _parsed(schema: type[BaseModel], body: dict[str, Any]) -> Any:
 
 def _plan_chat(body: dict[str, Any], planning: Planning) -> PlannedLine:
     request = _parsed(ChatCompletionRequest, body)
-    messages, params = chat_params(request)
+    messages, params, options = chat_params(request)
     served = planning.served(request.model)
     return PlannedLine(custom_id="", url="/v1/chat/completions", model=request.model, path=served.path,
-                       adapter=served.adapter, messages=messages, params=params)
+                       adapter=served.adapter, messages=messages, params=params, chat=options)
 
 
 def _plan_completion(body: dict[str, Any], planning: Planning) -> PlannedLine:

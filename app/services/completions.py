@@ -35,6 +35,7 @@ from core.errors import ClientGone, ValidationFailed
 from core.protocol import (
     AcceptedEvent,
     ChatMessage,
+    ChatOptions,
     DoneEvent,
     ErrorBody,
     ErrorEvent,
@@ -82,7 +83,8 @@ def sampling(**values: Any) -> SamplingParams:
 
 
 async def start(gateway: GenerationGateway, session: Session, principal: Principal, name: str, prompt: str,
-                params: SamplingParams, messages: list[ChatMessage] | None = None) -> Started:
+                params: SamplingParams, messages: list[ChatMessage] | None = None,
+                chat: ChatOptions | None = None) -> Started:
     """Validate, admit, hand off; returns once the worker accepted the request (or raises its error)."""
     gateway.check(params)
     model = await run_in_threadpool(gateway.resolve, session, principal, name)
@@ -91,7 +93,7 @@ async def start(gateway: GenerationGateway, session: Session, principal: Princip
     request_id = await gateway.admit(principal, model, params.n)
     finished = False
     try:
-        await gateway.submit(request_id, model, prompt, params, messages, tenant=principal.tenant_id)
+        await gateway.submit(request_id, model, prompt, params, messages, tenant=principal.tenant_id, chat=chat)
         events = gateway.events(request_id)
         first = await anext(events)
         if isinstance(first, ErrorEvent):

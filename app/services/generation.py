@@ -17,7 +17,16 @@ from app.schemas.generation import ModelCard, ModelList
 from core.auth import Principal
 from core.errors import BrokerUnavailable, TooManyRequests, ValidationFailed
 from core.logs import task_headers
-from core.protocol import ChatMessage, ErrorCode, ErrorEvent, GenerateTask, GenerationEvent, SamplingParams, parse_event
+from core.protocol import (
+    ChatMessage,
+    ChatOptions,
+    ErrorCode,
+    ErrorEvent,
+    GenerateTask,
+    GenerationEvent,
+    SamplingParams,
+    parse_event,
+)
 from core.queue import TaskQueue
 from core.redis_keys import cancel_key, rate_key, slots_key, stream_key, tenant_slots_key
 from core.served_models import ServedModel, list_served_models, resolve_served_model
@@ -106,10 +115,11 @@ class GenerationGateway:
         return await take(self.redis, key, member=member, now=now, horizon=horizon, limit=limit)
 
     async def submit(self, request_id: str, model: ServedModel, prompt: str, params: SamplingParams,
-                     messages: list[ChatMessage] | None = None, *, tenant: str | None = None) -> None:
+                     messages: list[ChatMessage] | None = None, *, tenant: str | None = None,
+                     chat: ChatOptions | None = None) -> None:
         """Hand the request of `tenant` to a generation worker; it must start before the wait deadline."""
         task = GenerateTask(request_id=request_id, model=model.path, adapter=model.adapter, tenant=tenant,
-                            prompt=prompt, params=params, messages=messages,
+                            prompt=prompt, params=params, messages=messages, chat=chat,
                             deadline=time.time() + self.settings.generation_wait_s)
         await run_in_threadpool(self.queue.send, TASK_GENERATE, [task.model_dump(mode="json")], queue=QUEUE_GENERATE,
                                 headers=task_headers())

@@ -172,8 +172,8 @@ def test_completions_refuse_more_than_five_logprobs(client, served):
 
 def test_the_worker_renders_chats_exactly_as_apply_chat_template(served):
     from core.protocol import ChatMessage, GenerateTask, SamplingParams
+    from worker.chat_plan import plan_chat
     from worker.engines.serving.engine import GenerationEngine
-    from worker.serving import render_chat
 
     tokenizer = AutoTokenizer.from_pretrained(served)
     chats = [CHAT, CHAT + [{"role": "assistant", "content": "Rouge 🙂"}, {"role": "user", "content": "Encore ?"}]]
@@ -182,7 +182,7 @@ def test_the_worker_renders_chats_exactly_as_apply_chat_template(served):
             task = GenerateTask(request_id="r", model=str(served), prompt="", deadline=0, params=SamplingParams(),
                                 messages=[ChatMessage(**m) for m in chat])
             expected = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-            assert render_chat(engine, task) == list(expected)
+            assert plan_chat(engine, task).ids == list(expected)
             assert expected[0] == tokenizer.bos_token_id  # the template's bos_token came from tokenizer_config.json
 
 

@@ -262,6 +262,49 @@ def test_chat_mode_sends_the_conversation_and_shows_logprobs_on_hover(page):
     assert page.locator("#completion-panel").is_visible()
 
 
+def _delta_chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+    chunk = {"id": "chatcmpl-2", "object": "chat.completion.chunk", "created": 0, "model": "chatty",
+             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+def test_chat_mode_shows_reasoning_and_streamed_tool_calls(page):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    requests: list[dict[str, Any]] = []
+    stream = "".join([
+        _delta_chunk({"role": "assistant", "reasoning_content": "The user wants "}),
+        _delta_chunk({"reasoning_content": "the weather."}),
+        _delta_chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                      "function": {"name": "get_weather", "arguments": '{"city": '}}]}),
+        _delta_chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Rome"}'}}]}),
+        _delta_chunk({}, finish="tool_calls"), "data: [DONE]\n\n"])
+
+    def chat(route: Any) -> None:
+        requests.append(json.loads(route.request.post_data))
+        route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=stream)
+
+    card = {"object": "model", "created": 0, "owned_by": "me"}
+    page.route("**/v1/models", lambda route: route.fulfill(json={"object": "list", "data": [
+        {"id": "chatty", "chat_template": True, **card}]}))
+    page.route("**/v1/chat/completions", chat)
+    page.goto(page.url.split("#")[0] + "#/playground")
+    page.click("[data-mode=chat]")
+    page.fill("#chat textarea[name=tools]", json.dumps(tools))
+    page.fill("#chat textarea[name=message]", "Weather in Rome?")
+    page.click("#chat button[type=submit]")
+    page.wait_for_selector("#chat[data-done=true]")
+    assert requests[0]["tools"] == tools
+    reply = page.locator("#chat-messages [data-role=assistant]")
+    assert reply.locator(".thinking").inner_text() == "The user wants the weather."
+    assert reply.locator(".tool-calls").inner_text() == 'get_weather({"city": "Rome"})'
+    assert "finish: tool_calls" in page.inner_text("#chat-stats")
+    page.fill("#chat textarea[name=message]", "And tomorrow?")  # the call goes back in the history
+    page.click("#chat button[type=submit]")
+    page.wait_for_function("document.querySelectorAll('#chat-messages [data-role=assistant]').length === 2")
+    assert requests[1]["messages"][1] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]}
+
+
 @pytest.mark.enforce_csp
 def test_the_dashboard_runs_under_a_csp_without_unsafe_inline(page, service: Service):
     violations: list[str] = []

@@ -18,6 +18,15 @@ PREFERENCE = {"input": {"messages": [{"role": "user", "content": "Name a colour"
               "preferred_output": [{"role": "assistant", "content": "Blue"}],
               "non_preferred_output": [{"role": "assistant", "content": "Seven"}]}
 COMPLETION = {"prompt": "Q: 2+2?\nA:", "completion": " 4"}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+TOOL_CHAT = {"tools": [WEATHER], "parallel_tool_calls": False, "messages": [
+    {"role": "user", "content": "Weather in Rome?"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]}
+TOOL_PREFERENCE = {"input": {"messages": [{"role": "user", "content": "Weather in Rome?"}], "tools": [WEATHER]},
+                   "preferred_output": [{"role": "assistant", "tool_calls": [CALL]}],
+                   "non_preferred_output": [{"role": "assistant", "content": "No idea."}]}
 PROMPTS = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
            "answer": "4", "accepted": ["4", "four"]}
 
@@ -32,6 +41,8 @@ def _write(tmp_path: Path, records: list, name: str = "d.jsonl") -> Path:
     (CHAT, "chat", ["messages"]),
     (PREFERENCE, "preference", ["input", "preferred_output", "non_preferred_output"]),
     (COMPLETION, "completion", ["prompt", "completion"]),
+    (TOOL_CHAT, "chat", ["messages"]),
+    (TOOL_PREFERENCE, "preference", ["input", "preferred_output", "non_preferred_output"]),
     (PROMPTS, "prompts", ["messages"]),
 ])
 def test_each_format_is_detected_and_summarized(tmp_path, record, fmt, columns):
@@ -71,8 +82,20 @@ REPLY = {"role": "assistant", "content": "Hello"}
     (_bad_chat([dict(USER, weight=1), REPLY]), "messages[0].weight is allowed on assistant messages only"),
     (_bad_chat([USER, dict(REPLY, weight=2)]), "messages[1].weight must be 0 or 1"),
     (_bad_chat([USER, dict(REPLY, weight=True)]), "messages[1].weight must be 0 or 1"),
-    (_bad_chat([USER, dict(REPLY, tool_calls=[])]), "tool calls are not supported"),
-    (_bad_chat([USER, REPLY], tools=[]), "unknown field 'tools'"),
+    (_bad_chat([USER, dict(REPLY, tool_calls=[CALL])]), "messages[1] has tool_calls but the example has no tools"),
+    (_bad_chat([USER, REPLY], tools=[]), "tools: tools must be a non-empty list"),
+    (_bad_chat([USER, REPLY], tools=[{"type": "function", "function": {"name": "a b"}}]), "tools.0.function:"),
+    (_bad_chat([USER, dict(REPLY, tool_calls=[dict(CALL, function={"name": "other", "arguments": "{}"})])],
+               tools=[WEATHER]), "messages[1].tool_calls[0] calls 'other', which is not one of the example's tools"),
+    (_bad_chat([USER, dict(REPLY, tool_calls=[dict(CALL, function={"name": "get_weather", "arguments": "[1]"})])],
+               tools=[WEATHER]), "messages[1].tool_calls[0].function.arguments: function.arguments must be a JSON"),
+    (_bad_chat([USER, dict(REPLY, tool_calls=[CALL, dict(CALL, id="call_2")])], tools=[WEATHER],
+               parallel_tool_calls=False), "messages[1] makes 2 calls but parallel_tool_calls is false"),
+    (_bad_chat([USER, {"role": "tool", "tool_call_id": "call_9", "content": "x"}, REPLY], tools=[WEATHER]),
+     "messages[1].tool_call_id must name a call made earlier"),
+    (_bad_chat([USER, dict(REPLY, tool_call_id="call_1")]), "messages[1].tool_call_id is allowed on tool messages"),
+    (_bad_chat([USER, REPLY], tools=[WEATHER], parallel_tool_calls="yes"), "parallel_tool_calls must be true or"),
+    (dict(TOOL_PREFERENCE, input={"messages": [USER], "tools": "x"}), "input.tools: tools must be a non-empty"),
     (_bad_chat(["hi", REPLY]), "messages[0] must be an object"),
     ({"input": {"messages": [USER]}, "preferred_output": [REPLY]}, "field 'non_preferred_output' is missing"),
     (dict(PREFERENCE, preferred_output=[REPLY, REPLY]), "preferred_output must hold exactly one assistant"),

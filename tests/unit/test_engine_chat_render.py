@@ -91,3 +91,44 @@ def test_templates_that_cannot_be_split_are_refused():
         render_chat(tokenizer, CONVERSATION)
     with pytest.raises(ValueError, match="dpo"):
         render_record(tokenizer, "preference", {})
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+TOOL_TURNS = [{"role": "user", "content": "Weather in Rome?"},
+              {"role": "assistant", "content": None, "tool_calls": [CALL]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+              {"role": "assistant", "content": "Sunny."}]
+
+
+@pytest.mark.parametrize("family", ["qwen25", "llama31", "mistral"])
+def test_tool_calls_are_trained_in_the_templates_own_format(family):
+    """The tools go to the template; each call is in the loss as the template writes it (the format serving
+    parses), the tool's result is not."""
+    from core.tool_calls import FAMILIES, family_of
+    from tests.tiny_tools import TEMPLATES
+
+    tokenizer = build_chat_tokenizer(TEMPLATES[family])
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    rendered = render_chat(tokenizer, TOOL_TURNS, tools=TOOLS)
+    assert tokenizer.decode(rendered.input_ids).count('"get_weather"') == 2  # the tool's spec and the call
+    runs = _runs(tokenizer, rendered)
+    call = FAMILIES[family_of(TEMPLATES[family]).name]
+    written = call.open + call.prefix + call.call_text("get_weather", '{"city": "Rome"}') + call.suffix + call.close
+    assert len(runs) == 2 and written in runs[0] and "sunny" not in "".join(runs)
+    assert runs[1].startswith(("Sunny.", " Sunny."))
+
+
+def test_preference_pairs_may_carry_tools():
+    from tests.tiny_tools import QWEN25
+
+    tokenizer = build_chat_tokenizer(QWEN25)
+    record = {"input": {"messages": TOOL_TURNS[:1], "tools": TOOLS},
+              "preferred_output": [{"role": "assistant", "tool_calls": [CALL]}],
+              "non_preferred_output": [{"role": "assistant", "content": "No idea."}]}
+    preferred, rejected = render_preference(tokenizer, record)
+    assert _runs(tokenizer, preferred) == ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
+                                           '</tool_call><|im_end|>\n']
+    assert "# Tools" in tokenizer.decode(rejected.input_ids)

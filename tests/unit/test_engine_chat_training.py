@@ -135,3 +135,34 @@ def test_wrong_data_and_settings_are_refused(tmp_path, base):
         train_chat(_config(tmp_path, base, _pairs()))
     with pytest.raises(ValueError, match="no training record keeps a reply"):
         train_chat(_config(tmp_path, base, _chats(), max_length=4))
+
+
+def _tool_chats() -> list[dict]:
+    from tests.tiny_tools import ASKS, tool_conversation
+
+    return [tool_conversation(*ask) for ask in ASKS]
+
+
+def test_tool_call_data_trains_in_full_and_dpo_pairs_carry_tools(tmp_path):
+    """A full fine-tune on tool-call conversations learns the calls (the template writes them, in the loss); a
+    DPO run on pairs with tools, a tool call preferred over a refusal, trains too."""
+    from tests.tiny_tools import build_tool_base
+
+    base = build_tool_base(tmp_path / "qwen", _tool_chats())
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    examples = [render_chat(tokenizer, c["messages"], tools=c["tools"], max_length=512) for c in _tool_chats()]
+    assert all('"arguments": {' in tokenizer.decode([t for t in e.labels if t != IGNORE]) for e in examples)
+    batch = collate(examples, tokenizer.pad_token_id)
+    with torch.no_grad():
+        before = assistant_loss(AutoModelForCausalLM.from_pretrained(base), **batch).item()
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "dpo").mkdir()
+    result = train_chat(_config(tmp_path / "sft", base, _tool_chats() * 2, adapter=None, learning_rate=3e-3,
+                                max_steps=16, batch_size=4, max_length=512))
+    assert result.status == "completed" and result.metrics["eval_loss"] < before / 2
+    pairs = [{"input": {"messages": c["messages"][:1], "tools": c["tools"]},
+              "preferred_output": c["messages"][1:], "non_preferred_output": [
+                  {"role": "assistant", "content": "I cannot help."}]} for c in _tool_chats()]
+    result = train_chat(_config(tmp_path / "dpo", base, pairs, preference=PreferenceConfig(beta=0.5), max_steps=8,
+                                max_length=512))
+    assert result.status == "completed" and result.metrics["eval_reward_accuracy"] > 0.5

@@ -1,14 +1,24 @@
 // Chat mode of the playground: a message list sent to /v1/chat/completions (OpenAI's format, streamed), each
-// streamed piece of the reply showing its token's logprob and the top alternatives on hover or focus, and an
-// optional JSON schema sent as response_format.
+// streamed piece of the reply showing its token's logprob and the top alternatives on hover or focus, an
+// optional JSON schema sent as response_format, optional tools (their calls shown as they stream) and a reasoning
+// model's thinking shown apart from the reply.
 import { sse } from "./api.js";
 import { errorBox, h } from "./dom.js";
 
-// The request body for the conversation so far; `schemaText` (a JSON schema) becomes response_format.
-export function chatRequest({ model, messages, maxTokens, temperature, logprobs, topLogprobs, schemaText }) {
+// The request body for the conversation so far; `schemaText` (a JSON schema) becomes response_format,
+// `toolsText` (a JSON list of OpenAI function tools) the tools.
+export function chatRequest({ model, messages, maxTokens, temperature, logprobs, topLogprobs, schemaText,
+  toolsText = "" }) {
   const body = { model, messages, stream: true, stream_options: { include_usage: true }, max_tokens: maxTokens,
     temperature };
   if (logprobs) Object.assign(body, { logprobs: true, top_logprobs: topLogprobs });
+  if (toolsText.trim()) {
+    try {
+      body.tools = JSON.parse(toolsText);
+    } catch (error) {
+      throw new Error(`tools: not valid JSON (${error.message})`);
+    }
+  }
   if (schemaText.trim()) {
     let schema;
     try {
@@ -81,6 +91,9 @@ export function chatPanel(model, noChat, signal) {
     number("top_logprobs", 5, { min: 0, max: 20, step: 1 }),
     h("label.wide", {}, "JSON schema for the reply (optional: sent as response_format)",
       h("textarea", { name: "schema", rows: 2, placeholder: '{"type": "object", "properties": {...}}' })),
+    h("label.wide", {}, "tools (optional: a JSON list of function tools; calls always match their parameters)",
+      h("textarea", { name: "tools", rows: 2,
+        placeholder: '[{"type": "function", "function": {"name": "...", "parameters": {...}}}]' })),
     h("label.wide", {}, "message", h("textarea", { name: "message", rows: 2, required: true })),
     h("div.wide.row", {}, h("button", { type: "submit" }, "Send"),
       h("button.secondary", { type: "button", onclick: () => running?.abort() }, "Stop"),
@@ -96,8 +109,10 @@ export function chatPanel(model, noChat, signal) {
       body = chatRequest({ model: model(), maxTokens: Number(data.get("max_tokens")),
         temperature: Number(data.get("temperature")), logprobs: data.get("logprobs") === "on",
         topLogprobs: Number(data.get("top_logprobs")), schemaText: String(data.get("schema") || ""),
+        toolsText: String(data.get("tools") || ""),
         messages: [...(system ? [{ role: "system", content: system }] : []),
-          ...messages.map(({ role, content }) => ({ role, content })), user] });
+          ...messages.map(({ role, content, tool_calls: calls }) => (calls?.length
+            ? { role, content: content || null, tool_calls: calls } : { role, content })), user] });
     } catch (err) {
       error.replaceChildren(errorBox(err));
       return;
@@ -109,8 +124,11 @@ export function chatPanel(model, noChat, signal) {
     delete form.dataset.done;
     form.elements.message.value = "";
     const text = h("div.text");
-    const reply = { role: "assistant", content: "", el: h("div.msg.assistant", { "data-role": "assistant" },
-      h("div.role", {}, "assistant"), text) };
+    const thinking = h("details.reasoning", { hidden: true, open: true }, h("summary", {}, "reasoning"),
+      h("div.thinking"));
+    const calls = h("pre.tool-calls", { hidden: true });
+    const reply = { role: "assistant", content: "", tool_calls: [], el: h("div.msg.assistant",
+      { "data-role": "assistant" }, h("div.role", {}, "assistant"), thinking, text, calls) };
     messages.push(user, reply);
     redraw();
     const started = performance.now();
@@ -118,6 +136,21 @@ export function chatPanel(model, noChat, signal) {
       await stream(body, running.signal, (content, entries) => {
         reply.content += content;
         text.append(piece(content, entries));
+      }, (delta) => {
+        if (delta.reasoning_content) {
+          thinking.hidden = false;
+          thinking.lastChild.append(delta.reasoning_content);
+        }
+        for (const part of delta.tool_calls || []) {  // OpenAI's streamed calls: the first piece names the call
+          const call = reply.tool_calls[part.index] ||= { id: part.id, type: "function",
+            function: { name: "", arguments: "" } };
+          call.function.name += part.function?.name || "";
+          call.function.arguments += part.function?.arguments || "";
+        }
+        if (delta.tool_calls) {
+          calls.hidden = false;
+          calls.textContent = reply.tool_calls.map((c) => `${c.function.name}(${c.function.arguments})`).join("\n");
+        }
       }, (usage, finish) => {
         stats.textContent = `${usage?.completion_tokens ?? "?"} tokens, finish: ${finish}, `
           + `${((performance.now() - started) / 1000).toFixed(2)} s`;
@@ -136,8 +169,9 @@ export function chatPanel(model, noChat, signal) {
   return h("div", { id: "chat-panel" }, form, error, list, hoverTips(list));
 }
 
-// Reads the chat completion stream: `onPiece(text, logprobEntries)` per delta, `onEnd(usage, finishReason)`.
-async function stream(body, signal, onPiece, onEnd) {
+// Reads the chat completion stream: `onPiece(text, logprobEntries)` per content delta, `onDelta(delta)` per delta
+// with reasoning or tool calls, `onEnd(usage, finishReason)`.
+async function stream(body, signal, onPiece, onDelta, onEnd) {
   let finish = null;
   let usage = null;
   for await (const m of sse("/v1/chat/completions", { method: "POST", body, signal })) {
@@ -150,6 +184,7 @@ async function stream(body, signal, onPiece, onEnd) {
     const choice = payload.choices?.[0];
     if (!choice) continue;
     if (choice.delta?.content) onPiece(choice.delta.content, choice.logprobs?.content);
+    if (choice.delta?.reasoning_content || choice.delta?.tool_calls) onDelta(choice.delta);
     finish = choice.finish_reason ?? finish;
   }
   onEnd(usage, finish);

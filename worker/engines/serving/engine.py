@@ -122,10 +122,11 @@ class GenerationEngine:
         with self._encode_lock:
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    **template_kwargs: Any) -> list[int]:
         """Prompt ids of a chat through the model's own chat template (NoChatTemplate when it has none)."""
         with self._encode_lock:
-            return chat_ids(self.tokenizer, messages)
+            return chat_ids(self.tokenizer, messages, tools, **template_kwargs)
 
     def read_adapter(self, name: str) -> AdapterUse:
         """Adapter `name` for a request, read now unless resident (ValueError if this base cannot serve it)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 from transformers import GPT2TokenizerFast, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -29,14 +30,17 @@ class NoChatTemplate(ValueError):
     """The model's tokenizer has no chat template."""
 
 
-def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+             tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> list[int]:
     """Prompt ids of a chat through the tokenizer's own chat template, with the assistant's turn opened.
 
-    Raises NoChatTemplate when it has none; a template's own raise_exception propagates.
+    `tools` and `template_kwargs` (enable_thinking) go to the template. Raises NoChatTemplate when it has none;
+    a template's own raise_exception propagates.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise NoChatTemplate("this model has no chat template; use /v1/completions")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(messages, tools=cast(Any, tools), add_generation_prompt=True, tokenize=True,
+                                        **template_kwargs)
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 

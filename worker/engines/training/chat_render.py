@@ -6,7 +6,9 @@ where assistant turn i starts, and the text of messages[:i + 1] ends where it st
 included, so the model learns to stop). Both must be prefixes of the whole conversation's text; a template
 that rewrites earlier turns (some strip past reasoning) is refused. The whole text is tokenized once and a
 token is in the loss when its first character lies in a span of a weight-1 assistant turn (character offsets,
-so no merge across a span's edge can shift the mask).
+so no merge across a span's edge can shift the mask). A conversation's `tools` go to the template's own `tools`
+argument, and an assistant turn's tool calls are in its span (the template writes them in the model's call
+format, the one serving parses); tool results are not.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from core.tool_calls import template_messages
 
 IGNORE = -100  # the label of tokens outside the loss (cross_entropy's ignore_index)
 
@@ -34,16 +38,17 @@ class Rendered:
 
 
 def render_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], *, max_length: int | None = None,
-                last_only: bool = False) -> Rendered:
+                last_only: bool = False, tools: list[dict[str, Any]] | None = None) -> Rendered:
     """Input ids and labels of one conversation; `last_only` trains the final assistant turn alone (DPO)."""
-    messages = [dict(m, weight=m.get("weight", 1)) for m in messages]
-    text = _template(tokenizer, messages, generation_prompt=False)
+    weights = [m.get("weight", 1) for m in messages]
+    turns = template_messages(list(messages))
+    text = _template(tokenizer, turns, tools, generation_prompt=False)
     spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant" or message["weight"] != 1 or last_only and i != len(messages) - 1:
+    for i, message in enumerate(turns):
+        if message["role"] != "assistant" or weights[i] != 1 or last_only and i != len(turns) - 1:
             continue
-        before = _template(tokenizer, messages[:i], generation_prompt=True)
-        through = _template(tokenizer, messages[:i + 1], generation_prompt=False)
+        before = _template(tokenizer, turns[:i], tools, generation_prompt=True)
+        through = _template(tokenizer, turns[:i + 1], tools, generation_prompt=False)
         if not (through.startswith(before) and text.startswith(through)):
             raise ValueError("the chat template does not render a conversation as a prefix of a longer one, so "
                              "the assistant turns cannot be located")
@@ -64,7 +69,7 @@ def render_completion(tokenizer: Any, prompt: str, completion: str, *, max_lengt
 def render_record(tokenizer: Any, fmt: str, record: dict[str, Any], *, max_length: int | None = None) -> Rendered:
     """One record of a chat or completion dataset (core.chat_data) as a training example."""
     if fmt == "chat":
-        return render_chat(tokenizer, record["messages"], max_length=max_length)
+        return render_chat(tokenizer, record["messages"], max_length=max_length, tools=record.get("tools"))
     if fmt == "completion":
         return render_completion(tokenizer, record["prompt"], record["completion"], max_length=max_length)
     raise ValueError(f"a {fmt} dataset has no single reply to train on; use it with method 'dpo'")
@@ -73,16 +78,18 @@ def render_record(tokenizer: Any, fmt: str, record: dict[str, Any], *, max_lengt
 def render_preference(tokenizer: Any, record: dict[str, Any], *,
                       max_length: int | None = None) -> tuple[Rendered, Rendered]:
     """(preferred, non-preferred) of one preference record: the shared prompt, each reply in the loss."""
-    prompt = record["input"]["messages"]
+    prompt, tools = record["input"]["messages"], record["input"].get("tools")
     return tuple(  # type: ignore[return-value]
-        render_chat(tokenizer, [*prompt, *record[key]], max_length=max_length, last_only=True)
+        render_chat(tokenizer, [*prompt, *record[key]], max_length=max_length, last_only=True, tools=tools)
         for key in ("preferred_output", "non_preferred_output"))
 
 
-def _template(tokenizer: Any, messages: Sequence[dict[str, Any]], *, generation_prompt: bool) -> str:
+def _template(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None, *,
+              generation_prompt: bool) -> str:
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the base model's tokenizer has no chat template; use a chat model or a completion dataset")
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+    return tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
+                                         add_generation_prompt=generation_prompt)
 
 
 def _label_spans(tokenizer: Any, text: str, spans: list[tuple[int, int]], *, add_special_tokens: bool,

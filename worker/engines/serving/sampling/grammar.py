@@ -53,7 +53,9 @@ class GrammarError(ValueError):
 
 def field_of(constraint: Constraint) -> str:
     """The request field a constraint came from (for error envelopes)."""
-    return {"choice": "guided_choice", "regex": "guided_regex"}.get(constraint.kind, "response_format")
+    if constraint.field is not None:
+        return constraint.field
+    return {"choice": "guided_choice", "regex": "guided_regex", "lark": "tools"}.get(constraint.kind, "response_format")
 
 
 def grammar_text(constraint: Constraint) -> str:
@@ -70,6 +72,8 @@ def grammar_text(constraint: Constraint) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
     if constraint.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(constraint.spec)
+    if constraint.kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(constraint.spec)
     choices = json.loads(constraint.spec)
     # Lark string literals take JSON's escapes, so each choice is matched exactly.
     return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
