@@ -193,7 +193,7 @@ WIDE = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in r
 def test_a_schema_the_matcher_cannot_follow_is_an_error_never_a_stop(client, served, monkeypatch, found):
     """600 optional properties compiled, then the matcher failed and allowed only the end: 200, "stop", empty."""
     if found == "mid-stream":
-        from worker.engines import grammar
+        from worker.engines.serving.sampling import grammar
 
         monkeypatch.setattr(grammar, "probe", lambda *args, **kwargs: None)
     body = {"model": "chat", "messages": CHAT, "max_tokens": 16, "temperature": 1.0, "seed": 1,

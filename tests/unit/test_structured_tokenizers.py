@@ -12,11 +12,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaTokenizerFast
-from worker.engines.generation import GenerationEngine
 
 from core.protocol import Constraint, SamplingParams
-from worker.engines import grammar
+from worker.engines.serving.engine import GenerationEngine
 from worker.engines.serving.requests import GRAMMAR_ERROR
+from worker.engines.serving.sampling import grammar
 from worker.engines.serving.sampling.grammar import GrammarError
 
 REPO = Path(__file__).resolve().parents[2]
