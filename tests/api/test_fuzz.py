@@ -22,6 +22,10 @@ from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 
 @pytest.fixture()
 def fuzz_target(client, settings):
+    # No worker runs here: a request that reaches one (a grader's embeddings or judge call to a real model name)
+    # waits out its timeout, so those are short; the answer is then a 504/503, never a 500.
+    settings.embedding_timeout_s = settings.classify_timeout_s = 1.0
+    settings.generation_wait_s, settings.generation_timeout_s = 1.0, 2.0
     # A real dataset so generated job bodies can reach deeper validation, not only "unknown dataset".
     upload(client, tsv_bytes(sentiment_rows()), name="fuzz")
     return client.app, make_key(settings.resolved_database_url, tenant="fuzz")

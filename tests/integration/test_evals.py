@@ -54,7 +54,7 @@ def test_a_fine_tune_beats_its_base_on_an_eval_and_a_killed_worker_grades_nothin
                   "required": ["question", "answer"]}
         evaluation = api.evals.create(name="sky", data_source_config={"type": "custom", "item_schema": schema},
                                       testing_criteria=CRITERIA)
-        items = [{"item": {"question": q, "answer": ANSWER}} for q in QUESTIONS] * 2
+        items = [{"item": {"question": q, "answer": ANSWER}} for q in QUESTIONS] * 4
         template = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "{{item.question}}"}]
         data_source = {"source": {"type": "file_content", "content": items},
                        "input_messages": {"type": "template", "template": template},
@@ -76,10 +76,15 @@ def test_a_fine_tune_beats_its_base_on_an_eval_and_a_killed_worker_grades_nothin
         assert api.fine_tuning.jobs.retrieve(job.id).status == "succeeded"
 
         run = runs["fine_tuned"]
-        wait_for(lambda: len(api.evals.runs.output_items.list(run.id, eval_id=evaluation.id).data) >= 2, 120,
-                 "a few items graded")
         [victim] = [pid for pid, parent, args in _processes() if parent == proc.pid and "--queues generation" in args]
-        os.kill(victim, signal.SIGKILL)
+
+        def graded_then_killed() -> bool:  # killed in the same poll that sees the first items: mid-run
+            if len(api.evals.runs.output_items.list(run.id, eval_id=evaluation.id).data) < 2:
+                return False
+            os.kill(victim, signal.SIGKILL)
+            return True
+
+        wait_for(graded_then_killed, 120, "a few items graded")
         killed_at = time.time()
         before = api.evals.runs.output_items.list(run.id, eval_id=evaluation.id, limit=100).data
         assert api.evals.runs.retrieve(run.id, eval_id=evaluation.id).status == "in_progress"
