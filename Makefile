@@ -46,7 +46,7 @@ run: setup
 # started service starts once (loadgroup's xdist_group is ignored under pytest 9.2: xdist 3.8 sets item._nodeid).
 # --durations prints the slowest tests of every run, so CI's log says where the time went.
 TEST_WORKERS ?= 2
-test: setup lint
+test: setup lint smollm2
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=25
 
 lint: setup

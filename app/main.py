@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CollectorRegistry
+from redis.asyncio import Redis
 
 from app.access_log import install_access_log_redaction
 from app.errors import install_error_handlers
@@ -45,6 +46,16 @@ from core.settings import Settings, get_settings
 from core.storage import open_storage
 
 
+async def _close_redis(redis: Redis) -> None:
+    """Close the app's Redis client. Under uvicorn every connection belongs to the app's one event loop; an ASGI
+    caller that drives requests from loops of its own (an in-process test client) leaves connections this loop
+    cannot close, which are dropped instead of failing the shutdown."""
+    try:
+        await redis.aclose()
+    except RuntimeError:  # "attached to a different loop": those sockets close when collected
+        pass
+
+
 def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = None) -> FastAPI:
     """Build the app; the lifespan creates and disposes the database engine and broker client."""
 
@@ -73,7 +84,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
         finally:
             relay.stop()
             await app.state.generation.drain()
-            await redis.aclose()
+            await _close_redis(redis)
             engine.dispose()
             if celery is not None:
                 celery.close()

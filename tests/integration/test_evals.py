@@ -45,7 +45,9 @@ def _finished(api, eval_id: str, run_id: str, timeout: float = 150):
 def test_a_fine_tune_beats_its_base_on_an_eval_and_a_killed_worker_grades_nothing_twice(tmp_path, tiny_llama_dir):
     home = tmp_path / "home"
     shutil.copytree(tiny_llama_dir, home / "models" / "tiny")
+    # One line at a time (one row of the engine, one line a chunk): the run lasts long enough to be killed mid-way.
     proc, http = _up(home, tmp_path / "up.log", TRAINSERVE_BATCH_STALE_S="3", TRAINSERVE_BATCH_CHUNK_LINES="1",
+                     TRAINSERVE_BATCH_SHARE="0.01", TRAINSERVE_BATCH_IDLE_SHARE="0.01",
                      TRAINSERVE_GENERATION_PRECISION="fp32")
     try:
         api = openai.OpenAI(base_url=f"{str(http.base_url).rstrip('/')}/v1",
