@@ -293,6 +293,12 @@ def _from_environment() -> Settings:
     return Settings()
 
 
+def reload_settings() -> None:
+    """Forget the process's settings: the next get_settings() reads the environment again (a worker that has just
+    pinned its devices, after the command line was parsed with the settings it read)."""
+    _from_environment.cache_clear()
+
+
 def get_settings() -> Settings:
     """The process's settings: built once, lazily, from the environment."""
     return _from_environment()

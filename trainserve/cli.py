@@ -104,6 +104,9 @@ def _worker(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
+    from core.settings import reload_settings
+
+    reload_settings()  # the parser read settings before the devices were pinned (TRAINSERVE_WORKER_DEVICES)
     queues = args.queues.split(",")
     if QUEUE_TRAIN in queues:  # a worker owning N devices takes jobs of every size up to N
         args.queues = ",".join([q for q in queues if q != QUEUE_TRAIN] + train_queues(owned))

@@ -143,7 +143,9 @@ def test_classify_waits_without_threads_times_out_504_and_a_later_worker_skips(a
             return [p.result() for p in pending], health
 
     responses, health = asyncio.run(calls())
-    assert len(health) >= 3 and max(health) < 1.0, health
+    # /health stays answered while the calls wait (no thread is held): well under the 60 s the calls wait, with
+    # room for a 2-core machine's scheduling noise (one sample at 1.0 s seen in a fresh-clone run).
+    assert len(health) >= 3 and max(health) < 2.0, health
     for response in responses:
         assert response.status_code == 504 and response.json()["error"]["code"] == "worker_timeout", response.text
     assert len(store.keys(ABANDONED)) == 41

@@ -143,13 +143,10 @@ def _run(handler: Any) -> Any:
 
 
 def kind_choices() -> list[str]:
-    """The job kinds `train --task` offers: those registered once TRAINSERVE_JOB_KIND_MODULES is imported.
+    """The job kinds `train --task` offers: those registered once TRAINSERVE_JOB_KIND_MODULES is imported."""
+    from core.settings import get_settings
 
-    Read from a Settings of its own, not the process's cached one: the parser is built before `trainserve worker`
-    pins its devices (TRAINSERVE_WORKER_DEVICES), and a cached copy would miss them."""
-    from core.settings import Settings
-
-    load_kind_modules(Settings().job_kind_module_names)
+    load_kind_modules(get_settings().job_kind_module_names)
     return list(KINDS)
 
 
