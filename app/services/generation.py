@@ -98,7 +98,7 @@ class GenerationGateway:
         rows than a tenant's share holds the whole share.
         """
         per_model, per_tenant = self.settings.generation_queue_per_model, self.settings.generation_queue_per_tenant
-        taken = min(rows, per_model, per_tenant)
+        taken = self._rows_held(rows)
         keys = (slots_key(model.id), tenant_slots_key(model.id, principal.tenant_id))
         args = (str(now), str(self._lifetime()), str(per_model), str(per_tenant), str(int(self._lifetime()) + 1),
                 str(taken), request_id)
@@ -154,7 +154,7 @@ class GenerationGateway:
         The work runs in a task of its own; when the caller is cancelled (the client went away) the await below
         is interrupted but the task still completes.
         """
-        taken = min(rows, self.settings.generation_queue_per_model, self.settings.generation_queue_per_tenant)
+        taken = self._rows_held(rows)
         task = asyncio.ensure_future(self._release(request_id, model, finished=finished, tenant=tenant, rows=taken))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
@@ -173,6 +173,10 @@ class GenerationGateway:
                 await self.redis.zrem(key, *(f"{request_id}#{row}" for row in range(1, rows + 1)))
         except RedisError:
             pass  # the slot expires on its own (see admit)
+
+    def _rows_held(self, rows: int) -> int:
+        """Rows a request of `rows` choices holds: a request larger than a tenant's share holds the whole share."""
+        return min(rows, self.settings.generation_queue_per_model, self.settings.generation_queue_per_tenant)
 
     def _lifetime(self) -> float:
         return self.settings.generation_wait_s + self.settings.generation_timeout_s
