@@ -169,12 +169,15 @@ def grade_results(ctx: WorkerContext, batch_id: str, results: list[LineResult], 
         rows.append(EvalOutputItem(id=new_id("outitem"), run_id=run_id, eval_id=eval_id, datasource_item_id=index,
                                    status=status, sample=sample, results=entries, created_at=utcnow()))
     with session_scope(ctx.sessions) as session:
-        graded = graded_ids(session, run_id=run_id)  # a duplicate runner cannot hold the lease: this is belt only
+        # The run's row locked first: two runners of one batch (a lease taken over after a stalled heartbeat) write
+        # their grades one after the other, so each sees the other's and exactly one of them sees the run finish.
+        run = session.get(EvalRun, run_id, with_for_update=True)
+        if run is None:
+            return
+        graded = graded_ids(session, run_id=run_id)
         session.add_all([row for row in rows if row.datasource_item_id not in graded])
         session.flush()
-        run = session.get(EvalRun, run_id)
-        if run is not None and run.job_id is not None and len(graded) < run.total <= graded_count(session,
-                                                                                                 run_id=run_id):
+        if run.job_id is not None and len(graded) < run.total <= graded_count(session, run_id=run_id):
             report_to_job(session, run)  # with the last grades: once, whatever dies later
     log.info("eval run %s: graded items %d..%d", run_id, todo[0][0], todo[-1][0])
 
@@ -187,16 +190,19 @@ def _counts(session: Session, run: EvalRun) -> dict[str, Any]:
 
 
 def report_to_job(session: Session, run: EvalRun) -> None:
-    """The job's event for a finished run of its eval: the base's result, or the fine-tune's beside the base's."""
+    """The job's event for a finished run of its eval: its result, beside the other run's once both have finished
+    (the base's usually ends first; on a long eval and a short job the fine-tune's may)."""
     name = session.scalar(select(Eval.name).where(Eval.id == run.eval_id))
     mine = _counts(session, run)
     line = f"{mine['passed']}/{mine['total']} passed ({mine['pass_rate']:.0%})"
     data: dict[str, Any] = {"eval_id": run.eval_id, "role": run.role, run.role or "run": mine}
+    other_role, other_name = ("base", "the base model") if run.role == "fine_tuned" else ("fine_tuned",
+                                                                                          "the fine-tuned model")
+    other = session.scalar(select(EvalRun).where(EvalRun.job_id == run.job_id, EvalRun.role == other_role))
+    if other is not None and other.total and graded_count(session, run_id=other.id) >= other.total:
+        data[other_role] = theirs = _counts(session, other)
+        line += f"; {other_name} {theirs['passed']}/{theirs['total']} ({theirs['pass_rate']:.0%})"
     if run.role == "fine_tuned":
-        base = session.scalar(select(EvalRun).where(EvalRun.job_id == run.job_id, EvalRun.role == "base"))
-        if base is not None and graded_count(session, run_id=base.id) >= base.total:
-            data["base"] = theirs = _counts(session, base)
-            line += f"; the base model {theirs['passed']}/{theirs['total']} ({theirs['pass_rate']:.0%})"
         message = f"eval {name!r} on the fine-tuned model: {line}"
     else:
         message = f"eval {name!r} on the base model {run.model}: {line}"

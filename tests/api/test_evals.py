@@ -199,3 +199,59 @@ def test_cancel_a_run_with_the_official_client(api, served, queue):  # noqa: F81
     assert api.evals.delete(created.id).deleted is True  # a canceled run does not hold its eval
     with pytest.raises(openai.NotFoundError):
         api.evals.runs.retrieve(run.id, eval_id=created.id)
+
+
+def test_two_runners_grading_a_runs_last_items_at_once_report_it_once(api, served, settings, worker_ctx, queue,  # noqa: F811
+                                                                       monkeypatch):
+    """A batch's lease taken over after a stalled heartbeat: two runners grade the base run's last two items at the
+    same moment. The run's row lock orders their writes, so one of them sees the run finish and reports it."""
+    import threading
+
+    import worker.batches as batches
+    import worker.evals as evals
+    from core.tasks import TASK_BATCH
+    from tests.tiny_chat import chat_jsonl
+
+    settings.batch_chunk_lines = 1
+    held: list[tuple] = []
+    real = batches.grade_results
+
+    def grading(ctx, batch_id, results, pacer):
+        if results and results[0].line["custom_id"] in ("item-1", "item-2"):
+            held.append((ctx, batch_id, results, pacer))  # graded below, by two runners at once
+            return None
+        return real(ctx, batch_id, results, pacer)
+
+    monkeypatch.setattr(batches, "grade_results", grading)
+    batch_ids: list[str] = []
+    queue.handlers[TASK_BATCH] = lambda batch_id: batch_ids.append(batch_id)
+    created = _eval(api, CRITERIA[:3])
+    training = api.files.create(file=("chat.jsonl", chat_jsonl("red")), purpose="fine-tune")
+    source = {k: v for k, v in _data_source().items() if k not in ("model", "type")}
+    job = api.fine_tuning.jobs.create(model="tiny", training_file=training.id,
+                                      extra_body={"eval": {"eval_id": created.id, "data_source": source}})
+    base = {r.role: r for r in api.evals.runs.list(created.id)}["base"]
+    batches.run_batch(worker_ctx, batch_ids[0])
+    assert len(held) == 2 and api.evals.runs.retrieve(base.id, eval_id=created.id).status == "in_progress"
+
+    both_written = threading.Barrier(2)
+    count = evals.graded_count
+
+    def written_then_wait(session, *, run_id):  # each runner between writing its grades and counting the run's
+        try:
+            both_written.wait(timeout=3)  # with the row lock the second runner waits for the first's commit instead
+        except threading.BrokenBarrierError:
+            pass
+        return count(session, run_id=run_id)
+
+    monkeypatch.setattr(evals, "graded_count", written_then_wait)
+    runners = [threading.Thread(target=real, args=args) for args in held]
+    for runner in runners:
+        runner.start()
+    for runner in runners:
+        runner.join(60)
+    done = api.evals.runs.retrieve(base.id, eval_id=created.id)
+    assert done.status == "completed" and done.result_counts.total == 3
+    reports = [e.message for e in api.fine_tuning.jobs.list_events(job.id, limit=100) if "eval 'colours'" in e.message]
+    assert reports == [f"eval 'colours' on the base model tiny: {done.result_counts.passed}/3 passed "
+                       f"({done.result_counts.passed / 3:.0%})"], reports
