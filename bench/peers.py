@@ -29,7 +29,7 @@ side once, one side at a time, the order rotated per repeat. Printed: every run,
 
     python bench/peers.py --sides trainserve,llama,hf-serve --rates 1 2 --requests 60 --repeats 3
     python bench/peers.py --mode closed --concurrency 16 --sides trainserve,llama,llama-q4 --requests 64
-    python bench/peers.py --requests 3 --rates 2 --max-tokens 8 --repeats 1 --sides trainserve,llama   # smoke run
+    python bench/peers.py --requests 3 --rates 2 --min-tokens 4 --max-tokens 8 --repeats 1 --sides trainserve,llama   # smoke run
 """
 
 from __future__ import annotations
@@ -402,6 +402,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.sides) - set(ALL_SIDES))
     if unknown:
         parser.error(f"unknown sides {unknown}; choose from {', '.join(ALL_SIDES)}")
+    if not 1 <= args.min_tokens <= args.max_tokens:
+        parser.error(f"--min-tokens ({args.min_tokens}) must be between 1 and --max-tokens ({args.max_tokens})")
     return args
 
 
