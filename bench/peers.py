@@ -151,7 +151,9 @@ async def chat(client: httpx.AsyncClient, side: Side, request: Row) -> Row:
 
 async def replay(side: Side, requests: list[Row], concurrency: int | None) -> list[Row]:
     """Open loop (each chat at its arrival time) or closed loop (`concurrency` streams back to back)."""
-    limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=len(requests) + 4)
+    # A connection per chat, on every side: a kept-alive connection the server has just closed (llama-server's
+    # keep-alive ends after a few seconds) would fail the next chat sent on it before it reached the server.
+    limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=side.base, limits=limits) as client:
         start = time.perf_counter()
         if concurrency is None:
