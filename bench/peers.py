@@ -29,7 +29,7 @@ side once, one side at a time, the order rotated per repeat. Printed: every run,
 
     python bench/peers.py --sides trainserve,llama,hf-serve --rates 1 2 --requests 60 --repeats 3
     python bench/peers.py --mode closed --concurrency 16 --sides trainserve,llama,llama-q4 --requests 64
-    python bench/peers.py --requests 3 --rates 2 --min-tokens 4 --max-tokens 8 --repeats 1 --sides trainserve,llama   # smoke run
+    python bench/peers.py --requests 3 --rates 2 --min-tokens 4 --max-tokens 8 --repeats 1 --sides trainserve,llama
 """
 
 from __future__ import annotations

@@ -1,16 +1,18 @@
 """Benchmark: speculative decoding with prompt-lookup drafts against plain decoding, on editing and extraction chats.
 
-The same engine settings but `speculative_tokens` (the baseline: 0, plain decoding) decode the same greedy chats:
+The same engine settings but `speculative_tokens` (the baseline: 0, plain decoding) decode the same chats (greedy,
+or with `--temperature` sampled, chat i seeded `--seed` + i):
 "copy this text with one word changed" and "list the words of this text that ..." prompts over SST-2 sentences
 (examples/data), rendered with the model's chat template: answers that repeat their input, the narrow tasks a
 fine-tune serves. At each `--concurrency` c, c chats are submitted at once to one engine; tokens/s is all
 generated tokens over the wall time from submit to the last answer (per stream: divided by c). Every answer is
-compared token for token between the sides (greedy: they must be equal). Sides interleaved (the first side
-alternating per repeat), medians and the spread over `--repeats`, the load average after each run; engine alone,
-fp32 on the CPU unless `--precision`.
+compared token for token between the sides (they must be equal: greedy, and sampled seed for seed). Sides
+interleaved (the first side alternating per repeat), medians and the spread over `--repeats`, the load average
+after each run; engine alone, fp32 on the CPU unless `--precision`.
 
     python bench/speculative.py --model ~/.cache/trainserve/smollm2-135m-instruct   # c = 1 and 16, k = 4
-    python bench/speculative.py --model DIR --concurrency 1 --repeats 1 --max-tokens 48 --chats 2   # smoke run
+    python bench/speculative.py --model DIR --temperature 0.7   # sampled rows
+    python bench/speculative.py --model DIR --concurrency 1 --repeats 1 --max-tokens 48   # smoke run
 """
 
 from __future__ import annotations
@@ -52,12 +54,14 @@ def chats(engine: GenerationEngine, count: int) -> list[list[int]]:
             for i, text in enumerate(texts)]
 
 
-def run(engine: GenerationEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+def run(engine: GenerationEngine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
+        seed: int = 0) -> tuple[float, list[list[int]]]:
     """Submit every prompt at once; (generated tokens per second, each answer's token ids)."""
-    params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0)
+    params = [SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
+                             seed=None if temperature == 0 else seed + i) for i in range(len(prompts))]
     started = time.perf_counter()
     with engine._lock:  # admitted together
-        futures = [engine.submit(prompt, params) for prompt in prompts]
+        futures = [engine.submit(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
     answers = [future.result().choices[0].token_ids for future in futures]
     elapsed = time.perf_counter() - started
     return sum(len(a) for a in answers) / elapsed, answers
@@ -75,6 +79,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, seeded per chat")
+    parser.add_argument("--seed", type=int, default=0, help="sampled: chat i is seeded seed + i")
     parser.add_argument("--json", type=Path, help="write the result here (bench/results format)")
     args = parser.parse_args()
     top = max(args.concurrency)
@@ -92,7 +98,8 @@ def main() -> None:
                 order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
                 answers = {}
                 for name in order:
-                    rate, answers[name] = run(engines[name], prompts[:c], args.max_tokens)
+                    rate, answers[name] = run(engines[name], prompts[:c], args.max_tokens, args.temperature,
+                                              args.seed)
                     rates[name].append(rate)
                     print(f"c={c} repeat {repeat + 1} {name}: {rate:.1f} tokens/s (load {os.getloadavg()[0]:.2f})",
                           flush=True)
@@ -100,7 +107,7 @@ def main() -> None:
                 equal = all(other == first for other in others)
                 print(f"  outputs equal across sides: {equal}")
                 if not equal:
-                    raise SystemExit("speculative decoding changed a greedy answer")
+                    raise SystemExit("speculative decoding changed an answer")
             stats = engines[f"prompt-lookup k={args.k}"].stats()
             base = statistics.median(rates[BASELINE])
             for name, values in rates.items():
@@ -116,7 +123,8 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({
             "benchmark": "bench/speculative.py",
-            "what": f"Speculative decoding (prompt-lookup drafts, k={args.k}) against plain decoding: greedy "
+            "what": f"Speculative decoding (prompt-lookup drafts, k={args.k}) against plain decoding: "
+                    f"{'greedy' if args.temperature == 0 else f'sampled (temperature {args.temperature}, seeded)'} "
                     f"editing and extraction chats over SST-2 sentences, {args.max_tokens} tokens, engine alone, "
                     f"{args.precision}; outputs equal token for token; medians of {args.repeats} interleaved repeats",
             "command": "python bench/speculative.py " + " ".join(sys.argv[1:]),

@@ -1,6 +1,7 @@
 """Speculative decoding with prompt-lookup drafts: greedy output equal token for token to plain decoding and to HF
-`generate` (GPT-2 and a llama-family decoder, fp32, alone and several rows at once, adapters included), drafts
-really kept, and requests that must not speculate (sampled, opted out, constrained) decoding one token a step."""
+`generate` (GPT-2 and a llama-family decoder, fp32, alone and several rows at once, adapters included), sampled
+output equal draw for draw (same seeds) to plain decoding, drafts really kept, and requests that must not speculate
+(opted out, constrained, with logprobs) decoding one token a step."""
 
 from __future__ import annotations
 
@@ -102,9 +103,36 @@ def test_adapter_rows_speculate_with_their_adapter(llama_dir, tmp_path):
 def test_requests_that_must_not_speculate_decode_one_token_a_step(tiny_gpt2_dir):
     with GenerationEngine(tiny_gpt2_dir, device="cpu", precision="fp32", max_batch_size=4,
                           speculative_tokens=4) as engine:
-        for params in (SamplingParams(max_new_tokens=30, temperature=1.0, seed=1),
+        for params in (greedy(30, logprobs=2),
                        greedy(30, speculative=False),
                        greedy(30, constraint=Constraint(kind="regex", spec="[a-z ]{1,40}"))):
             before = engine.stats()["speculative_steps"]
             engine.generate(REPEATING, params)
             assert engine.stats()["speculative_steps"] == before, params
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_sampled_output_is_the_same_with_drafts_seed_for_seed(arch, tiny_gpt2_dir, llama_dir):
+    """A sampled row keeps a draft while it equals the draw plain decoding would make with that token's own uniform,
+    so with drafts on, every seeded answer (alone, beside greedy and other sampled rows, top-k and top-p included) is
+    the one plain decoding gives, and some drafts were kept."""
+    model_dir = tiny_gpt2_dir if arch == "gpt2" else llama_dir
+    settings = [SamplingParams(max_new_tokens=40, temperature=0.3, seed=7),
+                SamplingParams(max_new_tokens=40, temperature=0.8, top_p=0.9, seed=8),
+                SamplingParams(max_new_tokens=40, temperature=1.0, top_k=5, seed=9, n=2),
+                greedy()]
+    prompts = [REPEATING, REPEATING[3:] + [21, 22], [30, 31, 30, 31, 30], REPEATING]
+    results, stats = {}, {}
+    for k in (0, 4):
+        with GenerationEngine(model_dir, device="cpu", precision="fp32", max_batch_size=8,
+                              speculative_tokens=k, speculative_max_rows=8) as engine:
+            with engine._lock:
+                futures = [engine.submit(p, params) for p, params in zip(prompts, settings, strict=True)]
+            results[k] = [[c.token_ids for c in f.result(timeout=120).choices] for f in futures]
+            results[k].append([engine.generate(REPEATING, settings[0]).choices[0].token_ids])  # alone
+            stats[k] = engine.stats()
+    assert results[4] == results[0]
+    assert results[0][-1] == results[0][0]  # alone as in the batch: the draws depend on the seed only
+    assert stats[4]["speculative_steps"] > 0, stats[4]
+    if arch == "gpt2":  # the tiny GPT-2 echoes its input, so some sampled drafts were kept
+        assert stats[4]["accepted_draft_tokens"] > 0, stats[4]

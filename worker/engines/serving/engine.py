@@ -354,7 +354,7 @@ class GenerationEngine:
         if self.lora is not None:  # every row goes as a chunk, with its request's adapter
             self.lora.set_rows([], [s.request for s in rows])
         logits = self._runner.forward(None, (chunks, [[r] for r in range(len(rows))], starts), every_position=True)
-        choices = logits.argmax(dim=-1).tolist()  # greedy rows only: the model's own token at every position
+        choices = speculative.choices(logits, rows, chunks)  # the token plain decoding would take at each position
         kept = offset = 0
         for sequence, chunk, drafted in zip(rows, chunks, drafts, strict=True):
             kept_tokens = speculative.accepted(drafted, choices[offset:offset + len(chunk)])

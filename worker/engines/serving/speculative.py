@@ -7,19 +7,28 @@ the model's own choice agrees with, plus the model's next token after it. For gr
 tokens are the ones plain decoding would produce, token for token. Editing, extraction and code tasks repeat their
 input, so a draft is often right, and one forward that reads the weights once yields several tokens.
 
-Which rows speculate: greedy rows without a grammar, logprobs or repetition penalty, on a step without prompt
-chunks, while the batch is small (`max_rows`): a big batch is compute-bound and verifying drafts would cost more
-than it saves. A step speculates only when at least half its rows have a draft (every row of a speculative step
-goes through the chunk path); a row whose draft missed at its first token pauses before drafting again. A sampled
-row decodes one token per step (its output distribution is unchanged: the rejection rule for sampled rows is not
-built). A request opts out with `SamplingParams.speculative = False`.
+Sampled rows speculate too, exactly: at every checked position the row draws the token plain decoding would draw
+there, with the counter-based uniform of that token's own index in the answer (sampler.counter_uniforms), and keeps
+the draft while it equals those draws. The kept tokens are then the ones plain decoding would have drawn, seed for
+seed, whatever shares the batch. For a draft that is a single proposed token (a point mass) this keeps a draft
+token with the probability the model gives it, as the standard rejection rule of speculative sampling does, and
+on a miss the draw that replaces it comes from the model's own distribution: the output distribution is unchanged.
+
+Which rows speculate: rows without a grammar, logprobs or repetition penalty, on a step without prompt chunks, while
+the batch is small (`max_rows`): a big batch is compute-bound and verifying drafts would cost more than it saves. A
+step speculates only when at least half its rows have a draft (every row of a speculative step goes through the
+chunk path); a row whose draft missed at its first token pauses before drafting again. A request opts out with
+`SamplingParams.speculative = False`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from worker.engines.serving.requests import SequenceState
+from worker.engines.serving.sampling.sampler import RowParams, next_tokens
 
 MAX_NGRAM, MIN_NGRAM = 4, 1  # the longest suffix tried first, as vLLM's prompt lookup does
 MAX_BACKOFF = 16  # the longest pause (steps) of a row whose drafts keep missing
@@ -40,7 +49,7 @@ def propose(history: Sequence[int], k: int, *, max_ngram: int = MAX_NGRAM, min_n
 def eligible(sequence: SequenceState) -> bool:
     """Whether a running sequence may speculate this step."""
     params = sequence.request.params
-    return (params.speculative and params.greedy and sequence.matcher is None and params.logprobs is None
+    return (params.speculative and sequence.matcher is None and params.logprobs is None
             and params.repetition_penalty == 1.0)
 
 
@@ -67,6 +76,17 @@ def record(sequence: SequenceState, drafted: list[int], kept: list[int]) -> None
         sequence.draft_skip = sequence.draft_backoff
     else:
         sequence.draft_backoff = 0
+
+
+def choices(logits: torch.Tensor, rows: Sequence[SequenceState], chunks: Sequence[list[int]]) -> list[int]:
+    """The token plain decoding would choose at every checked position (logits [positions, V], the rows' chunks in
+    order): the argmax of a greedy row; a sampled row's draw with the uniform of that token's index in its answer
+    (position j of a row holding t tokens draws token t + j, as plain decoding's counter would)."""
+    at = [(sequence, j) for sequence, chunk in zip(rows, chunks, strict=True) for j in range(len(chunk))]
+    params = RowParams([sequence.request.params for sequence, _ in at], logits.device,
+                       seeds=[sequence.seed for sequence, _ in at],
+                       counters=[len(sequence.tokens) + j for sequence, j in at])
+    return next_tokens(logits, params, None).tolist()
 
 
 def accepted(drafted: list[int], choices: list[int]) -> list[int]:
