@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.engines.serving.caches.slot_cache import CLEAN_AHEAD, SlotCache
+from worker.engines.serving.caches.slot_cache import CLEAN_AHEAD, PrefillLayout, SlotCache
 from worker.engines.serving.prefill import FIRST_CHUNK, MIN_CHUNK, ChunkBudget
 
 
@@ -57,6 +57,36 @@ def test_moving_a_row_carries_its_watermark() -> None:
     assert cache.clean[1] == 40 and (cache.keys[:, 1, :, :40] == 5).all()
     cache.release()
     assert cache.capacity == (0, 0) and cache.clean == []
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_chunks_of_rows_0_to_p_attend_as_one_batch_as_they_would_one_by_one(window) -> None:
+    """A speculative step's chunks (row r's chunk at its own position, rows 0..P-1): one masked call over the rows'
+    cache gives each real position what the chunk-by-chunk path gives, the shorter rows' gaps zeroed first (the
+    cache beyond every watermark is NaN here)."""
+    torch.manual_seed(0)
+    cache = Cache()
+    cache.reserve(3, 64)
+    starts, chunks = [12, 5, 9], [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11]]
+    for row, start in enumerate(starts):
+        block = torch.randn(cache.n_layer, cache.cache_heads, start, cache.head_dim)
+        cache.write_positions(range(row, row + 1), 0, block, block * 0.5)
+    layouts = [PrefillLayout(chunks, [[0], [1], [2]], starts, torch.device("cpu")) for _ in range(2)]
+    assert layouts[0].batched
+    layouts[1].batched = False  # the chunk-by-chunk path, the reference
+    width = layouts[0].width
+    q = torch.randn(3, cache.cache_heads, width, cache.head_dim)
+    new = torch.randn(3, cache.cache_heads, width, cache.head_dim)
+    outs = []
+    for layout in layouts:
+        layout.note_written(cache)
+        layout.store(cache.keys, 0, new)
+        layout.store(cache.values, 0, new * 2)
+        outs.append(layout.attend(torch.nn.functional.scaled_dot_product_attention, q, cache.keys, cache.values, 0,
+                                  window))
+    for i, length in enumerate(layout.lengths):
+        assert torch.allclose(outs[0][i, :, :length], outs[1][i, :, :length], atol=1e-6), i
+    assert not outs[0].isnan().any()
 
 
 def test_the_chunk_budget_follows_the_measured_step_times() -> None:

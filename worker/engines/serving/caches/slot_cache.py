@@ -176,6 +176,13 @@ class PrefillLayout:
         offsets = torch.minimum(at[None], torch.tensor(self.lengths, device=device)[:, None] - 1)
         self.positions = torch.tensor(self.starts, device=device)[:, None] + offsets  # [P, width]
         self._masks: dict[int | None, list[torch.Tensor | None]] = {}
+        # Chunks of rows 0..P-1, one row each, reading spans of about one length (a speculative step's drafts): they
+        # attend as one batch over the rows' cache (a view) under a mask, not chunk by chunk.
+        spans = [start + length for start, length in zip(starts, self.lengths, strict=True)]
+        self.span = max(spans)
+        self.batched = (self.chunked and self.count > 1 and groups == [[row] for row in range(self.count)]
+                        and self.span <= max(SPLIT_MIN, SPLIT_RATIO * min(spans)))
+        self._batched_masks: dict[int | None, torch.Tensor] = {}
 
     def store(self, cache: torch.Tensor, layer: int, states: torch.Tensor) -> None:
         """Write a layer's keys or values of the prompts [P, head, width, head_dim] into their rows' cache."""
@@ -186,17 +193,33 @@ class PrefillLayout:
             cache[layer, group[0]:group[-1] + 1, :, start:start + length] = states[i, :, :length]
 
     def note_written(self, cache: SlotCache) -> None:
-        """Raise the watermarks of the rows this prefill writes (call before the forward's first store)."""
+        """Raise the watermarks of the rows this prefill writes and, for batched chunks, zero the gaps a shorter
+        row's attention reads up to the longest span (call before the forward's first store)."""
         for start, length, group in zip(self.starts, self.lengths, self.groups, strict=True):
             end = start + length if self.chunked else self.width  # unchunked: the pads are stored too
             cache.written(range(group[0], group[-1] + 1), start, end)
+        if self.batched:
+            cache.clean_to(range(self.count), self.span)
 
     def attend(self, attention: Callable[..., torch.Tensor], query: torch.Tensor, keys: torch.Tensor,
                values: torch.Tensor, layer: int, window: int | None) -> torch.Tensor:
         """Chunked: each chunk's queries [P, head, width, head_dim] against its own row's cache up to the chunk's
         end (after store). The cache is read through views, chunk by chunk: no copy of a long prompt's rows and
         no chunk reading past its own end. attention(q, k, v, **mask) is the runner's SDPA. Pads' outputs are 0.
+        Batched chunks (`batched`) attend in one call over rows 0..P-1 up to the longest span, each query masked to
+        its own positions (a pad sees what its chunk's last real token sees).
         """
+        if self.batched:
+            mask = self._batched_masks.get(window)
+            if mask is None:
+                seen = torch.arange(self.span, device=self.positions.device)[None, None]
+                at = self.positions[:, :, None]
+                visible = seen <= at
+                if window:
+                    visible &= seen > at - window
+                mask = self._batched_masks[window] = visible[:, None]  # [P, 1, width, span]
+            return attention(query, keys[layer, :self.count, :, :self.span], values[layer, :self.count, :, :self.span],
+                             attn_mask=mask)
         out = query.new_zeros(query.shape)
         masks = self._masks.get(window)
         if masks is None:
