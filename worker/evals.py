@@ -189,6 +189,9 @@ def _counts(session: Session, run: EvalRun) -> dict[str, Any]:
             "per_testing_criteria": {name: dict(counts) for name, counts in by_criterion.items()}}
 
 
+_MODEL_NAMES = {"base": "the base model", "fine_tuned": "the fine-tuned model"}  # a job's runs, by role
+
+
 def report_to_job(session: Session, run: EvalRun) -> None:
     """The job's event for a finished run of its eval: its result, beside the other run's once both have finished
     (the base's usually ends first; on a long eval and a short job the fine-tune's may)."""
@@ -196,16 +199,13 @@ def report_to_job(session: Session, run: EvalRun) -> None:
     mine = _counts(session, run)
     line = f"{mine['passed']}/{mine['total']} passed ({mine['pass_rate']:.0%})"
     data: dict[str, Any] = {"eval_id": run.eval_id, "role": run.role, run.role or "run": mine}
-    other_role, other_name = ("base", "the base model") if run.role == "fine_tuned" else ("fine_tuned",
-                                                                                          "the fine-tuned model")
+    other_role = "base" if run.role == "fine_tuned" else "fine_tuned"
     other = session.scalar(select(EvalRun).where(EvalRun.job_id == run.job_id, EvalRun.role == other_role))
     if other is not None and other.total and graded_count(session, run_id=other.id) >= other.total:
         data[other_role] = theirs = _counts(session, other)
-        line += f"; {other_name} {theirs['passed']}/{theirs['total']} ({theirs['pass_rate']:.0%})"
-    if run.role == "fine_tuned":
-        message = f"eval {name!r} on the fine-tuned model: {line}"
-    else:
-        message = f"eval {name!r} on the base model {run.model}: {line}"
+        line += f"; {_MODEL_NAMES[other_role]} {theirs['passed']}/{theirs['total']} ({theirs['pass_rate']:.0%})"
+    model = _MODEL_NAMES[run.role] if run.role == "fine_tuned" else f"{_MODEL_NAMES['base']} {run.model}"
+    message = f"eval {name!r} on {model}: {line}"
     assert run.job_id is not None
     add_event(session, job_id=run.job_id, kind=EventKind.EVAL_RUN, message=message, data=data)
 

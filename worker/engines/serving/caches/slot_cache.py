@@ -211,13 +211,9 @@ class PrefillLayout:
         """
         if self.batched:
             mask = self._batched_masks.get(window)
-            if mask is None:
-                seen = torch.arange(self.span, device=self.positions.device)[None, None]
-                at = self.positions[:, :, None]
-                visible = seen <= at
-                if window:
-                    visible &= seen > at - window
-                mask = self._batched_masks[window] = visible[:, None]  # [P, 1, width, span]
+            if mask is None:  # [P, 1, width, span]
+                visible = sees(self.positions.reshape(-1), self.span, window).view(self.count, 1, self.width, -1)
+                mask = self._batched_masks[window] = visible
             return attention(query, keys[layer, :self.count, :, :self.span], values[layer, :self.count, :, :self.span],
                              attn_mask=mask)
         out = query.new_zeros(query.shape)
