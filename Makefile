@@ -47,7 +47,8 @@ run: setup
 # --durations prints the slowest tests of every run, so CI's log says where the time went.
 TEST_WORKERS ?= 2
 test: setup lint smollm2
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=25 -m "not alone"
+	$(PY) -m pytest -q -n 0 --durations=5 -m alone
 
 lint: setup
 	$(VENV)/bin/ruff check core app worker trainserve bench tests

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
+import math
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -263,3 +266,95 @@ async def _send_error(send: Send, status: int, code: str, message: str,
                           *(extra_headers or [])]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+# The answers that count as a refusal of what the client sent (not 403/404/409/429: those are about state).
+REFUSED_STATUSES = frozenset({400, 401, 413, 422})
+# Callers whose buckets one API process keeps; the least recently refused go first (a forgotten caller starts full).
+REFUSAL_CALLERS_KEPT = 10_000
+
+
+class RefusalBudget:
+    """A token bucket of refusals per caller: TRAINSERVE_REFUSAL_BURST, refilled at TRAINSERVE_REFUSALS_PER_SECOND."""
+
+    def __init__(self, per_second: float, burst: int, clock: Any = time.monotonic) -> None:
+        self.per_second = per_second
+        self.burst = float(burst)
+        self.clock = clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # caller -> (tokens, when counted)
+
+    def _tokens(self, caller: str, now: float) -> float:
+        tokens, when = self._buckets.get(caller, (self.burst, now))
+        return min(self.burst, tokens + (now - when) * self.per_second)
+
+    def wait_s(self, caller: str) -> float:
+        """0 when `caller` may be answered; else the seconds until it has a refusal to spend again."""
+        if caller not in self._buckets:
+            return 0.0
+        tokens = self._tokens(caller, self.clock())
+        return 0.0 if tokens >= 1 else (1 - tokens) / self.per_second
+
+    def refused(self, caller: str) -> None:
+        """Spend one of `caller`'s refusals."""
+        now = self.clock()
+        self._buckets[caller] = (self._tokens(caller, now) - 1, now)
+        self._buckets.move_to_end(caller)
+        while len(self._buckets) > REFUSAL_CALLERS_KEPT:
+            self._buckets.popitem(last=False)
+
+
+class RefusalBudgetMiddleware:
+    """429 too_many_refusals, before the body is parsed or the key looked up, for a caller whose requests have been
+    refused past its budget (RefusalBudget). The caller is its credential (a digest of the Authorization header) or,
+    without one, its address; the body of a request answered so is drained unparsed, so the client reads the 429."""
+
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+        self.app = app
+        self.settings = settings
+        self.budget = RefusalBudget(settings.refusals_per_second, settings.refusal_burst)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        caller = _caller(scope)
+        wait = self.budget.wait_s(caller)
+        if wait > 0:
+            drained = await _drain(receive, self.settings.max_request_bytes, self.settings.body_grace_s)
+            retry = max(1, math.ceil(wait))
+            headers = [(b"retry-after", str(retry).encode()), *([] if drained else [(b"connection", b"close")])]
+            await _send_error(send, 429, ErrorCode.TOO_MANY_REFUSALS,
+                              "too many of this caller's requests were refused (malformed, over a bound, or "
+                              f"unauthorized); retry in {retry} s", headers)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] in REFUSED_STATUSES:
+                self.budget.refused(caller)
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def _caller(scope: Scope) -> str:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return "key:" + hashlib.sha256(value).hexdigest()
+    client = scope.get("client")
+    return f"address:{client[0] if client else ''}"
+
+
+async def _drain(receive: Receive, most_bytes: int, most_s: float) -> bool:
+    """Read and drop a request body (a client still sending would lose an answer closed on it): at most `most_bytes`
+    within `most_s`; False when it stopped short (the connection is then closed)."""
+    received = 0
+    deadline = time.monotonic() + most_s
+    while received <= most_bytes:
+        try:
+            message = await asyncio.wait_for(receive(), timeout=max(deadline - time.monotonic(), 0.001))
+        except TimeoutError:
+            return False
+        received += len(message.get("body", b""))
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return True
+    return False

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 
 from app.access_log import install_access_log_redaction
 from app.errors import install_error_handlers
-from app.limits import BodyLimitMiddleware, TenantSlots, UploadSlotsMiddleware
+from app.limits import BodyLimitMiddleware, RefusalBudgetMiddleware, TenantSlots, UploadSlotsMiddleware
 from app.observability import HttpMetrics, ObservabilityMiddleware
 from app.routes import (
     aliases,
@@ -96,6 +96,8 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     install_access_log_redaction()
     app.add_middleware(UploadSlotsMiddleware, settings=settings or get_settings())
     app.add_middleware(BodyLimitMiddleware, settings=settings or get_settings())  # outer: a 413 takes no slot
+    # Outer still: a caller refused past its budget is answered before its body is paced, parsed or its key looked up.
+    app.add_middleware(RefusalBudgetMiddleware, settings=settings or get_settings())
     origins = [o.strip() for o in (settings or get_settings()).cors_origins.split(",") if o.strip()]
     if origins:
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])

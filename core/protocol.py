@@ -36,6 +36,7 @@ class ErrorCode(StrEnum):
     RATE_LIMITED = "rate_limited"
     QUOTA_EXCEEDED = "quota_exceeded"
     TOO_MANY_UPLOADS = "too_many_uploads"
+    TOO_MANY_REFUSALS = "too_many_refusals"
     REQUEST_TIMEOUT = "request_timeout"
     TOO_MANY_STREAMS = "too_many_streams"
     TOO_MANY_DOWNLOADS = "too_many_downloads"

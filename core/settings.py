@@ -29,6 +29,13 @@ class Settings(BaseSettings):
 
     # --- The API process: requests, uploads, CORS, logs, its /metrics ---
     max_request_bytes: int = Field(1024 * 1024, description="Largest JSON request body (413 beyond).")
+    refusals_per_second: float = Field(
+        5.0, gt=0, description="Requests one credential (one client address without one) may have refused (400, 401, "
+        "413, 422) per second on average in one API process; past its burst, its next requests get 429 "
+        "too_many_refusals before their body is read or their key looked up: a client sending what is refused "
+        "cannot make the API parse megabytes for nothing at the rate it likes.")
+    refusal_burst: int = Field(30, ge=1, description="Refusals one credential may have at once before "
+                               "TRAINSERVE_REFUSALS_PER_SECOND applies.")
     db_pool_size: int = Field(5, ge=1, description="Database connections one API process keeps open.")
     db_max_overflow: int = Field(10, ge=0, description="Extra connections an API process may open under load.")
     db_pool_timeout_s: float = Field(10.0, gt=0, description="How long a request waits for a free database "
@@ -126,6 +133,10 @@ class Settings(BaseSettings):
     inference_batch_size: int = Field(
         16, ge=1, description="Inputs an inference worker computes in one turn at its model: a request of another "
         "tenant waits for at most one such batch of each tenant ahead of it.")
+    inference_turn_tokens: int = Field(
+        1024, ge=1, description="Padded tokens (inputs x the longest) an inference worker computes in one turn at its "
+        "model, whatever the batch size: a turn of long inputs is a few of them, so a waiting tenant's wait is bounded "
+        "in compute, not in inputs (an input longer than this is a turn of its own).")
     inference_per_tenant: int = Field(
         4, ge=1, description="/v1/embeddings and /classify requests one tenant may have in flight across the API "
         "processes (429 overloaded beyond): its share of the inference queue.")

@@ -79,13 +79,19 @@ def clean_db(pg_url: str) -> Iterator[str]:
     engine.dispose()
 
 
+# Tests send refused requests in bulk on purpose (every route without a key, fuzzing, edge after edge) from one
+# client; the refusal budget's own tests (tests/api/test_refusal_budget.py) and the load test set theirs.
+REFUSALS_UNBOUNDED = 1_000_000
+
+
 @pytest.fixture()
 def settings(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, clean_db: str) -> Settings:
     """Settings on the test database with a temporary home; tiny models under pytest's tmp root are allowed."""
     # Generation in fp32: served output is compared token for token with HF generate in fp32; "auto" would pick
     # bf16 weights on CPUs where a bf16 decode step is faster (tests of bf16 and of auto ask for them explicitly).
     return Settings(home=tmp_path / "home", database_url=clean_db, redis_url=REDIS_URL, checkpoint_steps=2,
-                    model_roots=str(tmp_path_factory.getbasetemp()), generation_precision="fp32")
+                    model_roots=str(tmp_path_factory.getbasetemp()), generation_precision="fp32",
+                    refusal_burst=REFUSALS_UNBOUNDED)
 
 
 @pytest.fixture()

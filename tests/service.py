@@ -20,7 +20,7 @@ import redis as redis_lib
 from sqlalchemy import create_engine, text
 
 from core.rows import Base
-from tests.conftest import ROOT
+from tests.conftest import REFUSALS_UNBOUNDED, ROOT
 from tests.integration.conftest import _free_port, wait_for
 
 ROLES = (("training", ["worker", "--device", "cpu", "--queues", "training,inference"]),
@@ -53,7 +53,8 @@ def started_service(pg_url: str, redis_url: str, home: Path, logs: Path, *,
     client.close()
     port = _free_port()
     env = dict(os.environ, TRAINSERVE_HOME=str(home), TRAINSERVE_DATABASE_URL=pg_url, TRAINSERVE_REDIS_URL=redis_url,
-               HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **{"TRAINSERVE_GENERATION_PRECISION": "fp32", **env})
+               HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **{"TRAINSERVE_GENERATION_PRECISION": "fp32",
+                                                            "TRAINSERVE_REFUSAL_BURST": str(REFUSALS_UNBOUNDED), **env})
     procs: list[subprocess.Popen[bytes]] = []
     for name, args in (("api", ["api", "--port", str(port)]), *roles):
         log = open(logs / f"{name}.log", "wb")  # noqa: SIM115

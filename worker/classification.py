@@ -35,7 +35,8 @@ def classify_texts(ctx: WorkerContext, job_id: str, texts: list[str],
     """Predictions from a finished job's model: fetched from the store once per host, loaded once per process."""
     model_dir = fetch_model(ctx.storage, job_id)
     classifier = ctx.service("classifiers", _classifiers).get(model_dir)
-    result: list[dict[str, Any]] = classifier.predict(texts, ctx.settings.inference_batch_size, turn=turn)
+    result: list[dict[str, Any]] = classifier.predict(
+        texts, ctx.settings.inference_batch_size, ctx.settings.inference_turn_tokens, turn=turn)
     return result
 
 

@@ -45,12 +45,13 @@ def embed(ctx: WorkerContext, task: EmbedTask) -> EmbedResult:
 
     embedder = embedder_for(ctx, task.model)
     try:
-        ids = embedder.tokenize(task.texts, task.token_ids)
+        turn = turns_for(ctx, task)
+        ids = embedder.tokenize(task.texts, task.token_ids, turn=turn)
         tokens, bound = sum(map(len, ids)), ctx.settings.max_embedding_tokens
         if tokens > bound:
             raise EmbeddingRefused("input", f"the inputs are {tokens} tokens; at most {bound} per request")
         vectors = embedder.embed(ids, task.dimensions, batch_size=ctx.settings.inference_batch_size,
-                                 turn=turns_for(ctx, task))
+                                 turn_tokens=ctx.settings.inference_turn_tokens, turn=turn)
     except EmbeddingRefused as exc:
         return EmbedResult(error=ErrorBody(code=ErrorCode.VALIDATION_ERROR, message=str(exc), field=exc.field))
     little = vectors.astype("<f4", copy=False)

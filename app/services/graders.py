@@ -61,7 +61,7 @@ class ServedModels:
                                                    self.principal, body, self.disconnected)
         except DomainError as exc:
             raise ModelCallFailed(f"{exc.code}: {exc.message}") from exc
-        return [list(e.embedding) for e in answer.data]  # type: ignore[arg-type]
+        return answer.floats()
 
 
 def run_response(result: Grade) -> GraderRunResponse:

@@ -198,3 +198,20 @@ def test_inputs_over_the_token_bound_are_refused_before_any_worker(client, worke
     _refused(_embed(client, model="minilm-l6", input=["word " * 40, "word " * 40]), 422, "input")
     _refused(_embed(client, model="minilm-l6", input=[[5] * 6, [7] * 6]), 422, "input")
     assert len(queue.sent) == sent
+
+
+def test_the_reply_is_openais_list_with_the_workers_float32_values_exactly():
+    from app.schemas.embeddings import EmbeddingList, EmbeddingRequest
+    from app.services.embeddings import Embedded, reply_json
+
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((3, 8)).astype("<f4")
+    embedded = Embedded(vectors=[base64.b64encode(v.tobytes()).decode() for v in vectors], prompt_tokens=7)
+    for encoding in ("float", "base64"):
+        body = EmbeddingRequest(model="minilm-l6", input=["a", "b", "c"], encoding_format=encoding)
+        reply = EmbeddingList.model_validate_json(reply_json(embedded, body))
+        assert [e.index for e in reply.data] == [0, 1, 2] and reply.usage.total_tokens == 7
+        for row, item in zip(vectors, reply.data, strict=True):
+            got = (np.frombuffer(base64.b64decode(item.embedding), "<f4") if encoding == "base64"
+                   else np.asarray(item.embedding, dtype=np.float64))
+            assert np.array_equal(got, row.astype(np.float64))  # float32 values, exactly, either way

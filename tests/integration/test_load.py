@@ -9,6 +9,7 @@ gets its webhook: every one of its requests succeeds and /health, sampled every 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import socket
@@ -21,6 +22,7 @@ import httpx
 import pytest
 
 from core.db import make_engine, make_sessionmaker
+from core.settings import Settings
 from tests.conftest import INTEGRATION_REDIS, make_key
 from tests.factories import job_body, sentiment_rows, tsv_bytes
 from tests.hostile_clients import download_request, job_with_artifact, stalled
@@ -183,19 +185,18 @@ def test_a_hostile_tenant_leaves_the_normal_one_served_and_health_fast(pg_url, t
 # The second load: a tenant that only sends what each bound refuses cheaply (trickled uploads, 1,000-input embeddings,
 # prompts far past the context) beside a normal tenant, whose p99 on chat, embeddings and uploads must stay within
 # 3x its quiet p99. An inference worker of its own (threads pool, batches in turns over tenants) serves embeddings.
+# The hostile tenant runs in a process of its own, as a client on another machine would.
 FAIR_ROLES = (("inference", ["worker", "--device", "cpu", "--queues", "inference"]),
               ("generation", ["worker", "--device", "cpu", "--queues", "generation"]))
 FAIR_LIMITS = {"TRAINSERVE_UPLOADS_PER_TENANT": "2", "TRAINSERVE_BODY_GRACE_S": "2",
                "TRAINSERVE_MIN_BODY_RATE_BYTES": "2000", "TRAINSERVE_INFERENCE_PER_TENANT": "2",
-               "TRAINSERVE_INFERENCE_THREADS": "4", "TRAINSERVE_INFERENCE_BATCH_SIZE": "8", "OMP_NUM_THREADS": "1"}
+               "TRAINSERVE_INFERENCE_THREADS": "4", "TRAINSERVE_INFERENCE_BATCH_SIZE": "8", "OMP_NUM_THREADS": "1",
+               # the refusal budget as shipped (the suite's other services lift it)
+               "TRAINSERVE_REFUSAL_BURST": str(Settings.model_fields["refusal_burst"].default),
+               "TRAINSERVE_REFUSALS_PER_SECOND": str(Settings.model_fields["refusals_per_second"].default)}
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
                  "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
-ROUNDS = 12
-# A quiet p99 below this counts as this: the scheduling noise of the 2-core machine the suite runs on, where the
-# hostile tenant's legitimate embedding work and another test file run on the same CPU as the normal tenant's
-# requests (quiet p99s are 20-50 ms; in fresh-clone runs one upload's loaded p99 reached 1.0 s and one chat's 1.46 s,
-# with every bound holding: CPU, not a queue, so the floor, not 3x 20 ms).
-FLOOR_S = 0.6
+ROUNDS = 20
 
 
 def _normal_round(api: httpx.Client) -> dict[str, float]:
@@ -214,12 +215,39 @@ def _normal_round(api: httpx.Client) -> dict[str, float]:
     return took
 
 
-def _paced(stop: threading.Event, codes: Counter, call) -> None:
+def _paced(stop: threading.Event, codes: Counter, send) -> None:
     """Repeat a request until told to stop; after a 429 wait a second, as its Retry-After asks."""
     while not stop.is_set():
-        status = call().status_code
+        status = send().status_code
         codes[status] += 1
         stop.wait(1.0 if status == 429 else 0.05)
+
+
+def _hostile_tenant(base: str, key: str, running, told_to_stop, results) -> None:
+    """The hostile tenant, in a process of its own as another client machine would be (its threads do not share
+    the normal tenant's interpreter): trickled uploads, 1,000-input embeddings, 540 kB prompts, each sent again as
+    soon as it is answered (after a second past a 429). Puts what each kind was answered on `results`."""
+    bad = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+                       timeout=60)
+    big = [f"sentence {i} of a long request about the weather, markets and cats" for i in range(1000)]
+    huge = "To be, or not to be, that is the question. " * 12_000  # 540 kB
+    bodies = {"embeddings": ("/v1/embeddings", json.dumps({"model": "minilm-l6", "input": big})),
+              "prompts": ("/v1/chat/completions", json.dumps({
+                  "model": "tiny-gpt2", "max_tokens": 4, "messages": [{"role": "user", "content": huge}]}))}
+    stop, codes = threading.Event(), {name: Counter() for name in ("uploads", "embeddings", "prompts")}
+    threads = [threading.Thread(target=_trickle, args=(base, key, stop, codes["uploads"]), daemon=True)
+               for _ in range(4)]
+    threads += [threading.Thread(target=_paced, args=(stop, codes[name], lambda p=path, b=body: bad.post(p, content=b)),
+                                 daemon=True) for name, (path, body) in bodies.items() for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(3)  # the trickles hold their slots, the embeddings are computing
+    running.set()
+    told_to_stop.wait(300)
+    stop.set()
+    for thread in threads:
+        thread.join(30)
+    results.put({name: dict(counts) for name, counts in codes.items()})
 
 
 def _p99(samples: list[float]) -> float:
@@ -249,6 +277,7 @@ def _trickle(base: str, key: str, stop: threading.Event, codes: Counter) -> None
         stop.wait(1.0 if answer[9:12] == b"429" else 0)  # as a client honouring Retry-After would, roughly
 
 
+@pytest.mark.alone  # a latency measurement: not beside another test file on the same cores
 def test_a_tenant_sending_what_each_bound_refuses_leaves_the_other_within_3x_its_quiet_p99(
         pg_url, tmp_path, tiny_gpt2_dir):
     home = tmp_path / "home"
@@ -258,37 +287,29 @@ def test_a_tenant_sending_what_each_bound_refuses_leaves_the_other_within_3x_its
     with started_service(pg_url, INTEGRATION_REDIS, home, tmp_path, roles=FAIR_ROLES, **FAIR_LIMITS) as base:
         hostile_key, normal_key = make_key(pg_url, tenant="hostile"), make_key(pg_url, tenant="normal")
         api = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {normal_key}"}, timeout=60)
-        bad = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {hostile_key}"}, timeout=60)
         for _ in range(2):  # loads both models, then once warm
             _normal_round(api)
         quiet = [_normal_round(api) for _ in range(ROUNDS)]
-        stop, codes = threading.Event(), {name: Counter() for name in ("uploads", "embeddings", "prompts")}
-        big = [f"sentence {i} of a long request about the weather, markets and cats" for i in range(1000)]
-        huge = "To be, or not to be, that is the question. " * 12_000  # 540 kB
-        calls = {"embeddings": lambda: bad.post("/v1/embeddings", json={"model": "minilm-l6", "input": big}),
-                 "prompts": lambda: bad.post("/v1/chat/completions", json={
-                     "model": "tiny-gpt2", "max_tokens": 4, "messages": [{"role": "user", "content": huge}]})}
-        threads = [threading.Thread(target=_trickle, args=(base, hostile_key, stop, codes["uploads"]), daemon=True)
-                   for _ in range(4)]
-        threads += [threading.Thread(target=_paced, args=(stop, codes[name], calls[name]), daemon=True)
-                    for name in calls for _ in range(3)]
-        for thread in threads:
-            thread.start()
-        time.sleep(3)  # the trickles hold their slots, the embeddings are computing
+        spawn = multiprocessing.get_context("spawn")
+        running, told_to_stop, results = spawn.Event(), spawn.Event(), spawn.Queue()
+        hostile = spawn.Process(target=_hostile_tenant, args=(base, hostile_key, running, told_to_stop, results))
+        hostile.start()
+        assert running.wait(60), "the hostile tenant did not start"
         started = time.monotonic()
         try:
             loaded = [_normal_round(api) for _ in range(ROUNDS)]
         finally:
             load_s = time.monotonic() - started
-            stop.set()
-            for thread in threads:
-                thread.join(30)
+            told_to_stop.set()
+            codes = results.get(timeout=60)
+            hostile.join(30)
     report = {name: (round(_p99([r[name] for r in quiet]), 3), round(_p99([r[name] for r in loaded]), 3))
               for name in ("chat", "embeddings", "uploads")}
     print(f"load {load_s:.0f} s; p99 quiet/loaded {report}; hostile {codes}; loadavg {os.getloadavg()}")
     assert load_s < 60
     for name, (calm, busy) in report.items():
-        assert busy <= 3 * max(calm, FLOOR_S), (name, report)
-    assert codes["prompts"][422] and set(codes["prompts"]) <= {422}, codes  # refused in the API, cheaply
-    assert codes["embeddings"][429] and set(codes["embeddings"]) <= {200, 429}, codes  # its share held, no more
-    assert codes["uploads"]["408"], codes  # trickles are cut
+        assert busy <= 3 * calm, (name, report)
+    # Refused in the API, cheaply: a parse each within the tenant's refusal budget, then 429 before the body is parsed.
+    assert codes["prompts"].get(422) and codes["prompts"].get(429) and set(codes["prompts"]) <= {422, 429}, codes
+    assert codes["embeddings"].get(429) and set(codes["embeddings"]) <= {200, 429}, codes  # its share held, no more
+    assert codes["uploads"].get("408"), codes  # trickles are cut

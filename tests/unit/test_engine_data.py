@@ -54,6 +54,16 @@ def test_collate_pads_to_the_longest_in_the_batch():
     assert [b for b in data.sorted_batches(encoded, 2)] == [[2, 0], [1]]
 
 
+def test_inference_batches_are_bounded_in_padded_tokens_as_well_as_inputs():
+    lengths = [40, 3, 9, 12, 3, 70, 8]
+    encoded = data.pack([[1] * n for n in lengths], [0] * len(lengths), pad_id=0)
+    batches = list(data.sorted_batches(encoded, 4, max_tokens=24))
+    # Longest first; an input over the bound alone; then as many as fit under 24 padded tokens, at most 4.
+    assert batches == [[5], [0], [3, 2], [6, 1, 4]]
+    assert all(len(b) * max(lengths[i] for i in b) <= 24 or len(b) == 1 for b in batches)
+    assert list(data.sorted_batches(encoded, 4)) == [[5, 0, 3, 2], [6, 1, 4]]  # no bound: inputs only
+
+
 def test_read_examples_and_label_maps(tmp_path):
     path = tmp_path / "rows.tsv"
     path.write_text("sentence\tlabel\nfine film \t1\nbad film \t0\nok film \t1\n")

@@ -63,6 +63,60 @@ def test_a_waiting_batch_whose_caller_left_is_dropped(monkeypatch):
         pass
 
 
+def _layers(turns: FairTurns, tenant: str, batches: int, layers: int, layer_s: float, log: list) -> None:
+    """A request of `batches` batches, each `layers` layers of `layer_s` seconds, pausing between layers."""
+    for batch in range(batches):
+        with turns.turn(tenant) as pause:
+            for layer in range(layers):
+                pause()
+                log.append((tenant, batch, layer, time.monotonic()))
+                time.sleep(layer_s)
+
+
+def test_another_tenants_request_waits_one_layer_of_a_long_batch_not_the_batch():
+    """Batches were the unit of a turn: a one-sentence request waited for the whole running batch of a long one."""
+    turns, log = FairTurns(), []
+    heavy = threading.Thread(target=_layers, args=(turns, "heavy", 3, 10, 0.03, log))
+    heavy.start()
+    time.sleep(0.1)  # the heavy tenant's first batch (10 layers, 0.3 s) is running
+    sent = time.monotonic()
+    _layers(turns, "light", 1, 2, 0.01, log)
+    heavy.join(10)
+    light = [at for tenant, _, _, at in log if tenant == "light"]
+    assert light[0] - sent < 0.1, "the light request waited for more than a layer"
+    # It ran both its layers before the heavy batch went on, and the heavy batch resumed where it paused.
+    order = [(tenant, batch, layer) for tenant, batch, layer, _ in log]
+    first = order.index(("light", 0, 0))
+    assert order[first + 1] == ("light", 0, 1) and order[first - 1][:2] == ("heavy", 0)
+    assert [x for x in order if x[0] == "heavy"] == [("heavy", b, i) for b in range(3) for i in range(10)]
+
+
+def test_two_busy_tenants_share_the_model_by_compute_time():
+    turns, log = FairTurns(), []
+    # One tenant's layers take 4x another's: in turns of batches it would get 4x the time; by compute it gets ~1x.
+    threads = [threading.Thread(target=_layers, args=(turns, tenant, 40, 5, layer_s, log))
+               for tenant, layer_s in (("slow", 0.02), ("fast", 0.005))]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    slow, fast = turns.charged("slow"), turns.charged("fast")
+    for thread in threads:
+        thread.join(30)
+    assert 0.6 < slow / fast < 1.6, (slow, fast)
+
+
+def test_an_idle_tenant_banks_no_more_than_the_arrival_credit():
+    turns = FairTurns()
+    with turns.turn("a"):
+        time.sleep(0.05)
+    with turns.turn("busy") as pause:
+        time.sleep(0.6)
+        pause()
+        with turns._cond:  # a returns while busy computes: put at busy's charge less the credit, not far behind
+            turns._arrive("a")
+            assert turns._vtime["a"] == pytest.approx(turns._vtime["busy"] - fair_turns.ARRIVAL_CREDIT_S, abs=0.01)
+
+
 @pytest.fixture()
 def ctx(settings, queue):
     from worker.context import WorkerContext

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from worker.engines.device import DevicePlan, release_memory, resolve_device
+from worker.engines.serving.layer_pauses import LayerPauses
 from worker.engines.training import adapters, artifacts
 from worker.engines.training import tabular_data as data
 
@@ -34,6 +35,7 @@ class Classifier:
                 self.model_dir, use_safetensors=True, trust_remote_code=False,
             ).to(self.plan.device)
         self.model.eval()
+        self.pauses = LayerPauses(self.model)  # another tenant's batch may run between layers
         id2label = self.model.config.id2label
         # The manifest keeps the labels' original types (ints stay ints); config.json only has strings.
         self.labels: list[Any] = manifest.get("labels") or [id2label[i] for i in range(len(id2label))]
@@ -43,7 +45,7 @@ class Classifier:
         self.max_length = int(manifest.get("hyperparameters", {}).get("max_length") or
                               min(self.tokenizer.model_max_length, DEFAULT_MAX_LENGTH))
 
-    def predict(self, texts: list[str], batch_size: int = 32,
+    def predict(self, texts: list[str], batch_size: int = 32, turn_tokens: int | None = None,
                 turn: Callable[[], AbstractContextManager[Any]] = nullcontext) -> list[dict[str, Any]]:
         """Label and probability for each text, in input order; each batch runs inside `turn()` (see Embedder.embed)."""
         if not texts:
@@ -52,8 +54,8 @@ class Classifier:
         token_ids = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)["input_ids"]
         encoded = data.pack(token_ids, [0] * len(texts), self.tokenizer.pad_token_id)
         results: list[dict[str, Any]] = [{} for _ in texts]
-        for indices in data.sorted_batches(encoded, batch_size):
-            with turn(), torch.inference_mode(), self.plan.autocast():
+        for indices in data.sorted_batches(encoded, batch_size, turn_tokens):
+            with turn() as pause, self.pauses.around(pause), torch.inference_mode(), self.plan.autocast():
                 batch = data.collate(encoded, indices)
                 batch.pop("labels")
                 logits = self.model(**{k: v.to(self.plan.device) for k, v in batch.items()}).logits

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from transformers import AutoModel, AutoTokenizer
 
 from worker.engines.device import DevicePlan, resolve_device
+from worker.engines.serving.layer_pauses import LayerPauses
 from worker.engines.training import adapters
 from worker.engines.training import tabular_data as data
 
@@ -123,6 +124,10 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: tuple[str, ...]) -> to
     return torch.cat(pooled, dim=-1)
 
 
+# Texts tokenized per turn at the model (a few milliseconds of a fast tokenizer).
+TOKENIZE_CHUNK = 64
+
+
 class Embedder:
     """An encoder and its tokenizer, loaded once and kept in eval mode."""
 
@@ -137,15 +142,24 @@ class Embedder:
             encoder = AutoModel.from_pretrained(self.spec.transformer_dir, use_safetensors=True,
                                                 trust_remote_code=False)
         self.model = encoder.to(self.plan.device).eval()
+        self.pauses = LayerPauses(self.model)  # another tenant's batch may run between layers
         positions = int(getattr(self.model.config, "max_position_embeddings", 0) or DEFAULT_MAX_LENGTH)
         self.max_length = min(self.spec.max_length or positions, positions,
                               int(min(self.tokenizer.model_max_length, 10**6)))
         self.width = int(self.model.config.hidden_size) * len(self.spec.modes)
 
-    def tokenize(self, texts: list[str] | None = None, token_ids: list[list[int]] | None = None) -> list[list[int]]:
-        """Model input ids of each input (special tokens added); EmbeddingRefused naming an input past the limit."""
+    def tokenize(self, texts: list[str] | None = None, token_ids: list[list[int]] | None = None,
+                 turn: Callable[[], AbstractContextManager[Any]] = nullcontext,
+                 chunk: int = TOKENIZE_CHUNK) -> list[list[int]]:
+        """Model input ids of each input (special tokens added); EmbeddingRefused naming an input past the limit.
+        Texts are tokenized `chunk` at a time, each inside `turn()`: a request's tokenizing is part of its tenant's
+        share of the worker, not a burst beside it."""
         if texts is not None:
-            ids = self.tokenizer(list(texts), truncation=False, verbose=False)["input_ids"]
+            ids = []
+            for start in range(0, len(texts), chunk):
+                with turn():
+                    part = self.tokenizer(list(texts[start:start + chunk]), truncation=False, verbose=False)
+                ids += part["input_ids"]
         else:
             vocab = len(self.tokenizer)
             for index, row in enumerate(token_ids or []):
@@ -171,14 +185,16 @@ class Embedder:
         return dimensions
 
     def embed(self, ids: list[list[int]], dimensions: int | None = None, batch_size: int = 32,
+              turn_tokens: int | None = None,
               turn: Callable[[], AbstractContextManager[Any]] = nullcontext) -> np.ndarray:
-        """[inputs, width] float32 vectors in input order, in length-sorted batches, each run inside `turn()` (the
-        worker's share of the model among tenants; it may raise to drop the rest)."""
+        """[inputs, width] float32 vectors in input order, in length-sorted batches (at most `batch_size` inputs and
+        `turn_tokens` padded tokens), each run inside `turn()` (the worker's share of the model among tenants; it
+        may raise to drop the rest)."""
         width = self.check_dimensions(dimensions)
         encoded = data.pack(ids, [0] * len(ids), self.tokenizer.pad_token_id)
         out = np.zeros((len(ids), width), dtype=np.float32)
-        for indices in data.sorted_batches(encoded, batch_size):
-            with turn(), torch.inference_mode(), self.plan.autocast():
+        for indices in data.sorted_batches(encoded, batch_size, turn_tokens):
+            with turn() as pause, self.pauses.around(pause), torch.inference_mode(), self.plan.autocast():
                 batch = data.collate(encoded, indices)
                 mask = batch["attention_mask"].to(self.plan.device)
                 hidden = self.model(input_ids=batch["input_ids"].to(self.plan.device), attention_mask=mask)[0]

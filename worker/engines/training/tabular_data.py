@@ -160,11 +160,18 @@ def steps_per_epoch(num_examples: int, batch_size: int, accumulation: int) -> in
     return max(1, -(-num_examples // (batch_size * accumulation)))
 
 
-def sorted_batches(data: Encoded, batch_size: int) -> Iterator[list[int]]:
-    """Batches in descending length order, for evaluation and inference (no randomness needed)."""
-    order = np.argsort(-data.lengths, kind="stable")
-    for start in range(0, len(order), batch_size):
-        yield order[start:start + batch_size].tolist()
+def sorted_batches(data: Encoded, batch_size: int, max_tokens: int | None = None) -> Iterator[list[int]]:
+    """Batches in descending length order, for evaluation and inference (no randomness needed): at most
+    `batch_size` inputs and, with `max_tokens`, at most that many padded tokens (inputs x the batch's longest; an
+    input longer than that is a batch of its own)."""
+    order = np.argsort(-data.lengths, kind="stable").tolist()
+    start = 0
+    while start < len(order):
+        rows = batch_size
+        if max_tokens is not None:
+            rows = max(1, min(rows, max_tokens // max(int(data.lengths[order[start]]), 1)))
+        yield order[start:start + rows]
+        start += rows
 
 
 @contextlib.contextmanager
