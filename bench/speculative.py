@@ -4,8 +4,9 @@ The same engine settings but `speculative_tokens` (the baseline: 0, plain decodi
 or with `--temperature` sampled, chat i seeded `--seed` + i):
 "copy this text with one word changed" and "list the words of this text that ..." prompts over SST-2 sentences
 (examples/data), rendered with the model's chat template: answers that repeat their input, the narrow tasks a
-fine-tune serves. At each `--concurrency` c, c chats are submitted at once to one engine; tokens/s is all
-generated tokens over the wall time from submit to the last answer (per stream: divided by c). Every answer is
+fine-tune serves, the four tasks in turn over `--chats` sentences. At each `--concurrency` c, the chats run c at a
+time against one engine (a closed loop: a finished chat's client sends the next); tokens/s is all generated tokens
+over the wall time from the first submit to the last answer (per stream: divided by c). Every answer is
 compared token for token between the sides (they must be equal: greedy, and sampled seed for seed). Sides
 interleaved (the first side alternating per repeat), medians and the spread over `--repeats`, the load average
 after each run; engine alone, fp32 on the CPU unless `--precision`.
@@ -24,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import date
 from pathlib import Path
 
@@ -55,14 +57,18 @@ def chats(engine: GenerationEngine, count: int) -> list[list[int]]:
 
 
 def run(engine: GenerationEngine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
-        seed: int = 0) -> tuple[float, list[list[int]]]:
-    """Submit every prompt at once; (generated tokens per second, each answer's token ids)."""
+        seed: int = 0, concurrency: int | None = None) -> tuple[float, list[list[int]]]:
+    """Every prompt, `concurrency` in flight at a time (a closed loop: a finished chat's client sends the next; all at
+    once by default); (generated tokens per second over the whole run, each answer's token ids in prompt order)."""
     params = [SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
                              seed=None if temperature == 0 else seed + i) for i in range(len(prompts))]
+
+    def chat(i: int) -> list[int]:
+        return engine.submit(prompts[i], params[i]).result().choices[0].token_ids
+
     started = time.perf_counter()
-    with engine._lock:  # admitted together
-        futures = [engine.submit(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
-    answers = [future.result().choices[0].token_ids for future in futures]
+    with ThreadPoolExecutor(max_workers=concurrency or len(prompts)) as clients:
+        answers = list(clients.map(chat, range(len(prompts))))
     elapsed = time.perf_counter() - started
     return sum(len(a) for a in answers) / elapsed, answers
 
@@ -74,7 +80,9 @@ def spread(values: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a served model's folder (e.g. SmolLM2-135M-Instruct)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16],
+                        help="chats in flight at once (closed loop over --chats chats)")
+    parser.add_argument("--chats", type=int, default=16, help="chats per run, every task over SST-2 sentences")
     parser.add_argument("--k", type=int, default=4, help="draft tokens per step (the speculative side)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
@@ -89,7 +97,7 @@ def main() -> None:
                                       speculative_tokens=k, speculative_max_rows=top) for name, k in sides.items()}
     lines = []
     try:
-        prompts = chats(engines[BASELINE], top)
+        prompts = chats(engines[BASELINE], args.chats)
         for engine in engines.values():  # warm up: first forwards allocate and pack
             run(engine, prompts[:1], 8)
         for c in args.concurrency:
@@ -98,8 +106,8 @@ def main() -> None:
                 order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
                 answers = {}
                 for name in order:
-                    rate, answers[name] = run(engines[name], prompts[:c], args.max_tokens, args.temperature,
-                                              args.seed)
+                    rate, answers[name] = run(engines[name], prompts, args.max_tokens, args.temperature,
+                                              args.seed, concurrency=c)
                     rates[name].append(rate)
                     print(f"c={c} repeat {repeat + 1} {name}: {rate:.1f} tokens/s (load {os.getloadavg()[0]:.2f})",
                           flush=True)

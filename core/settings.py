@@ -197,12 +197,13 @@ class Settings(BaseSettings):
     batch_stale_s: float = Field(60.0, gt=0, description="/v1/batches: a running batch whose worker has not beaten "
                                  "its heartbeat for this long is handed to another generation worker (its done "
                                  "lines are kept).")
-    speculative_tokens: int = Field(0, ge=0, le=16, description="Speculative decoding: prompt-lookup draft tokens "
-                                    "a greedy request's row checks per step (its own earlier tokens that followed "
-                                    "the same n-gram; no draft model); 0: off. Greedy output is unchanged.")
-    speculative_max_rows: int = Field(4, ge=1, description="Speculative decoding runs only while at most this many "
-                                      "rows decode (a larger batch is compute-bound: checking drafts costs more "
-                                      "than it saves).")
+    speculative_tokens: int = Field(0, ge=0, le=16, description="Speculative decoding: the most prompt-lookup draft "
+                                    "tokens a row checks per step (its own earlier tokens that followed the same "
+                                    "n-gram; no draft model); each step checks as many as its measured step times "
+                                    "and the row's acceptance rate say pay; 0: off. Output is unchanged (greedy "
+                                    "token for token, sampled seed for seed).")
+    speculative_max_rows: int = Field(32, ge=1, description="Speculative decoding runs only while at most this many "
+                                      "rows decode (beside that, each step prices its draft tokens).")
     generation_memory_budget_mb: float = Field(
         8192.0, gt=0, description="Model weights one generation worker keeps warm; least recently used idle "
         "models are unloaded beyond it.")

@@ -1,7 +1,8 @@
 """Speculative decoding with prompt-lookup drafts: greedy output equal token for token to plain decoding and to HF
 `generate` (GPT-2 and a llama-family decoder, fp32, alone and several rows at once, adapters included), sampled
-output equal draw for draw (same seeds) to plain decoding, drafts really kept, and requests that must not speculate
-(opted out, constrained, with logprobs) decoding one token a step."""
+output equal draw for draw (same seeds) to plain decoding, drafts really kept, requests that must not speculate
+(opted out, constrained, with logprobs) decoding one token a step, and the pricing of draft tokens from measured
+step times and each row's acceptance rate."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from core.protocol import Constraint, SamplingParams
 from tests.tiny_chat import build_tiny_llama
 from worker.engines.serving.engine import GenerationEngine
-from worker.engines.serving.speculative import accepted, propose
+from worker.engines.serving.speculative import StepCosts, accepted, lengths, propose
 
 REPEATING = [11, 12, 13, 14, 15, 16, 11, 12, 13, 14, 15, 16, 11, 12, 13]  # an input the answer is likely to echo
 
@@ -31,6 +32,33 @@ def test_accepted_keeps_agreeing_drafts_then_the_models_token():
     assert accepted([7, 8], [7, 8, 6]) == [7, 8, 6]  # all kept, plus the token after them
     assert accepted([], [4]) == [4]
     assert accepted([7], [3, 9]) == [3]
+
+
+def test_lengths_spend_positions_where_they_pay():
+    eight = [[1] * 8]
+    assert lengths(eight * 2, [0.5, 0.5], None, None) == [0, 0]  # this row count's plain step is not measured yet
+    assert lengths(eight * 2, [0.5, 0.5], 0.05, None) == [8, 8]  # nor is a draft position: check them all once
+    # Beside one row a position is nearly free (the weights are read once): a good row checks its whole draft, even
+    # a poor one checks a few.
+    assert lengths(eight, [0.9], 0.05, 0.0005) == [8]
+    assert 0 < lengths(eight, [0.3], 0.05, 0.0005)[0] < 8
+    # Sixteen rows on a CPU (a decode step 77 ms, each checked position 2.4 ms more): only rows whose drafts are
+    # usually right check any, and a likelier row checks more; rows that are usually wrong decode plainly.
+    rates = [0.95] * 4 + [0.6] * 4 + [0.1] * 8
+    taken = lengths(eight * 16, rates, 0.077, 0.0024)
+    assert taken[0] > taken[4] >= 0 and taken[:4] == [taken[0]] * 4 and taken[8:] == [0] * 8
+    assert lengths(eight * 16, [0.3] * 16, 0.077, 0.0024) == [0] * 16  # nothing pays: a plain step
+
+
+def test_step_costs_measure_a_plain_step_per_row_count_and_a_positions_cost():
+    costs = StepCosts()
+    costs.observe(rows=4, positions=8, seconds=0.2)  # no plain step of 4 rows measured yet: nothing to subtract
+    assert costs.position_s is None
+    costs.observe(rows=4, positions=0, seconds=0.1)
+    costs.observe(rows=4, positions=10, seconds=0.135)
+    assert costs.plain == {4: 0.1} and costs.position_s == pytest.approx((0.135 - 0.1 * 1.15) / 10)
+    costs.observe(rows=4, positions=10, seconds=0.05)  # faster than a plain step (noise): a small floor, not < 0
+    assert costs.position_s > 0
 
 
 def greedy(new: int = 40, **kwargs) -> SamplingParams:

@@ -67,7 +67,7 @@ class GenerationEngine:
         on_step: Callable[[int], None] | None = None, prefill_chunk_tokens: int = 2048, prefill_step_ratio: float = 1.5,
         prefix_cache_bytes: int = 0, decode_graphs: str = "off", max_loras: int = 8,
         adapter_folder: Callable[[str], Path] | None = None, speculative_tokens: int = 0,
-        speculative_max_rows: int = 4,
+        speculative_max_rows: int = 32,
     ) -> None:
         for name, value in (("speculative_tokens", speculative_tokens), ("speculative_max_rows", speculative_max_rows)):
             if not isinstance(value, int) or value < 0:
@@ -76,29 +76,14 @@ class GenerationEngine:
                                    max_queue=max_queue, tenant_queue_share=tenant_queue_share,
                                    prefill_chunk_tokens=prefill_chunk_tokens, prefill_step_ratio=prefill_step_ratio,
                                    prefix_cache_bytes=prefix_cache_bytes)
-        self.plan: DevicePlan = resolve_device(device, precision, generation=True)
-        self._runner: Runner = open_runner(model, self.plan, max_rows=max_batch_size)  # GPT-2 or llama-family
-        self.tokenizer = load_tokenizer(model)
-        self.config = self._runner.config
-        self.context_length: int = self._runner.max_length
-        self.vocab_size: int = self.config.vocab_size
-        self.eos_token_ids = self._runner.eos_token_ids  # generation_config.json's (one id or a list)
         self.max_batch_size = max_batch_size
         self.max_tokens_in_flight = max_tokens_in_flight
         self.max_queue = max_queue
         self.max_loras = max_loras
-        # GPT-2 has no adapter path here: its adapter requests are refused (serve the merged model instead).
-        self.lora: LoraManager | None = None
-        if isinstance(self._runner, DecoderRunner):
-            self.lora = LoraManager(self._runner, max_loras=max_loras, adapter_folder=adapter_folder or Path)
         # Given the ids of all waiting and running requests, those to drop: one call per loop (raising fails the batch).
         self._cancelled_ids = cancelled_ids
         # Told the batch size of every decode step (the worker's metrics); runs on the scheduler thread.
         self._on_step = on_step
-        self._pieces = piece_decoders(self.tokenizer, self.vocab_size)
-        self._table = logprob_table(self.tokenizer, self.vocab_size)  # each token's bytes, for logprobs
-        self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self._device = torch.device(self.plan.device)
         self._encode_lock = threading.Lock()  # HF fast tokenizers are not safe to call from many threads
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
@@ -106,14 +91,44 @@ class GenerationEngine:
         self._counters = {"steps": 0, "prefills": 0, "prompt_tokens": 0, "generated_tokens": 0,
                           "completed": 0, "cancelled": 0, "expired": 0, "failed": 0, "peak_running_sequences": 0,
                           "speculative_steps": 0, "draft_tokens": 0, "accepted_draft_tokens": 0}
-        # Speculative decoding (speculative.py): up to this many prompt-lookup draft tokens per greedy row, while at
-        # most speculative_max_rows rows decode; 0: off.
+        # Speculative decoding (speculative.py): up to this many prompt-lookup draft tokens per row, as many as pay
+        # by the measured step costs, while at most speculative_max_rows rows decode; 0: off.
         self.speculative_tokens, self.speculative_max_rows = speculative_tokens, speculative_max_rows
-        self._running = RunningRows(max_batch_size, self.vocab_size, self._device)  # the scheduler thread's
+        self._draft_positions = 0  # draft tokens the current step checks (the scheduler thread's)
+        self._step_costs = speculative.StepCosts()
+        # The model loads on the scheduler thread, the one thread that computes with it. On a CPU every thread that
+        # runs an OpenMP parallel region keeps a team of worker threads; once a process holds more of them than it
+        # has cores, GNU OpenMP's workers stop spinning between regions and sleep, and each of a decode step's
+        # hundreds of small regions pays a wake-up (a 16-row step measured 1.3-1.7x slower with the model loaded on
+        # the caller's thread and stepped on this one).
+        loaded: Future[None] = Future()
+        self._thread = threading.Thread(target=self._run, args=(loaded, model, device, precision, decode_graphs,
+                                                                 adapter_folder),
+                                        name="generation-scheduler", daemon=True)
+        self._thread.start()
+        loaded.result()  # a load error (a missing folder, an unsupported architecture) raises here
+
+    def _load(self, model: str | Path, device: str, precision: str, decode_graphs: str,
+              adapter_folder: Callable[[str], Path] | None) -> None:
+        """The runner (weights and KV cache), tokenizer, grammars and rows: on the scheduler thread (see __init__)."""
+        self.plan: DevicePlan = resolve_device(device, precision, generation=True)
+        self._runner: Runner = open_runner(model, self.plan, max_rows=self.max_batch_size)  # GPT-2 or llama-family
+        self.tokenizer = load_tokenizer(model)
+        self.config = self._runner.config
+        self.context_length: int = self._runner.max_length
+        self.vocab_size: int = self.config.vocab_size
+        self.eos_token_ids = self._runner.eos_token_ids  # generation_config.json's (one id or a list)
+        # GPT-2 has no adapter path here: its adapter requests are refused (serve the merged model instead).
+        self.lora: LoraManager | None = None
+        if isinstance(self._runner, DecoderRunner):
+            self.lora = LoraManager(self._runner, max_loras=self.max_loras, adapter_folder=adapter_folder or Path)
+        self._pieces = piece_decoders(self.tokenizer, self.vocab_size)
+        self._table = logprob_table(self.tokenizer, self.vocab_size)  # each token's bytes, for logprobs
+        self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._device = torch.device(self.plan.device)
+        self._running = RunningRows(self.max_batch_size, self.vocab_size, self._device)  # the scheduler thread's
         # decode_graphs "cuda": plain decode steps replay CUDA graphs on a GPU (cuda_graphs.py); "eager": uncaptured
         self._static = static_decoder(decode_graphs, self._runner, self._running.seen)
-        self._thread = threading.Thread(target=self._run, name="generation-scheduler", daemon=True)
-        self._thread.start()
 
     # -- the callers' side --
 
@@ -207,7 +222,14 @@ class GenerationEngine:
 
     # -- the scheduler thread --
 
-    def _run(self) -> None:
+    def _run(self, loaded: Future[None], model: str | Path, device: str, precision: str, decode_graphs: str,
+             adapter_folder: Callable[[str], Path] | None) -> None:
+        try:
+            self._load(model, device, precision, decode_graphs, adapter_folder)
+        except BaseException as error:  # noqa: BLE001 - handed to the constructor, which raises it
+            loaded.set_exception(error)
+            return
+        loaded.set_result(None)
         with torch.inference_mode():
             while self._wait_for_work():
                 try:
@@ -218,10 +240,14 @@ class GenerationEngine:
                     with self._lock:
                         chunks = self.scheduler.chunks(decoding)
                     if decoding or chunks:
-                        started = time.perf_counter()
+                        started, rows = time.perf_counter(), len(self._running)
+                        self._draft_positions = 0
                         self._step(chunks)
-                        with self._lock:
-                            self.scheduler.observe(time.perf_counter() - started, decoding, chunks)
+                        elapsed = time.perf_counter() - started
+                        if decoding and not chunks:
+                            self._step_costs.observe(rows, self._draft_positions, elapsed)
+                        with self._lock:  # a speculative step's draft positions cost as prompt tokens do
+                            self.scheduler.observe(elapsed, decoding, chunks, self._draft_positions)
                 except Exception as error:  # noqa: BLE001 - a failed forward fails its batch, not the engine
                     self._reset(error)
         self._shutdown()
@@ -345,9 +371,14 @@ class GenerationEngine:
         if not self.speculative_tokens or len(rows) > self.speculative_max_rows or \
                 not all(speculative.eligible(s) for s in rows):
             return False
-        drafts = [speculative.draft(s, self.speculative_tokens, self.context_length) for s in rows]
-        if 2 * sum(bool(d) for d in drafts) < len(rows):  # rows without a draft step as chunks too: not worth it
+        proposals = [speculative.draft(s, self.speculative_tokens, self.context_length) for s in rows]
+        costs = self._step_costs  # measured step times price each checked position
+        taken = speculative.lengths(proposals, [speculative.acceptance(s) for s in rows], costs.plain.get(len(rows)),
+                                    costs.position_s)
+        if not any(taken):
             return False
+        drafts = [proposal[:n] for proposal, n in zip(proposals, taken, strict=True)]
+        self._draft_positions = sum(taken)
         chunks = [[s.tokens[-1], *d] for s, d in zip(rows, drafts, strict=True)]
         starts = [s.position for s in rows]
         self._runner.cache.reserve(len(rows), max(start + len(c) for start, c in zip(starts, chunks, strict=True)))

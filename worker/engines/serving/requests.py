@@ -136,8 +136,8 @@ class SequenceState:
     matcher: LLMatcher | None = None  # a constrained sequence's grammar matcher, advanced by every accepted token
     logprobs: list[TokenLogprob] | None = None
     unsent: list[TokenLogprob] = field(default_factory=list)  # logprobs not yet streamed with a text delta
-    draft_skip: int = 0  # steps left without a draft after a miss (speculative.py's backoff)
-    draft_backoff: int = 0  # the length of the last such pause
+    draft_kept: float = 0.0  # draft tokens this row kept and checked (decayed): speculative.py's acceptance estimate
+    draft_checked: float = 0.0
 
     @property
     def position(self) -> int:

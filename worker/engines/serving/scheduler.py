@@ -219,9 +219,10 @@ class Scheduler:
         """The next step's prefill chunks: within the measured budget while streams decode, the cap otherwise."""
         return self.prefilling.plan(self.budget.tokens(decoding))
 
-    def observe(self, seconds: float, decoded: bool, chunks: list[Chunk]) -> None:
-        """A step's wall time, for the chunk budget."""
-        self.budget.observe(seconds, decoded, sum(c.end - c.start for c in chunks))
+    def observe(self, seconds: float, decoded: bool, chunks: list[Chunk], draft_positions: int = 0) -> None:
+        """A step's wall time, for the chunk budget (draft positions a speculative step checked count as the
+        positions they are: each adds to the step what a prompt token does)."""
+        self.budget.observe(seconds, decoded, sum(c.end - c.start for c in chunks) + draft_positions)
 
     def stats(self) -> dict[str, int | None]:
         """Occupancy counters for the engine's stats()."""

@@ -14,10 +14,14 @@ seed, whatever shares the batch. For a draft that is a single proposed token (a 
 token with the probability the model gives it, as the standard rejection rule of speculative sampling does, and
 on a miss the draw that replaces it comes from the model's own distribution: the output distribution is unchanged.
 
-Which rows speculate: rows without a grammar, logprobs or repetition penalty, on a step without prompt chunks, while
-the batch is small (`max_rows`): a big batch is compute-bound and verifying drafts would cost more than it saves. A
-step speculates only when at least half its rows have a draft (every row of a speculative step goes through the
-chunk path); a row whose draft missed at its first token pauses before drafting again. A request opts out with
+Which rows speculate, and how far: rows without a grammar, logprobs or repetition penalty, on a step without prompt
+chunks, while at most `max_rows` rows decode. The draft tokens are priced, because a checked position is nearly
+free beside one row (the step reads the weights once either way) while beside sixteen rows on a CPU one more
+position per row costs about half a decode step. Each row keeps a running estimate of how often its draft tokens
+are right (`record`); `lengths` spends positions where they are worth most: a row's j-th draft token yields a
+token with the probability that it and the j - 1 before it are right, and is checked only while that gain per
+position beats the step's tokens per second so far (a decode step's time and what each checked position adds are
+measured as steps run: StepCosts). A step in which no draft token pays decodes plainly. A request opts out with
 `SamplingParams.speculative = False`.
 """
 
@@ -31,7 +35,12 @@ from worker.engines.serving.requests import SequenceState
 from worker.engines.serving.sampling.sampler import RowParams, next_tokens
 
 MAX_NGRAM, MIN_NGRAM = 4, 1  # the longest suffix tried first, as vLLM's prompt lookup does
-MAX_BACKOFF = 16  # the longest pause (steps) of a row whose drafts keep missing
+PRIOR = 1.0  # pseudo-counts of one right and one wrong draft token before a row has any (a rate of 1/2)
+DECAY = 0.7  # the weight of a row's earlier checks against its newest
+# A step whose rows all go through the chunk path (the drafts' forward) costs this much more than a decode step of
+# the same rows, before any draft position (measured on a 2-core CPU: 4-16 rows, 1.1-1.2x).
+CHUNK_OVERHEAD = 0.15
+EMA = 0.2  # weight of the newest step in the running step-time estimates
 
 
 def propose(history: Sequence[int], k: int, *, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> list[int]:
@@ -54,12 +63,7 @@ def eligible(sequence: SequenceState) -> bool:
 
 
 def draft(sequence: SequenceState, k: int, context_length: int) -> list[int]:
-    """The sequence's draft: at most k tokens, fewer near its max_new_tokens or the model's context; none while it
-    pauses after a draft whose first token was wrong (pauses of 1, 2, 4 ... up to MAX_BACKOFF steps: a row whose
-    answer does not repeat its input stops paying for drafts)."""
-    if sequence.draft_skip:
-        sequence.draft_skip -= 1
-        return []
+    """The sequence's proposal: at most k tokens, fewer near its max_new_tokens or the model's context."""
     request = sequence.request
     room = min(request.params.max_new_tokens - len(sequence.tokens) - 1, context_length - sequence.position - 2, k)
     if room <= 0:
@@ -67,15 +71,69 @@ def draft(sequence: SequenceState, k: int, context_length: int) -> list[int]:
     return propose(request.prompt + sequence.tokens, room)
 
 
+def acceptance(sequence: SequenceState) -> float:
+    """The chance the row's next draft token is right: its kept / checked draft tokens, decayed, from a prior of 1/2."""
+    return (sequence.draft_kept + PRIOR) / (sequence.draft_checked + 2 * PRIOR)
+
+
+def lengths(proposals: Sequence[list[int]], rates: Sequence[float], decode_s: float | None,
+            position_s: float | None) -> list[int]:
+    """How many tokens of each row's proposal to check this step (0 for all: decode plainly).
+
+    A step of B rows yields B tokens for decode_s; each checked draft position adds position_s, plus the chunk path's
+    overhead on every row (CHUNK_OVERHEAD of a decode step). Draft tokens are taken in order of their expected
+    yield (rate^j for a row's j-th) while each adds more tokens per second than the step gives so far. A row count
+    whose plain step is not measured yet decodes plainly (that measures it); with no draft position measured yet,
+    every proposal is checked whole (that measures one).
+    """
+    if decode_s is None:
+        return [0] * len(proposals)
+    if position_s is None:
+        return [len(proposal) for proposal in proposals]
+    tokens, seconds = float(len(proposals)), decode_s * (1 + CHUNK_OVERHEAD)
+    gains = sorted(((rate ** j, row) for row, (proposal, rate) in enumerate(zip(proposals, rates, strict=True))
+                    for j in range(1, len(proposal) + 1)), reverse=True)
+    taken = [0] * len(proposals)
+    for gain, row in gains:
+        if gain * seconds <= tokens * position_s:  # this position would lower the step's tokens per second
+            break
+        taken[row] += 1
+        tokens, seconds = tokens + gain, seconds + position_s
+    if tokens * decode_s <= len(proposals) * seconds:  # no better than a plain decode step
+        return [0] * len(proposals)
+    return taken
+
+
+class StepCosts:
+    """Measured decode-only step times: a plain step per row count, and what one checked draft position adds."""
+
+    def __init__(self) -> None:
+        self.plain: dict[int, float] = {}
+        self.position_s: float | None = None
+
+    def observe(self, rows: int, positions: int, seconds: float) -> None:
+        """A decode-only step of `rows` rows that checked `positions` draft tokens (0: a plain step)."""
+        if not positions:
+            self.plain[rows] = _mean(self.plain.get(rows), seconds)
+            return
+        plain = self.plain.get(rows)
+        if plain is not None:  # a step faster than the estimate (noise) still costs something: a floor
+            sample = max(seconds - plain * (1 + CHUNK_OVERHEAD), 0.01 * plain) / positions
+            self.position_s = _mean(self.position_s, sample)
+
+
+def _mean(current: float | None, sample: float) -> float:
+    return sample if current is None else (1 - EMA) * current + EMA * sample
+
+
 def record(sequence: SequenceState, drafted: list[int], kept: list[int]) -> None:
-    """After a check: a draft whose first token was wrong starts (or doubles) the row's pause."""
+    """After a check: the row's draft tokens that were right (kept but the model's own last) and those checked
+    (the right ones and the first wrong one), decayed so the estimate follows the answer as it changes."""
     if not drafted:
         return
-    if kept[0] != drafted[0]:
-        sequence.draft_backoff = min(MAX_BACKOFF, 2 * sequence.draft_backoff or 1)
-        sequence.draft_skip = sequence.draft_backoff
-    else:
-        sequence.draft_backoff = 0
+    right = len(kept) - 1
+    sequence.draft_kept = DECAY * sequence.draft_kept + right
+    sequence.draft_checked = DECAY * sequence.draft_checked + right + (right < len(drafted))
 
 
 def choices(logits: torch.Tensor, rows: Sequence[SequenceState], chunks: Sequence[list[int]]) -> list[int]:
