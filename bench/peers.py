@@ -39,7 +39,6 @@ import asyncio
 import json
 import math
 import os
-import platform
 import random
 import signal
 import statistics
@@ -58,6 +57,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 from bench.generate import free_port, served_precision, start_service  # noqa: E402
+from bench.machine import describe  # noqa: E402
 from trainserve.real_models import SMOLLM2_DIR, build_smollm2, smollm2_gguf  # noqa: E402
 
 SST2 = ROOT / "examples" / "data" / "sst2_train_4k.tsv"
@@ -345,19 +345,6 @@ def warm(side: Side) -> None:
 
 # --- The result file ---
 
-def machine() -> str:
-    """The CPU, its cores and the library versions that matter."""
-    import torch
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                    if line.startswith("model name")), cpu)
-    return f"{os.cpu_count()}-core {cpu}, torch {torch.__version__}, transformers {transformers.__version__}"
-
-
 def result_json(args: argparse.Namespace, rows: dict[tuple[str, str], list[Row]], lines: list[str],
                 failed_sides: dict[str, str]) -> dict[str, str]:
     """bench/results/'s format (trainserve.docs_reference.BenchmarkResult)."""
@@ -371,7 +358,7 @@ def result_json(args: argparse.Namespace, rows: dict[tuple[str, str], list[Row]]
             f"medians [min-max] of {args.repeats} interleaved repeats")
     notes = [f"{name} did not run: {why}" for name, why in failed_sides.items()]
     return {"benchmark": "bench/peers.py", "what": what, "command": "python bench/peers.py " + " ".join(sys.argv[1:]),
-            "date": datetime.now(UTC).strftime("%Y-%m-%d"), "machine": machine(),
+            "date": datetime.now(UTC).strftime("%Y-%m-%d"), "machine": describe(),
             "load": f"{min(loads):.1f}-{max(loads):.1f}" if loads else "not recorded",
             "result": "; ".join(lines + notes), "target": args.target}
 

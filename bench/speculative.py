@@ -4,14 +4,14 @@ The same engine settings but `speculative_tokens` (the baseline: 0, plain decodi
 or with `--temperature` sampled, chat i seeded `--seed` + i):
 "copy this text with one word changed" and "list the words of this text that ..." prompts over SST-2 sentences
 (examples/data), rendered with the model's chat template: answers that repeat their input, the narrow tasks a
-fine-tune serves, the four tasks in turn over `--chats` sentences. At each `--concurrency` c, the chats run c at a
-time against one engine (a closed loop: a finished chat's client sends the next); tokens/s is all generated tokens
-over the wall time from the first submit to the last answer (per stream: divided by c). Every answer is
-compared token for token between the sides (they must be equal: greedy, and sampled seed for seed). Sides
+fine-tune serves, the four tasks in turn over the sentences. At each `--concurrency` c, `--chats` x c chats (at
+least 16) run c at a time against one engine (a closed loop: a finished chat's client sends the next); tokens/s is
+all generated tokens over the wall time from the first submit to the last answer (per stream: divided by c). Every
+answer is compared token for token between the sides (they must be equal: greedy, and sampled seed for seed). Sides
 interleaved (the first side alternating per repeat), medians and the spread over `--repeats`, the load average
 after each run; engine alone, fp32 on the CPU unless `--precision`.
 
-    python bench/speculative.py --model ~/.cache/trainserve/smollm2-135m-instruct   # c = 1 and 16, k = 4
+    python bench/speculative.py --model ~/.cache/trainserve/smollm2-135m-instruct   # c = 1 and 16, k = 8
     python bench/speculative.py --model DIR --temperature 0.7   # sampled rows
     python bench/speculative.py --model DIR --concurrency 1 --repeats 1 --max-tokens 48   # smoke run
 """
@@ -32,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
+from bench.machine import describe  # noqa: E402
 from worker.engines.serving.engine import GenerationEngine, SamplingParams  # noqa: E402
 
 BASELINE = "plain"
@@ -81,23 +82,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a served model's folder (e.g. SmolLM2-135M-Instruct)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16],
-                        help="chats in flight at once (closed loop over --chats chats)")
-    parser.add_argument("--chats", type=int, default=16, help="chats per run, every task over SST-2 sentences")
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per step (the speculative side)")
+                        help="chats in flight at once (a closed loop)")
+    parser.add_argument("--chats", type=int, default=4,
+                        help="chats per stream in a run (at least 16 a run), the tasks in turn over SST-2 sentences")
+    parser.add_argument("--k", type=int, default=8, help="the most draft tokens a row checks a step (speculative side)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, seeded per chat")
     parser.add_argument("--seed", type=int, default=0, help="sampled: chat i is seeded seed + i")
     parser.add_argument("--json", type=Path, help="write the result here (bench/results format)")
+    parser.add_argument("--target", default="", help="the target the result is judged against (written to --json)")
     args = parser.parse_args()
     top = max(args.concurrency)
     sides = {BASELINE: 0, f"prompt-lookup k={args.k}": args.k}
     engines = {name: GenerationEngine(args.model, device="cpu", precision=args.precision, max_batch_size=top,
                                       speculative_tokens=k, speculative_max_rows=top) for name, k in sides.items()}
-    lines = []
+    lines: list[str] = []
+    loads: list[float] = []
     try:
-        prompts = chats(engines[BASELINE], args.chats)
+        prompts = chats(engines[BASELINE], max(16, args.chats * top))
         for engine in engines.values():  # warm up: first forwards allocate and pack
             run(engine, prompts[:1], 8)
         for c in args.concurrency:
@@ -106,11 +110,12 @@ def main() -> None:
                 order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
                 answers = {}
                 for name in order:
-                    rate, answers[name] = run(engines[name], prompts, args.max_tokens, args.temperature,
+                    count = max(16, args.chats * c)
+                    rate, answers[name] = run(engines[name], prompts[:count], args.max_tokens, args.temperature,
                                               args.seed, concurrency=c)
                     rates[name].append(rate)
-                    print(f"c={c} repeat {repeat + 1} {name}: {rate:.1f} tokens/s (load {os.getloadavg()[0]:.2f})",
-                          flush=True)
+                    loads.append(os.getloadavg()[0])
+                    print(f"c={c} repeat {repeat + 1} {name}: {rate:.1f} tokens/s (load {loads[-1]:.2f})", flush=True)
                 first, *others = answers.values()
                 equal = all(other == first for other in others)
                 print(f"  outputs equal across sides: {equal}")
@@ -133,13 +138,16 @@ def main() -> None:
             "benchmark": "bench/speculative.py",
             "what": f"Speculative decoding (prompt-lookup drafts, k={args.k}) against plain decoding: "
                     f"{'greedy' if args.temperature == 0 else f'sampled (temperature {args.temperature}, seeded)'} "
-                    f"editing and extraction chats over SST-2 sentences, {args.max_tokens} tokens, engine alone, "
-                    f"{args.precision}; outputs equal token for token; medians of {args.repeats} interleaved repeats",
+                    f"editing and extraction chats over SST-2 sentences, up to {args.max_tokens} tokens, "
+                    f"{args.chats} chats per stream (at least 16) in a closed loop at each concurrency, engine "
+                    f"alone, {args.precision}; the drafts each step checks priced from measured step times; outputs "
+                    f"equal token for token; medians of {args.repeats} interleaved repeats",
             "command": "python bench/speculative.py " + " ".join(sys.argv[1:]),
             "date": date.today().isoformat(),
-            "machine": f"{os.cpu_count()}-core CPU",
-            "load": f"{os.getloadavg()[0]:.2f} at the end",
+            "machine": describe(),
+            "load": f"{min(loads):.1f}-{max(loads):.1f}",
             "result": "; ".join(lines),
+            "target": args.target,
         }, indent=2) + "\n")
 
 
