@@ -200,8 +200,8 @@ class Settings(BaseSettings):
     speculative_tokens: int = Field(0, ge=0, le=16, description="Speculative decoding: the most prompt-lookup draft "
                                     "tokens a row checks per step (its own earlier tokens that followed the same "
                                     "n-gram; no draft model); each step checks as many as its measured step times "
-                                    "and the row's acceptance rate say pay; 0: off. Output is unchanged (greedy "
-                                    "token for token, sampled seed for seed).")
+                                    "and the row's acceptance rate say pay; 0: off. Greedy output is unchanged token "
+                                    "for token; sampled output keeps its distribution.")
     speculative_max_rows: int = Field(32, ge=1, description="Speculative decoding runs only while at most this many "
                                       "rows decode (beside that, each step prices its draft tokens).")
     generation_memory_budget_mb: float = Field(

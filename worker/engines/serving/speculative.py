@@ -10,9 +10,11 @@ input, so a draft is often right, and one forward that reads the weights once yi
 Sampled rows speculate too, exactly: at every checked position the row draws the token plain decoding would draw
 there, with the counter-based uniform of that token's own index in the answer (sampler.counter_uniforms), and keeps
 the draft while it equals those draws. The kept tokens are then the ones plain decoding would have drawn, seed for
-seed, whatever shares the batch. For a draft that is a single proposed token (a point mass) this keeps a draft
-token with the probability the model gives it, as the standard rejection rule of speculative sampling does, and
-on a miss the draw that replaces it comes from the model's own distribution: the output distribution is unchanged.
+seed, whatever shares the batch, up to float rounding: the chunk forward and a decode step sum the same logits in
+different orders, so a draw within rounding of the edge between two tokens' shares may go either way. For a draft
+that is a single proposed token (a point mass) this keeps a draft token with the probability the model gives it,
+as the standard rejection rule of speculative sampling does, and on a miss the draw that replaces it comes from the
+model's own distribution: the output distribution is unchanged.
 
 Which rows speculate, and how far: rows without a grammar, logprobs or repetition penalty, on a step without prompt
 chunks, while at most `max_rows` rows decode. The draft tokens are priced, because a checked position is nearly
