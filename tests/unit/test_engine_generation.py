@@ -402,6 +402,31 @@ def test_validation_errors(engine, prompt, params, match) -> None:
         engine.submit(prompt, SamplingParams(**params))
 
 
+def test_the_model_loads_on_the_scheduler_thread_and_a_load_error_raises_in_the_constructor(
+        model_dir, tmp_path, monkeypatch) -> None:
+    """The thread that steps the model is the one that loaded it: on a CPU a second thread's OpenMP team makes
+    every parallel region of a decode step wait for a sleeping worker."""
+    from worker.engines.serving import engine as engine_module
+
+    loaded_on: list[str] = []
+    open_runner = engine_module.open_runner
+
+    def recorded(*args, **kwargs):
+        loaded_on.append(threading.current_thread().name)
+        return open_runner(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "open_runner", recorded)
+    with GenerationEngine(model_dir, device="cpu", max_batch_size=1) as eng:
+        assert eng.generate("Hello", greedy(2)).choices[0].token_ids
+    assert loaded_on == ["generation-scheduler"]
+    schedulers = sum(t.name == "generation-scheduler" for t in threading.enumerate())
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    with pytest.raises(ValueError, match="model_type 'bert' is not supported"):
+        GenerationEngine(tmp_path, device="cpu", max_batch_size=1)
+    time.sleep(0.1)  # the failed load's thread has ended
+    assert sum(t.name == "generation-scheduler" for t in threading.enumerate()) == schedulers
+
+
 def test_close_fails_pending_requests(model_dir) -> None:
     eng = GenerationEngine(model_dir, device="cpu", max_batch_size=1)
     gate = Gate()
