@@ -94,7 +94,6 @@ class GenerationEngine:
         # Speculative decoding (speculative.py): up to this many prompt-lookup draft tokens per row, as many as pay
         # by the measured step costs, while at most speculative_max_rows rows decode; 0: off.
         self.speculative_tokens, self.speculative_max_rows = speculative_tokens, speculative_max_rows
-        self._draft_positions = 0  # draft tokens the current step checks (the scheduler thread's)
         self._step_costs = speculative.StepCosts()
         # The model loads on the scheduler thread, the one thread that computes with it. On a CPU every thread that
         # runs an OpenMP parallel region keeps a team of worker threads; once a process holds more of them than it
@@ -241,13 +240,12 @@ class GenerationEngine:
                         chunks = self.scheduler.chunks(decoding)
                     if decoding or chunks:
                         started, rows = time.perf_counter(), len(self._running)
-                        self._draft_positions = 0
-                        self._step(chunks)
+                        drafts = self._step(chunks)
                         elapsed = time.perf_counter() - started
                         if decoding and not chunks:
-                            self._step_costs.observe(rows, self._draft_positions, elapsed)
+                            self._step_costs.observe(rows, drafts, elapsed)
                         with self._lock:  # a speculative step's draft positions cost as prompt tokens do
-                            self.scheduler.observe(elapsed, decoding, chunks, self._draft_positions)
+                            self.scheduler.observe(elapsed, decoding, chunks, drafts)
                 except Exception as error:  # noqa: BLE001 - a failed forward fails its batch, not the engine
                     self._reset(error)
         self._shutdown()
@@ -313,8 +311,9 @@ class GenerationEngine:
         except Exception:  # noqa: BLE001
             self._reset(error)
 
-    def _step(self, chunks: list[Chunk]) -> None:
-        """One decode step for every running row with the prefill of `chunks` (one pass); ended prompts sample."""
+    def _step(self, chunks: list[Chunk]) -> int:
+        """One decode step for every running row with the prefill of `chunks` (one pass); ended prompts sample.
+        Returns the draft tokens the step checked (0 unless it speculated)."""
         first = len(self._running)
         if chunks:
             try:
@@ -324,18 +323,18 @@ class GenerationEngine:
                 chunks = []
         ended = sum(c.last for c in chunks)
         if not first and not chunks:
-            return
+            return 0
         rows = self._running.rows
         if self.lora is not None:  # the decode rows' adapters, and each prompt chunk keeps its request's
             self.lora.set_rows([s.request for s in rows[:first]], [c.request for c in chunks])
         prefilling = self.scheduler.prefilling
-        if not chunks and prefilling.partial is None and self._speculate(rows):
-            return
+        if not chunks and prefilling.partial is None and (drafts := self._speculate(rows)):
+            return drafts
         params = self._running.params()
         if not chunks and self._static is not None and self._static.failed is None and \
                 prefilling.partial is None and static_eligible(rows):
             self._sampled(*self._static.step(rows, params), decoded=True)
-            return
+            return 0
         step = None
         if first:
             positions = [s.position for s in rows[:first]]
@@ -350,7 +349,7 @@ class GenerationEngine:
             if not chunks:
                 raise
             self._abort([c.request for c in chunks], error)  # their rows go; the running rows step again alone
-            return
+            return 0
         if chunks:
             with self._lock:
                 prefilling.advance(self._runner.cache, chunks, groups)
@@ -362,23 +361,24 @@ class GenerationEngine:
                 self._counters["prompt_tokens"] += sum(c.end - c.start for c in chunks)
                 self._counters["peak_running_sequences"] = max(self._counters["peak_running_sequences"], len(rows))
         if not rows:
-            return  # only a prompt's first chunks ran: nothing to sample yet
+            return 0  # only a prompt's first chunks ran: nothing to sample yet
         seen = self._running.seen[:len(rows)] if params.penalty is not None else None
         self._sampled(logits, next_tokens(constrained_logits(logits, rows), params, seen), step is not None)
+        return 0
 
-    def _speculate(self, rows: list[SequenceState]) -> bool:
-        """A decode step that checks prompt-lookup drafts (speculative.py); False when this step does not speculate."""
+    def _speculate(self, rows: list[SequenceState]) -> int:
+        """A decode step that checks prompt-lookup drafts (speculative.py): the draft tokens it checked, 0 when this
+        step does not speculate."""
         if not self.speculative_tokens or len(rows) > self.speculative_max_rows or \
                 not all(speculative.eligible(s) for s in rows):
-            return False
+            return 0
         proposals = [speculative.draft(s, self.speculative_tokens, self.context_length) for s in rows]
         costs = self._step_costs  # measured step times price each checked position
         taken = speculative.lengths(proposals, [speculative.acceptance(s) for s in rows], costs.plain.get(len(rows)),
                                     costs.position_s)
         if not any(taken):
-            return False
+            return 0
         drafts = [proposal[:n] for proposal, n in zip(proposals, taken, strict=True)]
-        self._draft_positions = sum(taken)
         chunks = [[s.tokens[-1], *d] for s, d in zip(rows, drafts, strict=True)]
         starts = [s.position for s in rows]
         self._runner.cache.reserve(len(rows), max(start + len(c) for start, c in zip(starts, chunks, strict=True)))
@@ -408,7 +408,7 @@ class GenerationEngine:
             self._on_step(len(rows))
         self._running.invalidate()
         self._sweep()
-        return True
+        return sum(taken)
 
     def _sampled(self, logits: torch.Tensor, new: torch.Tensor, decoded: bool) -> None:
         """After a step's draw: logprobs, the step counted when it decoded running rows, the tokens accepted."""

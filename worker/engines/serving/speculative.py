@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
+from worker.engines.serving.prefill import EMA  # the chunk budget's weight of the newest step
 from worker.engines.serving.requests import SequenceState
 from worker.engines.serving.sampling.sampler import RowParams, next_tokens
 
@@ -42,7 +43,6 @@ DECAY = 0.7  # the weight of a row's earlier checks against its newest
 # A step whose rows all go through the chunk path (the drafts' forward) costs this much more than a decode step of
 # the same rows, before any draft position (measured on a 2-core CPU: 4-16 rows, 1.1-1.2x).
 CHUNK_OVERHEAD = 0.15
-EMA = 0.2  # weight of the newest step in the running step-time estimates
 
 
 def propose(history: Sequence[int], k: int, *, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> list[int]:
