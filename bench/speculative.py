@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import os
 import statistics
@@ -30,6 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
@@ -78,6 +80,15 @@ def run(engine: GenerationEngine, prompts: list[list[int]], max_tokens: int, tem
     return sum(len(a) for a in answers) / elapsed, answers
 
 
+@functools.cache
+def reference_model(model: str) -> Any:
+    """HF's model in float64, loaded once for every answer that parts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float64).eval()
+
+
 def draw_margin(model: str, prompt: list[int], plain: list[list[int]], drafted: list[list[int]], chat: int, seed: int,
                 temperature: float) -> float:
     """How far chat `chat`'s draw at the first token where the two sides part lies from the edge between the two
@@ -85,7 +96,6 @@ def draw_margin(model: str, prompt: list[int], plain: list[list[int]], drafted: 
     either token with the last bits of the logits, which a decode step and the drafts' forward sum in different
     orders. The sampler's uniform of that token is the same on both sides (counter-based, per token index)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from worker.engines.serving.sampling.sampler import counter_uniforms
 
@@ -93,9 +103,8 @@ def draw_margin(model: str, prompt: list[int], plain: list[list[int]], drafted: 
     at = next(j for j in range(min(len(a), len(b)) + 1) if j == min(len(a), len(b)) or a[j] != b[j])
     if at == min(len(a), len(b)):
         return float("inf")  # one side stopped early: not a draw on an edge
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float64).eval()
     with torch.inference_mode():
-        logits = hf(torch.tensor([prompt + a[:at]])).logits[0, -1]
+        logits = reference_model(model)(torch.tensor([prompt + a[:at]])).logits[0, -1]
     probs = torch.softmax(logits / temperature, dim=-1)
     ends = torch.cumsum(probs, dim=0)
     u = float(counter_uniforms(torch.tensor([seed + chat]), torch.tensor([at]))[0])
@@ -135,19 +144,19 @@ def main() -> None:
         for engine in engines.values():  # warm up: first forwards allocate and pack
             run(engine, prompts[:1], 8)
         for c in args.concurrency:
+            count = max(16, args.chats * c)  # the chats of a run at this concurrency
             rates: dict[str, list[float]] = {name: [] for name in sides}
             for repeat in range(args.repeats):
                 order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
                 answers = {}
                 for name in order:
-                    count = max(16, args.chats * c)
                     rate, answers[name] = run(engines[name], prompts[:count], args.max_tokens, args.temperature,
                                               args.seed, concurrency=c)
                     rates[name].append(rate)
                     loads.append(os.getloadavg()[0])
                     print(f"c={c} repeat {repeat + 1} {name}: {rate:.1f} tokens/s (load {loads[-1]:.2f})", flush=True)
                 differing = [i for i, (a, b) in enumerate(zip(*answers.values(), strict=True)) if a != b]
-                print(f"  answers equal across sides: {len(prompts[:count]) - len(differing)} of {count}")
+                print(f"  answers equal across sides: {count - len(differing)} of {count}")
                 if differing and not args.temperature:
                     raise SystemExit("speculative decoding changed a greedy answer")
                 for i in differing:  # sampled: each must part at a draw on the edge between two tokens
@@ -165,7 +174,7 @@ def main() -> None:
                 print(line)
                 lines.append(line)
             if parted[c]:
-                lines.append(f"c={c}: {parted[c]} of {args.repeats * max(16, args.chats * c)} sampled answers parted "
+                lines.append(f"c={c}: {parted[c]} of {args.repeats * count} sampled answers parted "
                              f"from plain decoding at a draw within {ROUNDING:g} of the edge between two tokens")
             print(f"  drafts kept: {stats['accepted_draft_tokens']} of {stats['draft_tokens']}")
     finally:
