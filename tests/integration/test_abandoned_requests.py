@@ -77,14 +77,29 @@ def _assert_abandoned(store: redis_lib.Redis, request_id: str) -> None:
     assert 0 < done.usage.completion_tokens < ASKED
 
 
-def test_a_stream_dropped_after_the_first_token_frees_its_slot_and_stops_the_worker(api, start_worker, store):
+def _worker_serving(api: Api, start_worker) -> None:
+    """Start a generation worker and wait until it has answered a request: a worker still loading under a busy CI
+    machine would otherwise let the request's start deadline pass, and an error ends the stream (and frees the slot)
+    before the test drops it."""
     start_worker("generation")
+    with httpx.Client(base_url=api.url, headers=api.headers, timeout=120) as client:
+        def answered() -> bool:
+            body = {"model": "tiny", "prompt": "Hello", "max_new_tokens": 2}
+            return client.post("/generate", json=body).status_code == 200
+
+        wait_for(answered, 180, "the generation worker to answer a request")
+
+
+def test_a_stream_dropped_after_the_first_token_frees_its_slot_and_stops_the_worker(api, start_worker, store):
+    _worker_serving(api, start_worker)
     body = {"model": "tiny", "prompt": "Hello", "max_new_tokens": ASKED, "seed": 1, "stream": True}
     with httpx.Client(base_url=api.url, headers=api.headers, timeout=120) as client, \
             client.stream("POST", "/generate", json=body) as response:
         assert response.status_code == 200
         first = next(line for line in response.iter_lines() if line.startswith("data: "))
-        request_id = json.loads(first.removeprefix("data: "))["id"]
+        event = json.loads(first.removeprefix("data: "))
+        assert "error" not in event, first
+        request_id = event["id"]
         assert store.zcard(SLOTS) == 1, first
     _assert_abandoned(store, request_id)  # the connection is closed here, mid-stream
 
@@ -99,7 +114,7 @@ def _send(api: Api, path: str, body: dict) -> socket.socket:
 
 
 def test_a_dropped_non_streaming_request_frees_its_slot_and_stops_the_worker(api, start_worker, store):
-    start_worker("generation")
+    _worker_serving(api, start_worker)
     sock = _send(api, "/generate", {"model": "tiny", "prompt": "Hello", "max_new_tokens": ASKED, "seed": 2})
     # Its rows' members are "<request id>#<row>" (a request of n choices holds n rows).
     member = wait_for(lambda: store.zrange(SLOTS, 0, -1), 60, "the request to take a slot")[0].decode()
