@@ -19,6 +19,8 @@ $(VENV)/.installed: pyproject.toml
 	# torch before the rest: 2.13.0 resolves to the local CPU wheel; any other version is a multi-GB download.
 	$(PY) -m pip install -q --no-compile "torch==2.13.0"
 	$(PY) -m pip install -q --no-compile -e ".[worker,local,dev]"
+	# The paged-attention kernel, built once for this CPU and cached (the engine gathers the cache without it).
+	$(PY) -m worker.engines.serving.caches.paged_attention
 	touch $@
 
 # The browser tests drive Debian's chromium (never a browser Playwright downloads); installed here when missing.

@@ -220,18 +220,21 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(autouse=True)
 def _poisoned_kv_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every KV cache the engine allocates in this process starts as NaN, not as whatever memory held: a position
-    read unmasked before it was written (or zeroed by its watermark) turns the output into NaN and fails the
-    equality tests, instead of passing by luck on fresh zero pages."""
+    """Every KV cache pool the engine allocates in this process starts as NaN, not as whatever memory held: a
+    position read unmasked before it was written (or zeroed when its block was first handed out) turns the output
+    into NaN and fails the equality tests, instead of passing by luck on fresh zero pages."""
     import sys
 
     if "torch" not in sys.modules:  # a test that never loads torch allocates no cache
         return
     import torch
 
-    from worker.engines.serving.caches.slot_cache import SlotCache
+    from worker.engines.serving.caches.paged_cache import PagedCache
 
-    def poisoned(self: SlotCache, shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.full(shape, float("nan"), dtype=self.dtype, device=self.device)
+    allocate = PagedCache._allocate
 
-    monkeypatch.setattr(SlotCache, "_allocate", poisoned)
+    def poisoned(self: PagedCache, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = allocate(self, blocks)
+        return keys.fill_(float("nan")), values.fill_(float("nan"))
+
+    monkeypatch.setattr(PagedCache, "_allocate", poisoned)

@@ -16,6 +16,7 @@ from tests.tiny_adapters import make_adapters
 from tests.tiny_llama import build_tiny_decoder
 from tests.tiny_lm import build_tiny_gpt2
 from worker.engines.device import resolve_device
+from worker.engines.serving.caches.paged_cache import blocks_for
 from worker.engines.serving.engine import GenerationEngine, SamplingParams
 from worker.engines.serving.runners import cuda_graphs
 from worker.engines.serving.runners.cuda_graphs import StaticDecoder, StaticInputs, bucket_for, buckets, static_decoder
@@ -95,19 +96,16 @@ def test_mode_names() -> None:
         static_decoder("on", runner, seen)
 
 
-def test_padded_step_equals_the_ordinary_decode_across_a_cache_growth(gpt2_dir: Path) -> None:
+def test_padded_step_equals_the_ordinary_decode_across_a_wider_table(gpt2_dir: Path) -> None:
     plan = resolve_device("cpu", "fp32", generation=True)
     runner = Gpt2Runner(load_gpt2(gpt2_dir, plan), plan, max_rows=8)
     prompts = [[464, 3290, 318], [15496, 11], [40, 1842, 257, 3797, 13]]  # 3 rows: padded to a bucket of 4
-    runner.cache.reserve(len(prompts), 16)
     with torch.inference_mode():
         runner.prefill(prompts, [[i] for i in range(len(prompts))])
         decoder = StaticDecoder(runner, torch.zeros(8, runner.config.vocab_size, dtype=torch.bool), capture=False)
         greedy = RowParams([SamplingParams(temperature=0)] * 3, runner.device)
         rows = [SimpleNamespace(tokens=[p[-1]], position=len(p), matcher=None) for p in prompts]
-        for step in range(14):  # positions reach 18: the cache grows from 16 to 32 positions mid-run
-            if step == 8:
-                runner.cache.reserve(3, 32)
+        for _ in range(14):  # positions reach 18: the rows' tables go from one block to two mid-run
             positions = [r.position for r in rows]
             expected = runner.decode(torch.tensor([r.tokens[-1] for r in rows]), torch.tensor(positions),
                                      max(positions) + 1)
@@ -118,7 +116,8 @@ def test_padded_step_equals_the_ordinary_decode_across_a_cache_growth(gpt2_dir: 
             for row, token in zip(rows, tokens.tolist(), strict=True):
                 row.tokens.append(token)
                 row.position += 1
-    assert runner.cache.capacity == (4, 32) and decoder.steps == 14
+    assert set(decoder.tables) == {(4, 1), (4, 2)} and decoder.steps == 14
+    assert runner.cache.tables[3] == []  # the padding row's block went back after each step
 
 
 def _generate(folder: Path, mode: str, params: list[SamplingParams], *, max_batch_size: int = 8):
@@ -196,13 +195,13 @@ def test_grammar_and_large_top_k_rows_draw_eagerly_on_the_graph_logits(gpt2_dir:
 
 
 def arrive_mid_run(engine: GenerationEngine, prompt: str, wait: float) -> tuple[list, int]:
-    """"Hello" for 40 greedy tokens, then `prompt` for 90 once the first streams: both results, and the cache's
-    positions when the second arrived (the GPU test runs the same scenario)."""
+    """"Hello" for 40 greedy tokens, then `prompt` for 90 once the first streams: both results, and the cache pool's
+    blocks when the second arrived (the GPU test runs the same scenario)."""
     started = threading.Event()
     first = engine.submit("Hello", SamplingParams(max_new_tokens=40, temperature=0),
                           on_token=lambda *_: started.set())
     assert started.wait(wait)
-    before = engine.stats()["cache_positions"]
+    before = engine.stats()["cache_blocks"]
     second = engine.submit(prompt, SamplingParams(max_new_tokens=90, temperature=0))
     return [first.result(wait), second.result(wait)], before
 
@@ -213,8 +212,9 @@ def test_a_request_arriving_mid_run_grows_the_cache_under_the_padded_step(gpt2_d
         with GenerationEngine(gpt2_dir, device="cpu", precision="fp32", max_batch_size=4,
                               decode_graphs=mode) as engine:
             results, before = arrive_mid_run(engine, PROMPTS[2], WAIT)
-        assert before == 64  # "Hello" + 40 tokens; the second needs more than 64 positions: the cache grew
-        assert results[1].prompt_tokens + len(results[1].choices[0].token_ids) > 64
+        # The pool held what "Hello" had taken; the second request's blocks do not fit in it: the pool grew.
+        needed = sum(blocks_for(r.prompt_tokens + len(r.choices[0].token_ids)) for r in results)
+        assert needed > before - 1
         outputs[mode] = [r.choices[0].token_ids for r in results]
     assert outputs["eager"] == outputs["off"]
 
@@ -244,7 +244,6 @@ def test_a_failed_capture_runs_the_step_uncaptured_and_turns_graphs_off(gpt2_dir
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # no GPU to select here
     plan = resolve_device("cpu", "fp32", generation=True)
     runner = Gpt2Runner(load_gpt2(gpt2_dir, plan), plan, max_rows=4)
-    runner.cache.reserve(2, 16)
     with torch.inference_mode():
         runner.prefill([[464, 3290], [15496]], [[0], [1]])
         decoder = StaticDecoder(runner, torch.zeros(4, runner.config.vocab_size, dtype=torch.bool), capture=False)

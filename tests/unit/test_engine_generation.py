@@ -14,9 +14,9 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from tests.tiny_lm import build_tiny_gpt2
-from worker.engines.serving.caches import slot_cache as kv_cache
+from worker.engines.serving.caches import paged_attention
+from worker.engines.serving.caches.paged_cache import PagedCache
 from worker.engines.serving.caches.prefix_cache import BLOCK, PrefixCache, block_keys
-from worker.engines.serving.caches.slot_cache import SlotCache
 from worker.engines.serving.engine import (
     DeadlineExceeded,
     EngineClosed,
@@ -28,6 +28,7 @@ from worker.engines.serving.engine import (
 from worker.engines.serving.requests import AdapterUse, Request
 from worker.engines.serving.runners.gpt2 import Gpt2Runner
 from worker.engines.serving.runners.gpt2_weights import load_gpt2
+from worker.engines.serving.runners.runner import DecodeInput
 
 PROMPTS = [
     "Hello",
@@ -103,14 +104,10 @@ def test_greedy_matches_hf_generate_for_mixed_lengths_in_one_batch(engine, hf) -
         assert result.choices[0].text == engine.tokenizer.decode(result.choices[0].token_ids)
 
 
-def test_rows_of_very_different_lengths_decode_in_span_groups_equal_to_hf(engine, hf, monkeypatch) -> None:
-    # Thresholds lowered so these prompts decode in groups, each over its own span (see kv_cache.DecodeLayout).
-    monkeypatch.setattr(kv_cache, "SPLIT_MIN", 2)
-    sizes: list[int] = []
-    real = kv_cache.span_groups
-    monkeypatch.setattr(kv_cache, "span_groups", lambda at: sizes.append(len(groups := real(at))) or groups)
+def test_the_gathered_decode_path_equals_hf_generate(engine, hf, monkeypatch) -> None:
+    # Where the paged kernel is not built (or on a GPU) decode steps gather the rows' blocks for SDPA.
+    monkeypatch.setattr(paged_attention, "kernel", lambda: None)
     test_greedy_matches_hf_generate_for_mixed_lengths_in_one_batch(engine, hf)
-    assert max(sizes) > 1
 
 
 @pytest.fixture(scope="module")
@@ -176,30 +173,41 @@ def test_prefix_caching_reuses_shared_prefixes_and_output_is_unchanged(model_dir
             assert choice.token_ids == hf_greedy(hf, prompt, n)
 
 
-def tiny_cache() -> SlotCache:
-    return SlotCache(n_layer=2, cache_heads=3, head_dim=8, max_rows=4, max_length=64, device=torch.device("cpu"),
-                     dtype=torch.float32)
+def tiny_cache() -> PagedCache:
+    return PagedCache(n_layer=2, cache_heads=3, head_dim=8, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def filled(cache: PagedCache, rows: int, length: int) -> None:
+    """Rows 0..rows-1 hold `length` positions of random keys and values."""
+    for row in range(rows):
+        cache.prepare(row, 0, length)
+    cache.keys.normal_(), cache.values.normal_()
 
 
 def test_the_prefix_cache_evicts_least_recently_used_blocks_later_ones_first() -> None:
     cache = tiny_cache()
-    cache.reserve(4, 64)
-    cache.keys.normal_(), cache.values.normal_()  # [2 layers, 4 rows, 3 heads, 64 positions, 8]
-    cache.written(range(4), 0, 64)
-    block_bytes = 2 * 2 * 3 * BLOCK * 8 * 4  # keys and values of one block: [layer, head, BLOCK, head_dim] fp32
-    store = PrefixCache(3 * block_bytes)
+    filled(cache, 2, 64)
+    store = PrefixCache(3 * cache.block_bytes)
     a, b = Request("a", list(range(40)), greedy(), None, None, None), Request("b", [7] * 33, greedy(), None, None, None)
     store.remember(cache, a, 0)  # two blocks
     store.remember(cache, b, 1)  # two more: a's second block (its chain's end, least recently used) goes
-    assert store.bytes == 3 * block_bytes and block_keys(a.prompt, None)[1] not in store.blocks
+    assert len(store.blocks) == 3 and block_keys(a.prompt, None)[1] not in store.blocks
+    first = cache.tables[0][0]
+    assert cache.refs[first] == 2 and cache.refs[cache.tables[0][1]] == 1  # evicted: held by its row alone
     again = Request("c", list(range(40)), greedy(), None, None, None)
-    store.lookup(again)
-    assert again.cached_tokens == BLOCK and len(again.prefix) == 1
-    store.restore(cache, again, [2, 3])
-    torch.testing.assert_close(cache.keys[:, 2:4, :, :BLOCK], cache.keys[:, 0:1, :, :BLOCK].expand(-1, 2, -1, -1, -1))
+    store.lookup(cache, again)
+    assert again.cached_tokens == BLOCK and again.prefix == [first] and cache.refs[first] == 3
+    store.restore(cache, again, 2)  # by reference: row 2 starts from row 0's first block, no copy
+    assert cache.tables[2] == [first] and again.prefix == [] and cache.refs[first] == 3
     adapted = Request("d", list(range(40)), greedy(), None, None, None, adapter=AdapterUse("x"))
-    store.lookup(adapted)
+    store.lookup(cache, adapted)
     assert adapted.cached_tokens == 0  # another adapter: other keys
+    for row in range(3):
+        cache.free_row(row)
+    assert cache.used_blocks == 3  # the store's
+    moved = cache.compact()
+    store.renumber(moved)
+    assert sorted(store.blocks.values()) == [1, 2, 3] and cache.blocks == 4
 
 
 def test_requests_join_a_running_batch_and_reuse_its_rows(engine, hf) -> None:
@@ -452,10 +460,8 @@ def test_packed_and_plain_decode_steps_agree(model_dir, engine) -> None:
     with torch.inference_mode():
         outputs = []
         for each in (runner, plain_runner):
-            each.cache.reserve(6, 16)
             torch.manual_seed(0)
-            each.cache.keys.normal_()
-            each.cache.values.normal_()
+            filled(each.cache, 6, 16)
             outputs.append(each.decode(tokens, positions, 10))
         packed, plain = outputs
     torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-5)
@@ -496,11 +502,9 @@ def test_a_decode_step_and_a_prefill_in_one_pass_equal_both_apart(model_dir, eng
     prompts, rows = [[11, 12, 13, 14], [15, 16]], [[3, 4], [5]]
     with torch.inference_mode():
         for each in (together, apart):
-            each.cache.reserve(6, 16)
             torch.manual_seed(0)
-            each.cache.keys.normal_()
-            each.cache.values.normal_()
-        both = together.forward((tokens, positions, 10), (prompts, rows, [0, 0]))
+            filled(each.cache, 6, 16)
+        both = together.forward(DecodeInput(tokens, positions, 10), (prompts, rows, [0, 0]))
         step, first = apart.decode(tokens, positions, 10), apart.prefill(prompts, rows)
     torch.testing.assert_close(both, torch.cat([step, first]), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(together.cache.keys, apart.cache.keys, rtol=1e-4, atol=1e-5)  # same cache writes

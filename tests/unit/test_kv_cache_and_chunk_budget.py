@@ -1,90 +1,138 @@
-"""The slot cache's watermarks (growth without zeroing, gaps zeroed only where read) and the chunk budget's rule."""
+"""The paged cache (blocks taken as positions fill, zeroed only when first handed out, shared by reference and
+copied on write, attention read in place by the kernel as SDPA reads a gathered copy) and the chunk budget's rule."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from worker.engines.serving.caches.slot_cache import CLEAN_AHEAD, PrefillLayout, SlotCache
+from worker.engines.serving.caches import paged_attention
+from worker.engines.serving.caches.paged_cache import BLOCK, DecodeLayout, PagedCache, PrefillLayout, blocks_for
 from worker.engines.serving.prefill import FIRST_CHUNK, MIN_CHUNK, ChunkBudget
 
 
-class Cache(SlotCache):
-    """A small cache: 2 layers, 3 heads of 4, up to 8 rows of 1,024 positions."""
-
-    def __init__(self) -> None:
-        super().__init__(n_layer=2, cache_heads=3, head_dim=4, max_rows=8, max_length=1024,
-                         device=torch.device("cpu"), dtype=torch.float32)
+def small(dtype: torch.dtype = torch.float32, heads: int = 3, head_dim: int = 4) -> PagedCache:
+    return PagedCache(n_layer=2, cache_heads=heads, head_dim=head_dim, device=torch.device("cpu"), dtype=dtype)
 
 
-def written(cache: Cache, row: int, length: int, value: float) -> None:
-    block = torch.full((cache.n_layer, cache.cache_heads, length, cache.head_dim), value)
-    cache.write_positions(range(row, row + 1), 0, block, block)
+def write(cache: PagedCache, row: int, start: int, end: int, value: float) -> None:
+    """Positions start..end-1 of `row` (prepared) hold `value` in every layer."""
+    cache.prepare(row, start, end)
+    slots = cache.slots([row] * (end - start), list(range(start, end)))
+    block = torch.full((end - start, cache.cache_heads, cache.head_dim), value)
+    for layer in range(cache.n_layer):
+        cache.write(layer, slots, block, block)
 
 
-def test_growth_keeps_what_rows_hold_and_leaves_the_rest_unzeroed() -> None:
-    cache = Cache()  # allocations are NaN in tests (the autouse _poisoned_kv_cache fixture)
-    cache.reserve(2, 16)
-    written(cache, 0, 10, 1.0)
-    written(cache, 1, 3, 2.0)
-    cache.reserve(4, 600)  # a long prompt arrives: more rows, 1,024 positions
-    assert cache.capacity == (4, 1024)
-    assert cache.clean == [10, 3, 0, 0]
-    assert (cache.keys[:, 0, :, :10] == 1).all() and (cache.values[:, 1, :, :3] == 2).all()
-    assert cache.keys[:, 0, :, 10:].isnan().all() and cache.keys[:, 2:].isnan().all()  # nothing zeroed
+def held(cache: PagedCache, row: int, length: int) -> torch.Tensor:
+    """Row `row`'s keys of positions 0..length-1 in layer 0, gathered: [cache head, length, head_dim]."""
+    keys, _ = cache.gather(0, cache.block_table([row], blocks_for(length)))
+    return keys[0, :, :length]
 
 
-def test_a_reader_zeroes_only_the_gaps_below_its_span_and_never_a_live_position() -> None:
-    cache = Cache()
-    cache.reserve(4, 512)
-    written(cache, 0, 300, 1.0)
-    written(cache, 1, 20, 2.0)
-    cache.clean_to(range(3), 301)  # a decode step over rows 0-2 reading positions 0..300 (row 0 writes position 300)
-    assert cache.clean == [301 + CLEAN_AHEAD] * 3 + [0]
-    assert (cache.keys[:, 0, :, :300] == 1).all()  # what row 0 holds is untouched
-    assert (cache.keys[:, 1, :, :20] == 2).all() and (cache.keys[:, 1, :, 20:301 + CLEAN_AHEAD] == 0).all()
-    assert (cache.values[:, 2, :, :301 + CLEAN_AHEAD] == 0).all() and cache.keys[:, 2, :, 400:].isnan().all()
-    assert cache.keys[:, 3].isnan().all()  # not read: not zeroed
-    cache.clean_to(range(3), 300)
-    assert cache.clean == [301 + CLEAN_AHEAD] * 3 + [0]  # nothing more to do
+def test_blocks_are_taken_as_positions_fill_and_the_pool_grows_keeping_them() -> None:
+    cache = small()  # allocations are NaN in tests (the autouse _poisoned_kv_cache fixture)
+    write(cache, 0, 0, 10, 1.0)
+    write(cache, 1, 0, 3, 2.0)
+    assert [len(t) for t in cache.tables] == [1, 1] and cache.used_blocks == 2
+    write(cache, 2, 0, 40 * BLOCK, 3.0)  # a long prompt: the pool grows (a copy of what it holds)
+    assert len(cache.tables[2]) == 40 and cache.used_blocks == 42
+    assert (held(cache, 0, 10) == 1).all() and (held(cache, 1, 3) == 2).all()
+    assert not cache.keys[:, :cache._clean].isnan().any()  # every block handed out was zeroed or written
+    assert cache.keys[:, cache._clean:].isnan().all()  # the rest of the pool: never touched
+    assert cache.blocks * cache.block_bytes <= 1.25 * (cache.used_blocks + 1) * cache.block_bytes + cache.block_bytes
 
 
-def test_moving_a_row_carries_its_watermark() -> None:
-    cache = Cache()
-    cache.reserve(4, 64)
-    written(cache, 3, 40, 5.0)
-    cache.move_row(3, 1, 40)  # compaction: row 3's sequence now lives in row 1
-    assert cache.clean[1] == 40 and (cache.keys[:, 1, :, :40] == 5).all()
+def test_memory_per_sequence_is_its_own_blocks_not_the_longest_rows() -> None:
+    cache = small()
+    lengths = [100, 2000, 37, 512]
+    for row, length in enumerate(lengths):
+        cache.prepare(row, 0, length)
+    assert cache.used_blocks == sum(blocks_for(length) for length in lengths)
+    freed = list(cache.tables[1])
+    cache.free_row(1)  # the long one finishes: its blocks go back, lowest first for the next taker
+    assert cache.used_blocks == sum(blocks_for(length) for length in (100, 37, 512))
+    cache.prepare(4, 0, 16)
+    assert cache.tables[4] == [min(freed)]
+
+
+def test_moving_a_row_moves_its_table_and_freeing_gives_its_blocks_back() -> None:
+    cache = small()
+    write(cache, 1, 0, 20, 4.0)
+    write(cache, 3, 0, 40, 5.0)
+    blocks = list(cache.tables[3])
+    cache.free_row(1)
+    cache.move_row(3, 1)  # compaction: row 3's sequence now lives in row 1; no key or value moves
+    assert cache.tables[1] == blocks and cache.tables[3] == [] and (held(cache, 1, 40) == 5).all()
+    assert cache.used_blocks == 3
     cache.release()
-    assert cache.capacity == (0, 0) and cache.clean == []
+    assert cache.blocks == 0 and cache.tables == []
+
+
+def test_shared_blocks_are_copied_on_the_first_write_into_them() -> None:
+    cache = small()
+    write(cache, 0, 0, 2 * BLOCK + 5, 1.0)  # a prompt of 37 tokens: two full blocks and a partial one
+    cache.share(0, [1, 2])  # n = 3 choices start from its blocks
+    assert cache.tables[1] == cache.tables[0] and all(cache.refs[b] == 3 for b in cache.tables[0])
+    write(cache, 1, 2 * BLOCK + 5, 2 * BLOCK + 6, 7.0)  # choice 1's first token lands in the shared partial block
+    assert cache.tables[1][:2] == cache.tables[0][:2] and cache.tables[1][2] != cache.tables[0][2]
+    assert (held(cache, 0, 2 * BLOCK + 6)[:, -1] == 0).all()  # row 0's block untouched (zeroed beyond its end)
+    assert (held(cache, 1, 2 * BLOCK + 5) == 1).all() and (held(cache, 1, 2 * BLOCK + 6)[:, -1] == 7).all()
+    assert cache.refs[cache.tables[0][2]] == 2 and cache.refs[cache.tables[1][2]] == 1
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 8), (6, 2, 64), (9, 3, 40)])
+@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_reads_blocks_in_place_as_sdpa_reads_them_gathered(heads, kv_heads, head_dim, window,
+                                                                       dtype) -> None:
+    if paged_attention.kernel() is None:
+        pytest.skip("the paged attention kernel could not be built here")
+    torch.manual_seed(0)
+    cache = small(dtype, kv_heads, head_dim)
+    positions = [0, 15, 16, 70, 300, 5]  # block edges, a long row beside short ones
+    for row, at in enumerate(positions):  # rows grow in turns: their blocks interleave in the pool
+        cache.prepare(row, 0, at + 1)
+    cache.prepare(6, 0, 500)
+    cache.free_row(6)  # freed blocks hold stale (finite) values, as after a finished request
+    cache.keys[:, 1:].normal_(), cache.values[:, 1:].normal_()
+    layout = DecodeLayout(cache, torch.tensor(positions), max(positions) + 1)
+    assert layout.kernel is not None
+    query = torch.randn(len(positions), heads, head_dim, dtype=dtype)
+    sdpa = lambda q, k, v, **mask: F.scaled_dot_product_attention(  # noqa: E731
+        q.float(), k.float(), v.float(), enable_gqa=heads != kv_heads, **mask)
+    for parts in (1, 3):
+        layout.parts = parts
+        got = layout.attend(sdpa, query, 1, window, head_dim**-0.5)
+        layout.kernel = None  # the gathered path: SDPA over a dense copy, masked
+        expected = layout.attend(sdpa, query, 1, window, head_dim**-0.5)
+        layout.kernel = paged_attention.kernel()
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2e-5 if dtype == torch.float32 else 1e-2,
+                                   atol=2e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("window", [None, 6])
 def test_chunks_of_rows_0_to_p_attend_as_one_batch_as_they_would_one_by_one(window) -> None:
     """A speculative step's chunks (row r's chunk at its own position, rows 0..P-1): one masked call over the rows'
-    cache gives each real position what the chunk-by-chunk path gives, the shorter rows' gaps zeroed first (the
-    cache beyond every watermark is NaN here)."""
+    blocks gives each real position what the chunk-by-chunk path gives."""
     torch.manual_seed(0)
-    cache = Cache()
-    cache.reserve(3, 64)
+    cache = small()
     starts, chunks = [12, 5, 9], [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11]]
     for row, start in enumerate(starts):
-        block = torch.randn(cache.n_layer, cache.cache_heads, start, cache.head_dim)
-        cache.write_positions(range(row, row + 1), 0, block, block * 0.5)
-    layouts = [PrefillLayout(chunks, [[0], [1], [2]], starts, torch.device("cpu")) for _ in range(2)]
+        write(cache, row, 0, start, 0.0)
+    cache.keys[:, 1:].normal_(), cache.values[:, 1:].normal_()
+    layouts = [PrefillLayout(cache, chunks, [[0], [1], [2]], starts, torch.device("cpu")) for _ in range(2)]
     assert layouts[0].batched
     layouts[1].batched = False  # the chunk-by-chunk path, the reference
     width = layouts[0].width
     q = torch.randn(3, cache.cache_heads, width, cache.head_dim)
-    new = torch.randn(3, cache.cache_heads, width, cache.head_dim)
+    new = torch.randn(3 * width, cache.cache_heads, cache.head_dim)
     outs = []
     for layout in layouts:
-        layout.note_written(cache)
-        layout.store(cache.keys, 0, new)
-        layout.store(cache.values, 0, new * 2)
-        outs.append(layout.attend(torch.nn.functional.scaled_dot_product_attention, q, cache.keys, cache.values, 0,
-                                  window))
-    for i, length in enumerate(layout.lengths):
+        layout.store(0, new, new * 2)
+        outs.append(layout.attend(F.scaled_dot_product_attention, q, 0, window))
+    for i, length in enumerate(layouts[0].lengths):
         assert torch.allclose(outs[0][i, :, :length], outs[1][i, :, :length], atol=1e-6), i
     assert not outs[0].isnan().any()
 

@@ -39,7 +39,7 @@ from worker.engines.serving.requests import (
 )
 from worker.engines.serving.runners.cuda_graphs import static_decoder, static_eligible
 from worker.engines.serving.runners.decoder import DecoderRunner, open_runner
-from worker.engines.serving.runners.runner import Runner
+from worker.engines.serving.runners.runner import DecodeInput, Runner
 from worker.engines.serving.running import RunningRows
 from worker.engines.serving.sampling.detokenize import logprob_table, piece_decoders
 from worker.engines.serving.sampling.grammar import Grammars
@@ -197,11 +197,12 @@ class GenerationEngine:
         """Queue and batch occupancy plus running totals."""
         with self._lock:
             rows = list(self._running.rows)
-            rows_cap, positions_cap = self._runner.cache.capacity
+            cache = self._runner.cache
             return {"running": len({id(s.request) for s in rows}), "running_sequences": len(rows),
                     **self.scheduler.stats(),
                     "max_batch_size": self.max_batch_size, "max_tokens_in_flight": self.max_tokens_in_flight,
-                    "cache_rows": rows_cap, "cache_positions": positions_cap, "closed": self._closed,
+                    "cache_blocks": cache.blocks, "cache_blocks_used": cache.used_blocks,
+                    "cache_block_bytes": cache.block_bytes, "closed": self._closed,
                     "adapters": self.lora.resident() if self.lora is not None else [], "max_loras": self.max_loras,
                     **self._counters}
 
@@ -254,7 +255,7 @@ class GenerationEngine:
         with self._lock:
             while not self._closed and not self.scheduler.waiting and not self._running \
                     and not self.scheduler.prefilling.requests:
-                self._runner.cache.release()  # idle: give the cache back (it may have grown for one long request)
+                self.scheduler.prefilling.idle(self._runner.cache)  # idle: give the cache's memory back
                 self._wake.wait()
             return not self._closed
 
@@ -294,13 +295,13 @@ class GenerationEngine:
         for request in admitted:
             with self._lock:
                 if request.future.set_running_or_notify_cancel():
-                    self.scheduler.prefilling.add(request)
+                    self.scheduler.prefilling.add(self._runner.cache, request)
                 else:
                     self.scheduler.release(request, request.params.n)
 
     def _abort(self, requests: list[Request], error: BaseException) -> None:
         with self._lock:
-            self.scheduler.prefilling.remove(requests)
+            self.scheduler.prefilling.remove(self._runner.cache, requests)
         for request in requests:
             self._fail(request, error)
             if not request.sequences:
@@ -310,6 +311,11 @@ class GenerationEngine:
             self._sweep()
         except Exception:  # noqa: BLE001
             self._reset(error)
+            return
+        with self._lock:  # rows the failed requests' prefills took beyond the batch (and a part-way prompt's)
+            partial = self.scheduler.prefilling.partial
+            kept = self.scheduler.prefilling.tail + partial.params.n if partial is not None else len(self._running)
+            self._runner.cache.free_rows_from(kept)
 
     def _step(self, chunks: list[Chunk]) -> int:
         """One decode step for every running row with the prefill of `chunks` (one pass); ended prompts sample.
@@ -339,7 +345,7 @@ class GenerationEngine:
         if first:
             positions = [s.position for s in rows[:first]]
             tokens = torch.tensor([s.tokens[-1] for s in rows[:first]], dtype=torch.long, device=self._device)
-            step = (tokens, torch.tensor(positions, device=self._device), max(positions) + 1)
+            step = DecodeInput(tokens, torch.tensor(positions, device=self._device), max(positions) + 1)
         groups = chunk_groups(chunks, first)
         prefill = ([c.tokens for c in chunks], groups, [c.start for c in chunks]) if chunks else None
         try:
@@ -381,7 +387,6 @@ class GenerationEngine:
         drafts = [proposal[:n] for proposal, n in zip(proposals, taken, strict=True)]
         chunks = [[s.tokens[-1], *d] for s, d in zip(rows, drafts, strict=True)]
         starts = [s.position for s in rows]
-        self._runner.cache.reserve(len(rows), max(start + len(c) for start, c in zip(starts, chunks, strict=True)))
         if self.lora is not None:  # every row goes as a chunk, with its request's adapter
             self.lora.set_rows([], [s.request for s in rows])
         logits = self._runner.forward(None, (chunks, [[r] for r in range(len(rows))], starts), every_position=True)
@@ -421,13 +426,8 @@ class GenerationEngine:
         self._accept(new)
 
     def _open(self, chunks: list[Chunk]) -> None:
-        """Rows for the requests whose prompts end in `chunks`, the cache grown to fit all."""
+        """Rows for the requests whose prompts end in `chunks` (their blocks are taken as their positions fill)."""
         self._running.open(chunks, self._pieces)
-        rows = self._running.rows
-        extra = 0 if chunks[-1].last else chunks[-1].request.params.n  # a part-way prompt's rows, after the batch's
-        requests = [s.request for s in rows] + [c.request for c in chunks]
-        self._runner.cache.reserve(len(rows) + extra,
-                                   max(len(r.prompt) + r.params.max_new_tokens for r in requests))
 
     def _accept(self, tokens: torch.Tensor) -> None:
         """Append sampled tokens to the rows, stream their text, finish and remove what is done."""
@@ -461,7 +461,7 @@ class GenerationEngine:
         """After a failed forward the cache is suspect: fail every running request and start clean."""
         with self._lock:
             prefilling = list(self.scheduler.prefilling.requests)
-            self.scheduler.prefilling.remove(prefilling)
+            self.scheduler.prefilling.remove(self._runner.cache, prefilling)
         for request in [*(s.request for s in self._running.rows), *prefilling]:
             self._fail(request, error)
         with self._lock:
@@ -469,7 +469,7 @@ class GenerationEngine:
                 self.scheduler.release(sequence.request, 1)
             for request in prefilling:
                 self.scheduler.release(request, request.params.n)
-        self._runner.cache.release()
+            self.scheduler.prefilling.clear(self._runner.cache)
         if self.lora is not None:
             self.lora.release_finished(self._running.requests())
 
@@ -501,7 +501,7 @@ class GenerationEngine:
         dropped = [r for r in self.scheduler.prefilling.requests
                    if (r.is_cancelled is not None or r.request_id in flagged) and self._cancelled(r, flagged)]
         with self._lock:
-            self.scheduler.prefilling.remove(dropped)
+            self.scheduler.prefilling.remove(self._runner.cache, dropped)
         for request in dropped:
             with self._lock:
                 self.scheduler.release(request, request.params.n)
@@ -549,5 +549,5 @@ class GenerationEngine:
                 request.done = True
                 request.future.set_exception(error)
         self._running.clear()
-        self._runner.cache.release()
+        self.scheduler.prefilling.clear(self._runner.cache)
 

@@ -4,8 +4,10 @@ prefill: decode rows every step, prefill chunks filling the budget).
 
 Requests are prefilled in order; a step takes the head's next chunk, then whole prompts (or the start of the next
 one) while the budget lasts, so at most one request is part-way at a time: the last of a step's chunks. Its cache
-rows sit right after the batch's rows and follow them down when rows finish (`follow`). Only a chunk that ends its
-prompt yields logits that are sampled; the request then opens its rows in the batch, exactly where its chunks were.
+rows sit right after the batch's rows and follow them down when rows finish (`follow`: their block tables move).
+Chunks fill a request's first row; when its prompt ends, its other rows (n choices) share those blocks. Only a
+chunk that ends its prompt yields logits that are sampled; the request then opens its rows in the batch, exactly
+where its chunks were.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from worker.engines.serving.caches.paged_cache import PagedCache
 from worker.engines.serving.caches.prefix_cache import PrefixCache
-from worker.engines.serving.caches.slot_cache import SlotCache
 from worker.engines.serving.requests import Request
 
 # Padded prompt tokens per forward: bounds the activations of a burst of prompts (a longer single one goes alone).
@@ -83,8 +85,8 @@ class Chunk:
 class PrefillQueue:
     """Started requests whose prompts are not all in the cache yet, in order (plan's budget None: whole prompts).
 
-    With a prefix cache a request's prompt starts after its cached prefix, copied into its rows before its first
-    chunk; a prompt that ends leaves its blocks to the cache.
+    With a prefix cache a request's prompt starts after its cached prefix, whose blocks its first row takes before
+    its first chunk; a prompt that ends leaves its full blocks to the prefix cache.
     """
 
     def __init__(self, prefix: PrefixCache | None = None) -> None:
@@ -93,10 +95,10 @@ class PrefillQueue:
         self.done = 0  # prompt tokens of the head already in the cache
         self.tail = 0  # the head's first cache row while it is part-way
 
-    def add(self, request: Request) -> None:
+    def add(self, cache: PagedCache, request: Request) -> None:
         """Queue a started request (its cached prefix looked up now: held until its prefill, whatever is evicted)."""
         if self.prefix is not None:
-            self.prefix.lookup(request)
+            self.prefix.lookup(cache, request)
         self.requests.append(request)
 
     @property
@@ -126,39 +128,64 @@ class PrefillQueue:
                 break  # part-way: the budget is spent
         return chunks
 
-    def restore(self, cache: SlotCache, chunks: list[Chunk], groups: list[list[int]]) -> None:
-        """Before a forward: copy the cached prefixes of requests starting now into their rows."""
-        if self.prefix is not None:
-            for chunk, rows in zip(chunks, groups, strict=True):
-                if chunk.request.prefix:
-                    self.prefix.restore(cache, chunk.request, rows)
+    def restore(self, cache: PagedCache, chunks: list[Chunk], groups: list[list[int]]) -> None:
+        """Before a forward: the rows of requests starting now let go of whatever they held, and each request's first
+        row takes its cached prefix."""
+        for chunk, rows in zip(chunks, groups, strict=True):
+            if chunk.start != chunk.request.cached_tokens:
+                continue  # a later chunk of a prompt already under way
+            for row in rows:
+                cache.free_row(row)
+            if self.prefix is not None and chunk.request.prefix:
+                self.prefix.restore(cache, chunk.request, rows[0])
 
-    def advance(self, cache: SlotCache, chunks: list[Chunk], groups: list[list[int]]) -> None:
-        """After a forward: drop (and cache) the prompts that ended, note where the part-way one stands."""
+    def advance(self, cache: PagedCache, chunks: list[Chunk], groups: list[list[int]]) -> None:
+        """After a forward: drop (and cache) the prompts that ended, their other rows sharing the first's blocks;
+        note where the part-way one stands."""
         for chunk, rows in zip(chunks, groups, strict=True):
             if chunk.last:
                 self.requests.remove(chunk.request)
                 self.done = 0
+                cache.share(rows[0], rows[1:])
                 if self.prefix is not None:
                     self.prefix.remember(cache, chunk.request, rows[0])
             else:
                 self.done, self.tail = chunk.end, rows[0]
 
-    def remove(self, requests: list[Request]) -> None:
-        """Forget failed or cancelled requests (a part-way head's rows are simply left to be overwritten)."""
+    def remove(self, cache: PagedCache, requests: list[Request]) -> None:
+        """Forget failed or cancelled requests: a part-way head's rows and a request's held prefix blocks go back."""
         gone = {id(request) for request in requests}
-        if self.requests and id(self.requests[0]) in gone:
+        partial = self.partial
+        if partial is not None and id(partial) in gone:
+            for k in range(partial.params.n):
+                cache.free_row(self.tail + k)
             self.done = 0
+        for request in requests:
+            if self.prefix is not None and request.prefix:
+                self.prefix.forget(cache, request)
         self.requests = deque(r for r in self.requests if id(r) not in gone)
 
-    def follow(self, cache: SlotCache, rows: int) -> None:
+    def follow(self, cache: PagedCache, rows: int) -> None:
         """Keep the part-way request's cache rows right after the batch's `rows` rows (moved down after a sweep)."""
         partial = self.partial
         if partial is None or self.tail == rows:
             return
-        for k in range(partial.params.n):  # increasing order: a target never overwrites a row still to move
-            cache.move_row(self.tail + k, rows + k, self.done)
+        for k in range(partial.params.n):  # increasing order: a target is never a row still to move
+            cache.move_row(self.tail + k, rows + k)
         self.tail = rows
+
+    def idle(self, cache: PagedCache) -> None:
+        """Nothing runs: give the cache's memory back, keeping only the prefix cache's blocks (compacted)."""
+        if self.prefix is not None and self.prefix.blocks:
+            self.prefix.renumber(cache.compact())
+        else:
+            cache.release()
+
+    def clear(self, cache: PagedCache) -> None:
+        """Drop the cache and everything the prefix cache held in it (after a failed forward, at shutdown)."""
+        if self.prefix is not None:
+            self.prefix.clear()
+        cache.release()
 
 
 def chunk_groups(chunks: list[Chunk], first: int) -> list[list[int]]:

@@ -14,7 +14,6 @@ from worker.engines.serving.sampling.sampler import row_seed
 from worker.engines.serving.sampling.text_stream import TextStream
 
 if TYPE_CHECKING:
-    import torch
     from llguidance import LLMatcher
 
 # The finish reason of a constrained sequence whose grammar matcher failed mid-way (its mask then allows only the end
@@ -87,7 +86,7 @@ class Request:
     tenant: str | None = None  # whose request: the scheduler shares rows and the queue between tenants
     batch: bool = False  # a /v1/batches line: admitted after interactive requests
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (prefix_cache.py)
-    prefix: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # their KV blocks (keys, values)
+    prefix: list[int] = field(default_factory=list)  # their blocks in the paged cache, held until restored
 
     def result(self) -> GenerationResult:
         """The outcome from its sequences; a request dropped before it started has empty cancelled choices."""

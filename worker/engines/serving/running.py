@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from worker.engines.serving.caches.slot_cache import SlotCache
+from worker.engines.serving.caches.paged_cache import PagedCache
 from worker.engines.serving.prefill import Chunk
 from worker.engines.serving.requests import Request, SequenceState
 from worker.engines.serving.sampling.detokenize import Pieces
@@ -15,7 +15,8 @@ from worker.engines.serving.sampling.sampler import RowParams
 
 
 class RunningRows:
-    """Row r of the batch is `rows[r]`, decoding in cache row r; a finished row's hole is filled by the last row."""
+    """Row r of the batch is `rows[r]`, decoding from cache row r's blocks; a finished row's blocks go back and its
+    hole is filled by the last row (its block table moves)."""
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
         self.rows: list[SequenceState] = []
@@ -59,16 +60,17 @@ class RunningRows:
         rows = torch.arange(first, first + tokens.shape[0], device=self.device)
         self.seen[rows, tokens] = True
 
-    def remove_finished(self, cache: SlotCache) -> list[SequenceState]:
+    def remove_finished(self, cache: PagedCache) -> list[SequenceState]:
         """Take out finished rows (and those of ended requests), moving the last row into each hole; the removed."""
         doomed = [row for row, s in enumerate(self.rows) if s.finish_reason is not None or s.request.done]
         removed = []
         for row in reversed(doomed):
             removed.append(self.rows[row])
+            cache.free_row(row)
             last = len(self.rows) - 1
             if row != last:
                 moved = self.rows[last]
-                cache.move_row(last, row, moved.position)
+                cache.move_row(last, row)
                 self.seen[row] = self.seen[last]
                 self.rows[row] = moved
             self.rows.pop()

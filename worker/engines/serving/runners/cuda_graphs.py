@@ -2,13 +2,14 @@
 
 A decode step's shapes normally depend on the batch (B rows) and on how far the longest row has got (its
 attention reads positions < max(positions) + 1). The static step fixes both: the batch is padded up to a bucket
-(1, 2, 4, ... up to max_rows), the padding rows take spare cache rows (token 0 at position 0, outputs dropped),
-and attention reads the cache's whole position capacity with the mask built from a positions tensor. Its inputs
-are static buffers (tokens, positions, and the sampler's per-row settings), so the forward and the whole
+(1, 2, 4, ... up to max_rows), the padding rows take spare cache rows (token 0 at position 0 of a block each,
+given back after the step, outputs dropped), and attention reads every row's block table up to a power-of-two
+number of blocks with the mask built from a positions tensor. Its inputs are static buffers (tokens, positions,
+the block table, and the sampler's per-row settings), so the forward and the whole
 sampler (repetition penalty, greedy argmax, and the counter-based draw from the whole distribution or from
 top-k / top-p candidates: sampling.counter_uniforms needs no generator state) run as one graph per (bucket,
-cache capacity): warmed up on a side stream, captured into one memory pool shared by all captures, replayed
-each step, captured again when the cache grows (new tensors, new addresses).
+table width): warmed up on a side stream, captured into one memory pool shared by all captures, replayed
+each step, captured again when the cache's pool grows (new tensors, new addresses).
 
 Where the graph's draw cannot stand, the forward still does and the draw is redone eagerly on the graph's
 logits (sampling.next_tokens, exactly the ordinary path's): grammar-constrained rows (their masks are built on
@@ -31,8 +32,9 @@ from typing import Any
 
 import torch
 
+from worker.engines.serving.caches.paged_cache import BLOCK, blocks_for
 from worker.engines.serving.requests import SequenceState
-from worker.engines.serving.runners.runner import Runner
+from worker.engines.serving.runners.runner import DecodeInput, Runner
 from worker.engines.serving.sampling.row_outputs import constrained_logits
 from worker.engines.serving.sampling.sampler import (
     CANDIDATES,
@@ -182,12 +184,13 @@ class StaticDecoder:
         self.capture = capture
         self.sizes = buckets(runner.max_rows)
         self.inputs: dict[int, StaticInputs] = {}
-        self.graphs: dict[tuple[int, int, int], _Graph] = {}
-        self.captures = 0  # graphs captured so far (a new cache means new ones)
+        self.tables: dict[tuple[int, int], torch.Tensor] = {}  # static block tables by (bucket, blocks)
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.captures = 0  # graphs captured so far (a new cache pool means new ones)
         self.steps = 0  # steps run here (replayed or, uncaptured, run)
         self.eager_draws = 0  # of them, steps whose draw was redone by next_tokens (eager_sampler)
         self.failed: str | None = None  # why a capture failed: the engine then steps on the ordinary path
-        self._cache: tuple[int, int] | None = None  # the cache tensors' addresses the graphs were captured on
+        self._cache: tuple[int, int] | None = None  # the pool tensors' addresses the graphs were captured on
         self._pool = None
         if capture:
             with torch.cuda.device(runner.device):
@@ -197,17 +200,28 @@ class StaticDecoder:
         """Decode one step for rows 0..len(rows)-1: (logits [len(rows), V], next tokens [len(rows)])."""
         n = len(rows)
         bucket = bucket_for(n, self.sizes)
-        self.runner.cache.reserve(bucket, 1)  # spare rows for the padding (the cache grows by doubling: rarely needed)
+        cache = self.runner.cache
+        positions = [s.position for s in rows]
+        for row, at in enumerate(positions + [0] * (bucket - n)):  # a padding row writes into a block of its own
+            cache.prepare(row, at, at + 1)
+        blocks = 1 << (max(blocks_for(at + 1) for at in positions) - 1).bit_length()
+        table = self.tables.get((bucket, blocks))
+        if table is None:
+            table = self.tables[(bucket, blocks)] = cache.block_table(range(bucket), blocks)
+        else:
+            table.copy_(cache.block_table(range(bucket), blocks))
         inputs = self.inputs.get(bucket)
         if inputs is None:
             inputs = self.inputs[bucket] = StaticInputs.empty(bucket, self.runner.device)
-        inputs.fill([s.tokens[-1] for s in rows], [s.position for s in rows], params)
-        # Every bucket row is read over the whole capacity: zero any gaps now, not inside a capture.
-        self.runner.cache.clean_to(range(bucket), self.runner.cache.capacity[1])
+        inputs.fill([s.tokens[-1] for s in rows], positions, params)
         # Streams, captures and replays on the runner's own GPU, whichever is current on this thread.
-        with torch.cuda.device(self.runner.device) if self.capture else contextlib.nullcontext():
-            graph = self._graph(bucket, inputs) if self.capture else None
-            logits, tokens, covered = graph.replay() if graph is not None else self._run(bucket, inputs)
+        try:
+            with torch.cuda.device(self.runner.device) if self.capture else contextlib.nullcontext():
+                graph = self._graph(bucket, blocks, inputs, table) if self.capture else None
+                logits, tokens, covered = graph.replay() if graph is not None else self._run(inputs, table)
+        finally:
+            for row in range(n, bucket):
+                cache.free_row(row)
         self.steps += 1
         logits = logits[:n]
         if eager_sampler(rows, params, covered[:n]):  # the forward stays the graph's; the draw is next_tokens'
@@ -218,31 +232,30 @@ class StaticDecoder:
             params.counters += 1  # as next_tokens does: each sampled row has drawn one more token
         return logits, tokens[:n]
 
-    def _run(self, bucket: int, inputs: StaticInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step itself: the runner's decode over the whole position capacity, then sample_static."""
-        span = self.runner.cache.capacity[1]
+    def _run(self, inputs: StaticInputs, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step itself: the runner's decode over the table's blocks, then sample_static."""
         lora = getattr(self.runner, "lora", None)
         if lora is not None:
             self.runner.lora = None  # adapter rows never come here: the base alone, without per-step plans
         try:
-            logits = self.runner.forward((inputs.tokens, inputs.positions, span), None)
+            step = DecodeInput(inputs.tokens, inputs.positions, table.shape[1] * BLOCK, table)
+            logits = self.runner.forward(step, None)
         finally:
             if lora is not None:
                 self.runner.lora = lora
-        return (logits, *sample_static(logits, inputs, self.seen[:bucket]))
+        return (logits, *sample_static(logits, inputs, self.seen[:table.shape[0]]))
 
-    def _graph(self, bucket: int, inputs: StaticInputs) -> _Graph | None:
+    def _graph(self, bucket: int, blocks: int, inputs: StaticInputs, table: torch.Tensor) -> _Graph | None:
         keys, values = self.runner.cache.keys, self.runner.cache.values
         assert keys is not None and values is not None
         cache = (keys.data_ptr(), values.data_ptr())
-        if cache != self._cache:  # the cache was grown or released and rebuilt: the old graphs read freed memory
+        if cache != self._cache:  # the pool was grown or released and rebuilt: the old graphs read freed memory
             self.graphs.clear()
             self._cache = cache
-        key = (bucket, *self.runner.cache.capacity)
-        graph = self.graphs.get(key)
+        graph = self.graphs.get((bucket, blocks))
         if graph is None:
             try:
-                graph = self.graphs[key] = _Graph(lambda: self._run(bucket, inputs), self._pool)
+                graph = self.graphs[(bucket, blocks)] = _Graph(lambda: self._run(inputs, table), self._pool)
             except RuntimeError as error:  # an op that cannot be captured: this step uncaptured, then no more
                 self.failed = f"{type(error).__name__}: {error}"
                 log.warning("CUDA graph capture failed (bucket %d); decode steps run eagerly from now on: %s",

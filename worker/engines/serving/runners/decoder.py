@@ -1,10 +1,11 @@
-"""Llama-family forward passes (llama, mistral, qwen2, qwen3) over the slot KV cache, in the GPT-2 runner's shape.
+"""Llama-family forward passes (llama, mistral, qwen2, qwen3) over the paged KV cache, in the GPT-2 runner's shape.
 
-The scheduler sees the same interface as Gpt2Runner (reserve, release, move_row, forward). Per block:
+The scheduler sees the same interface as Gpt2Runner (its cache, forward). Per block:
 RMSNorm, one joined q/k/v matmul (+ biases for qwen2), per-head q/k RMSNorm (qwen3), rotary embeddings on
-q and k (the cache holds rotated keys), grouped-query attention (SDPA's enable_gqa: the cache keeps only the
-kv heads), an optional sliding window, then SwiGLU. Every step follows HF's modeling code's order of
-operations and dtypes, so greedy decoding matches `generate` token for token in fp32.
+q and k (the cache holds rotated keys), grouped-query attention (the cache keeps only the kv heads; the paged
+kernel and SDPA's enable_gqa read each once per group), an optional sliding window, then SwiGLU. Every step
+follows HF's modeling code's order of operations and dtypes, so greedy decoding matches `generate` token for token
+in fp32.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from core.architectures import LLAMA_FAMILY, SERVED_MODEL_TYPES
 from worker.engines.device import DevicePlan, linear
-from worker.engines.serving.caches.slot_cache import DecodeLayout, PrefillLayout, SlotCache, sees, trim_heap
+from worker.engines.serving.caches.paged_cache import DecodeLayout, PagedCache, PrefillLayout, sees, trim_heap
 from worker.engines.serving.lora.runner_lora import RunnerLora
 from worker.engines.serving.runners.decoder_weights import DecoderWeights, load_decoder
 from worker.engines.serving.runners.gpt2 import Gpt2Runner
@@ -27,7 +28,7 @@ Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, 1, head_dim] in the c
 
 
 class DecoderRunner:
-    """A llama-family decoder over a KV cache with one row per running sequence (see Gpt2Runner)."""
+    """A llama-family decoder over the paged KV cache, one block table per running sequence (see Gpt2Runner)."""
 
     def __init__(self, weights: DecoderWeights, plan: DevicePlan, *, max_rows: int) -> None:
         self.weights = weights
@@ -42,8 +43,8 @@ class DecoderRunner:
         self.q_size, self.kv_size = self.heads * self.head_dim, self.cache_heads * self.head_dim
         self.max_rows = max_rows
         self.max_length = weights.context_length
-        self.cache = SlotCache(n_layer=self.n_layer, cache_heads=self.cache_heads, head_dim=self.head_dim,
-                               max_rows=max_rows, max_length=self.max_length, device=self.device, dtype=self.dtype)
+        self.cache = PagedCache(n_layer=self.n_layer, cache_heads=self.cache_heads, head_dim=self.head_dim,
+                                device=self.device, dtype=self.dtype)
         self.act = ACTIVATIONS[weights.act]
         self.inv_freq = weights.inv_freq.to(self.device)
         self.gqa = self.heads != self.cache_heads
@@ -117,23 +118,17 @@ class DecoderRunner:
         prefill: the chunks, the cache rows of each, where each begins in its prompt (see PrefillLayout).
         """
         cache = self.cache
-        keys, values = cache.keys, cache.values
-        assert keys is not None and values is not None
         positions: list[torch.Tensor] = []
         ids: list[torch.Tensor] = []
         batch, layout = 0, None
         if decode is not None:
-            tokens, decode_positions, span = decode
-            batch = tokens.shape[0]
+            batch = decode.tokens.shape[0]
             # Row b sees its positions 0..positions[b] (a window: only the last `window` of them).
-            rows = DecodeLayout(decode_positions, span)
-            rows.clean(cache)
-            slots = cache.decode_slots(decode_positions)
-            ids.append(tokens)
-            positions.append(decode_positions)
+            rows = DecodeLayout(cache, decode.positions, decode.span, decode.table)
+            ids.append(decode.tokens)
+            positions.append(decode.positions)
         if prefill is not None:
-            layout = PrefillLayout(*prefill, self.device)
-            layout.note_written(cache)
+            layout = PrefillLayout(cache, *prefill, self.device)
             ids.append(layout.ids.view(-1))
             positions.append(layout.positions.view(-1))
             if not layout.chunked:
@@ -144,23 +139,23 @@ class DecoderRunner:
             self.lora.begin(batch, layout.count if layout else 0, layout.width if layout else 0)
         hidden = F.embedding(flat_ids, self.weights.embed).to(self.dtype)
         rotary = self._rotary(positions[0] if len(positions) == 1 else torch.cat(positions))
+        scale = self.head_dim**-0.5
 
         def attend(index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
             window = self.weights.layers[index].window
             out = []
             if decode is not None:
-                cache.write_decode(index, slots, key[:batch], value[:batch])
-                attended = rows.attend(self._attention, query[:batch, :, None], keys, values, index, window)
+                cache.write(index, rows.slots, key[:batch], value[:batch])
+                attended = rows.attend(self._attention, query[:batch], index, window, scale)
                 out.append(attended.reshape(batch, self.q_size))
             if layout is not None:
+                layout.store(index, key[batch:], value[batch:])
                 q = query[batch:].view(layout.count, layout.width, self.heads, self.head_dim).transpose(1, 2)
-                k, v = (t[batch:].view(layout.count, layout.width, self.cache_heads, self.head_dim).transpose(1, 2)
-                        for t in (key, value))
-                layout.store(keys, index, k)
-                layout.store(values, index, v)
                 if layout.chunked:  # chunks read their rows' cache: earlier chunks of the same prompt are there
-                    attended = layout.attend(self._attention, q, keys, values, index, window)
+                    attended = layout.attend(self._attention, q, index, window)
                 else:
+                    k, v = (t[batch:].view(layout.count, layout.width, self.cache_heads, self.head_dim).transpose(1, 2)
+                            for t in (key, value))
                     mask = {"attn_mask": prefill_masks[window]} if window else {"is_causal": True}
                     attended = self._attention(q, k, v, **mask)
                 out.append(attended.transpose(1, 2).reshape(layout.count * layout.width, self.q_size))

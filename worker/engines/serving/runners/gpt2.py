@@ -1,4 +1,4 @@
-"""GPT-2 forward passes for serving over a slot-addressed KV cache."""
+"""GPT-2 forward passes for serving over the paged KV cache."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.engines.device import DevicePlan, linear
-from worker.engines.serving.caches.slot_cache import DecodeLayout, PrefillLayout, SlotCache, trim_heap
+from worker.engines.serving.caches.paged_cache import DecodeLayout, PagedCache, PrefillLayout, trim_heap
 from worker.engines.serving.lora.runner_lora import RunnerLora
 from worker.engines.serving.runners.gpt2_weights import (
     ACTIVATIONS,
@@ -25,11 +25,11 @@ from worker.engines.serving.runners.runner import DecodeInput, PrefillInput
 
 
 class Gpt2Runner:
-    """GPT-2 forward passes over a KV cache with one row per running sequence.
+    """GPT-2 forward passes over the paged KV cache, one block table per running sequence.
 
-    Row r holds positions 0..len-1 of one sequence, so sequences of any length share a batch without
-    padding or shifting: a decode step writes each row's new key/value at its own position and masks
-    the positions past it. The forward pass reads plain tensors (Gpt2Weights, no HF modules); on the CPU in
+    Row r's blocks hold positions 0..len-1 of one sequence, so sequences of any length share a batch without
+    padding or shifting: a decode step writes each row's new key/value at its own position and reads only its
+    own positions. The forward pass reads plain tensors (Gpt2Weights, no HF modules); on the CPU in
     fp32 or bf16 the projections' and the LM head's weights are packed for oneDNN and the mapped originals
     dropped (the embeddings stay mapped: rows are cast as they are looked up).
     """
@@ -56,8 +56,8 @@ class Gpt2Runner:
         self.act = ACTIVATIONS[config.activation_function]
         self.max_rows = max_rows
         self.max_length = config.n_positions
-        self.cache = SlotCache(n_layer=self.n_layer, cache_heads=self.cache_heads, head_dim=self.head_dim,
-                               max_rows=max_rows, max_length=self.max_length, device=self.device, dtype=self.dtype)
+        self.cache = PagedCache(n_layer=self.n_layer, cache_heads=self.cache_heads, head_dim=self.head_dim,
+                                device=self.device, dtype=self.dtype)
         self.lora: RunnerLora | None = None  # GPT-2 has no adapter path: its adapter requests are refused
         # Eager GPT-2 semantics: 1/sqrt(d) unless scale_attn_weights is off, further divided by the layer
         # number when scale_attn_by_inverse_layer_idx is on. None lets SDPA use its own (identical) 1/sqrt(d).
@@ -135,7 +135,7 @@ class Gpt2Runner:
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         """One step for rows 0..B-1: token b sits at positions[b]; attention covers positions < span. Logits [B, V]."""
-        return self.forward((tokens, positions, span), None)
+        return self.forward(DecodeInput(tokens, positions, span), None)
 
     def forward(self, decode: DecodeInput | None, prefill: PrefillInput | None, *, every_position: bool = False
                 ) -> torch.Tensor:
@@ -146,25 +146,21 @@ class Gpt2Runner:
         is done per part: decode rows against the cache, prompts causally among themselves.
         """
         cache = self.cache
-        keys, values = cache.keys, cache.values
-        assert keys is not None and values is not None
         wte, wpe = self.tensors["wte.weight"], self.tensors["wpe.weight"]
         parts: list[torch.Tensor] = []
         batch = 0
         if decode is not None:
-            tokens, positions, span = decode
+            tokens, positions = decode.tokens, decode.positions
             batch = tokens.shape[0]
-            rows = DecodeLayout(positions, span)  # row b sees its own positions 0..positions[b]
-            rows.clean(cache)
-            slots = cache.decode_slots(positions)
+            rows = DecodeLayout(cache, positions, decode.span, decode.table)  # row b reads its positions 0..b's
             parts.append(self._embed(wte, tokens) + self._embed(wpe, positions))
         layout = None
         if prefill is not None:
-            layout = PrefillLayout(*prefill, self.device)
-            layout.note_written(cache)
+            layout = PrefillLayout(cache, *prefill, self.device)
             embedded = self._embed(wte, layout.ids) + self._embed(wpe, layout.positions)
             parts.append(embedded.view(-1, self.n_embd))
         hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
+        heads = (self.n_head, self.head_dim)
 
         def attend(index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
             out = []
@@ -173,17 +169,16 @@ class Gpt2Runner:
                 return self._attention(q, k, v, index, **mask)
 
             if decode is not None:
-                cache.write_decode(index, slots, key[:batch], value[:batch])
-                q = query[:batch].view(batch, self.n_head, 1, self.head_dim)
-                attended = rows.attend(sdpa, q, keys, values, index, None)
+                cache.write(index, rows.slots, key[:batch].view(batch, *heads), value[:batch].view(batch, *heads))
+                scale = self.scales[index] or self.head_dim**-0.5
+                attended = rows.attend(sdpa, query[:batch].view(batch, *heads), index, None, scale)
                 out.append(attended.reshape(batch, self.n_embd))
             if layout is not None:
                 shape = (layout.count, layout.width, self.n_head, self.head_dim)
+                layout.store(index, key[batch:].view(-1, *heads), value[batch:].view(-1, *heads))
                 q, k, v = (t[batch:].view(shape).transpose(1, 2) for t in (query, key, value))
-                layout.store(keys, index, k)
-                layout.store(values, index, v)
                 if layout.chunked:  # chunks read their rows' cache: earlier chunks of the same prompt are there
-                    attended = layout.attend(sdpa, q, keys, values, index, None)
+                    attended = layout.attend(sdpa, q, index, None)
                 else:
                     attended = self._attention(q, k, v, index, is_causal=True)
                 out.append(attended.transpose(1, 2).reshape(layout.count * layout.width, self.n_embd))

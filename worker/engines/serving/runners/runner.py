@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from worker.engines.serving.caches.slot_cache import SlotCache
+from worker.engines.serving.caches.paged_cache import PagedCache
 from worker.engines.serving.lora.runner_lora import RunnerLora
 
-# A decode step for rows 0..B-1: the rows' last tokens [B], their positions [B], the span attention covers.
-DecodeInput = tuple[torch.Tensor, torch.Tensor, int]
+
+class DecodeInput(NamedTuple):
+    """A decode step for rows 0..B-1: their last tokens [B], their positions [B], the span attention covers and,
+    from a CUDA graph's static buffers, their block table [B, span / BLOCK] already prepared (else built here)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    span: int
+    table: torch.Tensor | None = None
+
+
 # Prompt chunks: their token ids, the cache rows each fills (n choices share one prefill), where each begins.
 PrefillInput = tuple[list[list[int]], list[list[int]], list[int]]
 
@@ -24,7 +33,7 @@ class Runner(Protocol):
     dtype: torch.dtype
     max_rows: int
     max_length: int  # the model's context
-    cache: SlotCache
+    cache: PagedCache
     lora: RunnerLora | None  # per-row adapters, where the architecture has an adapter path
 
     @property
