@@ -3,9 +3,9 @@ per machine with PyTorch's extension builder and cached.
 
 Without it every decode step would gather each row's blocks into a dense copy for SDPA: on a 2-core CPU that copy
 costs about what the attention itself does. The kernel is built for the CPU's vector width (PyTorch's own
-dispatch level: AVX-512, AVX2 or plain), under TRAINSERVE_EXTENSIONS_DIR (default ~/.cache/trainserve/extensions).
-Where it cannot be built (no C++ compiler) or does not apply (a CUDA device), `kernel()` is None and the runners
-gather; TRAINSERVE_PAGED_KERNEL=0 forces that path (the tests compare both).
+dispatch level: AVX-512, AVX2 or plain), under PyTorch's TORCH_EXTENSIONS_DIR when it is set, else
+~/.cache/trainserve/extensions. Where it cannot be built (no C++ compiler) or does not apply (a CUDA device),
+`kernel()` is None and the runners gather (the tests compare both paths).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ CAPABILITIES = {
 
 
 def extensions_dir() -> Path:
-    return Path(os.environ.get("TRAINSERVE_EXTENSIONS_DIR") or Path.home() / ".cache" / "trainserve" / "extensions")
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "trainserve" / "extensions")
 
 
 def capability() -> str:
@@ -40,9 +40,7 @@ def capability() -> str:
 
 @functools.cache
 def kernel() -> ModuleType | None:
-    """The built kernel module (paged_decode), or None where it is switched off or cannot be built."""
-    if os.environ.get("TRAINSERVE_PAGED_KERNEL", "1") == "0":
-        return None
+    """The built kernel module (paged_decode), or None where it cannot be built."""
     level = capability()
     name = f"trainserve_paged_attention_{level.lower()}"
     build = extensions_dir() / name
