@@ -79,7 +79,7 @@ class PagedCache:
     @property
     def used_blocks(self) -> int:
         """Blocks held by tables or the prefix cache."""
-        return sum(1 for block, count in enumerate(self.refs) if count and block != ZERO)
+        return self.blocks - 1 - len(self._free) if self.blocks else 0
 
     @property
     def block_bytes(self) -> int:
