@@ -137,6 +137,30 @@ def test_chunks_of_rows_0_to_p_attend_as_one_batch_as_they_would_one_by_one(wind
     assert not outs[0].isnan().any()
 
 
+def test_a_part_way_prompt_keeps_one_dense_copy_that_follows_its_row() -> None:
+    """A prompt's later chunks read a dense copy of its row kept across chunks (gathered once), equal to its blocks."""
+    torch.manual_seed(0)
+    cache = small()
+    write(cache, 2, 0, 7, 1.0)  # its first chunk: 7 positions in blocks
+    first = PrefillLayout(cache, [[5, 6, 7, 8]], [[2]], [7], torch.device("cpu"))
+    staged = cache.staged[2]
+    assert staged.length == 11
+    new = torch.randn(4, cache.cache_heads, cache.head_dim)
+    for layer in range(cache.n_layer):
+        first.store(layer, new, new * 2)
+    keys, values = cache.gather(1, cache.block_table([2], blocks_for(11)))
+    assert torch.equal(staged.keys[1:2, :, :11], keys[:, :, :11]) and torch.equal(staged.values[1:2, :, :11],
+                                                                                    values[:, :, :11])
+    second = PrefillLayout(cache, [[9] * 30], [[2]], [11], torch.device("cpu"))
+    assert second.staged[0] is staged and staged.keys.shape[2] >= 41  # kept, grown; not gathered again
+    cache.move_row(2, 0)  # the batch's rows finished: the part-way prompt's row moves down, its copy with it
+    assert cache.staged == {0: staged}
+    cache.unstage(0)  # its prompt ended
+    assert cache.staged == {}
+    speculative = PrefillLayout(cache, [[1, 2]], [[0]], [41], torch.device("cpu"), stage=False)
+    assert speculative.staged == [None] and cache.staged == {}  # a draft check reads the blocks
+
+
 def test_the_chunk_budget_follows_the_measured_step_times() -> None:
     budget = ChunkBudget(2048, 1.5)
     assert budget.tokens(decoding=False) == 2048  # no stream to protect: the cap

@@ -146,6 +146,7 @@ class PrefillQueue:
             if chunk.last:
                 self.requests.remove(chunk.request)
                 self.done = 0
+                cache.unstage(rows[0])
                 cache.share(rows[0], rows[1:])
                 if self.prefix is not None:
                     self.prefix.remember(cache, chunk.request, rows[0])

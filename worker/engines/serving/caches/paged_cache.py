@@ -46,6 +46,26 @@ def blocks_for(length: int) -> int:
     return -(-length // BLOCK)
 
 
+class Staged:
+    """A part-way prompt's keys and values so far, dense [layer, cache head, capacity, head_dim]: its next chunks
+    attend through views of it instead of gathering the row's blocks again for every chunk and layer (the blocks
+    are written too: decoding reads them). At most one prompt is part-way at a time, so this is one prompt's copy."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        self.keys, self.values, self.length = keys, values, length
+
+    def reserve(self, length: int) -> None:
+        """Room for `length` positions (grown by doubling: it lives only while its prompt is prefilled)."""
+        have = self.keys.shape[2]
+        if length > have:
+            grown = max(length, 2 * have)
+            for name in ("keys", "values"):
+                old = getattr(self, name)
+                new = old.new_empty(old.shape[0], old.shape[1], grown, old.shape[3])
+                new[:, :, :self.length] = old[:, :, :self.length]
+                setattr(self, name, new)
+
+
 class PagedCache:
     """keys [layer, block, cache head, head_dim, BLOCK] (a block's keys d-major, as the kernel reads them) and
     values [layer, block, cache head, BLOCK, head_dim]; `tables[row]` lists the blocks of row `row`'s positions in
@@ -68,6 +88,7 @@ class PagedCache:
         self.refs: list[int] = []
         self._free: list[int] = []  # a heap of free blocks
         self._clean = 0  # blocks below this index hold finite values (zeroed or written)
+        self.staged: dict[int, Staged] = {}  # by row: part-way prompts' dense copies (Staged)
 
     # -- the pool --
 
@@ -153,6 +174,7 @@ class PagedCache:
         for block in self.table(row):
             self.drop(block)
         self.tables[row] = []
+        self.staged.pop(row, None)
 
     def free_rows_from(self, first: int) -> None:
         """Give back the blocks of every row from `first` on (rows a failed prefill left behind)."""
@@ -170,11 +192,26 @@ class PagedCache:
         """Row `source`'s sequence now lives in row `target` (compaction): its table moves, no key or value does."""
         self.free_row(target)
         self.tables[target], self.tables[source] = self.tables[source], []
+        if source in self.staged:
+            self.staged[target] = self.staged.pop(source)
 
     def share(self, source: int, targets: Sequence[int]) -> None:
         """Rows `targets` start from row `source`'s blocks (the n choices of one prompt), copied on first write."""
         for target in targets:
             self.set_row(target, self.table(source))
+
+    def stage(self, row: int, length: int) -> Staged:
+        """Row `row`'s dense copy holding its positions 0..length-1 (kept from its previous chunk, else gathered)."""
+        staged = self.staged.get(row)
+        if staged is None or staged.length != length:
+            keys, values = zip(*(self.gather(layer, self.block_table([row], blocks_for(length)))
+                                 for layer in range(self.n_layer)), strict=True)
+            staged = self.staged[row] = Staged(torch.cat(keys), torch.cat(values), length)
+        return staged
+
+    def unstage(self, row: int) -> None:
+        """Drop a row's dense copy (its prompt ended)."""
+        self.staged.pop(row, None)
 
     def prepare(self, row: int, start: int, end: int) -> None:
         """Make positions start..end-1 of `row` writable: blocks taken up to `end`, a shared block among those the
@@ -197,6 +234,7 @@ class PagedCache:
         if self.keys is not None:
             self.keys = self.values = None
             self.tables, self.refs, self._free, self._clean = [], [], [], 0
+            self.staged = {}
             trim_heap()
 
     def compact(self) -> dict[int, int]:
@@ -314,7 +352,7 @@ class PrefillLayout:
     """
 
     def __init__(self, cache: PagedCache, prompts: list[list[int]], groups: list[list[int]], starts: list[int],
-                 device: torch.device) -> None:
+                 device: torch.device, *, stage: bool = True) -> None:
         self.cache = cache
         self.count = len(prompts)
         self.lengths = [len(prompt) for prompt in prompts]
@@ -347,10 +385,23 @@ class PrefillLayout:
         if self.batched:
             self._batch_table = cache.block_table(self.rows, blocks_for(self.span))
         self._batched_masks: dict[int | None, torch.Tensor] = {}
+        # Prompts' chunks read a dense copy of their row kept across chunks (not a speculative step's checks: a
+        # decode row's copy would go stale as it decodes).
+        self.staged: list[Staged | None] = [None] * self.count
+        if self.chunked and not self.batched and stage:
+            for i, (row, start, end) in enumerate(zip(self.rows, starts, self.ends, strict=True)):
+                staged = self.staged[i] = cache.stage(row, start)
+                staged.reserve(end)
+                staged.length = end  # this forward writes positions start..end-1 in every layer before reading
 
     def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write a layer's keys and values of the chunks [P * width, cache head, head_dim] (pads left out)."""
         self.cache.write(layer, self.slots, keys.index_select(0, self.real), values.index_select(0, self.real))
+        for i, staged in enumerate(self.staged):
+            if staged is not None:
+                start, length, first = self.starts[i], self.lengths[i], i * self.width
+                staged.keys[layer, :, start:start + length] = keys[first:first + length].transpose(0, 1)
+                staged.values[layer, :, start:start + length] = values[first:first + length].transpose(0, 1)
 
     def attend(self, attention: Attention, query: torch.Tensor, layer: int, window: int | None) -> torch.Tensor:
         """Chunked: each chunk's queries [P, head, width, head_dim] against its own row's blocks up to the chunk's
@@ -369,7 +420,11 @@ class PrefillLayout:
             masks = self._masks[window] = [self._mask(start, length, window)
                                            for start, length in zip(self.starts, self.lengths, strict=True)]
         for i, (length, end, mask) in enumerate(zip(self.lengths, self.ends, masks, strict=True)):
-            keys, values = self.cache.gather(layer, self._tables[i])
+            staged = self.staged[i]
+            if staged is not None:
+                keys, values = staged.keys[layer:layer + 1], staged.values[layer:layer + 1]
+            else:
+                keys, values = self.cache.gather(layer, self._tables[i])
             kwargs = {"is_causal": True} if mask is None else {"attn_mask": mask}
             out[i:i + 1, :, :length] = attention(query[i:i + 1, :, :length], keys[:, :, :end], values[:, :, :end],
                                                  **kwargs)

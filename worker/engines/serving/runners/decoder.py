@@ -128,7 +128,7 @@ class DecoderRunner:
             ids.append(decode.tokens)
             positions.append(decode.positions)
         if prefill is not None:
-            layout = PrefillLayout(cache, *prefill, self.device)
+            layout = PrefillLayout(cache, *prefill, self.device, stage=not every_position)
             ids.append(layout.ids.view(-1))
             positions.append(layout.positions.view(-1))
             if not layout.chunked:

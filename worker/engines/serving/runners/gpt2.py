@@ -156,7 +156,7 @@ class Gpt2Runner:
             parts.append(self._embed(wte, tokens) + self._embed(wpe, positions))
         layout = None
         if prefill is not None:
-            layout = PrefillLayout(cache, *prefill, self.device)
+            layout = PrefillLayout(cache, *prefill, self.device, stage=not every_position)
             embedded = self._embed(wte, layout.ids) + self._embed(wpe, layout.positions)
             parts.append(embedded.view(-1, self.n_embd))
         hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
