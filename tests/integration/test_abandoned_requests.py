@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -160,9 +161,10 @@ def test_classify_waits_without_threads_times_out_504_and_a_later_worker_skips(a
             return [p.result() for p in pending], health
 
     responses, health = asyncio.run(calls())
-    # /health stays answered while the calls wait (no thread is held): well under the 60 s the calls wait, with
-    # room for a 2-core machine's scheduling noise (one sample at 1.0 s seen in a fresh-clone run).
-    assert len(health) >= 3 and max(health) < 2.0, health
+    # /health stays answered while the calls wait (no thread is held): with held threads every health call would
+    # wait for a call's 6 s timeout. The median is the measure; one sample may catch a busy 2-core machine's
+    # stall (1.0 s and 3.4 s seen in fresh-clone runs), never the whole timeout.
+    assert len(health) >= 3 and statistics.median(health) < 0.5 and max(health) < CLASSIFY_TIMEOUT_S - 1, health
     for response in responses:
         assert response.status_code == 504 and response.json()["error"]["code"] == "worker_timeout", response.text
     assert len(store.keys(ABANDONED)) == 41
