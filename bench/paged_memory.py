@@ -18,6 +18,7 @@ the seed; medians and the worst step over all.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import random
@@ -134,7 +135,7 @@ def main() -> None:
             "command": "python bench/paged_memory.py" + "".join(
                 f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                 if k not in ("model", "out") and v != parser.get_default(k)),
-            "date": __import__("datetime").date.today().isoformat(), "machine": describe(),
+            "date": datetime.date.today().isoformat(), "machine": describe(),
             "load": "not relevant (memory)", "result": result,
             "target": f"held <= 1.10x the tokens' KV size: {'met' if med['held'] <= 1.10 else 'not met'}"}
         args.out.write_text(json.dumps(record, indent=2) + "\n")

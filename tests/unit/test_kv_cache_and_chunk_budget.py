@@ -19,7 +19,7 @@ def small(dtype: torch.dtype = torch.float32, heads: int = 3, head_dim: int = 4)
 def write(cache: PagedCache, row: int, start: int, end: int, value: float) -> None:
     """Positions start..end-1 of `row` (prepared) hold `value` in every layer."""
     cache.prepare(row, start, end)
-    slots = cache.slots([row] * (end - start), list(range(start, end)))
+    slots = cache.slots([(row, start, end)])
     block = torch.full((end - start, cache.cache_heads, cache.head_dim), value)
     for layer in range(cache.n_layer):
         cache.write(layer, slots, block, block)

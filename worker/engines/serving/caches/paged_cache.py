@@ -264,11 +264,13 @@ class PagedCache:
 
     # -- reading and writing --
 
-    def slots(self, rows: Sequence[int], positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, offset) of position positions[i] of row rows[i] (prepared), as tensors for write()."""
-        blocks = [self.tables[row][at // BLOCK] for row, at in zip(rows, positions, strict=True)]
-        return (torch.tensor(blocks, dtype=torch.long, device=self.device),
-                torch.tensor([at % BLOCK for at in positions], dtype=torch.long, device=self.device))
+    def slots(self, spans: Sequence[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of every position start..end-1 of each (row, start, end) span (prepared), in order, as
+        tensors for write()."""
+        at = torch.cat([torch.arange(start, end) for _, start, end in spans])
+        blocks = torch.cat([torch.tensor(self.tables[row], dtype=torch.long)[torch.arange(start, end) // BLOCK]
+                            for row, start, end in spans])
+        return blocks.to(self.device), (at % BLOCK).to(self.device)
 
     def write(self, layer: int, slots: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
               values: torch.Tensor) -> None:
@@ -370,13 +372,11 @@ class PrefillLayout:
         for row, start, length in zip(self.rows, starts, self.lengths, strict=True):
             cache.prepare(row, start, start + length)
         # Where each real token's key and value go: its flat index among the [P * width] tokens, and its slot.
-        real = [(i, j) for i, length in enumerate(self.lengths) for j in range(length)]
-        self.real = torch.tensor([i * self.width + j for i, j in real], dtype=torch.long, device=device)
-        self.slots = cache.slots([self.rows[i] for i, _ in real], [starts[i] + j for i, j in real])
+        self.real = torch.cat([torch.arange(i * self.width, i * self.width + length, device=device)
+                               for i, length in enumerate(self.lengths)])
         self.ends = [start + length for start, length in zip(starts, self.lengths, strict=True)]
+        self.slots = cache.slots(list(zip(self.rows, starts, self.ends, strict=True)))
         self.span = max(self.ends)
-        self._tables = [cache.block_table([row], blocks_for(end)) for row, end in zip(self.rows, self.ends,
-                                                                                          strict=True)]
         self._masks: dict[int | None, list[torch.Tensor | None]] = {}
         # Chunks of rows 0..P-1, one row each, of about one length (a speculative step's drafts): they attend as one
         # batch over the rows' blocks under a mask, not chunk by chunk.
@@ -393,6 +393,7 @@ class PrefillLayout:
                 staged = self.staged[i] = cache.stage(row, start)
                 staged.reserve(end)
                 staged.length = end  # this forward writes positions start..end-1 in every layer before reading
+        self._tables: dict[int, torch.Tensor] = {}  # chunks read without a dense copy: their blocks, built once
 
     def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write a layer's keys and values of the chunks [P * width, cache head, head_dim] (pads left out)."""
@@ -424,7 +425,10 @@ class PrefillLayout:
             if staged is not None:
                 keys, values = staged.keys[layer:layer + 1], staged.values[layer:layer + 1]
             else:
-                keys, values = self.cache.gather(layer, self._tables[i])
+                table = self._tables.get(i)
+                if table is None:
+                    table = self._tables[i] = self.cache.block_table([self.rows[i]], blocks_for(end))
+                keys, values = self.cache.gather(layer, table)
             kwargs = {"is_causal": True} if mask is None else {"attn_mask": mask}
             out[i:i + 1, :, :length] = attention(query[i:i + 1, :, :length], keys[:, :, :end], values[:, :, :end],
                                                  **kwargs)
