@@ -11,6 +11,7 @@ dispatch level: AVX-512, AVX2 or plain), under PyTorch's TORCH_EXTENSIONS_DIR wh
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -43,7 +44,8 @@ def kernel() -> ModuleType | None:
     """The built kernel module (paged_decode), or None where it cannot be built."""
     level = capability()
     name = f"trainserve_paged_attention_{level.lower()}"
-    build = extensions_dir() / name
+    # One build folder per source file's location: two checkouts sharing the cache never rebuild each other's.
+    build = extensions_dir() / f"{name}-{hashlib.sha256(str(SOURCE).encode()).hexdigest()[:12]}"
     try:
         from torch.utils.cpp_extension import load
 

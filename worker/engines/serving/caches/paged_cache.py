@@ -89,6 +89,8 @@ class PagedCache:
         self._free: list[int] = []  # a heap of free blocks
         self._clean = 0  # blocks below this index hold finite values (zeroed or written)
         self.staged: dict[int, Staged] = {}  # by row: part-way prompts' dense copies (Staged)
+        if device.type == "cpu":
+            paged_attention.kernel()  # built or loaded now, with the model, not in a request's first decode step
 
     # -- the pool --
 
