@@ -57,7 +57,7 @@ def test_step_costs_measure_a_plain_step_per_row_count_and_a_positions_cost():
     assert costs.position_s is None
     costs.observe(rows=4, positions=0, seconds=0.1)
     costs.observe(rows=4, positions=10, seconds=0.135)
-    assert costs.plain == {4: 0.1} and costs.position_s == pytest.approx((0.135 - 0.1 * 1.15) / 10)
+    assert costs.plain == {4: 0.1} and costs.position_s == pytest.approx((0.135 - 0.1) / 10)
     costs.observe(rows=4, positions=10, seconds=0.05)  # faster than a plain step (noise): a small floor, not < 0
     assert costs.position_s > 0
 

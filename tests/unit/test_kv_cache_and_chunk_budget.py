@@ -112,29 +112,48 @@ def test_the_kernel_reads_blocks_in_place_as_sdpa_reads_them_gathered(heads, kv_
                                    atol=2e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("window", [None, 6])
-def test_chunks_of_rows_0_to_p_attend_as_one_batch_as_they_would_one_by_one(window) -> None:
-    """A speculative step's chunks (row r's chunk at its own position, rows 0..P-1): one masked call over the rows'
-    blocks gives each real position what the chunk-by-chunk path gives."""
+def test_decode_tokens_of_one_row_read_it_causally_as_a_chunk_would(window, kernel) -> None:
+    """A speculative step's tokens (row r's last token and its draft at consecutive positions, decode tokens of their
+    own): each reads its row up to its own position, in place through the kernel or gathered, as the chunk path
+    gives each position of the same chunks."""
+    if kernel and paged_attention.kernel() is None:
+        pytest.skip("the paged attention kernel could not be built here")
     torch.manual_seed(0)
-    cache = small()
     starts, chunks = [12, 5, 9], [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11]]
-    for row, start in enumerate(starts):
-        write(cache, row, 0, start, 0.0)
-    cache.keys[:, 1:].normal_(), cache.values[:, 1:].normal_()
-    layouts = [PrefillLayout(cache, chunks, [[0], [1], [2]], starts, torch.device("cpu")) for _ in range(2)]
-    assert layouts[0].batched
-    layouts[1].batched = False  # the chunk-by-chunk path, the reference
-    width = layouts[0].width
-    q = torch.randn(3, cache.cache_heads, width, cache.head_dim)
-    new = torch.randn(3 * width, cache.cache_heads, cache.head_dim)
-    outs = []
-    for layout in layouts:
-        layout.store(0, new, new * 2)
-        outs.append(layout.attend(F.scaled_dot_product_attention, q, 0, window))
-    for i, length in enumerate(layouts[0].lengths):
-        assert torch.allclose(outs[0][i, :, :length], outs[1][i, :, :length], atol=1e-6), i
-    assert not outs[0].isnan().any()
+    caches = [small(), small()]
+    for cache in caches:
+        for row, start in enumerate(starts):
+            write(cache, row, 0, start, 0.0)
+        torch.manual_seed(1)
+        cache.keys[:, 1:].normal_(), cache.values[:, 1:].normal_()
+    owners = [row for row, chunk in enumerate(chunks) for _ in chunk]
+    positions = torch.tensor([start + j for start, chunk in zip(starts, chunks, strict=True)
+                              for j in range(len(chunk))])
+    decode = DecodeLayout(caches[0], positions, int(positions.max()) + 1, rows=owners)
+    if not kernel:
+        decode.kernel = None
+    prefill = PrefillLayout(caches[1], chunks, [[0], [1], [2]], starts, torch.device("cpu"))
+    heads, head_dim, width = caches[0].cache_heads, caches[0].head_dim, prefill.width
+    new = torch.randn(len(owners), heads, head_dim)
+    query = torch.randn(len(owners), heads, head_dim)
+    caches[0].write(0, decode.slots, new, new * 2)
+    got = decode.attend(F.scaled_dot_product_attention, query, 0, window, head_dim**-0.5)
+    padded_new, padded_query = torch.zeros(3 * width, heads, head_dim), torch.zeros(3, width, heads, head_dim)
+    at = 0
+    for i, chunk in enumerate(chunks):
+        padded_new[i * width:i * width + len(chunk)] = new[at:at + len(chunk)]
+        padded_query[i, :len(chunk)] = query[at:at + len(chunk)]
+        at += len(chunk)
+    prefill.store(0, padded_new, padded_new * 2)
+    expected = prefill.attend(F.scaled_dot_product_attention, padded_query.transpose(1, 2), 0, window)
+    at = 0
+    for i, chunk in enumerate(chunks):
+        torch.testing.assert_close(got[at:at + len(chunk)], expected[i, :, :len(chunk)].transpose(0, 1),
+                                   atol=2e-6, rtol=2e-5)
+        at += len(chunk)
+    assert [len(table) for table in caches[0].tables] == [len(table) for table in caches[1].tables]
 
 
 def test_a_part_way_prompt_keeps_one_dense_copy_that_follows_its_row() -> None:
@@ -157,8 +176,6 @@ def test_a_part_way_prompt_keeps_one_dense_copy_that_follows_its_row() -> None:
     assert cache.staged == {0: staged}
     cache.unstage(0)  # its prompt ended
     assert cache.staged == {}
-    speculative = PrefillLayout(cache, [[1, 2]], [[0]], [41], torch.device("cpu"), stage=False)
-    assert speculative.staged == [None] and cache.staged == {}  # a draft check reads the blocks
 
 
 def test_the_chunk_budget_follows_the_measured_step_times() -> None:

@@ -386,10 +386,15 @@ class GenerationEngine:
             return 0
         drafts = [proposal[:n] for proposal, n in zip(proposals, taken, strict=True)]
         chunks = [[s.tokens[-1], *d] for s, d in zip(rows, drafts, strict=True)]
-        starts = [s.position for s in rows]
-        if self.lora is not None:  # every row goes as a chunk, with its request's adapter
-            self.lora.set_rows([], [s.request for s in rows])
-        logits = self._runner.forward(None, (chunks, [[r] for r in range(len(rows))], starts), every_position=True)
+        # One decode step over every checked token: a row's last token and its draft at consecutive positions, each
+        # a token of its own that reads the row up to itself (DecodeInput.rows); no padding to the longest draft.
+        owners = [row for row, chunk in enumerate(chunks) for _ in chunk]
+        positions = [s.position + j for s, chunk in zip(rows, chunks, strict=True) for j in range(len(chunk))]
+        if self.lora is not None:  # every checked token with its request's adapter
+            self.lora.set_rows([rows[row].request for row in owners], [])
+        step = DecodeInput(torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=self._device),
+                           torch.tensor(positions, device=self._device), max(positions) + 1, rows=owners)
+        logits = self._runner.forward(step, None)
         choices = speculative.choices(logits, rows, chunks)  # the token plain decoding would take at each position
         kept = offset = 0
         for sequence, chunk, drafted in zip(rows, chunks, drafts, strict=True):

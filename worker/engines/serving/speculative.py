@@ -1,17 +1,18 @@
 """Speculative decoding with prompt-lookup drafts (n-gram matching, as vLLM's ngram proposer): no draft model.
 
 A sequence's last few tokens are looked up earlier in its own prompt and output; the tokens that followed the most
-recent match are the draft. One forward then runs each row's last token and its draft as a chunk at the row's
-positions (the runner returns the logits of every position), and the row keeps the longest prefix of the draft that
-the model's own choice agrees with, plus the model's next token after it. For greedy rows that is exact: the kept
+recent match are the draft. One decode step then runs each row's last token and its draft as tokens of their own at
+consecutive positions of the row (DecodeInput.rows: each reads the row up to itself, so the draft is checked
+causally, and no row is padded to the longest draft), and the row keeps the longest prefix of the draft that the
+model's own choice agrees with, plus the model's next token after it. For greedy rows that is exact: the kept
 tokens are the ones plain decoding would produce, token for token. Editing, extraction and code tasks repeat their
 input, so a draft is often right, and one forward that reads the weights once yields several tokens.
 
 Sampled rows speculate too, exactly: at every checked position the row draws the token plain decoding would draw
 there, with the counter-based uniform of that token's own index in the answer (sampler.counter_uniforms), and keeps
 the draft while it equals those draws. The kept tokens are then the ones plain decoding would have drawn, seed for
-seed, whatever shares the batch, up to float rounding: the chunk forward and a decode step sum the same logits in
-different orders, so a draw within rounding of the edge between two tokens' shares may go either way. For a draft
+seed, whatever shares the batch, up to float rounding: a step of more tokens may sum the same logits in a
+different order, so a draw within rounding of the edge between two tokens' shares may go either way. For a draft
 that is a single proposed token (a point mass) this keeps a draft token with the probability the model gives it,
 as the standard rejection rule of speculative sampling does, and on a miss the draw that replaces it comes from the
 model's own distribution: the output distribution is unchanged.
@@ -40,9 +41,6 @@ from worker.engines.serving.sampling.sampler import RowParams, next_tokens
 MAX_NGRAM, MIN_NGRAM = 4, 1  # the longest suffix tried first, as vLLM's prompt lookup does
 PRIOR = 1.0  # pseudo-counts of one right and one wrong draft token before a row has any (a rate of 1/2)
 DECAY = 0.7  # the weight of a row's earlier checks against its newest
-# A step whose rows all go through the chunk path (the drafts' forward) costs this much more than a decode step of
-# the same rows, before any draft position (measured on a 2-core CPU: 4-16 rows, 1.1-1.2x).
-CHUNK_OVERHEAD = 0.15
 
 
 def propose(history: Sequence[int], k: int, *, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> list[int]:
@@ -82,8 +80,8 @@ def lengths(proposals: Sequence[list[int]], rates: Sequence[float], decode_s: fl
             position_s: float | None) -> list[int]:
     """How many tokens of each row's proposal to check this step (0 for all: decode plainly).
 
-    A step of B rows yields B tokens for decode_s; each checked draft position adds position_s, plus the chunk path's
-    overhead on every row (CHUNK_OVERHEAD of a decode step). Draft tokens are taken in order of their expected
+    A step of B rows yields B tokens for decode_s; each checked draft position adds position_s. Draft tokens are
+    taken in order of their expected
     yield (rate^j for a row's j-th) while each adds more tokens per second than the step gives so far. A row count
     whose plain step is not measured yet decodes plainly (that measures it); with no draft position measured yet,
     every proposal is checked whole (that measures one).
@@ -92,7 +90,7 @@ def lengths(proposals: Sequence[list[int]], rates: Sequence[float], decode_s: fl
         return [0] * len(proposals)
     if position_s is None:
         return [len(proposal) for proposal in proposals]
-    tokens, seconds = float(len(proposals)), decode_s * (1 + CHUNK_OVERHEAD)
+    tokens, seconds = float(len(proposals)), decode_s
     gains = sorted(((rate ** j, row) for row, (proposal, rate) in enumerate(zip(proposals, rates, strict=True))
                     for j in range(1, len(proposal) + 1)), reverse=True)
     taken = [0] * len(proposals)
@@ -120,7 +118,7 @@ class StepCosts:
             return
         plain = self.plain.get(rows)
         if plain is not None:  # a step faster than the estimate (noise) still costs something: a floor
-            sample = max(seconds - plain * (1 + CHUNK_OVERHEAD), 0.01 * plain) / positions
+            sample = max(seconds - plain, 0.01 * plain) / positions
             self.position_s = _mean(self.position_s, sample)
 
 

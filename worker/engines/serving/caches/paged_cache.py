@@ -303,22 +303,29 @@ Attention = Callable[..., torch.Tensor]  # the runner's SDPA: attention(q, k, v,
 
 
 class DecodeLayout:
-    """A step's decode rows 0..B-1 (row b writes and reads up to positions[b]): their write slots and block table.
+    """A step's decode tokens 0..B-1 (token b writes and reads its row up to positions[b]): their write slots and
+    block table. Token b is row b's unless `rows` names each token's row: a speculative step's tokens of one row sit
+    at consecutive positions, and each reads the row's keys up to its own position (the later ones' are written in
+    the same step, before any token reads), so its draft is checked causally as a chunk would be.
 
-    On a CPU with the kernel, attention reads each row's own blocks in place (no padding to the longest row, no
-    copy); otherwise the rows' blocks up to the span are gathered and SDPA masks each row to its positions.
+    On a CPU with the kernel, attention reads each token's row blocks in place (no padding to the longest row, no
+    copy); otherwise the rows' blocks up to the span are gathered and SDPA masks each token to its positions.
     `table` (a CUDA graph's static one) is given already prepared; otherwise the rows are prepared here.
     """
 
     def __init__(self, cache: PagedCache, positions: torch.Tensor, span: int,
-                 table: torch.Tensor | None = None) -> None:
+                 table: torch.Tensor | None = None, rows: list[int] | None = None) -> None:
         self.cache, self.positions, self.batch = cache, positions, positions.shape[0]
         self.blocks = blocks_for(span)
         if table is None:
-            at = positions.tolist()
-            for row, position in enumerate(at):
-                cache.prepare(row, position, position + 1)
-            table = cache.block_table(range(self.batch), self.blocks)
+            owners = list(range(self.batch)) if rows is None else rows
+            extent: dict[int, tuple[int, int]] = {}  # each row's positions written this step
+            for row, position in zip(owners, positions.tolist(), strict=True):
+                first, end = extent.get(row, (position, position + 1))
+                extent[row] = (min(first, position), max(end, position + 1))
+            for row, (first, end) in extent.items():
+                cache.prepare(row, first, end)
+            table = cache.block_table(owners, self.blocks)
         self.table = table
         index = (positions // BLOCK)[:, None]
         self.slots = (table.gather(1, index)[:, 0].long(), positions % BLOCK)
@@ -351,12 +358,12 @@ class PrefillLayout:
     """New prompt chunks right-padded to one width, the cache row each fills (n choices share one prefill: the first
     row is written, the others share its blocks when the prompt ends) and where each begins in its prompt.
 
-    With every start 0 the chunks attend among themselves (causal); otherwise each reads its row's blocks, earlier
-    chunks included (gathered: a chunk's compute outweighs the copy).
+    With every start 0 the chunks attend among themselves (causal); otherwise each reads its row, earlier chunks
+    included, from a dense copy of its row kept across the prompt's chunks (PagedCache.stage).
     """
 
     def __init__(self, cache: PagedCache, prompts: list[list[int]], groups: list[list[int]], starts: list[int],
-                 device: torch.device, *, stage: bool = True) -> None:
+                 device: torch.device) -> None:
         self.cache = cache
         self.count = len(prompts)
         self.lengths = [len(prompt) for prompt in prompts]
@@ -380,22 +387,13 @@ class PrefillLayout:
         self.slots = cache.slots(list(zip(self.rows, starts, self.ends, strict=True)))
         self.span = max(self.ends)
         self._masks: dict[int | None, list[torch.Tensor | None]] = {}
-        # Chunks of rows 0..P-1, one row each, of about one length (a speculative step's drafts): they attend as one
-        # batch over the rows' blocks under a mask, not chunk by chunk.
-        self.batched = self.chunked and self.count > 1 and self.rows == list(range(self.count)) \
-            and all(len(group) == 1 for group in groups) and self.span <= max(256, 2 * min(self.ends))
-        if self.batched:
-            self._batch_table = cache.block_table(self.rows, blocks_for(self.span))
-        self._batched_masks: dict[int | None, torch.Tensor] = {}
-        # Prompts' chunks read a dense copy of their row kept across chunks (not a speculative step's checks: a
-        # decode row's copy would go stale as it decodes).
+        # A later chunk reads a dense copy of its row kept across the prompt's chunks.
         self.staged: list[Staged | None] = [None] * self.count
-        if self.chunked and not self.batched and stage:
+        if self.chunked:
             for i, (row, start, end) in enumerate(zip(self.rows, starts, self.ends, strict=True)):
                 staged = self.staged[i] = cache.stage(row, start)
                 staged.reserve(end)
                 staged.length = end  # this forward writes positions start..end-1 in every layer before reading
-        self._tables: dict[int, torch.Tensor] = {}  # chunks read without a dense copy: their blocks, built once
 
     def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write a layer's keys and values of the chunks [P * width, cache head, head_dim] (pads left out)."""
@@ -407,16 +405,9 @@ class PrefillLayout:
                 staged.values[layer, :, start:start + length] = values[first:first + length].transpose(0, 1)
 
     def attend(self, attention: Attention, query: torch.Tensor, layer: int, window: int | None) -> torch.Tensor:
-        """Chunked: each chunk's queries [P, head, width, head_dim] against its own row's blocks up to the chunk's
-        end (after store). attention(q, k, v, **mask) is the runner's SDPA. Pads' outputs are 0. Batched chunks
-        attend in one call over rows 0..P-1 up to the longest span, each query masked to its own positions."""
-        if self.batched:
-            mask = self._batched_masks.get(window)
-            if mask is None:  # [P, 1, width, span]
-                visible = sees(self.positions.reshape(-1), self.span, window).view(self.count, 1, self.width, -1)
-                mask = self._batched_masks[window] = visible
-            keys, values = self.cache.gather(layer, self._batch_table)
-            return attention(query, keys[:, :, :self.span], values[:, :, :self.span], attn_mask=mask)
+        """Chunked: each chunk's queries [P, head, width, head_dim] against its own row up to the chunk's end (after
+        store), read from the row's dense copy. attention(q, k, v, **mask) is the runner's SDPA. Pads' outputs are
+        0."""
         out = query.new_zeros(query.shape)
         masks = self._masks.get(window)
         if masks is None:
@@ -424,16 +415,10 @@ class PrefillLayout:
                                            for start, length in zip(self.starts, self.lengths, strict=True)]
         for i, (length, end, mask) in enumerate(zip(self.lengths, self.ends, masks, strict=True)):
             staged = self.staged[i]
-            if staged is not None:
-                keys, values = staged.keys[layer:layer + 1], staged.values[layer:layer + 1]
-            else:
-                table = self._tables.get(i)
-                if table is None:
-                    table = self._tables[i] = self.cache.block_table([self.rows[i]], blocks_for(end))
-                keys, values = self.cache.gather(layer, table)
+            assert staged is not None
             kwargs = {"is_causal": True} if mask is None else {"attn_mask": mask}
-            out[i:i + 1, :, :length] = attention(query[i:i + 1, :, :length], keys[:, :, :end], values[:, :, :end],
-                                                 **kwargs)
+            out[i:i + 1, :, :length] = attention(query[i:i + 1, :, :length], staged.keys[layer:layer + 1, :, :end],
+                                                 staged.values[layer:layer + 1, :, :end], **kwargs)
         return out
 
     def _mask(self, start: int, length: int, window: int | None) -> torch.Tensor | None:
@@ -444,12 +429,7 @@ class PrefillLayout:
         at = torch.arange(start, start + length, device=self.positions.device)
         return sees(at, start + length, window)[None, None]
 
-    def picked(self, batch: int, device: torch.device, every_position: bool = False) -> torch.Tensor:
-        """Flat token indices that need logits: the `batch` decode rows first, then each prompt's last position (or,
-        `every_position`, every real position of each chunk: speculative decoding checks a draft at each)."""
-        if every_position:
-            last = torch.tensor([batch + i * self.width + j for i, n in enumerate(self.lengths) for j in range(n)],
-                                device=device)
-        else:
-            last = torch.tensor([batch + i * self.width + n - 1 for i, n in enumerate(self.lengths)], device=device)
+    def picked(self, batch: int, device: torch.device) -> torch.Tensor:
+        """Flat token indices that need logits: the `batch` decode rows first, then each prompt's last position."""
+        last = torch.tensor([batch + i * self.width + n - 1 for i, n in enumerate(self.lengths)], device=device)
         return last if batch == 0 else torch.cat([torch.arange(batch, device=device), last])

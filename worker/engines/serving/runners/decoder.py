@@ -111,8 +111,7 @@ class DecoderRunner:
     def _adapted(self, index: int, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return out if self.lora is None else self.lora.add(index, name, x, out)
 
-    def forward(self, decode: DecodeInput | None, prefill: PrefillInput | None, *, every_position: bool = False
-                ) -> torch.Tensor:
+    def forward(self, decode: DecodeInput | None, prefill: PrefillInput | None) -> torch.Tensor:
         """A decode step for rows 0..B-1 and the prefill of prompt chunks in one pass: logits [B + P, V].
 
         prefill: the chunks, the cache rows of each, where each begins in its prompt (see PrefillLayout).
@@ -124,11 +123,11 @@ class DecoderRunner:
         if decode is not None:
             batch = decode.tokens.shape[0]
             # Row b sees its positions 0..positions[b] (a window: only the last `window` of them).
-            rows = DecodeLayout(cache, decode.positions, decode.span, decode.table)
+            rows = DecodeLayout(cache, decode.positions, decode.span, decode.table, decode.rows)
             ids.append(decode.tokens)
             positions.append(decode.positions)
         if prefill is not None:
-            layout = PrefillLayout(cache, *prefill, self.device, stage=not every_position)
+            layout = PrefillLayout(cache, *prefill, self.device)
             ids.append(layout.ids.view(-1))
             positions.append(layout.positions.view(-1))
             if not layout.chunked:
@@ -165,7 +164,7 @@ class DecoderRunner:
             hidden = self._block(index, hidden, rotary, attend)
         # Only the decode rows and each prompt's last position need logits: the LM head is the largest matmul.
         if layout is not None:
-            hidden = hidden.index_select(0, layout.picked(batch, self.device, every_position))
+            hidden = hidden.index_select(0, layout.picked(batch, self.device))
         return linear(self._norm(hidden, self.weights.norm), self.weights.head, None).float()
 
     def _windows(self) -> set[int]:

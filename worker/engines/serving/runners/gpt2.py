@@ -137,8 +137,7 @@ class Gpt2Runner:
         """One step for rows 0..B-1: token b sits at positions[b]; attention covers positions < span. Logits [B, V]."""
         return self.forward(DecodeInput(tokens, positions, span), None)
 
-    def forward(self, decode: DecodeInput | None, prefill: PrefillInput | None, *, every_position: bool = False
-                ) -> torch.Tensor:
+    def forward(self, decode: DecodeInput | None, prefill: PrefillInput | None) -> torch.Tensor:
         """A decode step for rows 0..B-1 and the prefill of prompt chunks in one pass: logits [B + P, V].
 
         One pass reads every weight once for both (a separate prefill costs a whole weight read while the
@@ -152,11 +151,12 @@ class Gpt2Runner:
         if decode is not None:
             tokens, positions = decode.tokens, decode.positions
             batch = tokens.shape[0]
-            rows = DecodeLayout(cache, positions, decode.span, decode.table)  # row b reads its positions 0..b's
+            # Token b reads its row (b, or decode.rows[b]) up to positions[b].
+            rows = DecodeLayout(cache, positions, decode.span, decode.table, decode.rows)
             parts.append(self._embed(wte, tokens) + self._embed(wpe, positions))
         layout = None
         if prefill is not None:
-            layout = PrefillLayout(cache, *prefill, self.device, stage=not every_position)
+            layout = PrefillLayout(cache, *prefill, self.device)
             embedded = self._embed(wte, layout.ids) + self._embed(wpe, layout.positions)
             parts.append(embedded.view(-1, self.n_embd))
         hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -188,6 +188,6 @@ class Gpt2Runner:
             hidden = self._block(index, hidden, attend)
         # Only the decode rows and each prompt's last position need logits: the LM head is the largest matmul.
         if layout is not None:
-            hidden = hidden.index_select(0, layout.picked(batch, self.device, every_position))
+            hidden = hidden.index_select(0, layout.picked(batch, self.device))
         return self._logits(hidden)
 

@@ -12,12 +12,17 @@ from worker.engines.serving.lora.runner_lora import RunnerLora
 
 class DecodeInput(NamedTuple):
     """A decode step for rows 0..B-1: their last tokens [B], their positions [B], the span attention covers and,
-    from a CUDA graph's static buffers, their block table [B, span / BLOCK] already prepared (else built here)."""
+    from a CUDA graph's static buffers, their block table [B, span / BLOCK] already prepared (else built here).
+
+    `rows`: the cache row of each token where that is not token b's row b: a speculative step checks a row's last
+    token and its draft as tokens of their own at consecutive positions, each reading the row up to its position.
+    """
 
     tokens: torch.Tensor
     positions: torch.Tensor
     span: int
     table: torch.Tensor | None = None
+    rows: list[int] | None = None
 
 
 # Prompt chunks: their token ids, the cache rows each fills (n choices share one prefill), where each begins.
@@ -41,8 +46,6 @@ class Runner(Protocol):
         """Bytes of the weights the runner holds."""
         ...
 
-    def forward(self, decode: DecodeInput | None, prefill: PrefillInput | None, *, every_position: bool = False
-                ) -> torch.Tensor:
-        """A decode step for rows 0..B-1 and the prefill of prompt chunks in one pass: logits [B + P, V] (with
-        `every_position`, one row of logits per real chunk position instead of each chunk's last)."""
+    def forward(self, decode: DecodeInput | None, prefill: PrefillInput | None) -> torch.Tensor:
+        """A decode step for rows 0..B-1 and the prefill of prompt chunks in one pass: logits [B + P, V]."""
         ...
