@@ -11,7 +11,8 @@ answer is compared token for token between the sides: greedy answers must be equ
 and per-token uniforms on both sides) may part only at a draw within ROUNDING of the edge between two tokens in
 the inverse CDF, recomputed in float64, where the logits' last bits decide (the run stops otherwise). Sides
 interleaved (the first side alternating per repeat), medians and the spread over `--repeats`, the load average
-after each run; engine alone, fp32 on the CPU unless `--precision`.
+after each run; engine alone, fp32 on the CPU unless `--precision`, each side with the prefix cache the service
+keeps by default (`--prefix-cache-mb`; every run sends chats of its own, so only what chats share is found cached).
 
     python bench/speculative.py --model ~/.cache/trainserve/smollm2-135m-instruct   # c = 1 and 16, k = 8
     python bench/speculative.py --model DIR --temperature 0.7   # sampled rows
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 from bench.machine import describe  # noqa: E402
+from core.settings import Settings  # noqa: E402
 from worker.engines.serving.engine import GenerationEngine, SamplingParams  # noqa: E402
 
 BASELINE = "plain"
@@ -127,6 +129,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--prefix-cache-mb", type=float, default=Settings.model_fields["prefix_cache_mb"].default,
+                        help="both sides' prefix cache, as the service keeps one (its default); 0: off")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, seeded per chat")
     parser.add_argument("--seed", type=int, default=0, help="sampled: chat i is seeded seed + i")
     parser.add_argument("--json", type=Path, help="write the result here (bench/results format)")
@@ -135,23 +139,30 @@ def main() -> None:
     top = max(args.concurrency)
     sides = {BASELINE: 0, f"prompt-lookup k={args.k}": args.k}
     engines = {name: GenerationEngine(args.model, device="cpu", precision=args.precision, max_batch_size=top,
-                                      speculative_tokens=k, speculative_max_rows=top) for name, k in sides.items()}
+                                      speculative_tokens=k, speculative_max_rows=top,
+                                      prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
+               for name, k in sides.items()}
     lines: list[str] = []
     loads: list[float] = []
     parted = dict.fromkeys(args.concurrency, 0)
     try:
-        prompts = chats(engines[BASELINE], max(16, args.chats * top))
+        # Every run sends chats of its own (both sides the same ones): with the prefix cache on, a repeat must not
+        # find its whole prompts cached by the one before, only what chats share (the template, the task).
+        counts = {c: max(16, args.chats * c) for c in args.concurrency}  # the chats of a run at each concurrency
+        prompts = chats(engines[BASELINE], 1 + args.repeats * sum(counts.values()))
         for engine in engines.values():  # warm up: first forwards allocate and pack
-            run(engine, prompts[:1], 8)
+            run(engine, prompts[-1:], 8)
+        first = 0
         for c in args.concurrency:
-            count = max(16, args.chats * c)  # the chats of a run at this concurrency
+            count = counts[c]
             rates: dict[str, list[float]] = {name: [] for name in sides}
             for repeat in range(args.repeats):
                 order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
                 answers = {}
+                sent, first = prompts[first:first + count], first + count
                 for name in order:
-                    rate, answers[name] = run(engines[name], prompts[:count], args.max_tokens, args.temperature,
-                                              args.seed, concurrency=c)
+                    rate, answers[name] = run(engines[name], sent, args.max_tokens, args.temperature, args.seed,
+                                              concurrency=c)
                     rates[name].append(rate)
                     loads.append(os.getloadavg()[0])
                     print(f"c={c} repeat {repeat + 1} {name}: {rate:.1f} tokens/s (load {loads[-1]:.2f})", flush=True)
@@ -160,7 +171,7 @@ def main() -> None:
                 if differing and not args.temperature:
                     raise SystemExit("speculative decoding changed a greedy answer")
                 for i in differing:  # sampled: each must part at a draw on the edge between two tokens
-                    margin = draw_margin(args.model, prompts[i], *answers.values(), i, args.seed, args.temperature)
+                    margin = draw_margin(args.model, sent[i], *answers.values(), i, args.seed, args.temperature)
                     print(f"  chat {i} parts at a draw {margin:.1e} from the edge between the two sides' tokens")
                     if margin > ROUNDING:
                         raise SystemExit(f"speculative decoding changed sampled chat {i} beyond float rounding")
@@ -186,8 +197,9 @@ def main() -> None:
             "what": f"Speculative decoding (prompt-lookup drafts, k={args.k}) against plain decoding: "
                     f"{'greedy' if args.temperature == 0 else f'sampled (temperature {args.temperature}, seeded)'} "
                     f"editing and extraction chats over SST-2 sentences, up to {args.max_tokens} tokens, "
-                    f"{args.chats} chats per stream (at least 16) in a closed loop at each concurrency, engine "
-                    f"alone, {args.precision}; the drafts each step checks priced from measured step times; "
+                    f"{args.chats} chats per stream (at least 16) in a closed loop at each concurrency, new chats in "
+                    f"every run, engine alone, {args.precision}, prefix cache {args.prefix_cache_mb:g} MB on both "
+                    f"sides; the drafts each step checks priced from measured step times; "
                     f"{'answers equal token for token' if not args.temperature else 'answers compared seed for seed'}"
                     f"; medians of {args.repeats} interleaved repeats",
             "command": "python bench/speculative.py " + " ".join(sys.argv[1:]),

@@ -16,16 +16,17 @@ from core.protocol import Constraint, SamplingParams
 from tests.tiny_chat import build_tiny_llama
 from worker.engines.serving import speculative
 from worker.engines.serving.engine import GenerationEngine
-from worker.engines.serving.speculative import StepCosts, accepted, lengths, propose
+from worker.engines.serving.requests import SequenceState
+from worker.engines.serving.speculative import DraftRates, Proposal, StepCosts, accepted, lengths, propose
 
 REPEATING = [11, 12, 13, 14, 15, 16, 11, 12, 13, 14, 15, 16, 11, 12, 13]  # an input the answer is likely to echo
 
 
 def test_propose_takes_what_followed_the_most_recent_longest_match():
-    assert propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # "1 2 3" last seen before 7
-    assert propose([5, 6, 7, 5, 6], 3) == [7, 5, 6]
-    assert propose([1, 2, 3, 4], 3) == []  # the suffix occurs nowhere earlier
-    assert propose([4, 4], 5) == [4]
+    assert propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == ([7, 1], 3)  # "1 2 3" last seen before 7
+    assert propose([5, 6, 7, 5, 6], 3) == ([7, 5, 6], 2)
+    assert propose([1, 2, 3, 4], 3) == ([], 0)  # the suffix occurs nowhere earlier
+    assert propose([4, 4], 5) == ([4], 1)
 
 
 def test_accepted_keeps_agreeing_drafts_then_the_models_token():
@@ -35,31 +36,66 @@ def test_accepted_keeps_agreeing_drafts_then_the_models_token():
     assert accepted([7], [3, 9]) == [3]
 
 
+def chances(rate: float, count: int = 8) -> list[float]:
+    """A proposal's expected yields when each draft token is right with `rate` given the ones before it."""
+    return [rate ** j for j in range(1, count + 1)]
+
+
 def test_lengths_spend_positions_where_they_pay():
-    eight = [[1] * 8]
-    assert lengths(eight * 2, [0.5, 0.5], None, None) == [0, 0]  # this row count's plain step is not measured yet
-    assert lengths(eight * 2, [0.5, 0.5], 0.05, None) == [8, 8]  # nor is a draft position: check them all once
+    half = chances(0.5)
+    assert lengths([half] * 2, None, None) == [0, 0]  # this row count's plain step is not measured yet
+    assert lengths([half] * 2, 0.05, None) == [8, 8]  # nor is a draft position: check them all once
     # Beside one row a position is nearly free (the weights are read once): a good row checks its whole draft, even
     # a poor one checks a few.
-    assert lengths(eight, [0.9], 0.05, 0.0005) == [8]
-    assert 0 < lengths(eight, [0.3], 0.05, 0.0005)[0] < 8
+    assert lengths([chances(0.9)], 0.05, 0.0005) == [8]
+    assert 0 < lengths([chances(0.3)], 0.05, 0.0005)[0] < 8
     # Sixteen rows on a CPU (a decode step 77 ms, each checked position 2.4 ms more): only rows whose drafts are
     # usually right check any, and a likelier row checks more; rows that are usually wrong decode plainly.
-    rates = [0.95] * 4 + [0.6] * 4 + [0.1] * 8
-    taken = lengths(eight * 16, rates, 0.077, 0.0024)
+    yields = [chances(0.95)] * 4 + [chances(0.6)] * 4 + [chances(0.1)] * 8
+    taken = lengths(yields, 0.077, 0.0024)
     assert taken[0] > taken[4] >= 0 and taken[:4] == [taken[0]] * 4 and taken[8:] == [0] * 8
-    assert lengths(eight * 16, [0.3] * 16, 0.077, 0.0024) == [0] * 16  # nothing pays: a plain step
+    assert lengths([chances(0.3)] * 16, 0.077, 0.0024) == [0] * 16  # nothing pays: a plain step
 
 
-def test_step_costs_measure_a_plain_step_per_row_count_and_a_positions_cost():
+def test_draft_rates_follow_the_matched_context_and_each_rows_record():
+    """A draft token after a long match is counted apart from one after a one-token match, a draft's later tokens
+    at the longer contexts their right predecessors make, and a row whose drafts fail more than the rates say is
+    expected to yield less."""
+    rates = DraftRates()
+    assert rates.rate(1) == rates.rate(4) == 0.5  # the prior
+    steady, erratic = (SequenceState(request=None, index=0, stream=None, seed=None)  # type: ignore[arg-type]
+                       for _ in range(2))
+    for _ in range(40):
+        rates.record(steady, Proposal([1, 2, 3], 4), [1, 2, 3], [1, 2, 3, 9])  # after 4 matched tokens: all right
+        rates.record(steady, Proposal([5, 6], 1), [5, 6], [7])  # after a 1-token match: the first is wrong
+    assert rates.rate(4) > 0.9 and rates.rate(6) > 0.9 and rates.rate(1) < 0.1
+    assert rates.checked[2] == 0  # a wrong first token: its successor was never reached
+    long_match = Proposal([1, 2, 3, 4], 4)
+    assert rates.yields(steady, long_match)[0] > 0.9
+    assert rates.yields(steady, long_match) == sorted(rates.yields(steady, long_match), reverse=True)
+    for _ in range(5):
+        rates.record(erratic, Proposal([1, 2], 4), [1, 2], [8])  # where the rates say right, this row is wrong
+    assert rates.yields(erratic, long_match)[0] < 0.5 * rates.yields(steady, long_match)[0]
+
+
+def test_step_costs_fit_one_line_through_plain_and_speculative_steps():
     costs = StepCosts()
-    costs.observe(rows=4, positions=8, seconds=0.2)  # no plain step of 4 rows measured yet: nothing to subtract
-    assert costs.position_s is None
-    costs.observe(rows=4, positions=0, seconds=0.1)
-    costs.observe(rows=4, positions=10, seconds=0.135)
-    assert costs.plain == {4: 0.1} and costs.position_s == pytest.approx((0.135 - 0.1) / 10)
-    costs.observe(rows=4, positions=10, seconds=0.05)  # faster than a plain step (noise): a small floor, not < 0
-    assert costs.position_s > 0
+    assert costs.price(4) == (None, None)  # nothing measured: decode plainly
+    costs.observe(tokens=4, seconds=0.1)
+    assert costs.price(4) == (pytest.approx(0.1), None)  # one token count: what a token adds is unknown
+    for tokens in (4, 12, 20, 4, 8) * 10:  # a step costs 60 ms plus 10 ms a token, plain or speculative
+        costs.observe(tokens=tokens, seconds=0.06 + 0.01 * tokens)
+    decode_s, position_s = costs.price(16)
+    assert decode_s == pytest.approx(0.22) and position_s == pytest.approx(0.01)
+    costs.observe(tokens=5, seconds=1.0)  # one stalled step moves the fit a little, not the price of every token
+    assert costs.price(16)[1] == pytest.approx(0.01, rel=0.5)
+    for _ in range(200):  # a workload that never speculates again keeps the line current from plain steps
+        for tokens in (12, 16):
+            costs.observe(tokens=tokens, seconds=0.02 + 0.005 * tokens)
+    assert costs.price(16)[1] == pytest.approx(0.005, rel=0.05)
+    for _ in range(400):  # plain steps of one row count alone cannot tell the slope: it is unknown again (explored)
+        costs.observe(tokens=16, seconds=0.1)
+    assert costs.price(16) == (pytest.approx(0.1, rel=1e-3), None)
 
 
 def greedy(new: int = 40, **kwargs) -> SamplingParams:
@@ -127,6 +163,35 @@ def test_adapter_rows_speculate_with_their_adapter(llama_dir, tmp_path):
                 futures = [engine.submit(REPEATING, greedy(), adapter="adapter"), engine.submit(REPEATING, greedy())]
             outputs[k] = [f.result(timeout=120).choices[0].token_ids for f in futures]
     assert outputs[4] == outputs[0] and outputs[0][0] != outputs[0][1]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_steps_that_prefill_prompt_chunks_check_drafts_too(arch, tiny_gpt2_dir, llama_dir, monkeypatch):
+    """Prompts prefilled in small chunks while others decode: those steps check the decoding rows' drafts in the same
+    forward, and rows that a step's ended prompt opens take their first token there; every answer (greedy and
+    seeded sampled) is the one plain decoding gives."""
+    monkeypatch.setattr(speculative, "lengths", lambda yields, *_: [len(y) for y in yields])  # check drafts whole
+    model_dir = tiny_gpt2_dir if arch == "gpt2" else llama_dir
+    settings = [greedy(), SamplingParams(max_new_tokens=40, temperature=0.8, seed=3, n=2), greedy(30)]
+    prompts = [REPEATING, [30, 31, 30, 31, 30, 31, 30, 31, 30, 31, 30], REPEATING[2:] * 2]
+    results, mixed = {}, []
+    for k in (0, 4):
+        with GenerationEngine(model_dir, device="cpu", precision="fp32", max_batch_size=8, speculative_tokens=k,
+                              prefill_chunk_tokens=7) as engine:
+            plan = engine._drafts
+
+            def traced(rows, first, chunks, plan=plan):
+                found = plan(rows, first, chunks)
+                if found is not None and chunks:
+                    mixed.append(len(chunks))
+                return found
+
+            monkeypatch.setattr(engine, "_drafts", traced)
+            with engine._lock:
+                futures = [engine.submit(p, params) for p, params in zip(prompts, settings, strict=True)]
+            results[k] = [[c.token_ids for c in f.result(timeout=120).choices] for f in futures]
+    assert mixed, "no step checked drafts beside a prompt chunk"
+    assert results[4] == results[0]
 
 
 def test_requests_that_must_not_speculate_decode_one_token_a_step(tiny_gpt2_dir):

@@ -95,6 +95,7 @@ class GenerationEngine:
         # by the measured step costs, while at most speculative_max_rows rows decode; 0: off.
         self.speculative_tokens, self.speculative_max_rows = speculative_tokens, speculative_max_rows
         self._step_costs = speculative.StepCosts()
+        self._draft_rates = speculative.DraftRates()
         # The model loads on the scheduler thread, the one thread that computes with it. On a CPU every thread that
         # runs an OpenMP parallel region keeps a team of worker threads; once a process holds more of them than it
         # has cores, GNU OpenMP's workers stop spinning between regions and sleep, and each of a decode step's
@@ -244,7 +245,7 @@ class GenerationEngine:
                         drafts = self._step(chunks)
                         elapsed = time.perf_counter() - started
                         if decoding and not chunks:
-                            self._step_costs.observe(rows, drafts, elapsed)
+                            self._step_costs.observe(rows + drafts, elapsed)
                         with self._lock:  # a speculative step's draft positions cost as prompt tokens do
                             self.scheduler.observe(elapsed, decoding, chunks, drafts)
                 except Exception as error:  # noqa: BLE001 - a failed forward fails its batch, not the engine
@@ -331,18 +332,18 @@ class GenerationEngine:
         if not first and not chunks:
             return 0
         rows = self._running.rows
-        if self.lora is not None:  # the decode rows' adapters, and each prompt chunk keeps its request's
-            self.lora.set_rows([s.request for s in rows[:first]], [c.request for c in chunks])
+        plan = self._drafts(rows, first, chunks)
+        if self.lora is not None:  # each decode token's adapter (a row's drafts too), and each prompt chunk's
+            decoding = rows[:first] if plan is None else [rows[row] for row in plan.owners]
+            self.lora.set_rows([s.request for s in decoding], [c.request for c in chunks])
         prefilling = self.scheduler.prefilling
-        if not chunks and prefilling.partial is None and (drafts := self._speculate(rows)):
-            return drafts
         params = self._running.params()
-        if not chunks and self._static is not None and self._static.failed is None and \
+        if plan is None and not chunks and self._static is not None and self._static.failed is None and \
                 prefilling.partial is None and static_eligible(rows):
             self._sampled(*self._static.step(rows, params), decoded=True)
             return 0
-        step = None
-        if first:
+        step = plan.step if plan is not None else None
+        if first and step is None:
             positions = [s.position for s in rows[:first]]
             tokens = torch.tensor([s.tokens[-1] for s in rows[:first]], dtype=torch.long, device=self._device)
             step = DecodeInput(tokens, torch.tensor(positions, device=self._device), max(positions) + 1)
@@ -359,47 +360,52 @@ class GenerationEngine:
         if chunks:
             with self._lock:
                 prefilling.advance(self._runner.cache, chunks, groups)
+            decoded = 0 if step is None else step.tokens.shape[0]
             source = torch.tensor([i for i, group in enumerate(groups[:ended]) for _ in group], dtype=torch.long,
                                   device=self._device)
-            logits = torch.cat([logits[:first], logits[first:first + ended].index_select(0, source)])
+            logits = torch.cat([logits[:decoded], logits[decoded:decoded + ended].index_select(0, source)])
             with self._lock:
                 self._counters["prefills"] += 1
                 self._counters["prompt_tokens"] += sum(c.end - c.start for c in chunks)
                 self._counters["peak_running_sequences"] = max(self._counters["peak_running_sequences"], len(rows))
         if not rows:
             return 0  # only a prompt's first chunks ran: nothing to sample yet
+        if plan is not None:
+            self._keep_drafts(rows, plan, logits)
+            return plan.positions
         seen = self._running.seen[:len(rows)] if params.penalty is not None else None
         self._sampled(logits, next_tokens(constrained_logits(logits, rows), params, seen), step is not None)
         return 0
 
-    def _speculate(self, rows: list[SequenceState]) -> int:
-        """A decode step that checks prompt-lookup drafts (speculative.py): the draft tokens it checked, 0 when this
-        step does not speculate."""
-        if not self.speculative_tokens or len(rows) > self.speculative_max_rows or \
+    def _drafts(self, rows: list[SequenceState], first: int, chunks: list[Chunk]) -> speculative.Plan | None:
+        """The step's speculative decode tokens (speculative.py), or None when this step does not speculate: rows
+        0..first-1 decode, the rest just opened for prompts that end in `chunks` (they take their first token)."""
+        if not self.speculative_tokens or not first or len(rows) > self.speculative_max_rows or \
                 not all(speculative.eligible(s) for s in rows):
-            return 0
-        proposals = [speculative.draft(s, self.speculative_tokens, self.context_length) for s in rows]
-        costs = self._step_costs  # measured step times price each checked position
-        taken = speculative.lengths(proposals, [speculative.acceptance(s) for s in rows], costs.plain.get(len(rows)),
-                                    costs.position_s)
+            return None
+        decoding = rows[:first]
+        proposals = [speculative.draft(s, self.speculative_tokens, self.context_length) for s in decoding]
+        # Measured step times price each checked position against what the decode rows yield alone (a step's prompt
+        # tokens do not lower the bar: their time buys the prefill, not decode tokens).
+        decode_s, position_s = self._step_costs.price(first)
+        taken = speculative.lengths([self._draft_rates.yields(s, p) for s, p in zip(decoding, proposals, strict=True)],
+                                    decode_s, position_s)
         if not any(taken):
-            return 0
-        drafts = [proposal[:n] for proposal, n in zip(proposals, taken, strict=True)]
-        chunks = [[s.tokens[-1], *d] for s, d in zip(rows, drafts, strict=True)]
-        # One decode step over every checked token: a row's last token and its draft at consecutive positions, each
-        # a token of its own that reads the row up to itself (DecodeInput.rows); no padding to the longest draft.
-        owners = [row for row, chunk in enumerate(chunks) for _ in chunk]
-        positions = [s.position + j for s, chunk in zip(rows, chunks, strict=True) for j in range(len(chunk))]
-        if self.lora is not None:  # every checked token with its request's adapter
-            self.lora.set_rows([rows[row].request for row in owners], [])
-        step = DecodeInput(torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=self._device),
-                           torch.tensor(positions, device=self._device), max(positions) + 1, rows=owners)
-        logits = self._runner.forward(step, None)
-        choices = speculative.choices(logits, rows, chunks)  # the token plain decoding would take at each position
+            return None
+        return speculative.Plan.build(decoding, proposals, taken, self._device)
+
+    def _keep_drafts(self, rows: list[SequenceState], plan: speculative.Plan, logits: torch.Tensor) -> None:
+        """After a speculative step: each decode row keeps its draft while it equals the model's choice, then the
+        model's own token; each row opened this step takes its first token (logits: the decode tokens' rows, then
+        one per opened row)."""
+        spans = [len(chunk) for chunk in plan.chunks] + [1] * (len(rows) - len(plan.chunks))
+        choices = speculative.choices(logits, rows, spans)  # the token plain decoding would take at each position
         kept = offset = 0
-        for sequence, chunk, drafted in zip(rows, chunks, drafts, strict=True):
-            kept_tokens = speculative.accepted(drafted, choices[offset:offset + len(chunk)])
-            speculative.record(sequence, drafted, kept_tokens)
+        for index, (sequence, span) in enumerate(zip(rows, spans, strict=True)):
+            drafted = plan.drafts[index] if index < len(plan.drafts) else []
+            kept_tokens = speculative.accepted(drafted, choices[offset:offset + span])
+            if index < len(plan.proposals):
+                self._draft_rates.record(sequence, plan.proposals[index], drafted, kept_tokens)
             for token in kept_tokens:
                 delta = sequence.accept(token, self.eos_token_ids)
                 kept += 1
@@ -407,18 +413,17 @@ class GenerationEngine:
                     self._emit(sequence.request, sequence.index, delta)
                 if sequence.finish_reason is not None:
                     break
-            offset += len(chunk)
+            offset += span
         with self._lock:
             self._counters["steps"] += 1
             self._counters["speculative_steps"] += 1
             self._counters["generated_tokens"] += kept
-            self._counters["draft_tokens"] += sum(len(d) for d in drafts)
+            self._counters["draft_tokens"] += plan.positions
             self._counters["accepted_draft_tokens"] += kept - len(rows)
         if self._on_step is not None:
             self._on_step(len(rows))
         self._running.invalidate()
         self._sweep()
-        return sum(taken)
 
     def _sampled(self, logits: torch.Tensor, new: torch.Tensor, decoded: bool) -> None:
         """After a step's draw: logprobs, the step counted when it decoded running rows, the tokens accepted."""

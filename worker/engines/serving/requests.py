@@ -135,8 +135,9 @@ class SequenceState:
     matcher: LLMatcher | None = None  # a constrained sequence's grammar matcher, advanced by every accepted token
     logprobs: list[TokenLogprob] | None = None
     unsent: list[TokenLogprob] = field(default_factory=list)  # logprobs not yet streamed with a text delta
-    draft_kept: float = 0.0  # draft tokens this row kept and checked (decayed): speculative.py's acceptance estimate
-    draft_checked: float = 0.0
+    # Draft tokens this row kept, and those the rates expected it to keep (decayed): speculative.DraftRates' scale.
+    draft_kept: float = 0.0
+    draft_expected: float = 0.0
 
     @property
     def position(self) -> int:
