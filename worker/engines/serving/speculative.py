@@ -18,9 +18,10 @@ as the standard rejection rule of speculative sampling does, and on a miss the d
 model's own distribution: the output distribution is unchanged.
 
 Which rows speculate, and how far: rows without a grammar, logprobs or repetition penalty, while at most
-`max_rows` rows decode; prompt chunks prefill in the same forward (under load most steps carry one). The draft tokens are priced, because a checked position is nearly
-free beside one row (the step reads the weights once either way) while beside sixteen rows on a CPU the linear
-layers are compute-bound and each position costs about what a decode row does. How likely a draft token is right
+`max_rows` rows decode; prompt chunks prefill in the same forward (under load most steps carry one). The draft
+tokens are priced, because a checked position is nearly free beside one row (the step reads the weights once
+either way) while beside sixteen rows on a CPU the linear layers are compute-bound and each position costs about
+what a decode row does. How likely a draft token is right
 depends most on how long a context it was matched on: on editing tasks a token proposed after a one-token match is
 right about a third of the time, one after four matched tokens (or after a short match whose first draft tokens
 were right) nine times in ten. DraftRates counts, over every row, how often a draft token following m matched
