@@ -119,3 +119,44 @@ def test_a_higher_rank_adapter_grows_the_slots_and_keeps_the_resident_one(tmp_pa
         assert engine.stats()["adapters"] == ["big", "wide"]
     for name, result in (("wide", wide), ("big", big), ("wide", again)):
         assert result.choices[0].token_ids == hf_greedy(peft_model(base, folders[name]), prompt, 10), name
+
+
+@pytest.mark.parametrize("slots", [
+    [1, 2, 3, 0, 1, 2, 3, 4, 0, 4],  # decode rows spread evenly over four adapters and the base: grouped
+    [1] * 20 + [2, 3, 0, 4],  # one adapter holds most tokens: padding the others to it would cost more, masked
+])
+def test_grouped_and_masked_updates_give_each_token_its_own_adapter(slots):
+    """Tokens spread over several adapters go grouped (one batched matmul per adapter group) where that is less
+    work than the masked matmul over every used adapter; both give each token exactly its own adapter's update."""
+    from worker.engines.serving.lora.adapter_cache import LoraWeights
+    from worker.engines.serving.lora.runner_lora import RunnerLora
+
+    torch.manual_seed(0)
+    hidden, kv, inner = 16, 8, 24
+    outputs = {"qkv": (hidden, kv, kv), "o": (hidden,), "gate_up": (inner, inner), "down": (hidden,)}
+    inputs = {"qkv": hidden, "o": hidden, "gate_up": hidden, "down": inner}
+    lora = RunnerLora(hidden, outputs, inputs, 1, capacity=4, max_rank=8, device=torch.device("cpu"),
+                      dtype=torch.float32)
+    projections = {"q_proj": hidden, "k_proj": kv, "v_proj": kv, "o_proj": hidden, "gate_proj": inner,
+                   "up_proj": inner, "down_proj": hidden}
+    adapters = {}
+    for slot, rank in zip((1, 2, 3, 4), (2, 8, 4, 8), strict=True):
+        layers = {(0, name): (torch.randn(rank, inner if name == "down_proj" else hidden), torch.randn(out, rank))
+                  for name, out in projections.items()}
+        adapters[slot] = layers
+        lora.write(slot, LoraWeights(name=f"a{slot}", rank=rank, layers=layers))
+    lora.set_rows(slots, [])
+    lora.begin(len(slots), 0, 0)
+    assert lora.plan is not None and (lora.plan.grouped is not None) == (slots[0] != slots[1])
+    x = torch.randn(len(slots), hidden)
+    base = torch.zeros(len(slots), hidden + 2 * kv)
+    got = lora.add(0, "qkv", x, base)
+    lora.plan.grouped = None  # the masked matmul over every used adapter
+    masked = lora.add(0, "qkv", x, base)
+    for token, slot in enumerate(slots):
+        expected = torch.zeros(hidden + 2 * kv)
+        if slot:
+            expected = torch.cat([adapters[slot][(0, name)][1] @ (adapters[slot][(0, name)][0] @ x[token])
+                                  for name in ("q_proj", "k_proj", "v_proj")])
+        torch.testing.assert_close(got[token], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(masked[token], expected, rtol=1e-5, atol=1e-5)
