@@ -17,7 +17,15 @@ from tests.tiny_chat import build_tiny_llama
 from worker.engines.serving import speculative
 from worker.engines.serving.engine import GenerationEngine
 from worker.engines.serving.requests import SequenceState
-from worker.engines.serving.speculative import DraftRates, Proposal, StepCosts, accepted, lengths, propose
+from worker.engines.serving.speculative import (
+    RATES_DECAY,
+    DraftRates,
+    Proposal,
+    StepCosts,
+    accepted,
+    lengths,
+    propose,
+)
 
 REPEATING = [11, 12, 13, 14, 15, 16, 11, 12, 13, 14, 15, 16, 11, 12, 13]  # an input the answer is likely to echo
 
@@ -76,6 +84,18 @@ def test_draft_rates_follow_the_matched_context_and_each_rows_record():
     for _ in range(5):
         rates.record(erratic, Proposal([1, 2], 4), [1, 2], [8])  # where the rates say right, this row is wrong
     assert rates.yields(erratic, long_match)[0] < 0.5 * rates.yields(steady, long_match)[0]
+
+
+def test_draft_rates_decay_every_earlier_count_once_per_checked_token():
+    """One record of three checked tokens weighs as three records of one: each count decays by RATES_DECAY for
+    every draft token checked after it."""
+    row = SequenceState(request=None, index=0, stream=None, seed=None)  # type: ignore[arg-type]
+    rates = DraftRates()
+    rates.record(row, Proposal([5], 1), [5], [5, 9])  # an earlier count, at context 1
+    rates.record(row, Proposal([1, 2, 3], 2), [1, 2, 3], [1, 2, 7])  # two right, the third wrong
+    assert rates.checked[1] == pytest.approx(RATES_DECAY**3)
+    assert rates.checked[2:5] == pytest.approx([RATES_DECAY**2, RATES_DECAY, 1.0])
+    assert rates.right[2:5] == pytest.approx([RATES_DECAY**2, RATES_DECAY, 0.0])
 
 
 def test_step_costs_fit_one_line_through_plain_and_speculative_steps():

@@ -334,7 +334,7 @@ class GenerationEngine:
         rows = self._running.rows
         plan = self._drafts(rows, first, chunks)
         if self.lora is not None:  # each decode token's adapter (a row's drafts too), and each prompt chunk's
-            decoding = rows[:first] if plan is None else [rows[row] for row in plan.owners]
+            decoding = rows[:first] if plan is None or plan.step.rows is None else [rows[row] for row in plan.step.rows]
             self.lora.set_rows([s.request for s in decoding], [c.request for c in chunks])
         prefilling = self.scheduler.prefilling
         params = self._running.params()
@@ -407,10 +407,8 @@ class GenerationEngine:
             if index < len(plan.proposals):
                 self._draft_rates.record(sequence, plan.proposals[index], drafted, kept_tokens)
             for token in kept_tokens:
-                delta = sequence.accept(token, self.eos_token_ids)
+                self._take(sequence, token)
                 kept += 1
-                if delta and sequence.request.on_token is not None and not sequence.request.done:
-                    self._emit(sequence.request, sequence.index, delta)
                 if sequence.finish_reason is not None:
                     break
             offset += span
@@ -444,12 +442,16 @@ class GenerationEngine:
         self._running.mark_seen(0, tokens)
         ids = tokens.tolist()  # the one device->host sync of a step
         for sequence, token in zip(self._running.rows, ids, strict=True):
-            delta = sequence.accept(token, self.eos_token_ids)
-            if delta and sequence.request.on_token is not None and not sequence.request.done:
-                self._emit(sequence.request, sequence.index, delta, sequence.take_unsent())
+            self._take(sequence, token)
         with self._lock:
             self._counters["generated_tokens"] += len(ids)
         self._sweep()
+
+    def _take(self, sequence: SequenceState, token: int) -> None:
+        """Append one token to a row and stream the text it completes (with the logprobs gathered since the last)."""
+        delta = sequence.accept(token, self.eos_token_ids)
+        if delta and sequence.request.on_token is not None and not sequence.request.done:
+            self._emit(sequence.request, sequence.index, delta, sequence.take_unsent())
 
     def _sweep(self) -> None:
         """Remove finished rows (the last row moves into each hole) and resolve completed requests."""

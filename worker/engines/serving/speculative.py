@@ -119,14 +119,16 @@ class DraftRates:
         if not drafted:
             return
         right = len(kept) - 1  # kept ends with the model's own token
-        expected = 0.0
-        for j in range(min(right + 1, len(drafted))):
-            at = min(proposal.matched + j, CONTEXTS)
-            expected += self.rate(at)
-            self.right = [RATES_DECAY * count for count in self.right]
-            self.checked = [RATES_DECAY * count for count in self.checked]
-            self.right[at] += j < right
-            self.checked[at] += 1
+        reached = min(right + 1, len(drafted))
+        contexts = [min(proposal.matched + j, CONTEXTS) for j in range(reached)]
+        expected = sum(self.rate(at) for at in contexts)
+        # Every earlier count decays once per token checked now; the j-th of these by the reached - 1 - j after it.
+        self.right = [RATES_DECAY**reached * count for count in self.right]
+        self.checked = [RATES_DECAY**reached * count for count in self.checked]
+        for j, at in enumerate(contexts):
+            weight = RATES_DECAY ** (reached - 1 - j)
+            self.right[at] += weight * (j < right)
+            self.checked[at] += weight
         sequence.draft_kept = ROW_DECAY * sequence.draft_kept + right
         sequence.draft_expected = ROW_DECAY * sequence.draft_expected + expected
 
@@ -205,8 +207,7 @@ class StepCosts:
 class Plan(NamedTuple):
     """A speculative step's decode tokens: each decode row's last token and its draft at consecutive positions."""
 
-    step: DecodeInput
-    owners: list[int]  # each decode token's row
+    step: DecodeInput  # its rows: each decode token's row
     chunks: list[list[int]]  # per decode row: its last token and its draft
     drafts: list[list[int]]
     proposals: list[Proposal]
@@ -223,7 +224,7 @@ class Plan(NamedTuple):
         positions = [s.position + j for s, chunk in zip(rows, chunks, strict=True) for j in range(len(chunk))]
         step = DecodeInput(torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=device),
                            torch.tensor(positions, device=device), max(positions) + 1, rows=owners)
-        return cls(step, owners, chunks, drafts, proposals, sum(taken))
+        return cls(step, chunks, drafts, proposals, sum(taken))
 
 
 def choices(logits: torch.Tensor, rows: Sequence[SequenceState], spans: Sequence[int]) -> list[int]:

@@ -309,8 +309,10 @@ class DecodeLayout:
     the same step, before any token reads), so its draft is checked causally as a chunk would be.
 
     On a CPU with the kernel, attention reads each token's row blocks in place (no padding to the longest row, no
-    copy); otherwise the rows' blocks up to the span are gathered and SDPA masks each token to its positions.
-    `table` (a CUDA graph's static one) is given already prepared; otherwise the rows are prepared here.
+    copy); otherwise the rows' blocks up to the span are gathered, each row once however many of the step's tokens
+    read it, and SDPA masks each token to its positions (a row's tokens go as that row's queries, padded to the row
+    with the most). `table` (a CUDA graph's static one) is given already prepared; otherwise the rows are prepared
+    here.
     """
 
     def __init__(self, cache: PagedCache, positions: torch.Tensor, span: int,
@@ -327,6 +329,8 @@ class DecodeLayout:
                 cache.prepare(row, first, end)
             table = cache.block_table(owners, self.blocks)
         self.table = table
+        self.shared = None if rows is None or len(set(rows)) == len(rows) else SharedRows(cache, rows, positions,
+                                                                                           self.blocks)
         index = (positions // BLOCK)[:, None]
         self.slots = (table.gather(1, index)[:, 0].long(), positions % BLOCK)
         self.kernel = paged_attention.kernel() if positions.device.type == "cpu" else None
@@ -343,6 +347,8 @@ class DecodeLayout:
             out = self.kernel.paged_decode(query, cache.keys[layer], cache.values[layer], self.table, self.positions,
                                            window or 0, scale, self.parts)
             return out.to(query.dtype)
+        if self.shared is not None:
+            return self.shared.attend(attention, query, layer, window)
         keys, values = cache.gather(layer, self.table)
         return attention(query[:, :, None], keys, values, attn_mask=self.mask(window))[:, :, 0]
 
@@ -351,6 +357,49 @@ class DecodeLayout:
         found = self._masks.get(window)
         if found is None:
             found = self._masks[window] = sees(self.positions, self.blocks * BLOCK, window)[:, None, None]
+        return found
+
+
+class SharedRows:
+    """Decode tokens several of which read one row (a speculative step's): each row's blocks gathered once, its
+    tokens attending as that row's queries [rows, head, most tokens of a row, head_dim], the shorter rows padded."""
+
+    def __init__(self, cache: PagedCache, rows: list[int], positions: torch.Tensor, blocks: int) -> None:
+        self.cache = cache
+        order = list(dict.fromkeys(rows))  # each row once, in the order its first token comes
+        index = {row: i for i, row in enumerate(order)}
+        seen = [0] * len(order)
+        which, nth = [], []
+        for row in rows:
+            which.append(index[row])
+            nth.append(seen[index[row]])
+            seen[index[row]] += 1
+        device = positions.device
+        self.table = cache.block_table(order, blocks)
+        self.which = torch.tensor(which, device=device)
+        self.nth = torch.tensor(nth, device=device)
+        self.width = max(seen)
+        # A pad slot reads position 0 (it must see something); its output is dropped.
+        self.positions = torch.zeros(len(order), self.width, dtype=positions.dtype, device=device)
+        self.positions[self.which, self.nth] = positions
+        self.span = blocks * BLOCK
+        self._masks: dict[int | None, torch.Tensor] = {}
+
+    def attend(self, attention: Attention, query: torch.Tensor, layer: int, window: int | None) -> torch.Tensor:
+        """query [tokens, head, head_dim] -> the same shape: each token against its row, up to its position."""
+        keys, values = self.cache.gather(layer, self.table)
+        queries = query.new_zeros(len(self.table), self.width, *query.shape[1:])
+        queries[self.which, self.nth] = query
+        out = attention(queries.transpose(1, 2), keys, values, attn_mask=self.mask(window))
+        return out.transpose(1, 2)[self.which, self.nth]
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[rows, 1, width, span]: each row's token slot j sees the row's positions up to its own."""
+        found = self._masks.get(window)
+        if found is None:
+            rows, width = self.positions.shape
+            seen = sees(self.positions.reshape(-1), self.span, window).view(rows, width, self.span)
+            found = self._masks[window] = seen[:, None]
         return found
 
 
