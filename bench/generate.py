@@ -163,6 +163,23 @@ def service(client: httpx.Client, model: str, texts: list[str], max_new_tokens: 
     return time.perf_counter() - start, results
 
 
+def generation_kv_bytes(up_log: Path) -> dict[str, int]:
+    """The generation worker's KV cache bytes by part (pool, used, prefix), scraped from its metrics port as
+    `trainserve up` logged it; empty when it serves none."""
+    found = re.search(rb"worker\[generation\] metrics on (http://\S+)", up_log.read_bytes())
+    if found is None:
+        return {}
+    try:
+        text = httpx.get(found.group(1).decode(), timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    parts: dict[str, int] = {}
+    for part, value in re.findall(r'^trainserve_generation_kv_cache_bytes\{[^}]*part="(\w+)"[^}]*\} (\S+)$', text,
+                                  flags=re.M):
+        parts[part] = parts.get(part, 0) + int(float(value))
+    return parts
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
@@ -227,7 +244,8 @@ def main() -> None:
         sequential = hf[("fp32", attentions[0])]
         parameters = sum(p.numel() for p in sequential.model.parameters())  # tied embedding once
         port = free_port()
-        proc = start_service(home, port, args.precision)
+        # Worker metrics from a free port up (the generation worker's is logged): its KV cache at idle.
+        proc = start_service(home, port, args.precision, TRAINSERVE_WORKER_METRICS_PORT=str(free_port()))
         try:
             key = (home / "admin.key").read_text().strip()
             headers = {"Authorization": f"Bearer {key}"}
@@ -261,6 +279,7 @@ def main() -> None:
             time.sleep(1.0)  # the engine releases its cache once idle
             rss, peak = generation_worker_rss(proc.pid), generation_worker_rss(proc.pid, "VmHWM")
             anon, mapped = generation_worker_rss(proc.pid, "RssAnon"), generation_worker_rss(proc.pid, "RssFile")
+            kv = generation_kv_bytes(home / "up.log")
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(120)
@@ -305,6 +324,9 @@ def main() -> None:
           f"{peak / held:.2f}x peak (before its first request, no torch imported yet: {idle_rss / MB:.0f} MiB); "
           f"idle RSS is {anon / MB:.0f} MiB anonymous + {mapped / MB:.0f} MiB file-backed (shared libraries, "
           f"mapped checkpoint pages)")
+    if kv:
+        print(f"of which the idle KV cache: {kv.get('pool', 0) / MB:.0f} MiB pool, {kv.get('prefix', 0) / MB:.0f} MiB "
+              f"of it the prefix cache's blocks (kept while idle, within TRAINSERVE_PREFIX_CACHE_MB)")
 
 
 MB = 1024 * 1024

@@ -205,7 +205,8 @@ class Settings(BaseSettings):
     speculative_max_rows: int = Field(32, ge=1, description="Speculative decoding runs only while at most this many "
                                       "rows decode (beside that, each step prices its draft tokens).")
     generation_memory_budget_mb: float = Field(
-        8192.0, gt=0, description="Model weights one generation worker keeps warm; least recently used idle "
+        8192.0, gt=0, description="Memory one generation worker keeps warm: each loaded model's weights and its "
+        "prefix cache budget (TRAINSERVE_PREFIX_CACHE_MB, which an idle engine keeps); least recently used idle "
         "models are unloaded beyond it.")
 
     # --- Job event streams (GET /jobs/{id}/events?stream=true) ---

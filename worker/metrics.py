@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,59 @@ GEN_TTFT = Histogram("trainserve_generation_time_to_first_token_seconds", "From 
                      "its first token", buckets=_TTFT_BUCKETS, registry=REGISTRY)
 GEN_ITL = Histogram("trainserve_generation_inter_token_latency_seconds", "Between consecutive tokens of one "
                     "choice", buckets=_TOKEN_BUCKETS, registry=REGISTRY)
+
+
+class EngineState(Collector):
+    """What the warm generation engines hold now, read from their stats() at each scrape (nothing kept between
+    scrapes; an engine's counters start again when it is unloaded and loaded): KV cache memory, waiting and running
+    work, prompt tokens served from the prefix cache, speculative draft tokens checked and kept, per model.
+
+    `source` yields (model, stats) of each warm engine; the generation service sets it (None: no families).
+    """
+
+    def __init__(self) -> None:
+        self.source: Callable[[], list[tuple[str, dict[str, Any]]]] | None = None
+
+    def describe(self) -> Iterator[Metric]:
+        """The families without samples (the registry asks at registration, before any engine exists)."""
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        """One sample per warm engine in each family."""
+        engines = self.source() if self.source is not None else []
+        yield from self._families(engines)
+
+    @staticmethod
+    def _families(engines: Sequence[tuple[str, dict[str, Any]]] = ()) -> Iterator[Metric]:
+        kv = GaugeMetricFamily("trainserve_generation_kv_cache_bytes", "Bytes of the paged KV cache by part: pool "
+                               "(allocated blocks), used (blocks held by running rows or the prefix cache), prefix "
+                               "(blocks the prefix cache holds; kept while the engine is idle)",
+                               labels=["model", "part"])
+        running = GaugeMetricFamily("trainserve_generation_sequences_running", "Sequences (choices) decoding now",
+                                    labels=["model"])
+        waiting = GaugeMetricFamily("trainserve_generation_requests_waiting", "Requests queued for a batch row",
+                                    labels=["model"])
+        cached = CounterMetricFamily("trainserve_generation_prompt_tokens_cached", "Prompt tokens whose keys and "
+                                     "values came from the prefix cache (not prefilled)", labels=["model"])
+        drafted = CounterMetricFamily("trainserve_generation_draft_tokens", "Speculative draft tokens checked",
+                                      labels=["model"])
+        accepted = CounterMetricFamily("trainserve_generation_draft_tokens_accepted", "Speculative draft tokens kept "
+                                       "(equal to what plain decoding would have produced)", labels=["model"])
+        for model, stats in engines:
+            block = stats["cache_block_bytes"]
+            for part, blocks in (("pool", stats["cache_blocks"]), ("used", stats["cache_blocks_used"]),
+                                 ("prefix", stats["prefix_cache_blocks"])):
+                kv.add_metric([model, part], blocks * block)
+            running.add_metric([model], stats["running_sequences"])
+            waiting.add_metric([model], stats["waiting"])
+            cached.add_metric([model], stats["cached_prompt_tokens"])
+            drafted.add_metric([model], stats["draft_tokens"])
+            accepted.add_metric([model], stats["accepted_draft_tokens"])
+        yield from (kv, running, waiting, cached, drafted, accepted)
+
+
+ENGINE_STATE = EngineState()
+REGISTRY.register(ENGINE_STATE)
 
 
 def serve_metrics(port: int, addr: str = "0.0.0.0") -> bool:

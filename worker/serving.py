@@ -103,6 +103,11 @@ class EngineRegistry(Generic[EngineT]):
         with self._lock:
             return [entry.engine for entry in self._entries.values()]
 
+    def warm(self) -> list[tuple[str, EngineT]]:
+        """(model, engine) of each warm engine (a snapshot)."""
+        with self._lock:
+            return [(model, entry.engine) for model, entry in self._entries.items()]
+
     def used_bytes(self) -> int:
         """The summed footprint of the warm engines."""
         with self._lock:
@@ -160,8 +165,9 @@ class EngineRegistry(Generic[EngineT]):
 
 
 def _footprint(engine: GenerationEngine) -> int:
-    """Weights and buffers of an engine's model, in bytes (the KV cache is released whenever it is idle)."""
-    return engine.weight_bytes
+    """What an idle engine may hold, in bytes: its weights and buffers, and the prefix cache's budget (an idle
+    engine keeps the prefix cache's blocks; the rest of its KV cache is released whenever it is idle)."""
+    return engine.weight_bytes + engine.prefix_cache_bytes
 
 
 class GenerationService:
@@ -173,6 +179,11 @@ class GenerationService:
         self.storage = storage
         self.events = EventPump(redis)
         self.registry = EngineRegistry(self._load, int(settings.generation_memory_budget_mb * MB), _footprint)
+        metrics.ENGINE_STATE.source = self.engine_stats  # the worker's scrapes read this service's engines
+
+    def engine_stats(self) -> list[tuple[str, dict[str, Any]]]:
+        """(model, stats) of each warm engine, for the worker's metrics."""
+        return [(model, engine.stats()) for model, engine in self.registry.warm()]
 
     @classmethod
     def build(cls, ctx: WorkerContext) -> GenerationService:

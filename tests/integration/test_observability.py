@@ -103,6 +103,12 @@ def test_metrics_during_a_job_and_a_burst_and_logs_that_follow_the_job(start_api
     assert _value(generation, "trainserve_generation_batch_size_sum") > \
         _value(generation, "trainserve_generation_batch_size_count")  # some steps decoded several requests
     assert peak_in_flight >= 1
+    # The warm engine's state, read at the scrape: its KV cache by part, running and waiting work, draft tokens.
+    kv_parts = {json.loads(key[key.index("{"):])["part"] for key in generation
+                if key.startswith("trainserve_generation_kv_cache_bytes{")}
+    assert kv_parts == {"pool", "used", "prefix"}, kv_parts
+    assert any(key.startswith("trainserve_generation_sequences_running{") for key in generation)
+    assert any(key.startswith("trainserve_generation_draft_tokens_total{") for key in generation)
 
     assert client.post(f"/jobs/{job_id}/cancel").status_code == 200
     job = wait_for(lambda: (j := client.get(f"/jobs/{job_id}").json())["status"] == "cancelled" and j, 60,

@@ -1,4 +1,5 @@
-"""The generation worker's engine registry with tiny real GPT-2s: LRU eviction under a budget, per-model loads."""
+"""The generation worker's engine registry with tiny real GPT-2s: LRU eviction under a budget (weights and the
+prefix cache an idle engine keeps), per-model loads, and the metrics read from the warm engines."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import time
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from core.protocol import SamplingParams
 from tests.tiny_lm import build_tiny_gpt2
 from worker.engines.serving.engine import GenerationEngine
+from worker.metrics import EngineState
 from worker.serving import EngineRegistry, _footprint
 
 WAIT = 60
@@ -92,3 +96,44 @@ def test_a_loading_model_does_not_block_requests_for_loaded_ones(models) -> None
     finally:
         slow_go.set()
         registry.close()
+
+
+def test_an_engine_counts_its_prefix_cache_budget_in_its_footprint(models) -> None:
+    """An idle engine keeps its prefix cache's blocks, so the registry's budget counts them with the weights."""
+    plain, caching = _engine(str(models["a"])), GenerationEngine(str(models["a"]), device="cpu", max_batch_size=2,
+                                                                 prefix_cache_bytes=4 * 2**20)
+    try:
+        assert _footprint(caching) == _footprint(plain) + 4 * 2**20
+    finally:
+        plain.close()
+        caching.close()
+
+
+def test_the_worker_metrics_read_the_warm_engines_at_each_scrape(models) -> None:
+    """KV cache bytes, cached prompt tokens and draft tokens per model, from the engines' own counts."""
+    state = EngineState()
+    scraped = CollectorRegistry()
+    scraped.register(state)
+    empty = {family.name for family in text_string_to_metric_families(generate_latest(scraped).decode())}
+    assert "trainserve_generation_kv_cache_bytes" in empty  # described with no engine warm yet
+    prompt = list(range(1, 9)) * 2 + [1, 2]  # a full block, cached after the first request; a repeating input
+    with GenerationEngine(str(models["a"]), device="cpu", max_batch_size=2, prefix_cache_bytes=2**20,
+                          speculative_tokens=4) as engine:
+        state.source = lambda: [("a", engine.stats())]
+        for _ in range(2):
+            engine.generate(prompt, SamplingParams(max_new_tokens=8, temperature=0))
+        stats = engine.stats()
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(generate_latest(scraped).decode())
+                   for s in family.samples}
+    model = (("model", "a"),)
+    block = stats["cache_block_bytes"]
+    assert samples[("trainserve_generation_kv_cache_bytes", (("model", "a"), ("part", "prefix")))] == \
+        stats["prefix_cache_blocks"] * block > 0
+    assert samples[("trainserve_generation_kv_cache_bytes", (("model", "a"), ("part", "pool")))] == \
+        stats["cache_blocks"] * block
+    assert samples[("trainserve_generation_prompt_tokens_cached_total", model)] == stats["cached_prompt_tokens"] > 0
+    assert samples[("trainserve_generation_draft_tokens_total", model)] == stats["draft_tokens"]
+    assert samples[("trainserve_generation_draft_tokens_accepted_total", model)] == stats["accepted_draft_tokens"]
+    assert samples[("trainserve_generation_sequences_running", model)] == 0
+    assert samples[("trainserve_generation_requests_waiting", model)] == 0

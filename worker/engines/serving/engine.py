@@ -77,6 +77,7 @@ class GenerationEngine:
                                    prefill_chunk_tokens=prefill_chunk_tokens, prefill_step_ratio=prefill_step_ratio,
                                    prefix_cache_bytes=prefix_cache_bytes)
         self.max_batch_size = max_batch_size
+        self.prefix_cache_bytes = prefix_cache_bytes
         self.max_tokens_in_flight = max_tokens_in_flight
         self.max_queue = max_queue
         self.max_loras = max_loras
@@ -90,7 +91,8 @@ class GenerationEngine:
         self._closed = False
         self._counters = {"steps": 0, "prefills": 0, "prompt_tokens": 0, "generated_tokens": 0,
                           "completed": 0, "cancelled": 0, "expired": 0, "failed": 0, "peak_running_sequences": 0,
-                          "speculative_steps": 0, "draft_tokens": 0, "accepted_draft_tokens": 0}
+                          "speculative_steps": 0, "draft_tokens": 0, "accepted_draft_tokens": 0,
+                          "cached_prompt_tokens": 0}
         # Speculative decoding (speculative.py): up to this many prompt-lookup draft tokens per row, as many as pay
         # by the measured step costs, while at most speculative_max_rows rows decode; 0: off.
         self.speculative_tokens, self.speculative_max_rows = speculative_tokens, speculative_max_rows
@@ -203,6 +205,7 @@ class GenerationEngine:
                     **self.scheduler.stats(),
                     "max_batch_size": self.max_batch_size, "max_tokens_in_flight": self.max_tokens_in_flight,
                     "cache_blocks": cache.blocks, "cache_blocks_used": cache.used_blocks,
+                    "prefix_cache_blocks": self.scheduler.prefilling.cached_blocks,
                     "cache_block_bytes": cache.block_bytes, "closed": self._closed,
                     "adapters": self.lora.resident() if self.lora is not None else [], "max_loras": self.max_loras,
                     **self._counters}
@@ -297,6 +300,7 @@ class GenerationEngine:
             with self._lock:
                 if request.future.set_running_or_notify_cancel():
                     self.scheduler.prefilling.add(self._runner.cache, request)
+                    self._counters["cached_prompt_tokens"] += request.cached_tokens
                 else:
                     self.scheduler.release(request, request.params.n)
 

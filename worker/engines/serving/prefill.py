@@ -95,6 +95,11 @@ class PrefillQueue:
         self.done = 0  # prompt tokens of the head already in the cache
         self.tail = 0  # the head's first cache row while it is part-way
 
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks the prefix cache holds (0 without one)."""
+        return len(self.prefix.blocks) if self.prefix is not None else 0
+
     def add(self, cache: PagedCache, request: Request) -> None:
         """Queue a started request (its cached prefix looked up now: held until its prefill, whatever is evicted)."""
         if self.prefix is not None:
