@@ -23,7 +23,9 @@ end), TTFT (first non-empty chunk), ITL (per request, (end - first chunk) / (tok
 p50/p90/p99, goodput (requests/s with TTFT <= `--slo-ttft` and ITL <= `--slo-itl`) and the requests refused (429)
 or failed. A refused or failed request has infinite latency in the percentiles (so p99 reads `inf` once more
 than 1% are refused) and misses the SLO. Every server starts first and is warmed up; then each repeat runs each
-side once, one side at a time, the order rotated per repeat. Printed: every run, then per side the median with
+side once, one side at a time, the order rotated per repeat, every other server stopped (SIGSTOP) meanwhile: a
+server's idle polling or unfinished work cannot take a core from the side being measured (each side answers a
+short warm-up chat after it is continued, before its run). Printed: every run, then per side the median with
 [min-max] over the repeats, the ratios to trainserve, how many greedy answers of each side equal trainserve's
 (first repeat), and the load average over the runs; `--json PATH` writes the summary in bench/results/'s format.
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -85,7 +88,38 @@ class Side:
     headers: dict[str, str] = field(default_factory=dict)
     stop: Callable[[], None] | None = None
 
+    def processes(self) -> list[int]:
+        """The server's process and every process under it (`trainserve up`'s API and workers, their children)."""
+        children: dict[int, list[int]] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+        found, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            todo += children.get(pid, [])
+        return found
+
+    def pause(self) -> None:
+        """Stop the server's processes (SIGSTOP) while another side is measured: nothing it still runs or polls
+        takes a core from that side."""
+        for pid in self.processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for pid in self.processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
     def close(self) -> None:
+        self.resume()  # a stopped process would not act on the signal that ends it
         if self.stop is not None:
             self.stop()
         elif self.proc.poll() is None:
@@ -428,12 +462,17 @@ def main(argv: list[str] | None = None) -> int:
             if "trainserve" in sides:
                 print(f"trainserve precision: {served_precision(home / 'trainserve')}", flush=True)
             concurrency = args.concurrency if args.mode == "closed" else None
+            for side in sides.values():
+                side.pause()
             for repeat in range(args.repeats):
                 names = list(sides)
                 order = names[repeat % len(names):] + names[:repeat % len(names)] if names else []
                 for load, requests in loads:
                     for name in order:
+                        sides[name].resume()  # the only server running while it is measured
+                        warm(sides[name])  # answering again (its workers' heartbeats caught up) before the clock
                         results = asyncio.run(replay(sides[name], requests, concurrency))
+                        sides[name].pause()
                         answers.setdefault((load, name), [r["text"] if r["status"] == 200 else None for r in results])
                         run = summarize(results, tokenizer, args)
                         rows.setdefault((load, name), []).append(run)
