@@ -97,7 +97,10 @@ def test_a_stream_dropped_after_the_first_token_frees_its_slot_and_stops_the_wor
     with httpx.Client(base_url=api.url, headers=api.headers, timeout=120) as client, \
             client.stream("POST", "/generate", json=body) as response:
         assert response.status_code == 200
-        first = next(line for line in response.iter_lines() if line.startswith("data: "))
+        # The line iterator stays referenced: an abandoned one is closed at once, and closing it drops the connection
+        # (httpcore closes on GeneratorExit), so the API would see the client gone before the slot is checked.
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
         event = json.loads(first.removeprefix("data: "))
         assert "error" not in event, first
         request_id = event["id"]
