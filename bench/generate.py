@@ -185,18 +185,32 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def generation_worker_rss(up: int, field: str = "VmRSS") -> int:
-    """Resident bytes of `trainserve up`'s generation worker from /proc (VmRSS now, VmHWM peak, RssAnon, RssFile)."""
+def children() -> dict[int, list[int]]:
+    """Every process's children, by parent pid, from /proc."""
+    found: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == up and b"generation" in cmdline:
+        found.setdefault(ppid, []).append(int(entry.name))
+    return found
+
+
+def generation_worker_rss(up: int, field: str = "VmRSS") -> int:
+    """Resident bytes of `trainserve up`'s generation worker from /proc (VmRSS now, VmHWM peak, RssAnon, RssFile)."""
+    for pid in children().get(up, []):
+        entry = Path("/proc") / str(pid)
+        try:
+            if b"generation" not in (entry / "cmdline").read_bytes().split(b"\0"):
+                continue
             for line in (entry / "status").read_text().splitlines():
                 if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
+        except OSError:
+            continue
     return 0
 
 

@@ -59,7 +59,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
-from bench.generate import free_port, served_precision, start_service  # noqa: E402
+from bench.generate import children, free_port, served_precision, start_service  # noqa: E402
 from bench.machine import describe  # noqa: E402
 from trainserve.real_models import SMOLLM2_DIR, build_smollm2, smollm2_gguf  # noqa: E402
 
@@ -90,20 +90,12 @@ class Side:
 
     def processes(self) -> list[int]:
         """The server's process and every process under it (`trainserve up`'s API and workers, their children)."""
-        children: dict[int, list[int]] = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
+        under = children()
         found, todo = [], [self.proc.pid]
         while todo:
             pid = todo.pop()
             found.append(pid)
-            todo += children.get(pid, [])
+            todo += under.get(pid, [])
         return found
 
     def pause(self) -> None:

@@ -100,8 +100,7 @@ class EngineRegistry(Generic[EngineT]):
 
     def engines(self) -> list[EngineT]:
         """The warm engines (a snapshot: one may be evicted after)."""
-        with self._lock:
-            return [entry.engine for entry in self._entries.values()]
+        return [engine for _, engine in self.warm()]
 
     def warm(self) -> list[tuple[str, EngineT]]:
         """(model, engine) of each warm engine (a snapshot)."""

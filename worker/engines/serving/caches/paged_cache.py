@@ -329,8 +329,8 @@ class DecodeLayout:
                 cache.prepare(row, first, end)
             table = cache.block_table(owners, self.blocks)
         self.table = table
-        self.shared = None if rows is None or len(set(rows)) == len(rows) else SharedRows(cache, rows, positions,
-                                                                                           self.blocks)
+        self.rows = rows
+        self._shared: SharedRows | None = None  # built on the gather path's first layer, never with the kernel
         index = (positions // BLOCK)[:, None]
         self.slots = (table.gather(1, index)[:, 0].long(), positions % BLOCK)
         self.kernel = paged_attention.kernel() if positions.device.type == "cpu" else None
@@ -347,8 +347,11 @@ class DecodeLayout:
             out = self.kernel.paged_decode(query, cache.keys[layer], cache.values[layer], self.table, self.positions,
                                            window or 0, scale, self.parts)
             return out.to(query.dtype)
-        if self.shared is not None:
-            return self.shared.attend(attention, query, layer, window)
+        rows = self.rows
+        if rows is not None and len(set(rows)) < len(rows):
+            if self._shared is None:
+                self._shared = SharedRows(cache, rows, self.positions, self.blocks)
+            return self._shared.attend(attention, query, layer, window)
         keys, values = cache.gather(layer, self.table)
         return attention(query[:, :, None], keys, values, attn_mask=self.mask(window))[:, :, 0]
 
