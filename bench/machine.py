@@ -8,17 +8,24 @@ from pathlib import Path
 
 
 def describe() -> str:
-    """E.g. "2-core AMD EPYC (AVX-512, bf16), torch 2.13.0+cpu, transformers 4.57.6"."""
+    """E.g. "2-core AMD EPYC (family 23 model 1, AVX2 only), torch 2.13.0+cpu, transformers 4.57.6": the family and
+    model numbers tell apart generations that a virtual machine's model name hides (Zen 1 runs AVX2 at half the
+    width of Zen 3)."""
     import torch
     import transformers
 
-    cpu, flags = platform.processor() or platform.machine(), set()
+    cpu, flags, generation = platform.processor() or platform.machine(), set(), ""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         lines = cpuinfo.read_text().splitlines()
         cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), cpu)
         flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+        numbers = {key: next((line.split(":", 1)[1].strip() for line in lines if line.split(":")[0].strip() == key), "")
+                   for key in ("cpu family", "model")}
+        if all(numbers.values()):
+            generation = f"family {numbers['cpu family']} model {numbers['model']}, "
     vector = ("AVX-512" + (", bf16" if "avx512_bf16" in flags else "")) if "avx512f" in flags else \
         "AVX2 only" if "avx2" in flags else ""
-    return (f"{os.cpu_count()}-core {cpu}{f' ({vector})' if vector else ''}, torch {torch.__version__}, "
+    details = f"{generation}{vector}".rstrip(", ")
+    return (f"{os.cpu_count()}-core {cpu}{f' ({details})' if details else ''}, torch {torch.__version__}, "
             f"transformers {transformers.__version__}")

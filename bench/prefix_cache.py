@@ -4,10 +4,10 @@ Every request is a chat: one shared `--system-tokens` system prompt (500 by defa
 user message (an SST-2 sentence), rendered as "System: ...\\n\\nUser: ...\\n\\nAssistant:" and asking for
 `--max-tokens` greedy tokens. Requests arrive one after another (`--requests` per round), so TTFT is the
 prefill itself; the `off` side (TRAINSERVE_PREFIX_CACHE_MB=0, the baseline) prefills every prompt whole, the `on`
-side copies the cached system prompt's blocks and prefills the rest. Both sides run the same engine settings
-otherwise (chunked prefill at its default), rounds interleaved (the side going first alternating), TTFT p50 and
-p90 over all rounds, the ratio off / on, whether the two sides' greedy outputs are equal, the cached tokens per
-request, and the load average. Model: GPT-2-small's width with `--layers` layers, random weights, fp32 CPU.
+side's rows share the cached system prompt's blocks by reference and prefill the rest. Both sides run the same
+engine settings otherwise (chunked prefill at its default), rounds interleaved (the side going first alternating),
+TTFT p50 and p90 over all rounds, the ratio off / on, whether the two sides' greedy outputs are equal, the cached
+tokens per request, and the load average. Model: GPT-2-small's width with `--layers` layers, random weights, fp32 CPU.
 
     python bench/prefix_cache.py                         # 4 layers, 500-token system prompt, 3 rounds of 8
     python bench/prefix_cache.py --layers 2 --rounds 1 --requests 4      # smoke run
