@@ -196,7 +196,9 @@ FAIR_LIMITS = {"TRAINSERVE_UPLOADS_PER_TENANT": "2", "TRAINSERVE_BODY_GRACE_S": 
                "TRAINSERVE_REFUSALS_PER_SECOND": str(Settings.model_fields["refusals_per_second"].default)}
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
                  "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
-ROUNDS = 20
+# Rounds of each phase: enough that a p99 is the 99th of 100 samples, not the largest of a few (one scheduler
+# stall on a request would be the whole measurement).
+ROUNDS = 100
 # A quiet p99 below this counts as this: on 2 cores the hostile tenant's processes take their fair half of the CPU,
 # and one scheduler period of theirs (CFS: up to 24 ms) lands on a request whatever the service does.
 QUIET_FLOOR_S = 0.02
