@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-compile "torch==2.13.0"
 	$(PY) -m pip install -q --no-compile -e ".[worker,local,dev]"
 	# The paged-attention kernel, built once for this CPU and cached (the engine gathers the cache without it).
-	$(PY) -m worker.engines.serving.caches.paged_attention
+	$(PY) -m worker.engines.generation.caches.paged_attention
 	touch $@
 
 # The browser tests drive Debian's chromium (never a browser Playwright downloads); installed here when missing.

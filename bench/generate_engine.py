@@ -32,7 +32,7 @@ from transformers import GPT2LMHeadModel, GPT2TokenizerFast  # noqa: E402
 # generation config: every side (the engine, and both `generate` baselines) produces exactly max_new_tokens.
 from bench.generate import build_model  # noqa: E402
 from worker.engines.device import resolve_device  # noqa: E402
-from worker.engines.serving.engine import GenerationEngine, SamplingParams  # noqa: E402
+from worker.engines.generation.engine import GenerationEngine, SamplingParams  # noqa: E402
 
 BASELINE = "sequential-hf-generate"
 BATCHED = "batched-hf-generate"

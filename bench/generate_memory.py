@@ -58,7 +58,7 @@ def main() -> None:
         print(f"checkpoint weights {weights_mib:.0f} MiB ({model})")
         print(line("bare interpreter", weights_mib))
         from core.protocol import SamplingParams
-        from worker.engines.serving.engine import GenerationEngine
+        from worker.engines.generation.engine import GenerationEngine
 
         print(line("engine imported", weights_mib))
         engine = GenerationEngine(model, device="cpu", precision=args.precision, max_batch_size=args.rows)

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast  # noqa: E402
 
 from core.paths import GPT2_TOKENIZER_DIR  # noqa: E402
-from worker.engines.serving.engine import GenerationEngine, SamplingParams  # noqa: E402
+from worker.engines.generation.engine import GenerationEngine, SamplingParams  # noqa: E402
 
 
 def build(folder: Path, layers: int) -> None:

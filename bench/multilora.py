@@ -31,7 +31,7 @@ from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from tests.tiny_llama import save_tokenizer  # noqa: E402
-from worker.engines.serving.engine import GenerationEngine, SamplingParams  # noqa: E402
+from worker.engines.generation.engine import GenerationEngine, SamplingParams  # noqa: E402
 
 BASELINE = "base"
 COUNTS = (1, 4, 16)

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from worker.engines.training.loop import TrainCallbacks
-from worker.training.prometheus import TrainingMetrics
-from worker.training.tensorboard import TensorBoardSink
+from worker.jobs.prometheus import TrainingMetrics
+from worker.jobs.tensorboard import TensorBoardSink
 
 
 def _time(sink: TrainCallbacks, steps: int) -> float:

@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 from bench.machine import describe  # noqa: E402
 from trainserve.real_models import SMOLLM2_DIR, build_smollm2  # noqa: E402
-from worker.engines.serving.caches.paged_cache import BLOCK  # noqa: E402
-from worker.engines.serving.engine import GenerationEngine, SamplingParams  # noqa: E402
-from worker.engines.serving.tokenizer import chat_ids  # noqa: E402
+from worker.engines.generation.caches.paged_cache import BLOCK  # noqa: E402
+from worker.engines.generation.engine import GenerationEngine, SamplingParams  # noqa: E402
+from worker.engines.generation.tokenizer import chat_ids  # noqa: E402
 
 DATA = ROOT / "examples" / "data"
 SST2, SHAKESPEARE = DATA / "sst2_train_4k.tsv", DATA / "tinyshakespeare.txt"

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 from bench.long_prompt import build  # noqa: E402
-from worker.engines.serving.engine import GenerationEngine, SamplingParams  # noqa: E402
+from worker.engines.generation.engine import GenerationEngine, SamplingParams  # noqa: E402
 
 SST2 = ROOT / "examples" / "data" / "sst2_train_4k.tsv"
 SHAKESPEARE = ROOT / "examples" / "data" / "tinyshakespeare_sample.txt"

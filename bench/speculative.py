@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 from bench.machine import describe  # noqa: E402
 from core.settings import Settings  # noqa: E402
-from worker.engines.serving.engine import GenerationEngine, SamplingParams  # noqa: E402
+from worker.engines.generation.engine import GenerationEngine, SamplingParams  # noqa: E402
 
 BASELINE = "plain"
 # A sampled draw this close to the edge between two tokens' intervals goes to either with the logits' last bits.
@@ -99,7 +99,7 @@ def draw_margin(model: str, prompt: list[int], plain: list[list[int]], drafted: 
     orders. The sampler's uniform of that token is the same on both sides (counter-based, per token index)."""
     import torch
 
-    from worker.engines.serving.sampling.sampler import counter_uniforms
+    from worker.engines.generation.sampling.sampler import counter_uniforms
 
     a, b = plain[chat], drafted[chat]
     at = next(j for j in range(min(len(a), len(b)) + 1) if j == min(len(a), len(b)) or a[j] != b[j])

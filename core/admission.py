@@ -23,7 +23,7 @@ from core.settings import Settings
 from core.store import jobs as job_store
 from core.store import webhooks as webhook_store
 
-# High 32 bits of the advisory lock key; the scheduler's key (core/scheduler.py) is below 2**32, so none collide.
+# High 32 bits of the advisory lock key; the scheduler's key (core/job_order.py) is below 2**32, so none collide.
 LOCK_SPACE = 0x7453_4144
 
 

@@ -38,7 +38,7 @@ class ClassifyTask(BaseModel):
     job_id: str
     texts: list[str]
     deadline: float  # wall-clock time after which the caller has stopped waiting
-    tenant: str = ""  # whose request: the worker shares its model round robin over tenants (worker/fair_turns.py)
+    tenant: str = ""  # whose request: the worker shares its model over tenants (worker/servers/fair_turns.py)
 
     @field_validator("texts")
     @classmethod
@@ -71,7 +71,7 @@ class EmbedTask(BaseModel):
     token_ids: list[list[int]] | None = None  # the model's own vocabulary; special tokens are added by the worker
     dimensions: int | None = None
     deadline: float  # wall-clock time after which the caller has stopped waiting
-    tenant: str = ""  # whose request: the worker shares its model round robin over tenants (worker/fair_turns.py)
+    tenant: str = ""  # whose request: the worker shares its model over tenants (worker/servers/fair_turns.py)
 
     @model_validator(mode="after")
     def _one_input(self) -> EmbedTask:

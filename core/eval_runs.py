@@ -1,8 +1,8 @@
 """Starting an eval run: its items and plan stored, its batch row written (the caller commits, then sends the task).
 
 The API starts a run when a client creates it; a training worker starts a fine-tuning job's "after" run when the
-job succeeds (worker.evals). Each item becomes one planned chat line of the model named by the run, so the run is
-an ordinary /v1/batches batch (core.batches) that worker.evals grades as its parts are stored.
+job succeeds (worker.batches.grading). Each item becomes one planned chat line of the model named by the run, so the
+run is an ordinary /v1/batches batch (core.batches) that worker.batches.grading grades as its parts are stored.
 """
 
 from __future__ import annotations

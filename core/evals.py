@@ -2,7 +2,7 @@
 
 A `completions` run renders each item's messages from a template, runs them as a /v1/batches batch on the
 generation workers (paced, fair, resumable: core.batches), and grades each item's sample with the eval's
-testing criteria (core.graders) as the batch's parts are stored (worker.evals). An item is graded once: the
+testing criteria (core.graders) as the batch's parts are stored (worker.batches.grading). An item is graded once: the
 (run, item) pair is unique, and a resumed run grades only the items without a row. A run's status follows its batch:
 
     queued -> in_progress          the batch was created (its task is on the generation queue)

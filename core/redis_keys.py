@@ -4,7 +4,7 @@ from __future__ import annotations
 
 PREFIX = "trainserve:"
 CAPACITY_PREFIX = f"{PREFIX}capacity:"  # + worker: a training worker's device report, with a TTL (core.capacity)
-BROKER_SENTINEL = f"{PREFIX}broker-sentinel"  # present while the broker kept its data (worker.recovery)
+BROKER_SENTINEL = f"{PREFIX}broker-sentinel"  # present while the broker kept its data (worker.jobs.recovery)
 
 
 def capacity_key(worker: str) -> str:

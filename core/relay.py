@@ -30,7 +30,7 @@ def deliver(session: Session, queue: TaskQueue, *, job_id: str | None = None, li
     try:
         for message, status in store.take_unsent(session, job_id=job_id, limit=limit):
             if status != JobStatus.QUEUED:
-                # A message only wakes a worker, which then claims whichever job's turn it is (core.scheduler):
+                # A message only wakes a worker, which then claims whichever job's turn it is (core.job_order):
                 # one for a job that no longer waits still stands in for another that does.
                 waiting = store.any_queued(session) if waiting is None else waiting
                 if not waiting:

@@ -54,7 +54,7 @@ def sources(target: JobStatus) -> frozenset[JobStatus]:
     return frozenset(s for s, targets in TRANSITIONS.items() if target in targets)
 
 
-# Queued jobs of one tenant in the order they run: highest priority, then oldest (core.scheduler reads it too).
+# Queued jobs of one tenant in the order they run: highest priority, then oldest (core.job_order reads it too).
 QUEUE_ORDER = (Job.priority.desc(), Job.created_at, Job.id)
 
 

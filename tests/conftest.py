@@ -229,7 +229,7 @@ def _poisoned_kv_cache(monkeypatch: pytest.MonkeyPatch) -> None:
         return
     import torch
 
-    from worker.engines.serving.caches.paged_cache import PagedCache
+    from worker.engines.generation.caches.paged_cache import PagedCache
 
     allocate = PagedCache._allocate
 

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from core.hyperparams import default
 from core.tabular import read_table
 from tests.toy_kind import TOY, ToyHyperparameters
-from worker.engines.training import artifacts
+from worker.engines.models import manifest as manifests
 from worker.engines.training.kinds import RUN_HYPERPARAMETERS, EngineKind, register, same_names
 from worker.engines.training.loop import RunConfig, Setup
 
@@ -57,10 +57,10 @@ class ToyTask:
     def save(self, metrics: dict[str, float], hyperparameters: dict[str, Any], plan: Any) -> dict[str, Any]:
         self.config.output_dir.mkdir(parents=True, exist_ok=True)
         save_file(self.model.state_dict(), str(self.config.output_dir / "model.safetensors"))
-        manifest = artifacts.build_manifest(base_model=None, base_model_name="linear", task=TOY,
+        manifest = manifests.build_manifest(base_model=None, base_model_name="linear", task=TOY,
                                             hyperparameters=hyperparameters, metrics=metrics, plan=plan,
                                             dataset_hashes=dict(self.config.dataset_hashes))
-        artifacts.write_manifest(self.config.output_dir, manifest)
+        manifests.write_manifest(self.config.output_dir, manifest)
         return manifest
 
 

@@ -119,7 +119,7 @@ def _worker(args: argparse.Namespace) -> int:
     # which checkpoints and requeues its job instead of losing it.
     if args.queues in (QUEUE_GENERATE, QUEUE_INFERENCE):
         # Generation tasks mostly wait on the engine's batch: many threads keep many requests in flight. Inference
-        # tasks take turns at the model batch by batch, round robin over tenants (worker/fair_turns.py), so a
+        # tasks take turns at the model batch by batch, round robin over tenants (worker/servers/fair_turns.py), so a
         # long request of one tenant cannot hold the model while another tenant's short one waits.
         from core.settings import get_settings
 

@@ -9,8 +9,8 @@ from typing import Any
 from celery.signals import setup_logging, task_postrun, task_prerun, worker_ready, worker_shutting_down
 
 from core.celery_app import make_celery
-from worker.capacity import start_reporting
 from worker.context import WorkerContext, takes_training_jobs
+from worker.jobs.capacity import start_reporting
 
 celery = make_celery()
 celery.conf.update(include=["worker.tasks"])
@@ -63,7 +63,7 @@ def _start_background_threads(**_: Any) -> None:
     from core.relay import relay_thread
     from core.sweeps import sweep_thread
     from core.webhook_sender import sender_thread
-    from worker.recovery import reaper_thread
+    from worker.jobs.recovery import reaper_thread
 
     ctx = context()
     reaper_thread(ctx.sessions, ctx.settings, ctx.queue).start()
@@ -77,11 +77,11 @@ worker_ready.connect(lambda **_: start_reporting(context()), weak=False)  # devi
 
 @worker_ready.connect
 def _resume_batches(**_: Any) -> None:
-    """Generation workers hand on the /v1/batches of a worker that died (worker.batch_recovery)."""
+    """Generation workers hand on the /v1/batches of a worker that died (worker.batches.leases)."""
     from core.tasks import QUEUE_GENERATE
 
     if QUEUE_GENERATE in os.environ.get("TRAINSERVE_WORKER_QUEUES", "").split(","):
-        from worker.batch_recovery import batch_reaper
+        from worker.batches.leases import batch_reaper
 
         batch_reaper(context()).start()
 

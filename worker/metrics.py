@@ -3,7 +3,7 @@
 A port per worker rather than prometheus-client's multiprocess mode: workers run on other hosts than the
 API (one per GPU), and each is one process (solo or threads pool), so each serves its own registry and
 Prometheus scrapes every worker as a target (as TGI's router does). Engines never import this module: the
-training reporter (worker/training/prometheus.py) and the generation service report here through their callbacks.
+training reporter (worker/jobs/prometheus.py) and the generation service report here through their callbacks.
 Imports no torch, so a worker opens its port before any model loads.
 """
 

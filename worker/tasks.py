@@ -11,7 +11,7 @@ from worker.app import celery, context
 @celery.task(name=TASK_TRAIN, ignore_result=True)
 def train(job_id: str) -> None:
     """Wake up: run (or resume) the queued job whose turn it is by fair share, which need not be `job_id`."""
-    from worker.training.lifecycle import run_training_job
+    from worker.jobs.lifecycle import run_training_job
 
     run_training_job(context(), job_id)
 
@@ -19,7 +19,7 @@ def train(job_id: str) -> None:
 @celery.task(name=TASK_CLASSIFY, ignore_result=True)
 def classify(payload: dict[str, Any]) -> None:
     """Answer one /classify call (a core.protocol.ClassifyTask) on the Redis list the API waits on."""
-    from worker.classification import serve_classify
+    from worker.servers.classification import serve_classify
 
     serve_classify(context(), payload)
 
@@ -27,7 +27,7 @@ def classify(payload: dict[str, Any]) -> None:
 @celery.task(name=TASK_EMBED, ignore_result=True)
 def embed(payload: dict[str, Any]) -> None:
     """Answer one /v1/embeddings call (a core.embeddings.EmbedTask) on the Redis list the API waits on."""
-    from worker.embedding import serve_embed
+    from worker.servers.embeddings import serve_embed
 
     serve_embed(context(), payload)
 
@@ -35,7 +35,7 @@ def embed(payload: dict[str, Any]) -> None:
 @celery.task(name=TASK_GENERATE, ignore_result=True, acks_late=False)
 def generate(payload: dict[str, Any]) -> None:
     """Serve one generation request (a core.protocol.GenerateTask); many run at once so the batcher has work."""
-    from worker.serving import serve
+    from worker.servers.generation import serve
 
     serve(context(), payload)
 
@@ -43,6 +43,6 @@ def generate(payload: dict[str, Any]) -> None:
 @celery.task(name=TASK_BATCH, ignore_result=True, acks_late=True)
 def batch(batch_id: str) -> None:
     """Run (or resume, after a redelivery) one /v1/batches batch on this generation worker's engines."""
-    from worker.batches import run_batch
+    from worker.batches.run import run_batch
 
     run_batch(context(), batch_id)

@@ -2,7 +2,7 @@
 
 Each endpoint is one entry of PLANNERS: a function from a line's body to a PlannedLine (what to run), raising the
 domain error the interactive route would answer with; that error becomes the line's entry in the batch's error
-file, never a failed batch. Each entry's worker side is worker.batch_runner.RUNNERS.
+file, never a failed batch. Each entry's worker side is worker.batches.lines.LINE_HANDLERS.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """/v1/batches: create (every line checked into a plan, then one task on the generation queue), list, retrieve,
-cancel. The batch row is the truth; the worker (worker.batches) runs the plan and writes the result files."""
+cancel. The batch row is the truth; the worker (worker.batches.run) runs the plan and writes the result files."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """/v1/chat/completions and the structured-output fields of both /v1 routes, apart from HTTP.
 
 The chat is sent to the worker as messages; the worker renders them with the model's own chat template
-(see worker/chat_plan.py for why there and not here), with the tools and the template's own arguments; the worker
-constrains calls to the template's format and splits the answer into content, reasoning and tool calls
+(see worker/servers/chat_plan.py for why there and not here), with the tools and the template's own arguments;
+the worker constrains calls to the template's format and splits the answer into content, reasoning and tool calls
 (core/tool_calls.py). The request flow is completions.py's.
 """
 

@@ -50,7 +50,7 @@ def split_inputs(body: EmbeddingRequest, settings: Settings) -> Inputs:
         raise ValidationFailed("input", f"at most {settings.max_embedding_inputs} inputs per request, "
                                f"got {len(items)}")
 
-    def field(index: int) -> str:  # as the worker names them (worker/engines/serving/embed.py)
+    def field(index: int) -> str:  # as the worker names them (worker/engines/encoders/embedder.py)
         return "input" if len(items) == 1 else f"input.{index}"
 
     limit = settings.max_embedding_input_chars

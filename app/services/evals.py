@@ -2,7 +2,7 @@
 
 A run renders each item's messages, stores the items and the rendered requests (a purpose "batch" file), and
 creates a /v1/batches batch naming the run in the same commit; the generation workers run and grade it
-(worker.evals). Counts and status are read from the output items and the batch (core.evals.run_status).
+(worker.batches.grading). Counts and status are read from the output items and the batch (core.evals.run_status).
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def job_runs(session: Session, settings: Settings, storage: ArtifactStore, princ
 def start_job_runs(session: Session, settings: Settings, storage: ArtifactStore, queue: TaskQueue, *, job_id: str,
                    runs: JobRuns) -> None:
     """Start the base run now and keep the fine-tuned run queued (a training worker starts it when the job
-    succeeds: worker.evals); nothing for a replayed request whose job has its runs already."""
+    succeeds: worker.batches.grading); nothing for a replayed request whose job has its runs already."""
     if session.scalar(select(EvalRun.id).where(EvalRun.job_id == job_id).limit(1)) is not None:
         return
     base = runs.base

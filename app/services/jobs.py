@@ -11,7 +11,7 @@ from app.schemas.jobs import ArtifactRead, BestRead, JobRead, Progress
 from app.services import idempotency
 from app.services.job_kinds import kind_fields, require_column
 from app.services.job_methods import is_chat, method_fields, require_table_data, resolve_base
-from core import scheduler, states
+from core import job_order, states
 from core.admission import admit_jobs
 from core.auth import Principal
 from core.capacity import live_workers
@@ -155,7 +155,7 @@ def read_jobs(session: Session, jobs: list[Job]) -> list[JobRead]:
 def job_detail(session: Session, settings: Settings, job: Job) -> JobRead:
     """The job object with its best evaluation metrics and, while it is queued, its place in the queue and why."""
     best = history.best_metrics(session, job_ids=[job.id]).get(job.id)
-    return job_read(job, best, placement=scheduler.place(session, settings, job, now=utcnow()))
+    return job_read(job, best, placement=job_order.place(session, settings, job, now=utcnow()))
 
 
 def list_jobs(session: Session, principal: Principal, *, limit: int, status: str | None, cursor: str | None
@@ -193,7 +193,7 @@ def request_cancel(session: Session, job: Job, *, why: str = "") -> None:
 def job_read(job: Job, best: dict[str, float] | None = None, *, placement: tuple[int, str] | None = None
              ) -> JobRead:
     """Build the public job object from a row (with the best evaluation metrics when the caller read them;
-    `placement`: queue position and reason, from core.scheduler)."""
+    `placement`: queue position and reason, from core.job_order)."""
     total = job.total_steps
     fraction = 1.0 if job.status == JobStatus.SUCCEEDED else (min(job.step / total, 1.0) if total else 0.0)
     return JobRead(

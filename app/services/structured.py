@@ -1,6 +1,6 @@
 """Structured output on the /v1 routes: response_format, guided_choice and guided_regex as one Constraint.
 
-The worker compiles the constraint (llguidance, see worker/engines/serving/sampling/grammar.py); a schema it cannot
+The worker compiles the constraint (llguidance, see worker/engines/generation/sampling/grammar.py); a schema it cannot
 enforce comes back as a 422 naming the field.
 """
 

@@ -143,7 +143,7 @@ def claim_job(session: Session, *, job_id: str, device: str, now: datetime, stal
     Returns None when the job is finished or another live worker holds it: a duplicate or redelivered
     task message is then harmless. core.states.claim makes the move (one conditional UPDATE, fenced by the
     attempt number read here), safe on SQLite and PostgreSQL alike.
-    Workers pick queued jobs with core.scheduler.claim_next and pass include_queued=False here, to take
+    Workers pick queued jobs with core.job_order.claim_next and pass include_queued=False here, to take
     back only a silent running job named by a redelivered message.
     """
     # A silent running job is requeued and claimed in one step (running -> queued -> running).

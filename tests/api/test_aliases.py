@@ -46,7 +46,7 @@ def _answer(api, model: str, content: str) -> str:
 def test_every_generation_route_serves_an_alias_and_models_lists_it(api, client, served, worker_ctx,  # noqa: F811
                                                                      queue):
     from core.tasks import TASK_EMBED
-    from worker import embedding
+    from worker.servers import embeddings as embedding
 
     queue.handlers[TASK_EMBED] = lambda payload: embedding.serve_embed(worker_ctx, payload)
     created = client.post("/aliases", json={"name": "bot:production", "target": "tiny"})

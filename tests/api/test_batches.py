@@ -37,7 +37,7 @@ def served(settings, worker_ctx, queue):  # noqa: F811
     """A tiny GPT-2 with a chat template as <home>/models/tiny; batch tasks run by the worker code in-process."""
     from transformers import AutoTokenizer
 
-    from worker.batches import run_batch
+    from worker.batches.run import run_batch
 
     path = build_tiny_gpt2(settings.home / "models" / "tiny", n_positions=64)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -120,7 +120,7 @@ def test_an_embeddings_batch_equals_the_interactive_route_and_sentence_transform
 
     from core.pretrained import builtin_aliases
     from core.tasks import TASK_EMBED
-    from worker import embedding
+    from worker.servers import embeddings as embedding
 
     queue.handlers[TASK_EMBED] = lambda payload: embedding.serve_embed(worker_ctx, payload)
     minilm = builtin_aliases()["minilm-l6"]
@@ -177,7 +177,7 @@ def test_validation_errors_name_the_field(api, client, served):
 
 
 def test_cancel_before_the_worker_and_after_the_end(api, served, worker_ctx, queue):  # noqa: F811
-    from worker.batches import run_batch
+    from worker.batches.run import run_batch
 
     queue.handlers.pop(TASK_BATCH)  # no worker yet: the batch waits in the queue
     upload = api.files.create(file=("r.jsonl", _chat("a", "hi") + _chat("b", "yo")), purpose="batch")
@@ -199,7 +199,7 @@ def test_cancel_before_the_worker_and_after_the_end(api, served, worker_ctx, que
 
 
 def test_a_resumed_batch_never_reruns_a_done_line(api, served, settings, worker_ctx, queue, monkeypatch):  # noqa: F811
-    from worker import batches
+    from worker.batches import run as batches
 
     queue.handlers.pop(TASK_BATCH)
     settings.batch_chunk_lines = 2
@@ -238,8 +238,8 @@ def test_a_silent_batch_is_handed_on_once_and_runs_under_one_lease(api, served, 
 
     from core.db import session_scope
     from core.rows import Batch, utcnow
-    from worker.batch_recovery import Lease, resume_stale
-    from worker.batches import run_batch
+    from worker.batches.leases import Lease, resume_stale
+    from worker.batches.run import run_batch
 
     queue.handlers.pop(TASK_BATCH)  # the worker that took it died before it beat its heartbeat
     upload = api.files.create(file=("r.jsonl", _chat("a", "hi")), purpose="batch")

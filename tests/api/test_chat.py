@@ -172,8 +172,8 @@ def test_completions_refuse_more_than_five_logprobs(client, served):
 
 def test_the_worker_renders_chats_exactly_as_apply_chat_template(served):
     from core.protocol import ChatMessage, GenerateTask, SamplingParams
-    from worker.chat_plan import plan_chat
-    from worker.engines.serving.engine import GenerationEngine
+    from worker.engines.generation.engine import GenerationEngine
+    from worker.servers.chat_plan import plan_chat
 
     tokenizer = AutoTokenizer.from_pretrained(served)
     chats = [CHAT, CHAT + [{"role": "assistant", "content": "Rouge 🙂"}, {"role": "user", "content": "Encore ?"}]]
@@ -193,7 +193,7 @@ WIDE = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in r
 def test_a_schema_the_matcher_cannot_follow_is_an_error_never_a_stop(client, served, monkeypatch, found):
     """600 optional properties compiled, then the matcher failed and allowed only the end: 200, "stop", empty."""
     if found == "mid-stream":
-        from worker.engines.serving.sampling import grammar
+        from worker.engines.generation.sampling import grammar
 
         monkeypatch.setattr(grammar, "probe", lambda *args, **kwargs: None)
     body = {"model": "chat", "messages": CHAT, "max_tokens": 16, "temperature": 1.0, "seed": 1,

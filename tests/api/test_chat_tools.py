@@ -190,7 +190,7 @@ def test_batch_chat_lines_take_tools_and_answer_as_the_interactive_route(api, mo
     import time
 
     from core.tasks import TASK_BATCH
-    from worker.batches import run_batch
+    from worker.batches.run import run_batch
 
     queue.handlers[TASK_BATCH] = lambda batch_id: run_batch(worker_ctx, batch_id)
     body = {"model": "qwen25", "messages": CHAT, "tools": TOOLS, "tool_choice": "required", "temperature": 0,

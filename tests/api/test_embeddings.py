@@ -29,8 +29,8 @@ TEXTS = ["A cat sits on the mat.", "Stock markets fell sharply today.", "Café n
 @pytest.fixture()
 def worker_ctx(settings, queue):
     """The inference worker's context; embed tasks run in threads through the recording queue."""
-    from worker import embedding
     from worker.context import WorkerContext
+    from worker.servers import embeddings as embedding
 
     ctx = WorkerContext(settings, queue)
     queue.handlers[TASK_EMBED] = lambda payload: embedding.serve_embed(ctx, payload)

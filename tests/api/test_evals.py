@@ -120,7 +120,7 @@ def test_items_from_an_evals_file_and_refusals_naming_the_field(api, served):  #
 
 
 def test_a_resumed_run_grades_each_item_once(api, served, settings, worker_ctx, queue, monkeypatch):  # noqa: F811
-    import worker.batches as batches
+    import worker.batches.run as batches
     from core.tasks import TASK_BATCH
 
     settings.batch_chunk_lines = 1
@@ -207,8 +207,8 @@ def test_two_runners_grading_a_runs_last_items_at_once_report_it_once(api, serve
     same moment. The run's row lock orders their writes, so one of them sees the run finish and reports it."""
     import threading
 
-    import worker.batches as batches
-    import worker.evals as evals
+    import worker.batches.grading as evals
+    import worker.batches.run as batches
     from core.tasks import TASK_BATCH
     from tests.tiny_chat import chat_jsonl
 

@@ -21,8 +21,8 @@ from tests.tiny_lm import build_tiny_gpt2
 @pytest.fixture()
 def worker_ctx(settings, queue):
     """The generation worker's context; its tasks run in threads through the recording queue."""
-    from worker import serving
     from worker.context import WorkerContext
+    from worker.servers import generation as serving
 
     ctx = WorkerContext(settings, queue)
     queue.handlers[TASK_GENERATE] = lambda payload: serving.serve(ctx, payload)

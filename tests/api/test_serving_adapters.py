@@ -51,7 +51,7 @@ def served(client, settings, worker_ctx, tmp_path):  # noqa: F811
 
 
 def test_adapter_jobs_answer_as_peft_in_one_burst_with_their_base(client, served, worker_ctx):  # noqa: F811
-    from worker import serving
+    from worker.servers import generation as serving
 
     base, folders, jobs = served
     listed = [m["id"] for m in client.get("/v1/models").json()["data"]]

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from core.adapters import AdapterConfig
 from tests.tiny_chat import build_tiny_llama
-from worker.engines.serving.lora.adapter_cache import AdapterCache, AdapterCacheFull, LoraWeights, load_lora_weights
+from worker.engines.generation.lora.adapter_cache import AdapterCache, AdapterCacheFull, LoraWeights, load_lora_weights
 from worker.engines.training import adapters
 
 

@@ -12,9 +12,9 @@ import random
 import pytest
 
 from tests.tiny_llama import save_tokenizer
-from worker.engines.serving.sampling.detokenize import BYTE_TOKEN, BytePieces, WindowPieces, piece_decoders
-from worker.engines.serving.sampling.text_stream import TextStream
-from worker.engines.serving.tokenizer import load_tokenizer
+from worker.engines.generation.sampling.detokenize import BYTE_TOKEN, BytePieces, WindowPieces, piece_decoders
+from worker.engines.generation.sampling.text_stream import TextStream
+from worker.engines.generation.tokenizer import load_tokenizer
 
 TEXTS = ["Café naïve — déjà vu 🤖🎉 über", "Ünïcödé: 日本語 and ✓ marks", "plain words, then 🎉", " lead space"]
 

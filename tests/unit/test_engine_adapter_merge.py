@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from core.adapters import AdapterConfig
 from tests.tiny_chat import QUESTIONS, build_tiny_llama
-from worker.engines.training.artifacts import MERGED_DIR, read_manifest
+from worker.engines.models.manifest import MERGED_DIR, read_manifest
 from worker.engines.training.chat import ChatTrainConfig, train_chat
 
 

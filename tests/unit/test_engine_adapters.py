@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from core.adapters import AdapterConfig
 from tests.tiny_chat import CORPUS, build_tiny_llama
+from worker.engines.models import adapters as model_adapters
 from worker.engines.training import adapters, artifacts
 from worker.engines.training.causal_lm import LMTrainConfig, train_lm
 
@@ -82,7 +83,7 @@ def test_lora_job_saves_a_peft_folder_that_loads_and_merges(tmp_path, base):
     assert summary["r"] == 4 and set(summary["target_modules_resolved"]) == {
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}  # lm_head is not adapted
     assert summary["trainable_parameters"] < summary["total_parameters"] // 5
-    assert adapters.adapter_bytes(out) < (base / "model.safetensors").stat().st_size // 5
+    assert model_adapters.adapter_bytes(out) < (base / "model.safetensors").stat().st_size // 5
 
     ids = torch.tensor([[0, 10, 20, 30, 40, 50, 60]])
     plain = AutoModelForCausalLM.from_pretrained(base).eval()
@@ -90,8 +91,8 @@ def test_lora_job_saves_a_peft_folder_that_loads_and_merges(tmp_path, base):
     with torch.no_grad():
         base_logits, adapted = plain(ids).logits, loaded(ids).logits
     assert not torch.allclose(base_logits, adapted, atol=1e-3)  # the adapter learned something (B moved from 0)
-    assert torch.equal(adapters.load_adapted(out)(ids).logits.detach(), adapted)
-    merged_dir = adapters.export_merged(out, tmp_path / "merged")
+    assert torch.equal(model_adapters.load_adapted(out)(ids).logits.detach(), adapted)
+    merged_dir = model_adapters.export_merged(out, tmp_path / "merged")
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapted, atol=1e-4, rtol=1e-4)

@@ -16,13 +16,19 @@ from tests.tiny_adapters import make_adapters
 from tests.tiny_llama import build_tiny_decoder
 from tests.tiny_lm import build_tiny_gpt2
 from worker.engines.device import resolve_device
-from worker.engines.serving.caches.paged_cache import blocks_for
-from worker.engines.serving.engine import GenerationEngine, SamplingParams
-from worker.engines.serving.runners import cuda_graphs
-from worker.engines.serving.runners.cuda_graphs import StaticDecoder, StaticInputs, bucket_for, buckets, static_decoder
-from worker.engines.serving.runners.gpt2 import Gpt2Runner
-from worker.engines.serving.runners.gpt2_weights import load_gpt2
-from worker.engines.serving.sampling.sampler import RowParams
+from worker.engines.generation.caches.paged_cache import blocks_for
+from worker.engines.generation.engine import GenerationEngine, SamplingParams
+from worker.engines.generation.runners import cuda_graphs
+from worker.engines.generation.runners.cuda_graphs import (
+    StaticDecoder,
+    StaticInputs,
+    bucket_for,
+    buckets,
+    static_decoder,
+)
+from worker.engines.generation.runners.gpt2 import Gpt2Runner
+from worker.engines.generation.runners.gpt2_weights import load_gpt2
+from worker.engines.generation.sampling.sampler import RowParams
 
 PROMPTS = [
     "Hello",

@@ -9,7 +9,7 @@ import pytest
 from tests.tiny_llama import build_tiny_decoder
 from tests.tiny_lm import build_tiny_gpt2
 from tests.unit.test_engine_cuda_graphs import arrive_mid_run
-from worker.engines.serving.engine import GenerationEngine, SamplingParams
+from worker.engines.generation.engine import GenerationEngine, SamplingParams
 
 pytestmark = pytest.mark.gpu
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog and", "A",

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from worker.engines.models import encoder_batches as batching
 from worker.engines.training import tabular_data as data
 
 
@@ -44,24 +45,24 @@ def test_epoch_steps_split_each_step_into_micro_batches():
 
 
 def test_collate_pads_to_the_longest_in_the_batch():
-    encoded = data.pack([[101, 5, 102], [101, 102], [101, 7, 8, 9, 102]], [1, 0, 1], pad_id=0)
-    batch = data.collate(encoded, [1, 0])
+    encoded = batching.pack([[101, 5, 102], [101, 102], [101, 7, 8, 9, 102]], [1, 0, 1], pad_id=0)
+    batch = batching.collate(encoded, [1, 0])
     assert batch["input_ids"].tolist() == [[101, 102, 0], [101, 5, 102]]
     assert batch["attention_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
     assert batch["labels"].tolist() == [0, 1]
     assert batch["input_ids"].dtype == torch.long
     assert encoded.lengths.tolist() == [3, 2, 5]
-    assert [b for b in data.sorted_batches(encoded, 2)] == [[2, 0], [1]]
+    assert [b for b in batching.sorted_batches(encoded, 2)] == [[2, 0], [1]]
 
 
 def test_inference_batches_are_bounded_in_padded_tokens_as_well_as_inputs():
     lengths = [40, 3, 9, 12, 3, 70, 8]
-    encoded = data.pack([[1] * n for n in lengths], [0] * len(lengths), pad_id=0)
-    batches = list(data.sorted_batches(encoded, 4, max_tokens=24))
+    encoded = batching.pack([[1] * n for n in lengths], [0] * len(lengths), pad_id=0)
+    batches = list(batching.sorted_batches(encoded, 4, max_tokens=24))
     # Longest first; an input over the bound alone; then as many as fit under 24 padded tokens, at most 4.
     assert batches == [[5], [0], [3, 2], [6, 1, 4]]
     assert all(len(b) * max(lengths[i] for i in b) <= 24 or len(b) == 1 for b in batches)
-    assert list(data.sorted_batches(encoded, 4)) == [[5, 0, 3, 2], [6, 1, 4]]  # no bound: inputs only
+    assert list(batching.sorted_batches(encoded, 4)) == [[5, 0, 3, 2], [6, 1, 4]]  # no bound: inputs only
 
 
 def test_read_examples_and_label_maps(tmp_path):

@@ -18,8 +18,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from tests.tiny_llama import VARIANTS, build_tiny_decoder
-from worker.engines.serving.caches import paged_attention
-from worker.engines.serving.engine import GenerationEngine, SamplingParams
+from worker.engines.generation.caches import paged_attention
+from worker.engines.generation.engine import GenerationEngine, SamplingParams
 
 PROMPTS = [
     "First Citizen:",
@@ -136,7 +136,7 @@ def test_other_model_types_are_refused_by_name(tmp_path) -> None:
 
 def test_serving_a_llama_imports_no_hf_modeling_code(built) -> None:
     folder, _, _ = built("qwen3")
-    code = ("import sys; from worker.engines.serving.engine import GenerationEngine; "
+    code = ("import sys; from worker.engines.generation.engine import GenerationEngine; "
             f"e = GenerationEngine({str(folder)!r}, device='cpu', precision='fp32', max_batch_size=2); "
             "print(e.generate('Hi', __import__('core.protocol').protocol.SamplingParams(max_new_tokens=2, "
             "temperature=0)).completion_tokens); e.close(); "

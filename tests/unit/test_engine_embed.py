@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from core.pretrained import builtin_aliases
-from worker.engines.serving.embed import EmbeddingRefused, EmbeddingSpec, pool, pooling_modes, read_spec
+from worker.engines.encoders.embedder import EmbeddingRefused, EmbeddingSpec, pool, pooling_modes, read_spec
 
 MODES = [("mean",), ("cls",), ("max",), ("mean_sqrt_len_tokens",), ("weightedmean",), ("lasttoken",),
          ("cls", "mean", "max")]
@@ -54,8 +54,10 @@ def test_a_lora_classifier_embeds_with_its_adapter_folded_in(tmp_path):
 
     from core.adapters import AdapterConfig
     from tests.tiny_models import build_tiny_bert
-    from worker.engines.serving.embed import Embedder
-    from worker.engines.training import adapters, artifacts
+    from worker.engines.encoders.embedder import Embedder
+    from worker.engines.models.adapters import is_adapter
+    from worker.engines.models.manifest import read_manifest
+    from worker.engines.training import adapters
 
     base = build_tiny_bert(tmp_path / "base", seed=5)
     torch.manual_seed(0)
@@ -67,7 +69,7 @@ def test_a_lora_classifier_embeds_with_its_adapter_folded_in(tmp_path):
     folder = tmp_path / "job-model"
     adapters.save_adapter(folder, model, AutoTokenizer.from_pretrained(base),
                           {"task": "text-classification", "labels": [0, 1]})
-    assert (folder / adapters.ADAPTER_FILES[0]).is_file() and artifacts.read_manifest(folder)
+    assert is_adapter(folder) and read_manifest(folder)
     embedder = Embedder(folder, device="cpu")
     ids = embedder.tokenize(["an adapted encoder", "another sentence here"])
     merged = model.merge_and_unload().base_model.eval()

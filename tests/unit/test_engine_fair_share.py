@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from core.protocol import SamplingParams
-from worker.engines.serving.engine import GenerationEngine
+from worker.engines.generation.engine import GenerationEngine
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,10 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from tests.tiny_lm import build_tiny_gpt2
-from worker.engines.serving.caches import paged_attention
-from worker.engines.serving.caches.paged_cache import PagedCache
-from worker.engines.serving.caches.prefix_cache import BLOCK, PrefixCache, block_keys
-from worker.engines.serving.engine import (
+from worker.engines.generation.caches import paged_attention
+from worker.engines.generation.caches.paged_cache import PagedCache
+from worker.engines.generation.caches.prefix_cache import BLOCK, PrefixCache, block_keys
+from worker.engines.generation.engine import (
     DeadlineExceeded,
     EngineClosed,
     GenerationEngine,
@@ -25,10 +25,10 @@ from worker.engines.serving.engine import (
     QueueFull,
     SamplingParams,
 )
-from worker.engines.serving.requests import AdapterUse, Request
-from worker.engines.serving.runners.gpt2 import Gpt2Runner
-from worker.engines.serving.runners.gpt2_weights import load_gpt2
-from worker.engines.serving.runners.runner import DecodeInput
+from worker.engines.generation.requests import AdapterUse, Request
+from worker.engines.generation.runners.gpt2 import Gpt2Runner
+from worker.engines.generation.runners.gpt2_weights import load_gpt2
+from worker.engines.generation.runners.runner import DecodeInput
 
 PROMPTS = [
     "Hello",
@@ -414,7 +414,7 @@ def test_the_model_loads_on_the_scheduler_thread_and_a_load_error_raises_in_the_
         model_dir, tmp_path, monkeypatch) -> None:
     """The thread that steps the model is the one that loaded it: on a CPU a second thread's OpenMP team makes
     every parallel region of a decode step wait for a sleeping worker."""
-    from worker.engines.serving import engine as engine_module
+    from worker.engines.generation import engine as engine_module
 
     loaded_on: list[str] = []
     open_runner = engine_module.open_runner
@@ -484,7 +484,7 @@ def test_packed_weights_replace_the_originals(model_dir, engine, hf) -> None:
 
 def test_the_engine_does_not_import_hf_modeling_code(model_dir) -> None:
     # HF's modeling imports pull scikit-learn, pandas and accelerate into the worker: ~200 MiB resident.
-    code = ("import sys; from worker.engines.serving.engine import GenerationEngine; "
+    code = ("import sys; from worker.engines.generation.engine import GenerationEngine; "
             f"e = GenerationEngine({str(model_dir)!r}, device='cpu', max_batch_size=2); "
             "print(e.generate('Hi', __import__('core.protocol').protocol.SamplingParams(max_new_tokens=2, "
             "temperature=0)).completion_tokens); e.close(); "

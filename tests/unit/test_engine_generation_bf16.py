@@ -10,7 +10,7 @@ from transformers import GPT2LMHeadModel
 
 from core.protocol import SamplingParams
 from tests.tiny_lm import build_tiny_gpt2
-from worker.engines.serving.engine import GenerationEngine
+from worker.engines.generation.engine import GenerationEngine
 
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog and",
            "To be, or not to be: that is the question. Whether 'tis nobler in the mind to suffer", "A"]
@@ -60,8 +60,8 @@ def test_bf16_greedy_equals_hf_generate_in_bf16_for_a_batch(engine, hf_bf16) -> 
 def test_bf16_logits_are_close_to_hf_bf16(engine, hf_bf16, model_dir) -> None:
     # Not bit-equal: the engine fuses GELU into the matmul (one rounding to bf16, HF's tanh GELU rounds at
     # each op) and casts embedding rows as they are looked up; within bf16's resolution of HF's logits.
-    from worker.engines.serving.runners.gpt2 import Gpt2Runner
-    from worker.engines.serving.runners.gpt2_weights import load_gpt2
+    from worker.engines.generation.runners.gpt2 import Gpt2Runner
+    from worker.engines.generation.runners.gpt2_weights import load_gpt2
 
     runner = Gpt2Runner(load_gpt2(model_dir, engine.plan), engine.plan, max_rows=4)
     prompts = [engine.encode(p) for p in PROMPTS[1:3]]
@@ -75,7 +75,7 @@ def test_bf16_logits_are_close_to_hf_bf16(engine, hf_bf16, model_dir) -> None:
 def test_a_mapped_weight_is_cast_chunk_by_chunk_to_the_same_values(model_dir) -> None:
     # Packing casts 16 MiB at a time, dropping the fp32 pages read; chunks of a few rows here.
     from worker.engines.device import resolve_device
-    from worker.engines.serving.runners.gpt2_weights import _cast, load_gpt2
+    from worker.engines.generation.runners.gpt2_weights import _cast, load_gpt2
 
     weights = load_gpt2(model_dir, resolve_device("cpu", "bf16"))
     table = weights.tensors["wte.weight"]  # still the fp32 mapping: cast rows as looked up

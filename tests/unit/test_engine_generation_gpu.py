@@ -9,7 +9,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from tests.tiny_lm import build_tiny_gpt2
-from worker.engines.serving.engine import GenerationEngine, SamplingParams
+from worker.engines.generation.engine import GenerationEngine, SamplingParams
 
 pytestmark = pytest.mark.gpu
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog and", "A"]

@@ -12,8 +12,8 @@ from transformers.generation.logits_process import (
 )
 
 from tests.tiny_lm import ASSETS_TOKENIZER
-from worker.engines.serving.sampling.detokenize import BytePieces, token_bytes
-from worker.engines.serving.sampling.sampler import (
+from worker.engines.generation.sampling.detokenize import BytePieces, token_bytes
+from worker.engines.generation.sampling.sampler import (
     RowParams,
     SamplingParams,
     counter_uniforms,
@@ -21,7 +21,7 @@ from worker.engines.serving.sampling.sampler import (
     penalize,
     truncated_distribution,
 )
-from worker.engines.serving.sampling.text_stream import TextStream
+from worker.engines.generation.sampling.text_stream import TextStream
 
 CPU = torch.device("cpu")
 

@@ -13,7 +13,7 @@ import torch
 from core.adapters import AdapterConfig
 from tests.tiny_adapters import ADAPTERS, hf_greedy, make_adapters, peft_model
 from tests.tiny_llama import build_tiny_decoder
-from worker.engines.serving.engine import GenerationEngine, SamplingParams
+from worker.engines.generation.engine import GenerationEngine, SamplingParams
 
 ARCHS = ["llama", "llama3", "qwen2", "qwen3"]  # GQA untied, MQA tied, biases + windows tied, q/k norms untied
 WAIT = 60
@@ -128,8 +128,8 @@ def test_a_higher_rank_adapter_grows_the_slots_and_keeps_the_resident_one(tmp_pa
 def test_grouped_and_masked_updates_give_each_token_its_own_adapter(slots):
     """Tokens spread over several adapters go grouped (one batched matmul per adapter group) where that is less
     work than the masked matmul over every used adapter; both give each token exactly its own adapter's update."""
-    from worker.engines.serving.lora.adapter_cache import LoraWeights
-    from worker.engines.serving.lora.runner_lora import RunnerLora
+    from worker.engines.generation.lora.adapter_cache import LoraWeights
+    from worker.engines.generation.lora.runner_lora import RunnerLora
 
     torch.manual_seed(0)
     hidden, kv, inner = 16, 8, 24

@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM
 
 from core.protocol import Constraint, SamplingParams
 from tests.tiny_chat import build_tiny_llama
-from worker.engines.serving import speculative
-from worker.engines.serving.engine import GenerationEngine
-from worker.engines.serving.requests import SequenceState
-from worker.engines.serving.speculative import (
+from worker.engines.generation import speculative
+from worker.engines.generation.engine import GenerationEngine
+from worker.engines.generation.requests import SequenceState
+from worker.engines.generation.speculative import (
     RATES_DECAY,
     DraftRates,
     Proposal,

@@ -19,8 +19,8 @@ from transformers import GPT2LMHeadModel, GPT2TokenizerFast, LlamaTokenizerFast
 from core.paths import GPT2_TOKENIZER_DIR
 from core.protocol import Constraint
 from tests.tiny_lm import build_tiny_gpt2
-from worker.engines.serving.engine import GenerationEngine, SamplingParams
-from worker.engines.serving.sampling.grammar import GrammarError, Grammars, allowed_tokens
+from worker.engines.generation.engine import GenerationEngine, SamplingParams
+from worker.engines.generation.sampling.grammar import GrammarError, Grammars, allowed_tokens
 
 WAIT = 60
 REPO = Path(__file__).resolve().parents[2]

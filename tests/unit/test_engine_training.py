@@ -13,7 +13,7 @@ import torch
 from transformers import get_linear_schedule_with_warmup
 
 from tests.tiny_models import build_tiny_bert
-from worker.engines.serving.classify import Classifier, ClassifierCache
+from worker.engines.encoders.classifier import Classifier, ClassifierCache
 from worker.engines.training.classifier import TrainCallbacks, TrainConfig, classification_metrics, lr_at, train
 
 POSITIVE = ["a great and wonderful film", "i loved it", "brilliant and moving", "superb acting , lovely story"]

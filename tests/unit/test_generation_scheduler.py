@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from core.protocol import SamplingParams
-from worker.engines.serving.lora.adapter_cache import AdapterCacheFull
-from worker.engines.serving.requests import AdapterUse, QueueFull, Request
-from worker.engines.serving.scheduler import Scheduler
+from worker.engines.generation.lora.adapter_cache import AdapterCacheFull
+from worker.engines.generation.requests import AdapterUse, QueueFull, Request
+from worker.engines.generation.scheduler import Scheduler
 
 
 def request(name: str, tenant: str | None = None, *, n: int = 1, prompt: int = 4, new: int = 8,

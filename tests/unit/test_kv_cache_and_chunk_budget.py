@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.engines.serving.caches import paged_attention
-from worker.engines.serving.caches.paged_cache import BLOCK, DecodeLayout, PagedCache, PrefillLayout, blocks_for
-from worker.engines.serving.prefill import FIRST_CHUNK, MIN_CHUNK, ChunkBudget
+from worker.engines.generation.caches import paged_attention
+from worker.engines.generation.caches.paged_cache import BLOCK, DecodeLayout, PagedCache, PrefillLayout, blocks_for
+from worker.engines.generation.prefill import FIRST_CHUNK, MIN_CHUNK, ChunkBudget
 
 
 def small(dtype: torch.dtype = torch.float32, heads: int = 3, head_dim: int = 4) -> PagedCache:

@@ -7,7 +7,7 @@ from transformers import GPT2LMHeadModel
 
 from tests.tiny_lm import build_tiny_gpt2
 from worker.engines.device import resolve_device
-from worker.engines.serving.runners.gpt2_weights import load_gpt2
+from worker.engines.generation.runners.gpt2_weights import load_gpt2
 
 
 def test_a_bin_only_checkpoint_is_not_loaded(tmp_path):

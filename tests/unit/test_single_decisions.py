@@ -11,7 +11,7 @@ from core import redis_keys
 from core.capacity import DeviceCapacity
 from core.precision import auto_precision
 from worker.engines.device import resolve_device
-from worker.engines.serving.requests import context_overflow
+from worker.engines.generation.requests import context_overflow
 from worker.engines.training.loop import checkpoint_due
 
 

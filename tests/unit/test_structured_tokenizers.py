@@ -14,10 +14,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaTokenizerFast
 
 from core.protocol import Constraint, SamplingParams
-from worker.engines.serving.engine import GenerationEngine
-from worker.engines.serving.requests import GRAMMAR_ERROR
-from worker.engines.serving.sampling import grammar
-from worker.engines.serving.sampling.grammar import GrammarError
+from worker.engines.generation.engine import GenerationEngine
+from worker.engines.generation.requests import GRAMMAR_ERROR
+from worker.engines.generation.sampling import grammar
+from worker.engines.generation.sampling.grammar import GrammarError
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT = 120

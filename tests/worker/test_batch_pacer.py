@@ -8,8 +8,8 @@ import time
 from concurrent.futures import Future
 
 from core.batches import PlannedLine
-from worker import batch_runner
-from worker.batch_runner import Pacer, Share
+from worker.batches import lines as batch_runner
+from worker.batches.lines import Pacer, Share
 
 LINE = PlannedLine(custom_id="a", url="/v1/completions")
 

@@ -23,7 +23,7 @@ def ctx(settings, queue):
 
 
 def test_a_tenant_runs_at_most_its_limit_of_batches(ctx):
-    from worker.batch_recovery import TenantRuns
+    from worker.batches.leases import TenantRuns
 
     first, second = TenantRuns(ctx, "a", "batch_1"), TenantRuns(ctx, "a", "batch_2")
     assert first.acquire() and second.acquire()
@@ -36,7 +36,7 @@ def test_a_tenant_runs_at_most_its_limit_of_batches(ctx):
 
 
 def test_a_dead_runners_slot_expires_and_a_live_one_is_kept_fresh(ctx):
-    from worker.batch_recovery import TenantRuns
+    from worker.batches.leases import TenantRuns
 
     dead, live = TenantRuns(ctx, "a", "batch_1"), TenantRuns(ctx, "a", "batch_2")
     assert dead.acquire() and live.acquire()

@@ -11,8 +11,8 @@ from core.redis_keys import CAPACITY_PREFIX, capacity_key
 from tests.conftest import RecordingQueue
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
 from tests.tiny_models import build_tiny_bert
-from worker.capacity import measure, start_reporting
 from worker.context import WorkerContext
+from worker.jobs.capacity import measure, start_reporting
 
 
 @pytest.fixture()
@@ -51,7 +51,7 @@ def test_without_the_setting_a_cpu_worker_reports_its_ram_and_other_workers_repo
 
 
 def test_a_job_too_big_for_this_worker_fails_with_does_not_fit(client, ctx, tmp_path):
-    from worker.training.lifecycle import run_training_job
+    from worker.jobs.lifecycle import run_training_job
 
     train = upload(client, tsv_bytes(sentiment_rows(2))).json()["id"]
     body = job_body(train, base_model=str(build_tiny_bert(tmp_path / "bert")), hyperparameters={"max_steps": 1})

@@ -19,7 +19,7 @@ from worker.engines.training import kinds
 from worker.engines.training.causal_lm import LMTrainConfig
 from worker.engines.training.chat import ChatTrainConfig
 from worker.engines.training.classifier import TrainConfig
-from worker.training.config import best_fields
+from worker.jobs.config import best_fields
 
 COMMON: dict[str, Any] = {"train_file": Path("train.jsonl"), "eval_file": None, "output_dir": Path("out"),
                           "checkpoint_dir": Path("ckpt"), "text_column": "text", "device": "cpu"}

@@ -10,7 +10,7 @@ import redis
 
 from core.protocol import DoneEvent, TokenEvent, Usage
 from tests.conftest import REDIS_URL
-from worker.events import EventPump, EventWriter
+from worker.servers.events import EventPump, EventWriter
 
 
 @pytest.fixture()

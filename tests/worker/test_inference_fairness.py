@@ -11,8 +11,9 @@ import pytest
 
 from core.embeddings import EmbedResult, EmbedTask
 from core.redis_keys import abandoned_key, embed_reply_key
-from worker import embedding, fair_turns
-from worker.fair_turns import Abandoned, FairTurns
+from worker.servers import embeddings as embedding
+from worker.servers import fair_turns
+from worker.servers.fair_turns import Abandoned, FairTurns
 
 BIG = [f"sentence number {i} about cats, markets and the weather in spring" for i in range(600)]
 

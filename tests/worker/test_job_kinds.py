@@ -33,7 +33,7 @@ def toy_kind():
 def test_a_kind_added_through_the_registry_runs_end_to_end_on_a_worker(toy_kind, client, queue, settings):
     from app.services.jobs import create_job
     from worker.context import WorkerContext
-    from worker.training.lifecycle import run_training_job
+    from worker.jobs.lifecycle import run_training_job
 
     dataset = upload(client, tsv_bytes(sentiment_rows(2))).json()["id"]
     body = {"task": TOY, "train_dataset": dataset, "text_column": "sentence",

@@ -49,7 +49,7 @@ def test_greedy_chat_equals_hf_generate_token_for_token(smollm2: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from worker.engines.serving.engine import GenerationEngine
+    from worker.engines.generation.engine import GenerationEngine
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()

@@ -14,7 +14,7 @@ from core.store import jobs as store
 from core.tasks import QUEUE_TRAIN, TASK_TRAIN
 from tests.conftest import INTEGRATION_REDIS, RecordingQueue
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
-from worker.recovery import EXIT_CANCEL_TIMEOUT, Heartbeat, reap, recover_broker
+from worker.jobs.recovery import EXIT_CANCEL_TIMEOUT, Heartbeat, reap, recover_broker
 
 
 @pytest.fixture()

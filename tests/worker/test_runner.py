@@ -31,7 +31,7 @@ def ctx(settings, queue):
 @pytest.fixture()
 def runner(ctx):
     """The runner's entry points bound to a test context (its own sessions, the recording queue)."""
-    from worker.training.lifecycle import run_training_job
+    from worker.jobs.lifecycle import run_training_job
 
     return SimpleNamespace(run_training_job=lambda job_id: run_training_job(ctx, job_id))
 
@@ -73,7 +73,7 @@ def test_job_runs_to_success_and_serves_predictions(client, queue, runner, tiny_
     download = client.get(model["download_url"])
     assert download.status_code == 200 and download.headers["content-type"] == "application/x-tar"
 
-    from worker.classification import serve_classify
+    from worker.servers.classification import serve_classify
 
     queue.handlers[TASK_CLASSIFY] = lambda payload: serve_classify(ctx, payload)
     response = client.post("/classify", json={"model": job_id, "texts": ["a wonderful , moving film",

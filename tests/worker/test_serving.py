@@ -13,9 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from core.protocol import SamplingParams
 from tests.tiny_lm import build_tiny_gpt2
-from worker.engines.serving.engine import GenerationEngine
+from worker.engines.generation.engine import GenerationEngine
 from worker.metrics import EngineState
-from worker.serving import EngineRegistry, _footprint
+from worker.servers.generation import EngineRegistry, _footprint
 
 WAIT = 60
 

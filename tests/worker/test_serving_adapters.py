@@ -25,8 +25,8 @@ PROMPT = [1, 17, 42, 99, 7]
 
 @pytest.fixture()
 def service(settings, queue):
-    from worker import serving
     from worker.context import WorkerContext
+    from worker.servers import generation as serving
 
     ctx = WorkerContext(settings.model_copy(update={"max_loras": 2}), queue)
     service = ctx.service("generation", serving.GenerationService.build)

@@ -18,7 +18,7 @@ from core.errors import Conflict, StaleAttempt
 from core.rows import TERMINAL, Job, JobStatus, OutboxMessage, new_id, utcnow
 from core.store import jobs as store
 from tests.conftest import RecordingQueue
-from worker.recovery import Heartbeat, reap
+from worker.jobs.recovery import Heartbeat, reap
 
 ADMIN = Principal(key_id="key_test", tenant_id="default", is_admin=True)
 
@@ -127,7 +127,7 @@ def test_the_table_refuses_illegal_moves(factory):
 
 def test_a_stale_attempt_is_refused_while_the_current_one_writes(factory, settings):
     from core.paths import job_model_dir
-    from worker.training.reporter import JobReporter, artifact_row
+    from worker.jobs.reporter import JobReporter, artifact_row
 
     job_id = _new_job(factory)
     assert _claim(factory, job_id) == 1

@@ -22,7 +22,7 @@ def test_event_files_hold_the_train_loss_and_download_with_the_artifacts(client,
 
     from worker import metrics
     from worker.context import WorkerContext
-    from worker.training.lifecycle import run_training_job
+    from worker.jobs.lifecycle import run_training_job
 
     train = upload(client, tsv_bytes(sentiment_rows(2))).json()["id"]
     hyper = {"max_steps": 6, "batch_size": 8, "learning_rate": 1e-2, "max_length": 32, "eval_steps": 3,

@@ -14,15 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, PeftConfig, PeftModel, TaskType, get_peft_model
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+from transformers import PreTrainedModel
 
 from core.adapters import ALL_LINEAR, AdapterConfig
 from core.vocab import TaskKind
 from worker.engines.training import artifacts
 
 TASK_TYPES = {TaskKind.CAUSAL_LM: TaskType.CAUSAL_LM, TaskKind.TEXT_CLASSIFICATION: TaskType.SEQ_CLS}
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def lora_config(adapter: AdapterConfig, task: str) -> LoraConfig:
@@ -59,42 +58,3 @@ def adapter_summary(model: torch.nn.Module, adapter: AdapterConfig) -> dict[str,
 def save_adapter(output_dir: Path, model: PeftModel, tokenizer: Any, manifest: dict[str, Any]) -> Path:
     """The adapter folder (PEFT's files), the tokenizer and the manifest (written last, as the completion mark)."""
     return artifacts.save_final(output_dir, model, tokenizer, manifest)
-
-
-def adapter_bytes(folder: Path) -> int:
-    """Size of an adapter folder's weights, for the dashboard and the manifest."""
-    return (Path(folder) / ADAPTER_FILES[1]).stat().st_size
-
-
-def load_adapted(folder: Path, *, trainable: bool = False) -> PeftModel:
-    """The base model named in an adapter folder's config with that adapter on top (eval mode unless trainable)."""
-    manifest = artifacts.read_manifest(folder) or {}
-    classifier = manifest.get("task", TaskKind.CAUSAL_LM) == TaskKind.TEXT_CLASSIFICATION
-    auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
-    base_source = base_model_of(folder)
-    kwargs: dict[str, Any] = {}
-    if classifier and manifest.get("labels") is not None:
-        kwargs["num_labels"] = len(manifest["labels"])
-    base = auto.from_pretrained(base_source, trust_remote_code=False, use_safetensors=True, **kwargs)
-    return PeftModel.from_pretrained(base, str(folder), is_trainable=trainable)
-
-
-def base_model_of(folder: Path) -> str:
-    """The base model an adapter folder was trained on (adapter_config.json's base_model_name_or_path)."""
-    base = PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
-    if not base:
-        raise ValueError(f"{folder} names no base model in adapter_config.json")
-    return str(base)
-
-
-def export_merged(folder: Path, output_dir: Path) -> Path:
-    """A full model with the adapter folded into its weights (W + B A alpha / r), tokenizer and manifest."""
-    model = load_adapted(folder).merge_and_unload()
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(output_dir, safe_serialization=True)
-    AutoTokenizer.from_pretrained(str(folder)).save_pretrained(output_dir)
-    manifest = dict(artifacts.read_manifest(folder) or {})
-    manifest["merged_from_adapter"] = manifest.pop("adapter", None)
-    artifacts.write_manifest(output_dir, manifest)
-    return output_dir

@@ -1,32 +1,27 @@
-"""Checkpoints (atomic, resumable), the final model folder and its manifest."""
+"""Checkpoints (atomic, resumable) and the final model folder (its manifest: worker.engines.models.manifest)."""
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import random
 import re
 import shutil
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-import datasets
 import numpy as np
 import safetensors.torch
 import torch
-import transformers
 
-from core.paths import MANIFEST_NAME
 from worker.engines.device import DevicePlan
+from worker.engines.models.adapters import write_merged
+from worker.engines.models.manifest import MERGED_DIR, write_manifest
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 ADAPTER_WEIGHTS = "adapter.safetensors"  # an adapter run's checkpoint: its trainable tensors only
 STATE = "state.json"  # written last inside a checkpoint: its presence marks a complete one
 
-
-MERGED_DIR = "merged"  # an adapter artifact's full-model copy, when its adapter asks for one (merge: true)
 
 def checkpoint_path(checkpoint_dir: Path, step: int) -> Path:
     """Folder of the checkpoint taken after optimizer step `step`."""
@@ -147,37 +142,6 @@ def _set_rng_state(state: dict[str, Any], plan: DevicePlan) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def build_manifest(*, base_model: str | None, base_model_name: str, labels: list[int | str] | None = None,
-                   hyperparameters: dict[str, Any], dataset_hashes: dict[str, str],
-                   metrics: dict[str, float], plan: DevicePlan,
-                   task: str = "text-classification", data: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The self-description stored next to a trained model (labels only for tasks that have them)."""
-    manifest: dict[str, Any] = {
-        "task": task,
-        "base_model": base_model,
-        "base_model_name": base_model_name or base_model,
-    }
-    if labels is not None:
-        manifest["labels"] = list(labels)
-    if data is not None:
-        manifest["data"] = data
-    return manifest | {
-        "hyperparameters": hyperparameters,
-        "dataset_hashes": dict(dataset_hashes),
-        "metrics": metrics,
-        "versions": library_versions(),
-        "device": plan.device,
-        "precision": plan.precision,
-        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-    }
-
-
-def library_versions() -> dict[str, str]:
-    """Versions of what decides a run's numbers: the manifest and the job's receipt record them."""
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "datasets": datasets.__version__,
-            "python": platform.python_version()}
-
-
 class Savable(Protocol):
     """A model that writes its own folder: a transformers model, or a PEFT model (its adapter only)."""
 
@@ -200,27 +164,10 @@ def save_final(output_dir: Path, model: Savable, tokenizer: Any,
 
         if not isinstance(model, PeftModel):
             raise TypeError("only an adapted model has a merged copy to save")
-        folder = output_dir / MERGED_DIR
-        model.merge_and_unload().save_pretrained(folder, safe_serialization=True)
-        tokenizer.save_pretrained(folder)
         manifest["merged"] = MERGED_DIR  # in place: the caller returns (and may rewrite) this manifest
+        write_merged(model, tokenizer, output_dir / MERGED_DIR, manifest)
     write_manifest(output_dir, manifest)
     return output_dir
-
-
-def write_manifest(output_dir: Path, manifest: dict[str, Any]) -> Path:
-    """Write manifest.json atomically (tmp file, then rename)."""
-    target = Path(output_dir) / MANIFEST_NAME
-    tmp = target.with_name(f".{MANIFEST_NAME}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, target)
-    return target
-
-
-def read_manifest(model_dir: Path) -> dict[str, Any] | None:
-    """The manifest of a model folder, or None when it has none."""
-    path = Path(model_dir) / MANIFEST_NAME
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def resume_state(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

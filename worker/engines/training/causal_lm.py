@@ -26,6 +26,7 @@ from core.hyperparams import LMHyperparameters, default
 from core.lm_config import DEFAULT_BLOCK_SIZE, resolve_block_size, validate_model_config
 from core.paths import GPT2_TOKENIZER_DIR
 from worker.engines.device import DevicePlan
+from worker.engines.models import manifest as manifests
 from worker.engines.training import adapters, artifacts
 from worker.engines.training import corpus_data as lm_data
 from worker.engines.training.loop import RunConfig, Setup, TrainCallbacks, TrainResult, require_fit, run
@@ -142,7 +143,7 @@ class CausalLMRecipe:
     def save(self, metrics: dict[str, float], hyperparameters: dict[str, Any], plan: DevicePlan) -> dict[str, Any]:
         """save_pretrained model and tokenizer, with a manifest that carries the architecture and data."""
         config = self.config
-        manifest = artifacts.build_manifest(
+        manifest = manifests.build_manifest(
             task="causal-lm", base_model=config.base_model,
             base_model_name=config.base_model_name or config.base_model or "gpt2 (fresh)",
             hyperparameters=hyperparameters, dataset_hashes=dict(config.dataset_hashes), metrics=metrics, plan=plan,

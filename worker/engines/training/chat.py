@@ -23,6 +23,7 @@ from core.errors import DomainError
 from core.estimate import adapter_parameter_count, architecture, training_memory
 from core.hyperparams import LMHyperparameters, default
 from worker.engines.device import DevicePlan
+from worker.engines.models import manifest as manifests
 from worker.engines.training import adapters, artifacts
 from worker.engines.training import tabular_data as data
 from worker.engines.training.chat_render import IGNORE, Rendered, collate, render_preference, render_record
@@ -166,7 +167,7 @@ class ChatRecipe:
     def save(self, metrics: dict[str, float], hyperparameters: dict[str, Any], plan: DevicePlan) -> dict[str, Any]:
         """The adapter folder (or the full model) with the tokenizer and a manifest naming the method and data."""
         config = self.config
-        manifest = artifacts.build_manifest(
+        manifest = manifests.build_manifest(
             task="causal-lm", base_model=config.base_model, base_model_name=config.base_model_name or config.base_model,
             hyperparameters=hyperparameters, dataset_hashes=dict(config.dataset_hashes), metrics=metrics, plan=plan,
             data={"format": self.format, "num_train": len(self.train_set), "dropped": self.dropped,

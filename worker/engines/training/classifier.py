@@ -14,6 +14,8 @@ from core.adapters import AdapterConfig
 from core.estimate import adapter_parameter_count, architecture, training_memory
 from core.hyperparams import Hyperparameters, default
 from worker.engines.device import DevicePlan
+from worker.engines.models import encoder_batches as batching
+from worker.engines.models import manifest as manifests
 from worker.engines.training import adapters, artifacts
 from worker.engines.training import tabular_data as data
 from worker.engines.training.encoder import attention_implementation, last_layer_at_cls
@@ -117,7 +119,7 @@ class ClassifierRecipe:
 
     def loss(self, model: torch.nn.Module, micro_batch: list[int]) -> torch.Tensor:
         """The model's own cross-entropy over the rows, padded to the longest of them."""
-        batch = data.collate(self.train_set, micro_batch)
+        batch = batching.collate(self.train_set, micro_batch)
         return model(**{name: tensor.to(self.plan.device) for name, tensor in batch.items()}).loss
 
     def evaluate(self) -> dict[str, float] | None:
@@ -127,8 +129,8 @@ class ClassifierRecipe:
             return None
         predictions = np.empty(len(eval_set), dtype=np.int64)
         loss_sum = 0.0
-        for indices in data.sorted_batches(eval_set, self.config.batch_size):
-            batch = {name: tensor.to(self.plan.device) for name, tensor in data.collate(eval_set, indices).items()}
+        for indices in batching.sorted_batches(eval_set, self.config.batch_size):
+            batch = {name: tensor.to(self.plan.device) for name, tensor in batching.collate(eval_set, indices).items()}
             labels = batch.pop("labels")
             logits = self.model(**batch).logits.float()
             loss_sum += F.cross_entropy(logits, labels, reduction="sum").item()
@@ -140,7 +142,7 @@ class ClassifierRecipe:
     def save(self, metrics: dict[str, float], hyperparameters: dict[str, Any], plan: DevicePlan) -> dict[str, Any]:
         """save_pretrained model and tokenizer, with a manifest that carries the label map."""
         config = self.config
-        manifest = artifacts.build_manifest(
+        manifest = manifests.build_manifest(
             base_model=str(config.base_model), base_model_name=config.base_model_name, labels=self.labels,
             hyperparameters=hyperparameters, dataset_hashes=dict(config.dataset_hashes), metrics=metrics,
             plan=plan, data={"text_column": config.text_column, "label_column": config.label_column,
@@ -183,7 +185,7 @@ def freeze_word_embeddings(model: TrainedModel) -> None:
     input_embeddings(model).weight.requires_grad_(False)
 
 
-def _prepare_data(config: TrainConfig, tokenizer) -> tuple[list[int | str], data.Encoded, data.Encoded | None]:
+def _prepare_data(config: TrainConfig, tokenizer) -> tuple[list[int | str], batching.Encoded, batching.Encoded | None]:
     examples = data.read_examples(config.train_file, config.text_column, config.label_column)
     labels = data.build_label_map(examples.labels)
     train_ids = data.label_ids_for(examples.labels, labels, "train")

@@ -34,7 +34,7 @@ from worker.engines.training.loop import Recipe, RunConfig
 from worker.engines.training.reinforcement import ReinforcementRecipe, ReinforcementTrainConfig
 
 # What every kind's hyperparameters share (TrainingHyperparameters) -> RunConfig's fields; metric_for_best is
-# None: the worker resolves it with its direction (or none, for a row from before it: worker.training.config).
+# None: the worker resolves it with its direction (or none, for a row from before it: worker.jobs.config).
 RUN_HYPERPARAMETERS: Mapping[str, str | None] = {
     "max_steps": "max_steps", "warmup_ratio": "warmup_ratio",
     "gradient_accumulation_steps": "gradient_accumulation_steps", "precision": "precision",

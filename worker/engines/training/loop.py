@@ -24,6 +24,7 @@ import torch
 
 from core.vocab import EventKind
 from worker.engines.device import DevicePlan, is_out_of_memory, release_memory, resolve_device
+from worker.engines.models import manifest as manifests
 from worker.engines.training import artifacts
 from worker.engines.training.best import BestTracker
 from worker.engines.training.distributed import Dist, Replica, join
@@ -242,7 +243,7 @@ class _Run:
         best = tracker.best() if tracker is not None else None
         manifest = self.recipe.save(metrics, self.hyperparameters(), self.plan)
         manifest = dict(manifest, best=best, stop_reason=stop_reason, stopped_at_step=progress.step)
-        artifacts.write_manifest(config.output_dir, manifest)
+        manifests.write_manifest(config.output_dir, manifest)
         self.callbacks.on_event(EventKind.SAVED, f"model saved to {config.output_dir}")
         return TrainResult("completed", progress.step, self.total_steps, metrics, Path(config.output_dir), manifest,
                            stop_reason=stop_reason, best=best)

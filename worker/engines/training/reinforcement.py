@@ -26,6 +26,7 @@ from core.graders import grade, sample_namespace
 from core.graders.spec import PythonGrader
 from core.reinforcement import ReinforcementConfig, graders_of, metric_name
 from worker.engines.device import DevicePlan
+from worker.engines.models import manifest as manifests
 from worker.engines.training import adapters, artifacts
 from worker.engines.training import tabular_data as data
 from worker.engines.training.chat import ChatTrainConfig, load_policy
@@ -243,7 +244,7 @@ class ReinforcementRecipe:
     def save(self, metrics: dict[str, float], hyperparameters: dict[str, Any], plan: DevicePlan) -> dict[str, Any]:
         """The adapter folder (or the full model) with the tokenizer and a manifest naming the method and grader."""
         config = self.config
-        manifest = artifacts.build_manifest(
+        manifest = manifests.build_manifest(
             task="causal-lm", base_model=config.base_model, base_model_name=config.base_model_name or config.base_model,
             hyperparameters=hyperparameters, dataset_hashes=dict(config.dataset_hashes), metrics=metrics, plan=plan,
             data={"format": "prompts", "num_train": len(self.train_set), "dropped": self.dropped,

@@ -1,0 +1,232 @@
+"""The generation scheduler: which waiting requests start, and which prompt tokens the next step prefills.
+
+vLLM's seam: the engine's loop asks the scheduler for admissions and for the step's prompt chunks and runs them;
+the scheduler alone owns the waiting queues, the rows and cache positions in flight (`max_batch_size`,
+`max_tokens_in_flight`), each tenant's share, the adapter slots' constraint (through the LoRA manager), the
+prefill queue and the chunk budget (prefill.py). Its methods run under the engine's lock.
+
+Rows count, not requests: a request of n choices takes n rows and n x (prompt + max_new_tokens) cache positions,
+in the queue bound as in the batch.
+
+Fair share, as the training scheduler shares devices between tenants' jobs:
+- Requests wait in one queue per tenant (None: one tenant). Admission takes the tenants in turn, one request each
+  per round, starting after the tenant admitted last, so a tenant's flood waits behind its own requests only.
+- Interactive requests go before batch requests (`/v1/batches` lines): a batch request is admitted only when no
+  interactive request that fits is waiting.
+- While another tenant has requests waiting, a tenant's running rows stay within its share of the batch,
+  max_batch_size / active tenants (a tenant holding no row may always start one request), so freed rows go to the
+  tenant that waits, however large its next request; rows nobody else asks for are not held back. Nothing
+  running is preempted: a newcomer waits at most for rows to free.
+- The waiting queue holds at most max_queue rows, and one tenant at most max_queue x `tenant_queue_share` of them,
+  so a flood of one tenant's requests is refused (QueueFull: 429) while another tenant's are still queued.
+Within one tenant's queue the order is first come, first served: a request that does not fit waits at the head
+for room rather than being overtaken forever, except by requests whose adapter needs no new slot while an adapter
+waits for one (a slot frees only when its requests end).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from worker.engines.generation.caches.prefix_cache import PrefixCache
+from worker.engines.generation.lora.adapter_cache import AdapterCacheFull
+from worker.engines.generation.prefill import Chunk, ChunkBudget, PrefillQueue
+from worker.engines.generation.requests import QueueFull, Request
+
+
+class AdapterSlots(Protocol):
+    """What admission needs of the LoRA manager: whether an adapter is resident, and a slot for a request."""
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def acquire(self, request: Request) -> None:
+        """Give the request's adapter a slot; AdapterCacheFull when every slot is held by running requests."""
+        ...
+
+
+@dataclass
+class Admission:
+    """What one admission pass decided: requests to start, and those dropped while they waited."""
+
+    admitted: list[Request] = field(default_factory=list)
+    expired: list[Request] = field(default_factory=list)  # waited past their deadline
+    cancelled: list[Request] = field(default_factory=list)  # their callers went away while they waited
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)  # e.g. an adapter that could not load
+
+
+class Scheduler:
+    """The waiting queues, admission under the row, token and share bounds, and the prefill plan of each step."""
+
+    def __init__(self, *, max_batch_size: int, max_tokens_in_flight: int, max_queue: int,
+                 tenant_queue_share: float = 1.0, prefill_chunk_tokens: int = 2048,
+                 prefill_step_ratio: float = 1.5, prefix_cache_bytes: int = 0) -> None:
+        for name, value in (("max_batch_size", max_batch_size), ("max_tokens_in_flight", max_tokens_in_flight),
+                            ("max_queue", max_queue)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, value in (("prefill_chunk_tokens", prefill_chunk_tokens), ("prefix_cache_bytes", prefix_cache_bytes)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be 0 (off) or a positive integer, got {value!r}")
+        if not isinstance(prefill_step_ratio, int | float) or not (prefill_step_ratio == 0 or prefill_step_ratio > 1):
+            raise ValueError(f"prefill_step_ratio must be 0 (fixed chunks) or above 1, got {prefill_step_ratio!r}")
+        if not isinstance(tenant_queue_share, int | float) or not 0 < tenant_queue_share <= 1:
+            raise ValueError(f"tenant_queue_share must be in (0, 1], got {tenant_queue_share!r}")
+        self.max_batch_size = max_batch_size
+        self.max_tokens_in_flight = max_tokens_in_flight
+        self.max_queue = max_queue
+        self.max_queue_per_tenant = max(1, math.floor(max_queue * tenant_queue_share))
+        # Tenant -> its waiting requests in arrival order; tenants in the order their turn comes.
+        self._waiting: OrderedDict[str | None, deque[Request]] = OrderedDict()
+        self._waiting_rows: dict[str | None, int] = {}
+        self._running_rows: dict[str | None, int] = {}  # admitted and not yet left the batch (prefilling included)
+        self.tokens_in_flight = 0
+        # Started requests whose prompts are still going into the cache, in chunks sized by the budget.
+        # With prefix_cache_bytes, the KV of shared prompt prefixes is reused (caches/prefix_cache.py).
+        self.prefilling = PrefillQueue(PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None)
+        self.budget = ChunkBudget(prefill_chunk_tokens or None, prefill_step_ratio)
+
+    # -- the queue (callers' threads, under the engine's lock) --
+
+    def add(self, request: Request) -> None:
+        """Queue a request; QueueFull when the queue, or this tenant's part of it, has no room for its rows."""
+        rows, tenant = request.params.n, request.tenant
+        waiting = sum(self._waiting_rows.values())
+        if waiting + rows > self.max_queue:
+            raise QueueFull(f"{waiting} rows are already waiting (max_queue={self.max_queue})")
+        mine = self._waiting_rows.get(tenant, 0)
+        if mine + rows > self.max_queue_per_tenant:
+            raise QueueFull(f"this tenant already has {mine} rows waiting (its share of the queue is "
+                            f"{self.max_queue_per_tenant} of max_queue={self.max_queue})")
+        self._waiting.setdefault(tenant, deque()).append(request)
+        self._waiting_rows[tenant] = mine + rows
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Every waiting request (a snapshot)."""
+        return [request for queue in self._waiting.values() for request in queue]
+
+    def drain(self) -> list[Request]:
+        """Empty the queues (the engine is closing); returns what waited."""
+        waiting = self.waiting
+        self._waiting.clear()
+        self._waiting_rows.clear()
+        return waiting
+
+    # -- admission (the engine's scheduler thread) --
+
+    def admit(self, gone: set[int], now: float, adapters: AdapterSlots | None) -> Admission:
+        """Drop expired and cancelled (`gone`: their id()s) waiting requests, then admit what fits, tenants in turn."""
+        outcome = Admission()
+        for queue in self._waiting.values():
+            for request in list(queue):
+                if id(request) in gone:
+                    outcome.cancelled.append(request)
+                elif request.deadline is not None and request.deadline < now:
+                    outcome.expired.append(request)
+        for request in [*outcome.cancelled, *outcome.expired]:
+            self._unqueue(request)
+        rows = sum(self._running_rows.values())
+        for interactive in (True, False):
+            rows = self._admit_class(interactive, rows, adapters, outcome)
+        return outcome
+
+    def _admit_class(self, interactive: bool, rows: int, adapters: AdapterSlots | None, outcome: Admission) -> int:
+        """Round robin over the tenants' queues, one request of the class per tenant per round, while any fits."""
+        blocked: dict[str | None, bool] = {}  # tenants whose earlier request waits for an adapter slot
+        stopped: set[str | None] = set()  # tenants whose next request does not fit now
+        progress = True
+        while progress:
+            progress = False
+            for tenant in list(self._waiting):
+                if tenant in stopped:
+                    continue
+                request = self._next(tenant, interactive, rows, adapters, blocked, outcome)
+                if request is None:
+                    stopped.add(tenant)
+                    continue
+                self._unqueue(request)
+                self._running_rows[tenant] = self._running_rows.get(tenant, 0) + request.params.n
+                self.tokens_in_flight += request.cost
+                rows += request.params.n
+                outcome.admitted.append(request)
+                if tenant in self._waiting:  # its turn is over: the other tenants' come first next time
+                    self._waiting.move_to_end(tenant)
+                progress = True
+        return rows
+
+    def _next(self, tenant: str | None, interactive: bool, rows: int, adapters: AdapterSlots | None,
+              blocked: dict[str | None, bool], outcome: Admission) -> Request | None:
+        """The tenant's first waiting request of the class that may start now, its adapter slot taken; None if none."""
+        for request in list(self._waiting.get(tenant, ())):
+            if request.batch == interactive:
+                continue
+            n = request.params.n
+            if rows + n > self.max_batch_size or self.tokens_in_flight + request.cost > self.max_tokens_in_flight \
+                    or not self._within_share(tenant, n, interactive):
+                return None  # first come, first served within a tenant: it waits for room at the head
+            use = request.adapter
+            if use is None or adapters is None:
+                return request
+            if blocked.get(tenant) and use.name not in adapters:
+                continue  # an earlier request waits for a slot: no later one takes one before it
+            try:
+                adapters.acquire(request)
+            except AdapterCacheFull:
+                blocked[tenant] = True
+                continue
+            except Exception as error:  # noqa: BLE001 - e.g. a re-read folder that vanished: fail this request
+                self._unqueue(request)
+                outcome.failed.append((request, error))
+                continue
+            return request
+        return None
+
+    def _within_share(self, tenant: str | None, rows: int, interactive: bool) -> bool:
+        """Whether the tenant may take `rows` more rows: always while no other tenant waits (rows nobody else asks
+        for are not held back) or while it holds none; otherwise within max_batch_size / active tenants."""
+        others_wait = any(t != tenant and any(r.batch != interactive for r in queue)
+                          for t, queue in self._waiting.items())
+        held = self._running_rows.get(tenant, 0)
+        if not others_wait or held == 0:
+            return True
+        active = {t for t, queue in self._waiting.items() if queue} | {t for t, n in self._running_rows.items() if n}
+        return held + rows <= self.max_batch_size / len(active | {tenant})
+
+    def _unqueue(self, request: Request) -> None:
+        tenant = request.tenant
+        queue = self._waiting[tenant]
+        queue.remove(request)
+        self._waiting_rows[tenant] -= request.params.n
+        if not queue:
+            del self._waiting[tenant]
+            del self._waiting_rows[tenant]
+
+    def release(self, request: Request, rows: int) -> None:
+        """`rows` of an admitted request left the batch (finished, cancelled or failed): their share goes back."""
+        self.tokens_in_flight -= rows * (len(request.prompt) + request.params.max_new_tokens)
+        left = self._running_rows.get(request.tenant, 0) - rows
+        if left > 0:
+            self._running_rows[request.tenant] = left
+        else:
+            self._running_rows.pop(request.tenant, None)
+
+    # -- the step's prompt chunks --
+
+    def chunks(self, decoding: bool) -> list[Chunk]:
+        """The next step's prefill chunks: within the measured budget while streams decode, the cap otherwise."""
+        return self.prefilling.plan(self.budget.tokens(decoding))
+
+    def observe(self, seconds: float, decoded: bool, chunks: list[Chunk], draft_positions: int = 0) -> None:
+        """A step's wall time, for the chunk budget (draft positions a speculative step checked count as the
+        positions they are: each adds to the step what a prompt token does)."""
+        self.budget.observe(seconds, decoded, sum(c.end - c.start for c in chunks) + draft_positions)
+
+    def stats(self) -> dict[str, int | None]:
+        """Occupancy counters for the engine's stats()."""
+        return {"waiting": sum(len(queue) for queue in self._waiting.values()),
+                "waiting_rows": sum(self._waiting_rows.values()), "prefilling": len(self.prefilling.requests),
+                "tokens_in_flight": self.tokens_in_flight, "waiting_tenants": len(self._waiting),
+                "prefill_budget_tokens": self.budget.tokens(decoding=True)}
