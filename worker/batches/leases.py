@@ -1,11 +1,11 @@
 """Keeping a batch to one holder, and handing on the batches of a worker that died.
 
-The task running a batch (its holder) holds a lease in Redis (SET NX with a time to live of `batch_stale_s`) and
-beats the batch's heartbeat while it runs; a redelivered task that finds the lease held ends at once. Each generation worker's reaper hands
-a batch whose heartbeat is older than `batch_stale_s` to the queue again (claimed with one conditional UPDATE, so
-one reaper sends it); the task that takes it resumes from the stored parts (worker.batches.run). A tenant runs at
-most `batch_runs_per_tenant` batches at once: a task for one more ends without running it, and the reaper hands
-it on again once its heartbeat is stale, when a slot may have freed.
+The task running a batch (its holder) holds a lease in Redis (SET NX with a time to live of `batch_stale_s`) and beats
+the batch's heartbeat while it runs; a redelivered task that finds the lease held ends at once. Each generation
+worker's reaper hands a batch whose heartbeat is older than `batch_stale_s` to the queue again (claimed with one
+conditional UPDATE, so one reaper sends it); the task that takes it resumes from the stored parts
+(worker.batches.run). A tenant runs at most `batch_runs_per_tenant` batches at once: a task for one more ends without
+running it, and the reaper hands it on again once its heartbeat is stale, when a slot may have freed.
 """
 
 from __future__ import annotations
