@@ -1,7 +1,10 @@
 """Causal LMs that /generate can serve: <home>/models/<name>, finished causal-lm jobs, hub ids when online.
 
-A job's model is named to the worker by its job id: the worker fetches it from the artifact store. A LoRA adapter
-job is served over its base model: the worker loads the base once and batches its adapters' rows with the base's.
+A job's model is named to the worker by its job id: the worker fetches it from the artifact store. How a LoRA adapter
+job reaches the generation engine is decided here, once (`adapter_served_per_row`): over a llama-family base, per
+row (the worker loads the base once and batches its adapters' rows with the base's); over any other base, whole (the
+artifact's merged/ copy when training wrote one, else the base with the adapter folded in once per host:
+worker.model_store.fetch_full_model).
 """
 
 from __future__ import annotations
@@ -103,22 +106,21 @@ def list_served_models(session: Session, settings: Settings, *, tenant: str | No
     return local_models(settings) + [_job_model(job) for job in job_models(session, tenant=tenant)]
 
 
-def _job_model(job: Job) -> ServedModel:
-    """A finished causal-lm job as a served model, named by its job id: its own model, or its adapter over its base."""
+def adapter_served_per_row(config: dict | None) -> bool:
+    """Whether an adapter over a base of this config is applied per row by the generation engine's batched LoRA
+    (llama-family bases) rather than served whole, its merged model loaded like any full model."""
+    return config is not None and config.get("model_type") in LLAMA_FAMILY
+
+
+def _job_model(job: Job, config: dict | None = None) -> ServedModel:
+    """A finished causal-lm job as a served model, named by its job id: its own model, or its adapter over its base
+    (per row), or its adapter merged (whole): `config` is the base's, read when not given."""
     created = int(job.created_at.timestamp())
     if job.adapter is not None and job.base_model_path is not None:
-        return ServedModel(id=job.id, path=job.base_model_path, owned_by=job.tenant_id, created=created,
-                           adapter=job.id)
+        if adapter_served_per_row(config if config is not None else _job_config(job)):
+            return ServedModel(id=job.id, path=job.base_model_path, owned_by=job.tenant_id, created=created,
+                               adapter=job.id)
     return ServedModel(id=job.id, path=job.id, owned_by=job.tenant_id, created=created)
-
-
-def check_adapter_base(name: str, config: dict | None) -> None:
-    """Refuse (422 naming `model`) an adapter job whose base is not a llama-family decoder (no batched LoRA path)."""
-    kind = (config or {}).get("model_type")
-    if config is not None and kind not in LLAMA_FAMILY:
-        raise ValidationFailed("model", f"model {name!r} is a LoRA adapter over a {kind} base; adapters are served "
-                                        f"over llama-family bases ({', '.join(sorted(LLAMA_FAMILY))}). Train it "
-                                        "with adapter.merge true and serve the merged/ folder instead")
 
 
 def resolve_served_model(session: Session, settings: Settings, *, name: str, tenant: str | None) -> ServedModel:
@@ -133,10 +135,8 @@ def resolve_served_model(session: Session, settings: Settings, *, name: str, ten
             raise NotFound(f"job {name!r} is not a finished causal-lm job", field="model")
         config = _job_config(job)
         check_servable(name, config)
-        if job.adapter is not None:
-            check_adapter_base(name, config)
         context = context_of(job.model_config_) if job.base_model_path is None else context_of(config)
-        return dataclasses.replace(_job_model(job), context=context)
+        return dataclasses.replace(_job_model(job, config), context=context)
     if NAME_RE.match(name):
         folder = settings.home / "models" / name  # NAME_RE admits no separators, so this stays under models/
         if folder.is_dir() and _is_causal_lm(folder):

@@ -1,6 +1,7 @@
 """A finished LoRA adapter job's id is a model name on the generation routes: /v1/models lists it, and
 /v1/completions and /v1/chat/completions naming it answer as HF + PEFT on its folder, in one burst that mixes two
-adapters and their base (served by one engine: the base loads once); an adapter over a GPT-2 base is a 422."""
+adapters and their base (served by one engine: the base loads once); an adapter over a GPT-2 base (no batched LoRA
+path) is served whole, the base with the adapter folded in, and answers as HF + PEFT too."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from core.adapters import AdapterConfig
 from core.db import make_engine, make_sessionmaker, session_scope
 from core.paths import MANIFEST_NAME, job_model_dir
 from core.rows import Job, JobStatus
@@ -90,14 +92,22 @@ def test_adapter_jobs_answer_as_peft_in_one_burst_with_their_base(client, served
         assert sorted(engine.stats()["adapters"]) == sorted(jobs.values())
 
 
-def test_an_adapter_over_a_gpt2_base_is_refused_naming_model(client, settings, worker_ctx, tiny_gpt2_dir):  # noqa: F811
+def test_an_adapter_over_a_gpt2_base_is_served_merged_and_answers_as_peft(client, settings, worker_ctx,  # noqa: F811
+                                                                          tiny_gpt2_dir, tmp_path):
     dataset = upload(client, "\n".join(["some text to learn"] * 8).encode(), filename="corpus.txt").json()["id"]
     response = client.post("/jobs", json={"task": "causal-lm", "train_dataset": dataset,
                                           "base_model": str(tiny_gpt2_dir),
                                           "adapter": {"r": 2, "target_modules": ["c_attn"]}})
     assert response.status_code == 201, response.text
     job_id = response.json()["id"]
-    _finish(settings, job_id, tiny_gpt2_dir)
-    reply = client.post("/v1/completions", json={"model": job_id, "prompt": "Hello", "max_tokens": 2})
-    assert reply.status_code == 422 and reply.json()["error"]["field"] == "model"
-    assert "llama-family" in reply.json()["error"]["message"]
+    config = AdapterConfig(r=2, alpha=4, target_modules=["c_attn"])
+    folder = make_adapters(tiny_gpt2_dir, tmp_path, {"gpt2": config})["gpt2"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_gpt2_dir)
+    tokenizer.save_pretrained(folder)  # a LoRA job's artifact holds the tokenizer beside the adapter
+    _finish(settings, job_id, folder)
+    reply = client.post("/v1/completions", json={"model": job_id, "prompt": "Hello there", "max_tokens": 6,
+                                                 "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    ids = tokenizer("Hello there")["input_ids"]
+    want = tokenizer.decode(hf_greedy(peft_model(tiny_gpt2_dir, folder), ids, 6), skip_special_tokens=True)
+    assert reply.json()["choices"][0]["text"] == want

@@ -29,8 +29,8 @@ class Classifier:
         self.plan: DevicePlan = resolve_device(device)
         manifest = manifests.read_manifest(self.model_dir) or {}
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        if adapters.is_adapter(self.model_dir):  # a LoRA job's artifact: its base plus the adapter
-            self.model = adapters.load_adapted(self.model_dir).to(self.plan.device)
+        if adapters.is_adapter(self.model_dir):  # a LoRA job's artifact: its base with the adapter folded in
+            self.model = adapters.load_merged(self.model_dir).to(self.plan.device)
         else:
             self.model = AutoModelForSequenceClassification.from_pretrained(
                 self.model_dir, use_safetensors=True, trust_remote_code=False,

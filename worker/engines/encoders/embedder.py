@@ -137,7 +137,7 @@ class Embedder:
         self.spec = read_spec(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.spec.transformer_dir)
         if adapters.is_adapter(self.model_dir):  # a LoRA classifier: base + adapter, folded
-            encoder = adapters.load_adapted(self.model_dir).merge_and_unload().base_model
+            encoder = adapters.load_merged(self.model_dir).base_model
         else:  # a classifier's folder loads as its encoder alone (the head's weights are left out)
             encoder = AutoModel.from_pretrained(self.spec.transformer_dir, use_safetensors=True,
                                                 trust_remote_code=False)

@@ -1,5 +1,10 @@
 """A LoRA adapter folder (PEFT's files, the tokenizer, the manifest) read back: its base, its size, the adapted
-model, and the one writer of a merged copy (the base with the adapter folded in, W + B A alpha / r)."""
+model, and the one writer of a merged copy (the base with the adapter folded in, W + B A alpha / r).
+
+How an adapter reaches inference, by engine: the encoder engines fold it into their model in memory when they load
+it (`load_merged`); the generation engine applies it per row over llama-family bases and otherwise loads the merged
+copy whole (core.served_models.adapter_served_per_row decides, worker.model_store fetches or writes the copy).
+"""
 
 from __future__ import annotations
 
@@ -36,6 +41,11 @@ def load_adapted(folder: Path, *, trainable: bool = False) -> PeftModel:
         kwargs["num_labels"] = len(manifest["labels"])
     base = auto.from_pretrained(base_source, trust_remote_code=False, use_safetensors=True, **kwargs)
     return PeftModel.from_pretrained(base, str(folder), is_trainable=trainable)
+
+
+def load_merged(folder: Path) -> Any:
+    """The adapted model with the adapter folded into its base's weights (a plain transformers model, eval mode)."""
+    return load_adapted(folder).merge_and_unload().eval()
 
 
 def base_model_of(folder: Path) -> str:
