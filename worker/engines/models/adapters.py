@@ -9,13 +9,16 @@ copy whole (core.served_models.adapter_served_per_row decides, worker.model_stor
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-from peft import PeftConfig, PeftModel
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from typing import TYPE_CHECKING, Any
 
 from core.vocab import TaskKind
 from worker.engines.models import manifest as manifests
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+# PEFT and transformers' model classes are imported by the functions that load or merge: telling an adapter folder
+# from a full model (what the generation worker asks of every job model) loads neither.
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
@@ -32,6 +35,9 @@ def adapter_bytes(folder: Path) -> int:
 
 def load_adapted(folder: Path, *, trainable: bool = False) -> PeftModel:
     """The base model named in an adapter folder's config with that adapter on top (eval mode unless trainable)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
     manifest = manifests.read_manifest(folder) or {}
     classifier = manifest.get("task", TaskKind.CAUSAL_LM) == TaskKind.TEXT_CLASSIFICATION
     auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
@@ -50,6 +56,8 @@ def load_merged(folder: Path) -> Any:
 
 def base_model_of(folder: Path) -> str:
     """The base model an adapter folder was trained on (adapter_config.json's base_model_name_or_path)."""
+    from peft import PeftConfig
+
     base = PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
     if not base:
         raise ValueError(f"{folder} names no base model in adapter_config.json")
@@ -73,5 +81,7 @@ def write_merged(model: PeftModel, tokenizer: Any, output_dir: Path, manifest: d
 def export_merged(folder: Path, output_dir: Path) -> Path:
     """A full model from an adapter folder: its base with the adapter folded into the weights, tokenizer and
     manifest."""
+    from transformers import AutoTokenizer
+
     manifest = manifests.read_manifest(folder) or {}
     return write_merged(load_adapted(folder), AutoTokenizer.from_pretrained(str(folder)), output_dir, manifest)

@@ -7,14 +7,12 @@ import os
 import platform
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
-
-import datasets
-import torch
-import transformers
+from typing import TYPE_CHECKING, Any
 
 from core.paths import MANIFEST_NAME
-from worker.engines.device import DevicePlan
+
+if TYPE_CHECKING:
+    from worker.engines.device import DevicePlan
 
 MERGED_DIR = "merged"  # an adapter artifact's full-model copy, when its adapter asks for one (merge: true)
 
@@ -46,6 +44,11 @@ def build_manifest(*, base_model: str | None, base_model_name: str, labels: list
 
 def library_versions() -> dict[str, str]:
     """Versions of what decides a run's numbers: the manifest and the job's receipt record them."""
+    # Imported here: reading a manifest (what the generation worker does) needs none of them.
+    import datasets
+    import torch
+    import transformers
+
     return {"torch": torch.__version__, "transformers": transformers.__version__, "datasets": datasets.__version__,
             "python": platform.python_version()}
 
