@@ -111,37 +111,6 @@ def _training_worker(pid: int) -> int:
     raise AssertionError("no training worker found")
 
 
-def test_sigkilled_worker_resumes_the_job_from_its_checkpoint(tmp_path, tiny_bert_dir):
-    proc, api = _up(tmp_path / "home", tmp_path / "up.log",
-                    TRAINSERVE_CHECKPOINT_STEPS="10", TRAINSERVE_HEARTBEAT_TIMEOUT_S="4")
-    try:
-        ds = api.post("/datasets", files={"file": ("train.tsv", tsv_bytes(sentiment_rows(4)))}).json()["id"]
-        body = {"base_model": str(tiny_bert_dir), "train_dataset": ds, "text_column": "sentence",
-                "label_column": "label", "hyperparameters": {"max_steps": 150, "batch_size": 8,
-                                                             "learning_rate": 1e-2, "max_length": 32}}
-        job_id = api.post("/jobs", json=body).json()["id"]
-        wait_for(lambda: api.get(f"/jobs/{job_id}").json()["progress"]["step"] >= 25, 120, "step 25")
-        victim = _training_worker(proc.pid)
-        os.kill(victim, signal.SIGKILL)
-        done = wait_for(lambda: (j := api.get(f"/jobs/{job_id}").json())["status"] in ("succeeded", "failed") and j,
-                        240, "the job to finish after the kill")
-        assert done["status"] == "succeeded", done["error"]
-        assert done["attempts"] == 2 and done["progress"]["step"] == 150
-        assert _training_worker(proc.pid) != victim  # the supervisor started a new worker
-        events = api.get(f"/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
-        # the reaper requeues it, or a duplicate message from broker recovery reaches the new worker first;
-        # either way exactly one more claim happens, once the dead worker's heartbeat is stale
-        assert [e["kind"] for e in events].count("claimed") == 2
-        started = [e["message"] for e in events if e["kind"] == "started"]
-        assert "resumed from checkpoint at step" in started[-1] and "at step 0" not in started[-1]
-        history = api.get(f"/jobs/{job_id}/metrics", params={"name": "train_loss"}).json()["data"]
-        steps = [p["step"] for p in history]
-        assert steps == list(range(1, 151))  # continued, no duplicates, no gaps
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(90) == 0
-
-
 def _open_to_others(home: Path) -> list[str]:
     """Every path under home (home included) that its group or others may read, write or enter."""
     found = [] if home.stat().st_mode & 0o077 == 0 else [f"{home} {oct(home.stat().st_mode & 0o777)}"]

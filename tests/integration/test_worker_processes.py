@@ -1,4 +1,7 @@
-"""POST /jobs to succeeded through a real Celery worker process, Redis and PostgreSQL."""
+"""A warm shutdown of a real Celery worker process requeues its job, and the next worker resumes it.
+
+(A job trained on a worker process and served by another: tests/integration/test_compose_processes.py.)
+"""
 
 from __future__ import annotations
 
@@ -10,27 +13,6 @@ import pytest
 from tests.integration.conftest import submit_job, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def test_job_succeeds_on_a_real_worker_and_serves_predictions(live_client, start_worker, tiny_bert_dir):
-    start_worker("training")
-    start_worker("inference", device="auto")
-    job_id = submit_job(live_client, tiny_bert_dir)
-    seen_steps = set()
-
-    def finished():
-        job = live_client.get(f"/jobs/{job_id}").json()
-        seen_steps.add(job["progress"]["step"])
-        return job if job["status"] in ("succeeded", "failed", "cancelled") else None
-
-    job = wait_for(finished, 180, "the job to finish")
-    assert job["status"] == "succeeded", job["error"]
-    assert job["metrics"]["eval_accuracy"] == 1.0
-    assert len(seen_steps) >= 2  # progress was visible while it ran
-    response = live_client.post("/classify", json={"model": job_id, "texts": ["i loved every minute",
-                                                                               "boring and far too long"]})
-    assert response.status_code == 200, response.text
-    assert [p["label"] for p in response.json()["predictions"]] == [1, 0]
 
 
 def test_worker_shutdown_requeues_and_the_next_worker_resumes(live_client, start_worker, tiny_bert_dir):
