@@ -53,13 +53,21 @@ def start_worker(worker_env, tmp_path) -> Iterator[Callable[..., subprocess.Pope
         return proc
 
     yield start
-    for proc in started:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    stop_all(started)
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]], sig: int = signal.SIGTERM, timeout: float = 30) -> None:
+    """Signal every process first, then wait for each (their shutdowns overlap), killing what outlives `timeout`."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        proc.send_signal(sig)
+    deadline = time.monotonic() + timeout
+    for proc in running:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture()
@@ -118,12 +126,7 @@ def start_api(worker_env, tmp_path) -> Iterator[Callable[..., str]]:
         return url
 
     yield start
-    for proc in started:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    stop_all(started, timeout=20)
 
 
 def _free_port() -> int:

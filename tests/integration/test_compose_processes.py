@@ -5,7 +5,6 @@ generate through the API. No container engine runs here; this proves the compose
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from sqlalchemy.engine import make_url
 from tests.compose_file import active, app_services, environment, load_compose, read_env_file
 from tests.conftest import PG_ADMIN_URL
 from tests.factories import sentiment_rows, tsv_bytes
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import stop_all, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -141,12 +140,4 @@ def test_compose_services_as_processes_migrate_train_classify_generate(tmp_path,
         assert generated.status_code == 200, generated.text
         assert generated.json()["usage"]["completion_tokens"] > 0
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(list(procs.values()))

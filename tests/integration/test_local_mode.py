@@ -95,12 +95,15 @@ def test_two_instances_side_by_side_train_serve_and_stop_cleanly(tmp_path, tiny_
         assert result.status_code == 200 and result.json()["predictions"][0]["label"] == 1
         assert (tmp_path / "a" / "trainserve.db").is_file()
     finally:
-        for proc in (first, second):
-            kids = _children(proc.pid)
+        kids = {proc.pid: _children(proc.pid) for proc in (first, second)}
+        for proc in (first, second):  # both stop at once: their shutdowns overlap
             proc.send_signal(signal.SIGINT)
+        for proc in (first, second):
             assert proc.wait(90) == 0
-            time.sleep(0.5)
-            alive = [k for k in kids if subprocess.run(["kill", "-0", str(k)], capture_output=True).returncode == 0]
+        time.sleep(0.5)
+        for proc in (first, second):
+            alive = [k for k in kids[proc.pid]
+                     if subprocess.run(["kill", "-0", str(k)], capture_output=True).returncode == 0]
             assert alive == [], f"children still running after Ctrl-C: {alive}"
 
 
