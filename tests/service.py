@@ -8,7 +8,6 @@ tests that only need a running service share one (`scope="module"`) and keep to 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,22 +20,10 @@ from sqlalchemy import create_engine, text
 
 from core.rows import Base
 from tests.conftest import REFUSALS_UNBOUNDED, ROOT
-from tests.integration.conftest import _free_port, wait_for
+from tests.integration.conftest import _free_port, stop_all, wait_for
 
 ROLES = (("training", ["worker", "--device", "cpu", "--queues", "training,inference"]),
          ("generation", ["worker", "--device", "cpu", "--queues", "generation"]))
-
-
-def stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM every process, then wait for each (SIGKILL after 30 s)."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @contextmanager
@@ -73,7 +60,7 @@ def started_service(pg_url: str, redis_url: str, home: Path, logs: Path, *,
         wait_for(healthy, 60, "the API process to answer /health")
         yield base
     finally:
-        stop(procs)
+        stop_all(procs)
         engine = create_engine(pg_url)
         with engine.begin() as conn:
             conn.execute(text(f"TRUNCATE {', '.join(t.name for t in Base.metadata.sorted_tables)} CASCADE"))
