@@ -91,7 +91,17 @@ def _worker_serving(api: Api, start_worker) -> None:
         wait_for(answered, 180, "the generation worker to answer a request")
 
 
-def test_a_stream_dropped_after_the_first_token_frees_its_slot_and_stops_the_worker(api, start_worker, store):
+def _send(api: Api, path: str, body: dict) -> socket.socket:
+    """A raw HTTP/1.1 POST whose connection the test can drop at will."""
+    raw = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", api.port))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n".encode()
+                 + f"Authorization: Bearer {api.key}\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    return sock
+
+
+def test_a_dropped_stream_or_request_frees_its_slot_and_stops_the_worker(api, start_worker, store):
+    """One API and generation worker for both ways a client leaves: mid-stream, and before a non-streamed answer."""
     _worker_serving(api, start_worker)
     body = {"model": "tiny", "prompt": "Hello", "max_new_tokens": ASKED, "seed": 1, "stream": True}
     with httpx.Client(base_url=api.url, headers=api.headers, timeout=120) as client, \
@@ -107,18 +117,6 @@ def test_a_stream_dropped_after_the_first_token_frees_its_slot_and_stops_the_wor
         assert store.zcard(SLOTS) == 1, first
     _assert_abandoned(store, request_id)  # the connection is closed here, mid-stream
 
-
-def _send(api: Api, path: str, body: dict) -> socket.socket:
-    """A raw HTTP/1.1 POST whose connection the test can drop at will."""
-    raw = json.dumps(body).encode()
-    sock = socket.create_connection(("127.0.0.1", api.port))
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n".encode()
-                 + f"Authorization: Bearer {api.key}\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
-    return sock
-
-
-def test_a_dropped_non_streaming_request_frees_its_slot_and_stops_the_worker(api, start_worker, store):
-    _worker_serving(api, start_worker)
     sock = _send(api, "/generate", {"model": "tiny", "prompt": "Hello", "max_new_tokens": ASKED, "seed": 2})
     # Its rows' members are "<request id>#<row>" (a request of n choices holds n rows).
     member = wait_for(lambda: store.zrange(SLOTS, 0, -1), 60, "the request to take a slot")[0].decode()
