@@ -1,4 +1,5 @@
-"""GPT-2 end to end on real processes: a causal-lm job trains on tiny Shakespeare, a generation worker serves it."""
+"""GPT-2 end to end on real processes: a causal-lm job trains on tiny Shakespeare, a generation worker serves it
+beside a Llama and a Qwen3."""
 
 from __future__ import annotations
 
@@ -14,9 +15,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "data" / "tinyshakespeare_sample.txt"
 
 
-def test_train_a_gpt2_then_generate_stream_and_burst(live_client, start_worker, settings):
+def test_a_trained_gpt2_streams_and_bursts_beside_a_llama_and_a_qwen3_equal_to_hf(live_client, start_worker, settings):
+    """One generation worker process serves the trained GPT-2 (streamed, through the openai client, in a burst past
+    its queue bound) and, beside it, a Llama and a Qwen3 equal to HF generate."""
+    from tests.tiny_llama import build_tiny_decoder
+
+    models = {name: build_tiny_decoder(name, settings.home / "models" / name) for name in ("llama", "qwen3")}
     start_worker("training")
-    start_worker("generation", device="cpu")
+    start_worker("generation", device="cpu")  # fp32 (worker_env): HF-exact
     ds = live_client.post("/datasets", files={"file": ("shakespeare.txt", SAMPLE.read_bytes()[:30_000])}).json()
     body = {"task": "causal-lm", "train_dataset": ds["id"],
             "model_config": {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64},
@@ -50,6 +56,22 @@ def test_train_a_gpt2_then_generate_stream_and_burst(live_client, start_worker, 
         model=job_id, prompt="KING:", max_tokens=12, temperature=0, stream=True) if c.choices)
     assert streamed == completion.choices[0].text
 
+    prompt = "Café naïve 🤖 First Citizen:"
+
+    def complete(name: str):
+        return live_client.post("/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 10,
+                                                         "temperature": 0})
+
+    settings.generation_wait_s = 120  # the first request of each model waits for its load on a busy machine
+    with ThreadPoolExecutor(max_workers=2) as pool:  # one worker process, both models at once
+        responses = dict(zip(models, pool.map(complete, models), strict=True))
+    for name, (model, tokenizer) in models.items():
+        assert responses[name].status_code == 200, responses[name].text
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=0)
+        expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        assert responses[name].json()["choices"][0]["text"] == expected
+
     # A burst well past the queue bound: some 429s, every accepted request answered, nothing hangs.
     settings.generation_queue_per_model = 4
 
@@ -66,25 +88,3 @@ def test_train_a_gpt2_then_generate_stream_and_burst(live_client, start_worker, 
             assert r.json()["choices"][0]["finish_reason"] in ("length", "eos", "stop")
         else:
             assert r.headers["retry-after"]
-
-
-def test_a_generation_worker_process_serves_llama_and_qwen3_as_hf_generate(live_client, start_worker, settings):
-    from tests.tiny_llama import build_tiny_decoder
-
-    models = {name: build_tiny_decoder(name, settings.home / "models" / name) for name in ("llama", "qwen3")}
-    settings.generation_wait_s = 120  # the first request of each model waits for its load on a busy machine
-    start_worker("generation", device="cpu", TRAINSERVE_GENERATION_PRECISION="fp32")  # fp32: HF-exact
-    prompt = "Café naïve 🤖 First Citizen:"
-
-    def complete(name: str):
-        return live_client.post("/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 10,
-                                                         "temperature": 0})
-
-    with ThreadPoolExecutor(max_workers=2) as pool:  # one worker process, both models at once
-        responses = dict(zip(models, pool.map(complete, models), strict=True))
-    for name, (model, tokenizer) in models.items():
-        assert responses[name].status_code == 200, responses[name].text
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        out = model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=0)
-        expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        assert responses[name].json()["choices"][0]["text"] == expected
