@@ -7,7 +7,7 @@ shape of its url):
     POST /v1/completions                max_tokens                                            16 (OpenAI's)
     POST /v1/chat/completions           max_completion_tokens, or the older max_tokens        256
     an eval run's completions source    data_source.sampling_params.max_completion_tokens     256 (as a chat)
-    a model grader's judge              sampling_params.max_completions_tokens (OpenAI's s)   64 (one small JSON)
+    a model grader's judge              sampling_params.max_completions_tokens (sic, OpenAI's) 64 (one small JSON)
 
 Every bound names the field the client sent (the shape's first field when it sent none): a chat is never told
 about /generate's max_new_tokens. The bounds, in the order a request meets them:
