@@ -21,6 +21,7 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from core.errors import BrokerUnavailable
+from core.generation_limits import GENERATE
 from core.logs import task_headers
 from core.protocol import ChatMessage, ChatOptions, SamplingParams
 from core.queue import TaskQueue
@@ -64,6 +65,7 @@ class PlannedLine(BaseModel):
     messages: list[ChatMessage] | None = None
     chat: ChatOptions | None = None  # a chat line's tools and template arguments
     params: SamplingParams | None = None
+    tokens_field: str = GENERATE.name  # the line's field that set params.max_new_tokens: errors name it
     texts: list[str] | None = None  # /v1/embeddings: the inputs as text, or as token ids (one of the two)
     token_ids: list[list[int]] | None = None
     dimensions: int | None = None

@@ -17,6 +17,7 @@ from core.batches import IN_PROGRESS, WINDOW, PlannedLine, plan_key
 from core.errors import ValidationFailed
 from core.evals import IN_PROGRESS as RUN_IN_PROGRESS
 from core.evals import CompletionsDataSource, SourceItem, input_messages, items_key
+from core.generation_limits import EVAL_RUN, server_refusal
 from core.protocol import ChatMessage, SamplingParams
 from core.rows import Batch, Dataset, EvalRun, new_id, utcnow
 from core.served_models import resolve_served_model
@@ -24,22 +25,21 @@ from core.settings import Settings
 from core.storage import ArtifactStore
 
 CHAT = "/v1/chat/completions"
-DEFAULT_MAX_TOKENS = 256  # as /v1/chat/completions
 
 
 def run_sampling(source: CompletionsDataSource, settings: Settings) -> SamplingParams:
     """The run's decoding, as /v1/chat/completions would decode it (422 naming the sampling field at fault)."""
     given = source.sampling_params
-    max_tokens = (given.max_completion_tokens if given else None) or DEFAULT_MAX_TOKENS
-    if max_tokens > settings.max_new_tokens:
-        raise ValidationFailed("data_source.sampling_params.max_completion_tokens",
-                               f"must be at most {settings.max_new_tokens} on this server")
+    max_tokens, field = EVAL_RUN.chosen({EVAL_RUN.name: given.max_completion_tokens if given else None})
     try:
-        return SamplingParams(max_new_tokens=max_tokens, seed=given.seed if given else None,
-                              temperature=1.0 if given is None or given.temperature is None else given.temperature,
-                              top_p=1.0 if given is None or given.top_p is None else given.top_p)
+        params = SamplingParams(max_new_tokens=max_tokens, seed=given.seed if given else None,
+                                temperature=1.0 if given is None or given.temperature is None else given.temperature,
+                                top_p=1.0 if given is None or given.top_p is None else given.top_p)
     except ValidationError as exc:
         raise ValidationFailed("data_source.sampling_params", str(exc.errors()[0]["msg"])) from exc
+    if (refusal := server_refusal(params, field, settings)) is not None:
+        raise ValidationFailed(*refusal)
+    return params
 
 
 def _put(storage: ArtifactStore, key: str, data: bytes) -> None:
@@ -69,7 +69,8 @@ def start_run(session: Session, settings: Settings, storage: ArtifactStore, *, r
     batch_id = new_id("batch")
     plan = [PlannedLine(custom_id=f"item-{at}", url=CHAT, model=run.model, path=served.path, adapter=served.adapter,
                         messages=[ChatMessage(role=m["role"], content=m["content"])
-                                  for m in input_messages(source, entry.item)], params=params)
+                                  for m in input_messages(source, entry.item)], params=params,
+                        tokens_field=EVAL_RUN.name)
             for at, entry in enumerate(items)]
     data = store_items(storage, run.id, items)
     _put(storage, plan_key(batch_id), b"".join(line.model_dump_json().encode() + b"\n" for line in plan))

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from core.batches import CANCELLED, CANCELLING, COMPLETED, EXPIRED, FAILED
 from core.errors import ValidationFailed
+from core.generation_limits import MAX_TOKENS_BOUND
 from core.graders.checks import check_schema
 from core.graders.spec import Grader, JudgeMessage, TextSimilarityGrader
 from core.graders.template import lookup, render
@@ -107,7 +108,7 @@ class ItemReferenceMessages(BaseModel):
 class CompletionsSampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    max_completion_tokens: Annotated[int, Field(ge=1, le=8192)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     seed: int | None = None

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
+from core.generation_limits import GENERATE
 from core.public_text import public_text
 
 MAX_SEED = 2**63 - 1
@@ -113,7 +114,7 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_new_tokens: int = 16
+    max_new_tokens: int = GENERATE.default
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # (0, 1]
@@ -204,6 +205,7 @@ class GenerateTask(BaseModel):
     messages: list[ChatMessage] | None = None  # a chat: the prompt is rendered from these by the worker
     chat: ChatOptions | None = None  # a chat's tools and template arguments
     params: SamplingParams
+    tokens_field: str = GENERATE.name  # the request's field that set params.max_new_tokens: errors name it
     deadline: float  # wall-clock time after which a worker drops the request unstarted
 
     def remaining(self) -> float:

@@ -10,6 +10,8 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from core.generation_limits import MAX_TOKENS_BOUND
+
 
 class Settings(BaseSettings):
     """Service configuration read from TRAINSERVE_* environment variables (flat names: the variable is the field's
@@ -142,14 +144,19 @@ class Settings(BaseSettings):
         "processes (429 overloaded beyond): its share of the inference queue.")
 
     # --- Generation (/generate, /v1/completions) and its workers ---
-    max_new_tokens: int = Field(1024, description="Upper bound of max_new_tokens / max_tokens.")
+    max_new_tokens: int = Field(
+        1024, ge=1, le=MAX_TOKENS_BOUND, description="The most tokens one request may generate on this server (per "
+        f"choice; the schemas accept at most {MAX_TOKENS_BOUND}): /generate's max_new_tokens, /v1/completions' "
+        "max_tokens, a chat's max_completion_tokens or max_tokens, an eval run's and a judge's; a request over it is "
+        "a 422 naming the field it sent (core/generation_limits.py).")
     prompt_bytes_per_token: int = Field(
         32, ge=1, description="A prompt (or a chat's messages) over context length x this many UTF-8 bytes is "
         "refused by the API (422 naming prompt or messages) before any worker tokenizes it: no tokenizer makes "
         "fewer tokens of ordinary text (about 4 bytes per token in English).")
     max_response_entries: int = Field(
         65_536, ge=1, description="Most token entries one generation response may hold: n x max_tokens x (1 + "
-        "top_logprobs) (about 80 bytes of JSON each with logprobs); a request over it is a 422 naming max_tokens.")
+        "top_logprobs) (about 80 bytes of JSON each with logprobs); a request over it is a 422 naming its token field "
+        "(max_tokens, max_completion_tokens or max_new_tokens).")
     generation_queue_per_model: int = Field(64, ge=1, description="Generation rows in flight per model, a request "
                                             "of n choices taking n (429 beyond).")
     generation_queue_per_tenant: int = Field(32, ge=1, description="Generation rows one tenant may have in flight "
@@ -165,6 +172,10 @@ class Settings(BaseSettings):
     generation_rate_per_minute: int = Field(600, description="Generation requests per API key per minute (429 beyond).")
     generation_threads: int = Field(64, description="Requests one generation worker keeps in flight.")
     max_batch_size: int = Field(32, description="Sequences decoded together by one generation engine.")
+    max_tokens_in_flight: int = Field(
+        16_384, ge=1, description="Cache positions one generation engine holds for its running rows: a request of n "
+        "choices takes n x (prompt + its max tokens) while it runs, and waits while they are taken; one that could "
+        "never fit is a 422 naming its token field.")
     prefill_chunk_tokens: int = Field(
         2048, ge=0, description="Most prompt tokens one generation step prefills (chunked prefill: a long prompt "
         "enters over several steps, each also decoding the running streams); 0: whole prompts, never chunked.")

@@ -30,9 +30,10 @@ RunStatus = Literal["queued", "in_progress", "completed", "canceled", "failed"]
 
 
 @router.post("", response_model=EvalObject, response_model_by_alias=True)
-def create_eval(body: Annotated[EvalCreate, Body()], session: SessionDep, principal: PrincipalDep) -> EvalObject:
+def create_eval(body: Annotated[EvalCreate, Body()], session: SessionDep, settings: SettingsDep,
+                principal: PrincipalDep) -> EvalObject:
     """An item schema and the testing criteria (graders) every run is graded by."""
-    return service.eval_object(service.create_eval(session, principal, body=body))
+    return service.eval_object(service.create_eval(session, settings, principal, body=body))
 
 
 @router.get("", response_model=EvalList)

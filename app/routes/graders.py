@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from app.deps import PrincipalDep, SessionDep
+from app.deps import PrincipalDep, SessionDep, SettingsDep
 from app.errors import ERROR_RESPONSES
 from app.routes.generation import GatewayDep
 from app.schemas.graders import GraderRunRequest, GraderRunResponse, GraderValidateRequest, GraderValidateResponse
@@ -22,6 +22,7 @@ async def run_grader(body: GraderRunRequest, request: Request, session: SessionD
 
 
 @router.post("/validate", response_model=GraderValidateResponse)
-def validate_grader(body: GraderValidateRequest, principal: PrincipalDep) -> GraderValidateResponse:
+def validate_grader(body: GraderValidateRequest, principal: PrincipalDep, settings: SettingsDep
+                    ) -> GraderValidateResponse:
     """The grader as it will run (a grader that does not validate is a 422 naming its field)."""
-    return GraderValidateResponse(grader=body.grader.model_dump(by_alias=True, exclude_none=True))
+    return service.validate_grader(body, settings)

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.schemas.generation import CompletionUsage, OpenAISampling
+from core.generation_limits import CHAT, MAX_TOKENS_BOUND
 from core.protocol import MAX_TOP_LOGPROBS, TokenLogprob
 
 
@@ -28,8 +29,11 @@ class ChatCompletionRequest(OpenAISampling):
     model_config = ConfigDict(extra="forbid")
 
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=1000)
-    max_tokens: int | None = Field(None, ge=1, le=8192, description="Deprecated by OpenAI; max_completion_tokens.")
-    max_completion_tokens: int | None = Field(None, ge=1, le=8192, description="Default 256.")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_BOUND,
+                                   description="Deprecated by OpenAI; max_completion_tokens.")
+    max_completion_tokens: int | None = Field(
+        None, ge=1, le=MAX_TOKENS_BOUND, description=f"Tokens to generate at most per choice (default {CHAT.default}); "
+        "at most the server's TRAINSERVE_MAX_NEW_TOKENS.")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = Field(None, description="Function tools; calls always match their "

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from app.schemas.structured import StructuredFields
+from core.generation_limits import COMPLETIONS, GENERATE, MAX_TOKENS_BOUND
 
 
 def _stops(value: Any) -> list[str]:
@@ -36,7 +37,8 @@ class GenerateRequest(BaseModel):
 
     model: str = Field(min_length=1, max_length=200)
     prompt: str = Field(min_length=1, max_length=100_000)
-    max_new_tokens: int = Field(16, ge=1, le=8192)
+    max_new_tokens: int = Field(GENERATE.default, ge=1, le=MAX_TOKENS_BOUND, description="Tokens to generate at "
+                                "most per choice; at most the server's TRAINSERVE_MAX_NEW_TOKENS.")
     temperature: float = Field(1.0, ge=0, le=5, description="0 means greedy.")
     top_k: int = Field(0, ge=0, le=10_000, description="0 disables top-k.")
     top_p: float = Field(1.0, gt=0, le=1)
@@ -90,7 +92,8 @@ class CompletionRequest(OpenAISampling):
     model_config = ConfigDict(extra="allow")
 
     prompt: str | list[str] = Field(description="One prompt (a list with one string is accepted too).")
-    max_tokens: int | None = Field(16, ge=1, le=8192)
+    max_tokens: int | None = Field(COMPLETIONS.default, ge=1, le=MAX_TOKENS_BOUND, description="Tokens to "
+                                   "generate at most per choice; at most the server's TRAINSERVE_MAX_NEW_TOKENS.")
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=5, description="The sampled token's logprob and the top N (0-5).")
     best_of: int | None = None

@@ -23,8 +23,9 @@ from app.services.completions import openai_params
 from app.services.embeddings import split_inputs
 from core.batches import LineError, PlannedLine
 from core.errors import DomainError, ValidationFailed
+from core.generation_limits import COMPLETIONS, server_refusal
 from core.jobspec import field_of
-from core.protocol import ErrorCode, SamplingParams
+from core.protocol import ErrorCode
 from core.served_models import ServedModel
 from core.settings import Settings
 
@@ -57,10 +58,11 @@ def _parsed(schema: type[BaseModel], body: dict[str, Any]) -> Any:
 
 def _plan_chat(body: dict[str, Any], planning: Planning) -> PlannedLine:
     request = _parsed(ChatCompletionRequest, body)
-    messages, params, options = chat_params(request)
+    messages, params, options, tokens_field = chat_params(request)
     served = planning.served(request.model)
     return PlannedLine(custom_id="", url="/v1/chat/completions", model=request.model, path=served.path,
-                       adapter=served.adapter, messages=messages, params=params, chat=options)
+                       adapter=served.adapter, messages=messages, params=params, tokens_field=tokens_field,
+                       chat=options)
 
 
 def _plan_completion(body: dict[str, Any], planning: Planning) -> PlannedLine:
@@ -70,7 +72,7 @@ def _plan_completion(body: dict[str, Any], planning: Planning) -> PlannedLine:
     prompt, params = openai_params(request)
     served = planning.served(request.model)
     return PlannedLine(custom_id="", url="/v1/completions", model=request.model, path=served.path,
-                       adapter=served.adapter, prompt=prompt, params=params)
+                       adapter=served.adapter, prompt=prompt, params=params, tokens_field=COMPLETIONS.name)
 
 
 def _plan_embeddings(body: dict[str, Any], planning: Planning) -> PlannedLine:
@@ -105,7 +107,7 @@ def plan_lines(stream: IO[bytes], *, endpoint: str, planning: Planning) -> Itera
                                                     f"endpoint {endpoint}; one batch runs one endpoint")
         try:
             planned = PLANNERS[record["url"]](record["body"], planning)
-            _check_cap(planned.params, planning.settings.max_new_tokens)
+            _check_limits(planned, planning.settings)
         except DomainError as exc:
             planned = PlannedLine(custom_id="", url=record["url"], model=str(record["body"].get("model") or ""),
                                   error=line_error(exc))
@@ -113,6 +115,7 @@ def plan_lines(stream: IO[bytes], *, endpoint: str, planning: Planning) -> Itera
         yield planned
 
 
-def _check_cap(params: SamplingParams | None, max_new_tokens: int) -> None:
-    if params is not None and params.max_new_tokens > max_new_tokens:
-        raise ValidationFailed("max_tokens", f"must be at most {max_new_tokens} on this server")
+def _check_limits(planned: PlannedLine, settings: Settings) -> None:
+    """The server's limits, as the interactive route checks them (naming the line's token field)."""
+    if planned.params is not None and (refusal := server_refusal(planned.params, planned.tokens_field, settings)):
+        raise ValidationFailed(*refusal)

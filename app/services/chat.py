@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy.orm import Session
 
@@ -36,6 +36,7 @@ from app.services.generation import GenerationGateway
 from app.services.structured import constraint_of
 from core.auth import Principal
 from core.errors import ValidationFailed
+from core.generation_limits import CHAT
 from core.protocol import (
     ChatMessage,
     ChatOptions,
@@ -47,7 +48,14 @@ from core.protocol import (
 )
 from core.tool_calls import ToolSpecError, check_tool_calls, check_tool_choice, check_tools
 
-DEFAULT_MAX_TOKENS = 256
+
+class ChatParams(NamedTuple):
+    """A chat request as the worker runs it, and the field its token count came in (errors name it)."""
+
+    messages: list[ChatMessage]
+    params: SamplingParams
+    options: ChatOptions | None
+    tokens_field: str
 
 
 def _refuse_unsupported(body: ChatCompletionRequest) -> None:
@@ -103,20 +111,22 @@ def chat_options(body: ChatCompletionRequest) -> ChatOptions | None:
                        template_kwargs=body.chat_template_kwargs or {})
 
 
-def chat_params(body: ChatCompletionRequest) -> tuple[list[ChatMessage], SamplingParams, ChatOptions | None]:
+def chat_params(body: ChatCompletionRequest) -> ChatParams:
     """Map OpenAI's chat fields onto the messages, SamplingParams and chat options; refuse what cannot be honoured."""
     _refuse_unsupported(body)
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
         raise ValidationFailed("max_tokens", "max_tokens and max_completion_tokens disagree; send one")
+    max_tokens, tokens_field = CHAT.chosen({"max_completion_tokens": body.max_completion_tokens,
+                                            "max_tokens": body.max_tokens})
     stop = body.stop or []  # the schema checked it: a string or up to 4 strings, as a list
     options = chat_options(body)
-    params = sampling(max_new_tokens=body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS,
+    params = sampling(max_new_tokens=max_tokens,
                       temperature=1.0 if body.temperature is None else body.temperature, top_k=0,
                       top_p=1.0 if body.top_p is None else body.top_p, repetition_penalty=1.0, stop=stop,
                       seed=body.seed, n=body.n or 1, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                       constraint=constraint_of(body))
-    return _messages(body), params, options
+    return ChatParams(_messages(body), params, options, tokens_field)
 
 
 def message_of(choice: ChoiceOut) -> AssistantMessage:
@@ -134,8 +144,9 @@ def chat_reason(reason: str | None) -> str | None:
 async def chat(gateway: GenerationGateway, session: Session, principal: Principal, body: ChatCompletionRequest,
                disconnected: Disconnected) -> ChatCompletion | AsyncIterator[bytes]:
     """/v1/chat/completions: a ChatCompletion, or (stream) its chunks as SSE."""
-    messages, params, options = chat_params(body)
-    started = await start(gateway, session, principal, body.model, "", params, messages, options)
+    messages, params, options, tokens_field = chat_params(body)
+    started = await start(gateway, session, principal, body.model, "", params, messages, options,
+                          tokens_field=tokens_field)
     completion_id, created = f"chatcmpl-{started.request_id.removeprefix('gen-')}", int(time.time())
     with_logprobs = params.logprobs is not None
     if not body.stream:

@@ -32,6 +32,7 @@ from app.services.structured import constraint_of
 from app.sse import sse_message
 from core.auth import Principal
 from core.errors import ClientGone, ValidationFailed
+from core.generation_limits import COMPLETIONS, GENERATE
 from core.protocol import (
     AcceptedEvent,
     ChatMessage,
@@ -84,16 +85,18 @@ def sampling(**values: Any) -> SamplingParams:
 
 async def start(gateway: GenerationGateway, session: Session, principal: Principal, name: str, prompt: str,
                 params: SamplingParams, messages: list[ChatMessage] | None = None,
-                chat: ChatOptions | None = None) -> Started:
-    """Validate, admit, hand off; returns once the worker accepted the request (or raises its error)."""
-    gateway.check(params)
+                chat: ChatOptions | None = None, *, tokens_field: str) -> Started:
+    """Validate, admit, hand off; returns once the worker accepted the request (or raises its error). Errors about
+    params.max_new_tokens name `tokens_field`, the field the client sent it in."""
+    gateway.check(params, tokens_field)
     model = await run_in_threadpool(gateway.resolve, session, principal, name)
     gateway.check_prompt(model, prompt, messages)
     await run_in_threadpool(session.close)  # no connection held while generating
     request_id = await gateway.admit(principal, model, params.n)
     finished = False
     try:
-        await gateway.submit(request_id, model, prompt, params, messages, tenant=principal.tenant_id, chat=chat)
+        await gateway.submit(request_id, model, prompt, params, messages, tokens_field=tokens_field,
+                             tenant=principal.tenant_id, chat=chat)
         events = gateway.events(request_id)
         first = await anext(events)
         if isinstance(first, ErrorEvent):
@@ -166,7 +169,7 @@ async def generate(gateway: GenerationGateway, session: Session, principal: Prin
     params = sampling(max_new_tokens=body.max_new_tokens, temperature=body.temperature, top_k=body.top_k,
                       top_p=body.top_p, repetition_penalty=body.repetition_penalty, stop=body.stop, seed=body.seed,
                       n=body.n, speculative=body.speculative)
-    started = await start(gateway, session, principal, body.model, body.prompt, params)
+    started = await start(gateway, session, principal, body.model, body.prompt, params, tokens_field=GENERATE.name)
     request_id = started.request_id
     if not body.stream:
         done = await collect(gateway, started, disconnected)
@@ -200,7 +203,8 @@ def openai_params(body: CompletionRequest) -> tuple[str, SamplingParams]:
     if len(prompts) != 1 or not prompts[0]:
         raise ValidationFailed("prompt", "send exactly one non-empty prompt per request")
     stop = body.stop or []  # the schema checked it: a string or up to 4 strings, as a list
-    return prompts[0], sampling(max_new_tokens=body.max_tokens or 16,
+    max_tokens, _ = COMPLETIONS.chosen({COMPLETIONS.name: body.max_tokens})
+    return prompts[0], sampling(max_new_tokens=max_tokens,
                                 temperature=1.0 if body.temperature is None else body.temperature, top_k=0,
                                 top_p=1.0 if body.top_p is None else body.top_p, repetition_penalty=1.0, stop=stop,
                                 seed=body.seed, n=body.n or 1, logprobs=body.logprobs,
@@ -227,7 +231,7 @@ async def complete(gateway: GenerationGateway, session: Session, principal: Prin
                    disconnected: Disconnected) -> Completion | AsyncIterator[bytes]:
     """/v1/completions: an OpenAI Completion, or (stream) its chunks as SSE."""
     prompt, params = openai_params(body)
-    started = await start(gateway, session, principal, body.model, prompt, params)
+    started = await start(gateway, session, principal, body.model, prompt, params, tokens_field=COMPLETIONS.name)
     completion_id, created = f"cmpl-{started.request_id.removeprefix('gen-')}", int(time.time())
     wants = params.logprobs is not None
     if not body.stream:

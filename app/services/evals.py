@@ -53,6 +53,7 @@ from core.evals import (
     items_key,
     run_status,
 )
+from core.graders.models import judge_refusal
 from core.queue import TaskQueue
 from core.rows import Batch, Eval, EvalOutputItem, EvalRun, Job, JobStatus, TaskKind, new_id, utcnow
 from core.served_models import resolve_served_model
@@ -70,8 +71,11 @@ def eval_object(row: Eval) -> EvalObject:
                       testing_criteria=row.testing_criteria, metadata=row.metadata_)
 
 
-def create_eval(session: Session, principal: Principal, *, body: EvalCreate) -> Eval:
-    """Store an eval (its graders validated by the schema)."""
+def create_eval(session: Session, settings: Settings, principal: Principal, *, body: EvalCreate) -> Eval:
+    """Store an eval (its graders validated by the schema, their judges within the server's token cap)."""
+    for at, criterion in enumerate(body.testing_criteria):
+        if (refusal := judge_refusal(criterion, settings.max_new_tokens, f"testing_criteria.{at}")) is not None:
+            raise ValidationFailed(*refusal)
     row = Eval(id=new_id("eval"), tenant_id=principal.tenant_id, name=body.name or "eval",
                data_source_config=body.data_source_config.model_dump(mode="json"),
                testing_criteria=[c.model_dump(mode="json", by_alias=True, exclude_none=True)

@@ -16,6 +16,7 @@ from app.redis_window import take
 from app.schemas.generation import ModelCard, ModelList
 from core.auth import Principal
 from core.errors import BrokerUnavailable, TooManyRequests, ValidationFailed
+from core.generation_limits import server_refusal
 from core.logs import task_headers
 from core.protocol import (
     ChatMessage,
@@ -49,16 +50,10 @@ class GenerationGateway:
         """The model to serve, visible to the caller (404 naming `model` otherwise)."""
         return resolve_served_model(session, self.settings, name=name, tenant=principal.scope)
 
-    def check(self, params: SamplingParams) -> None:
-        """Server-side caps that the schema cannot know."""
-        if params.max_new_tokens > self.settings.max_new_tokens:
-            raise ValidationFailed("max_new_tokens", f"must be at most {self.settings.max_new_tokens} on this server")
-        per_token = 1 + (params.logprobs or 0)
-        entries = params.n * params.max_new_tokens * per_token
-        if entries > self.settings.max_response_entries:
-            raise ValidationFailed("max_tokens", f"n ({params.n}) x max_tokens ({params.max_new_tokens}) x (1 + "
-                                   f"top_logprobs {params.logprobs or 0}) = {entries} token entries; a response "
-                                   f"holds at most {self.settings.max_response_entries} on this server")
+    def check(self, params: SamplingParams, field: str) -> None:
+        """The server's limits (core.generation_limits.server_refusal), naming `field`: the request's token field."""
+        if (refusal := server_refusal(params, field, self.settings)) is not None:
+            raise ValidationFailed(*refusal)
 
     def check_prompt(self, model: ServedModel, prompt: str, messages: list[ChatMessage] | None) -> None:
         """Refuse, by its size in bytes, a prompt that cannot fit the model's context: before a worker spends
@@ -115,11 +110,11 @@ class GenerationGateway:
         return await take(self.redis, key, member=member, now=now, horizon=horizon, limit=limit)
 
     async def submit(self, request_id: str, model: ServedModel, prompt: str, params: SamplingParams,
-                     messages: list[ChatMessage] | None = None, *, tenant: str | None = None,
+                     messages: list[ChatMessage] | None = None, *, tokens_field: str, tenant: str | None = None,
                      chat: ChatOptions | None = None) -> None:
         """Hand the request of `tenant` to a generation worker; it must start before the wait deadline."""
         task = GenerateTask(request_id=request_id, model=model.path, adapter=model.adapter, tenant=tenant,
-                            prompt=prompt, params=params, messages=messages, chat=chat,
+                            prompt=prompt, params=params, tokens_field=tokens_field, messages=messages, chat=chat,
                             deadline=time.time() + self.settings.generation_wait_s)
         await run_in_threadpool(self.queue.send, TASK_GENERATE, [task.model_dump(mode="json")], queue=QUEUE_GENERATE,
                                 headers=task_headers())

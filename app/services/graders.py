@@ -9,15 +9,21 @@ from sqlalchemy.orm import Session
 
 from app.schemas.chat import ChatCompletion, ChatCompletionRequest
 from app.schemas.embeddings import EmbeddingRequest
-from app.schemas.graders import GraderRunMetadata, GraderRunRequest, GraderRunResponse
+from app.schemas.graders import (
+    GraderRunMetadata,
+    GraderRunRequest,
+    GraderRunResponse,
+    GraderValidateRequest,
+    GraderValidateResponse,
+)
 from app.services import chat as chat_service
 from app.services import embeddings as embedding_service
 from app.services.completions import Disconnected
 from app.services.generation import GenerationGateway
 from core.auth import Principal
 from core.errors import DomainError, ValidationFailed
-from core.graders import Grade, JudgeReply, ModelCallFailed, grade, sample_namespace
-from core.graders.models import DEFAULT_EMBEDDING_MODEL, JUDGE_MAX_TOKENS
+from core.graders import Grade, Grader, JudgeReply, ModelCallFailed, grade, sample_namespace
+from core.graders.models import DEFAULT_EMBEDDING_MODEL, judge_refusal, judge_tokens
 from core.graders.spec import JudgeSampling
 from core.settings import Settings
 
@@ -32,11 +38,12 @@ class ServedModels:
 
     async def chat(self, model: str, messages: list[dict[str, str]], *, schema: dict[str, Any],
                    sampling: JudgeSampling | None) -> JudgeReply:
+        tokens = judge_tokens(sampling, self.gateway.settings.max_new_tokens)
         sampling = sampling or JudgeSampling()
         try:  # the grader's own fields were checked already; what the chat route adds is checked here
             body = ChatCompletionRequest(
                 model=model, messages=messages,  # type: ignore[arg-type]
-                max_completion_tokens=sampling.max_completions_tokens or JUDGE_MAX_TOKENS,
+                max_completion_tokens=tokens,
                 temperature=0.0 if sampling.temperature is None else sampling.temperature, top_p=sampling.top_p,
                 seed=sampling.seed, response_format={"type": "json_schema", "json_schema": {
                     "name": "grade", "schema": schema, "strict": True}})
@@ -76,8 +83,22 @@ def run_response(result: Grade) -> GraderRunResponse:
                                    token_usage=tokens if result.token_usage else None))
 
 
+def check_judges(grader: Grader, settings: Settings) -> None:
+    """A model grader whose judge would answer in more tokens than this server generates is a 422 naming its field
+    (under `grader`), before anything runs."""
+    if (refusal := judge_refusal(grader, settings.max_new_tokens, "grader")) is not None:
+        raise ValidationFailed(*refusal)
+
+
 async def run_grader(models: ServedModels, body: GraderRunRequest) -> GraderRunResponse:
     """Grade one model sample against one item."""
+    check_judges(body.grader, models.gateway.settings)
     result = await grade(body.grader, item=body.item or {}, sample=sample_namespace(body.model_sample),  # type: ignore[arg-type]
                          models=models)
     return run_response(result)
+
+
+def validate_grader(body: GraderValidateRequest, settings: Settings) -> GraderValidateResponse:
+    """The grader as it will run on this server (its judges within the server's token cap)."""
+    check_judges(body.grader, settings)
+    return GraderValidateResponse(grader=body.grader.model_dump(by_alias=True, exclude_none=True))

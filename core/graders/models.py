@@ -9,10 +9,10 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from core.graders.spec import JudgeSampling
+from core.generation_limits import JUDGE, Refusal, cap_refusal
+from core.graders.spec import Grader, JudgeSampling, LabelModelGrader, MultiGrader, ScoreModelGrader
 
 DEFAULT_EMBEDDING_MODEL = "minilm-l6"  # cosine similarity's embeddings model when a grader names none
-JUDGE_MAX_TOKENS = 64  # a judge's answer is one small JSON object
 
 
 class JudgeReply(BaseModel):
@@ -39,3 +39,28 @@ class Models(Protocol):
     async def embed(self, model: str | None, texts: list[str]) -> list[list[float]]:
         """One vector per text (model None: the server's default embeddings model); ModelCallFailed otherwise."""
         ...
+
+
+def _judge_asks(sampling: JudgeSampling | None, cap: int, where: str) -> tuple[int, Refusal | None]:
+    tokens, field = JUDGE.chosen({JUDGE.name: sampling.max_completions_tokens if sampling else None})
+    return tokens, cap_refusal(tokens, where + field, cap)
+
+
+def judge_tokens(sampling: JudgeSampling | None, cap: int) -> int:
+    """The tokens a judge may answer in (JUDGE's default unless its sampling_params give them); ModelCallFailed
+    naming the field when the server generates fewer (`cap`, Settings.max_new_tokens)."""
+    tokens, refusal = _judge_asks(sampling, cap, "")
+    if refusal is not None:
+        raise ModelCallFailed(refusal.message)
+    return tokens
+
+
+def judge_refusal(grader: Grader, cap: int, where: str) -> Refusal | None:
+    """A model grader (a multi grader's too) whose judge would answer in more tokens than the server generates,
+    naming its field under `where` (the grader's own field in the request), or None: refused before it runs."""
+    if isinstance(grader, MultiGrader):
+        refusals = (judge_refusal(inner, cap, f"{where}.graders.{name}") for name, inner in grader.graders.items())
+        return next((refusal for refusal in refusals if refusal is not None), None)
+    if not isinstance(grader, ScoreModelGrader | LabelModelGrader):
+        return None
+    return _judge_asks(grader.sampling_params if isinstance(grader, ScoreModelGrader) else None, cap, f"{where}.")[1]

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
+from core.generation_limits import MAX_TOKENS_BOUND
+
 MAX_TEXT = 20_000  # characters of a template (input, reference, a message)
 MAX_NAME = 256
 SIMILARITY_METRICS = ("cosine", "fuzzy_match", "bleu", "gleu", "meteor", "rouge_1", "rouge_2", "rouge_3",
@@ -89,7 +91,7 @@ class JudgeSampling(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    max_completions_tokens: Annotated[int, Field(ge=1, le=4096)] | None = None
+    max_completions_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = None
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None

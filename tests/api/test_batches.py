@@ -84,6 +84,7 @@ def test_a_batch_with_a_bad_line_completes_and_matches_the_interactive_route(api
     assert errors["b"]["response"]["status_code"] == 404
     assert errors["b"]["response"]["body"]["error"]["param"] == "model"
     assert errors["d"]["response"]["status_code"] == 422
+    assert errors["d"]["response"]["body"]["error"]["param"] == "max_tokens"  # the line's own field
     for custom_id, content in (("a", "Name a colour"), ("c", "Count to three")):
         line = output[custom_id]
         assert line["id"].startswith("batch_req_") and line["error"] is None
@@ -108,6 +109,20 @@ def test_completions_lines_equal_the_interactive_route(api, served):
     [line] = _lines(api, done.output_file_id)
     interactive = api.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0)
     assert line["response"]["body"]["choices"][0]["text"] == interactive.choices[0].text
+
+
+def test_a_line_past_the_models_context_is_refused_naming_the_field_it_sent(api, served):
+    data = (_chat("old", "hi", max_tokens=64) + _chat("new", "hi", max_tokens=None, max_completion_tokens=64)
+            + _chat("fits", "hi"))
+    upload = api.files.create(file=("ctx.jsonl", data), purpose="batch")
+    done = _wait(api, api.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h").id)
+    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (1, 2)
+    errors = {line["custom_id"]: line["response"] for line in _lines(api, done.error_file_id)}
+    for custom_id, field in (("old", "max_tokens"), ("new", "max_completion_tokens")):
+        error = errors[custom_id]["body"]["error"]
+        assert errors[custom_id]["status_code"] == 422 and error["param"] == field, error
+        assert f"+ {field} (64)" in error["message"] and "context length of 64" in error["message"]
 
 
 EMBED_TEXTS = ["A cat sits on the mat.", "Stock markets fell sharply today.", "Café naïve 🤖 résumé"]

@@ -144,6 +144,8 @@ def test_completions_logprobs_in_openai_legacy_format(api, served):
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"n": 16, "logprobs": True, "top_logprobs": 20, "max_tokens": 480}, "max_tokens"),  # 161,280 entries: 13 MB
+    ({"max_tokens": 120}, "max_tokens"),  # prompt + 120 > 128 positions: the worker names the field sent, not
+    ({"max_tokens": None, "max_completion_tokens": 120}, "max_completion_tokens"),  # /generate's max_new_tokens
     ({"made_up_option": 1}, "made_up_option"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),

@@ -27,9 +27,10 @@ def stream_reply(api: Api, body: dict[str, Any], write: Any) -> str:
     return "".join(pieces)
 
 
-def chat(api: Api, console: Console, stdin: TextIO, *, model: str, system: str | None, max_tokens: int,
+def chat(api: Api, console: Console, stdin: TextIO, *, model: str, system: str | None, max_tokens: int | None,
          temperature: float) -> int:
-    """Read a user turn per line until EOF or /exit; the whole conversation goes with each turn."""
+    """Read a user turn per line until EOF or /exit; the whole conversation goes with each turn (max_tokens None:
+    the server's default)."""
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     interactive = stdin.isatty()
     if interactive:
@@ -44,8 +45,8 @@ def chat(api: Api, console: Console, stdin: TextIO, *, model: str, system: str |
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
         console.print(f"[bold cyan]{plain(model)}>[/] ", end="")
-        reply = stream_reply(api, {"model": model, "messages": messages, "max_tokens": max_tokens,
-                                   "temperature": temperature},
+        limit = {} if max_tokens is None else {"max_tokens": max_tokens}  # --max-tokens: errors name max_tokens
+        reply = stream_reply(api, {"model": model, "messages": messages, **limit, "temperature": temperature},
                              lambda text: console.print(visible(text), end="", markup=False, highlight=False,
                                                          emoji=False, soft_wrap=True))
         console.print()

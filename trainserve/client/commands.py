@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core.generation_limits import CHAT
 from core.jobspec import DEFAULT_KIND, KINDS, load_kind_modules
 from core.vocab import JobStatus
 from trainserve.client import SHORT_METRICS, STATUS_STYLE
@@ -186,6 +187,7 @@ def register(sub: Any) -> None:
     chat = sub.add_parser("chat", parents=[common], help="chat with a served model (streams each reply)")
     chat.add_argument("model")
     chat.add_argument("--system", default=None, help="a system message")
-    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--max-tokens", type=int, default=None,
+                      help=f"tokens per reply at most (default: the server's, {CHAT.default})")
     chat.add_argument("--temperature", type=float, default=0.7)
     chat.set_defaults(func=_run(_chat))

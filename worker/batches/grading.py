@@ -23,8 +23,9 @@ from core.embeddings import resolve_embedding_model
 from core.errors import BrokerUnavailable, DomainError
 from core.eval_runs import start_run, stored_items
 from core.evals import RUN_FAILED, CompletionsDataSource, FileIdSource, SourceItem, input_messages, items_key
+from core.generation_limits import JUDGE
 from core.graders import GRADER, AnyGrader, Grade, JudgeReply, ModelCallFailed, grade, sample_namespace
-from core.graders.models import DEFAULT_EMBEDDING_MODEL, JUDGE_MAX_TOKENS
+from core.graders.models import DEFAULT_EMBEDDING_MODEL, judge_tokens
 from core.graders.spec import JudgeSampling
 from core.pretrained import builtin_aliases
 from core.protocol import ChatMessage, Constraint, SamplingParams
@@ -55,6 +56,7 @@ class WorkerModels:
 
     async def chat(self, model: str, messages: list[dict[str, str]], *, schema: dict[str, Any],
                    sampling: JudgeSampling | None) -> JudgeReply:
+        tokens = judge_tokens(sampling, self.ctx.settings.max_new_tokens)
         sampling = sampling or JudgeSampling()
         try:
             with session_scope(self.ctx.sessions) as session:
@@ -62,13 +64,13 @@ class WorkerModels:
         except DomainError as exc:
             raise ModelCallFailed(f"{exc.code}: {exc.message}") from exc
         params = SamplingParams(
-            max_new_tokens=min(sampling.max_completions_tokens or JUDGE_MAX_TOKENS, self.ctx.settings.max_new_tokens),
+            max_new_tokens=tokens,
             temperature=0.0 if sampling.temperature is None else sampling.temperature,
             top_p=1.0 if sampling.top_p is None else sampling.top_p, seed=sampling.seed,
             constraint=Constraint(kind="json_schema", spec=json.dumps(schema, sort_keys=True)))
         line = PlannedLine(custom_id="grader", url=CHAT, model=model, path=served.path, adapter=served.adapter,
                            messages=[ChatMessage(role=m["role"], content=m["content"]) for m in messages],
-                           params=params)
+                           params=params, tokens_field=JUDGE.name)
         body = self._run(line)
         choice, usage = body["choices"][0], body.get("usage") or {}
         return JudgeReply(text=choice["message"]["content"], prompt_tokens=int(usage.get("prompt_tokens", 0)),

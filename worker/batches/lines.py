@@ -23,7 +23,7 @@ from core.protocol import ErrorCode, ErrorEvent, GenerateTask, Usage
 from worker.context import WorkerContext
 from worker.servers.chat_plan import ChatPlan, plan_chat
 from worker.servers.embeddings import embedder_for
-from worker.servers.generation import GenerationService, choice_out
+from worker.servers.generation import GenerationService, choice_out, engine_fit
 
 if TYPE_CHECKING:
     from worker.engines.generation.engine import GenerationEngine, GenerationResult
@@ -100,13 +100,12 @@ def completion_body(line: PlannedLine, result: Any, rid: str, plan: ChatPlan | N
 
 def _prompt_ids(engine: GenerationEngine, line: PlannedLine, request_id: str
                 ) -> tuple[list[int], PlannedLine, ChatPlan | None] | LineError:
-    from worker.engines.generation.requests import context_overflow  # the engine is loaded (and torch with it) by now
-
     assert line.params is not None and line.path is not None
     plan: ChatPlan | None = None
     if line.messages is not None:
         task = GenerateTask(request_id=request_id, model=line.path, prompt="", messages=line.messages,
-                            chat=line.chat, params=line.params, deadline=time.time() + 60)
+                            chat=line.chat, params=line.params, tokens_field=line.tokens_field,
+                            deadline=time.time() + 60)
         planned = plan_chat(engine, task)
         if isinstance(planned, ErrorEvent):
             return LineError(status_code=422, code=planned.error.code, message=planned.error.message or "",
@@ -117,9 +116,10 @@ def _prompt_ids(engine: GenerationEngine, line: PlannedLine, request_id: str
     if not ids:
         return LineError(status_code=422, code=ErrorCode.VALIDATION_ERROR, message="the prompt encodes to no tokens",
                          param="prompt")
-    overflow = context_overflow(len(ids), line.params.max_new_tokens if line.params else 0, engine.context_length)
-    if overflow is not None:
-        return LineError(status_code=422, code=ErrorCode.VALIDATION_ERROR, message=overflow, param="max_tokens")
+    refusal = engine_fit(engine, len(ids), line.params, line.tokens_field) if line.params else None
+    if refusal is not None:
+        return LineError(status_code=422, code=ErrorCode.VALIDATION_ERROR, message=refusal.message,
+                         param=refusal.field)
     return ids, line, plan
 
 

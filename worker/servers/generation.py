@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 
+from core.generation_limits import Refusal, fit_refusal
 from core.protocol import (
     AcceptedEvent,
     ChoiceOut,
@@ -29,6 +30,7 @@ from core.protocol import (
     ErrorCode,
     ErrorEvent,
     GenerateTask,
+    SamplingParams,
     TokenEvent,
     TokenLogprob,
     Usage,
@@ -198,6 +200,7 @@ class GenerationService:
         engine = GenerationEngine(model, device=self.settings.worker_device,
                                       precision=self.settings.generation_precision,
                                       max_batch_size=self.settings.max_batch_size,
+                                      max_tokens_in_flight=self.settings.max_tokens_in_flight,
                                       prefill_chunk_tokens=self.settings.prefill_chunk_tokens,
                                       prefill_step_ratio=self.settings.prefill_step_ratio,
                                       prefix_cache_bytes=int(self.settings.prefix_cache_mb * MB),
@@ -260,7 +263,7 @@ class GenerationService:
             metrics.GEN_REQUESTS.labels(outcome.error.code).inc()
 
     def _run(self, engine: GenerationEngine, task: GenerateTask, writer: EventWriter, remaining: float) -> BaseModel:
-        from worker.engines.generation.requests import GRAMMAR_ERROR, context_overflow  # engine and torch are loaded
+        from worker.engines.generation.requests import GRAMMAR_ERROR  # the engine and torch are loaded by now
 
         parsers: list[ChoiceParser | None] = [None] * task.params.n
         if task.messages is not None:
@@ -273,9 +276,9 @@ class GenerationService:
             prompt_ids, params = engine.encode(task.prompt), task.params
         if not prompt_ids:
             return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, "the prompt encodes to no tokens", "prompt")
-        overflow = context_overflow(len(prompt_ids), params.max_new_tokens, engine.context_length)
-        if overflow is not None:  # the engine would refuse it too; here the error names the field
-            return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, overflow, "max_new_tokens")
+        refusal = engine_fit(engine, len(prompt_ids), params, task.tokens_field)
+        if refusal is not None:  # the engine would refuse it too; here the error names the request's field
+            return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, refusal.message, refusal.field)
         clock = metrics.TokenClock()
 
         def on_token(index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> None:
@@ -331,6 +334,13 @@ def done_event(result: Any, parsers: list[ChoiceParser | None]) -> DoneEvent:
     return DoneEvent(choices=[choice_out(c, parsers[c.index]) for c in result.choices],
                      usage=Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
                                  cached_tokens=result.cached_tokens))
+
+
+def engine_fit(engine: GenerationEngine, prompt_tokens: int, params: SamplingParams, field: str) -> Refusal | None:
+    """core.generation_limits.fit_refusal on this engine (its context, rows and cache positions), naming `field`."""
+    return fit_refusal(prompt_tokens, params, context_length=engine.context_length,
+                       max_batch_size=engine.max_batch_size, max_tokens_in_flight=engine.max_tokens_in_flight,
+                       field=field)
 
 
 def _error(exc: Exception, request_id: str) -> ErrorEvent:

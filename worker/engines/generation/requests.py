@@ -7,6 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from core.generation_limits import fit_refusal
 from core.protocol import SamplingParams, TokenLogprob
 from worker.engines.generation.lora.adapter_cache import LoraWeights
 from worker.engines.generation.sampling.detokenize import Pieces
@@ -186,24 +187,10 @@ def prompt_ids(prompt: str | Sequence[int], encode: Callable[[str], list[int]], 
     return ids
 
 
-def context_overflow(prompt_tokens: int, max_new_tokens: int, context_length: int) -> str | None:
-    """Why a prompt plus its new tokens do not fit the model's context, or None when they do."""
-    total = prompt_tokens + max_new_tokens
-    if total <= context_length:
-        return None
-    return (f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the model's "
-            f"context length of {context_length}")
-
-
 def check_fits(prompt_tokens: int, params: SamplingParams, *, context_length: int, max_batch_size: int,
                max_tokens_in_flight: int) -> None:
-    """ValueError when a request can never run on this engine (context, batch rows or cache positions)."""
-    overflow = context_overflow(prompt_tokens, params.max_new_tokens, context_length)
-    if overflow is not None:
-        raise ValueError(overflow)
-    total = prompt_tokens + params.max_new_tokens
-    if params.n > max_batch_size:
-        raise ValueError(f"n={params.n} exceeds max_batch_size={max_batch_size}")
-    if params.n * total > max_tokens_in_flight:
-        raise ValueError(f"n * (prompt + max_new_tokens) = {params.n * total} exceeds "
-                         f"max_tokens_in_flight={max_tokens_in_flight}")
+    """ValueError when a request can never run on this engine (core.generation_limits.fit_refusal)."""
+    refusal = fit_refusal(prompt_tokens, params, context_length=context_length, max_batch_size=max_batch_size,
+                          max_tokens_in_flight=max_tokens_in_flight)
+    if refusal is not None:
+        raise ValueError(refusal.message)
