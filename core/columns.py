@@ -17,6 +17,9 @@ from sqlalchemy.orm import DeclarativeBase
 from sqlalchemy.types import TypeDecorator
 from typing_extensions import TypedDict  # pydantic validates only this one on Python < 3.12
 
+from core.adapters import AdapterConfig
+from core.jobspec import MethodConfig, ModelConfigValue
+
 JSONObject = dict[str, JsonValue]  # a column holding any JSON object (what a client submitted, a data source)
 
 
@@ -34,6 +37,25 @@ class BestEval(TypedDict):
     step: int
     metric: str
     value: float
+
+
+class SweepTemplate(TypedDict, total=False):
+    """The validated columns every child job of a sweep shares (app.services.sweeps.sweep_template), typed as on `Job`;
+    each key optional, as a sweep stored before a column was added lacks it."""
+
+    task: str
+    base_model: str | None
+    base_model_path: str | None
+    train_dataset_id: str | None
+    eval_dataset_id: str | None
+    text_column: str
+    label_column: str | None
+    labels: list[int | str]
+    model_config_: dict[str, ModelConfigValue] | None
+    metadata_: dict[str, str]
+    devices: int
+    adapter: AdapterConfig | None
+    method: MethodConfig | None
 
 
 class TypedJSON(TypeDecorator[Any]):

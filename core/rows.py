@@ -26,7 +26,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
 from core.adapters import AdapterConfig
-from core.columns import BestEval, JobError, JSONObject, TypedJSON, check_assignments
+from core.columns import BestEval, JobError, JSONObject, SweepTemplate, TypedJSON, check_assignments
 from core.jobspec import Method, MethodConfig, ModelConfigValue
 from core.vocab import (  # the rows' vocabularies, importable from here with the rows that use them
     ACTIVE,
@@ -130,7 +130,7 @@ class Sweep(Base):
     method: Mapped[str] = mapped_column(String(16))
     parameters: Mapped[dict[str, Any]] = mapped_column(TypedJSON(JSONObject))  # the search space as submitted
     job_spec: Mapped[dict[str, Any]] = mapped_column(TypedJSON(JSONObject))  # the base job as submitted
-    template: Mapped[dict[str, Any]] = mapped_column(TypedJSON(JSONObject))  # validated columns every child shares
+    template: Mapped[SweepTemplate] = mapped_column(TypedJSON(SweepTemplate))  # validated columns every child shares
     # Per trial: its params and resolved hyperparameters.
     trials: Mapped[list[dict[str, Any]]] = mapped_column(TypedJSON(list[JSONObject]))
     parallelism: Mapped[int] = mapped_column(Integer)

@@ -42,9 +42,10 @@ class ToyJob(JobSpec):
 
 def admit(settings: Settings, spec: ToyJob, train: Dataset, evaluation: Dataset | None,
           base_path: str | None) -> dict[str, Any]:
-    """The toy kind's admission checks: it trains a fresh unit, so a base model is refused; no labels."""
-    if spec.base_model is not None:
-        raise ValidationFailed("base_model", f"{TOY} jobs train a fresh linear unit; base_model does not apply")
+    """The toy kind's admission checks: it fits a length, so a label column is refused; it trains a fresh unit
+    (no base model path) and has no labels."""
+    if spec.label_column is not None:
+        raise ValidationFailed("label_column", f"{TOY} jobs fit a text's length; they take no label_column")
     return {"base_model_path": None, "labels": []}
 
 
