@@ -34,6 +34,7 @@ from app.routes import (
 from app.routes.dashboard import mount_dashboard
 from app.security_headers import SecurityHeadersMiddleware
 from app.services.generation import GenerationGateway
+from app.services.job_kinds import check_kinds
 from app.services.job_stream import StreamSlots
 from core.celery_app import make_celery
 from core.db import make_engine, make_sessionmaker
@@ -90,6 +91,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
                 celery.close()
 
     load_kind_modules((settings or get_settings()).job_kind_module_names)  # before any request or the document
+    check_kinds()  # every kind it now knows has its admission checks (IncompleteKind: no app)
     app = FastAPI(title="trainserve", version="0.1.0", lifespan=lifespan,
                   description="Fine-tune BERT classifiers and serve the results.")
     install_error_handlers(app)

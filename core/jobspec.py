@@ -2,21 +2,27 @@
 
 A POST /jobs body is a union discriminated by `task` (a body without it is a text-classification job, as
 it always was); each kind is a `JobSpec` subclass whose `hyperparameters` is that kind's typed model
-(core.hyperparams: the one place of their ranges and defaults). The row stores the hyperparameters' JSON;
-`stored_hyperparameters` rebuilds the model from it on the worker, which derives the engine's config.
+(core.hyperparams: the one place of their ranges and defaults). The row stores the hyperparameters' JSON and the
+adapter and method as their models (core.columns); the worker resolves the row into a `ResolvedJob` (the kind's
+hyperparameters model rebuilt by `stored_hyperparameters`), the one thing the engines take.
 
-`KINDS` is the registry: kind -> `JobKind` (spec model, eval metrics and which way each is better, the
-metric_for_best choices, held-out eval, chat data, the methods its spec takes). The worker keys its engine pieces
-(config, Task, hyperparameters mapping) by the same names (worker.engines.training.kinds), the API a kind's own
-admission checks (app.services.job_kinds); `RegisteredKind` is a request field naming a kind (the fine-tuning
-route's `task`). Adding a kind is one `register` in each; a kind shipped outside this
-package lives in a module named by TRAINSERVE_JOB_KIND_MODULES, which the API imports when it builds its app
-and every worker when it starts (`load_kind_modules`). The request body (`JobCreate`) validates against the
-kinds registered when a request arrives, and the OpenAPI document lists those registered when it is built.
+`KINDS` is the registry, and a `JobKind` is the one declaration of a kind: its spec model, eval metrics (and which
+way each is better: the metric_for_best choices), held-out eval, and, by dotted name (`module:attribute`, as the
+API may not import the worker nor the worker the API), its admission checks (a function of app.services.job_kinds'
+`KindChecks` shape) and its engine entries (worker.engines.training.kinds.EngineKind objects): the one for its
+own data and one per data format it trains differently (`variants`: "chat" for any chat format, or a format of
+core.chat_data such as "prompts"). Each side resolves its own parts and checks at start-up that every kind has
+them (app.services.job_kinds.check_kinds, worker.engines.training.kinds.check_kinds); nothing else is
+registered anywhere. `RegisteredKind` is a request field naming a kind (the fine-tuning route's `task`). A kind
+shipped outside this package lives in a module named by TRAINSERVE_JOB_KIND_MODULES, which the API imports when it
+builds its app and every worker when it starts (`load_kind_modules`). The request body (`JobCreate`) validates
+against the kinds registered when a request arrives, and the OpenAPI document lists those registered when it is
+built.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -38,6 +44,7 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
 from core.adapters import AdapterConfig, PreferenceConfig, SupervisedConfig
+from core.chat_data import CHAT_FORMATS
 from core.errors import ValidationFailed
 from core.hyperparams import Hyperparameters, LMHyperparameters, TrainingHyperparameters
 from core.reinforcement import ReinforcementConfig
@@ -48,6 +55,9 @@ INT32_MAX = 2**31 - 1  # steps, event ids and model_config values are 32-bit int
 ModelConfigValue = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
 DEFAULT_KIND = TaskKind.TEXT_CLASSIFICATION  # the kind of a body that names none
 MAX_NESTING = 16  # deeper JSON in hyperparameters cannot be a valid value; refused before it is validated
+CHAT_VARIANT = "chat"  # a kind's engine variant for any chat format without one of its own
+Method = SupervisedConfig | PreferenceConfig | ReinforcementConfig  # how a kind with methods trains
+MethodConfig = Annotated[Method, Field(discriminator="method")]  # the same, validated by its `method` tag
 
 
 def nesting_depth(value: Any) -> int:
@@ -133,7 +143,7 @@ class CausalLMJob(JobSpec):
     hyperparameters: LMHyperparameters = Field(default_factory=LMHyperparameters)
     adapter: AdapterConfig | None = Field(
         None, description="LoRA: train a low-rank adapter on the frozen base_model instead of all its weights.")
-    method: Annotated[SupervisedConfig | PreferenceConfig | ReinforcementConfig, Field(discriminator="method")] = Field(
+    method: MethodConfig = Field(
         default_factory=SupervisedConfig,
         description="sft (default): next-token loss on a text corpus, or on the assistant turns of a chat or "
                     "completion dataset; dpo: preference pairs, needs an adapter and a base_model; reinforcement: "
@@ -148,19 +158,38 @@ def task_name(spec: type[JobSpec]) -> str:
 
 @dataclass(frozen=True)
 class JobKind:
-    """One kind of job as every layer above the engines sees it."""
+    """The one declaration of a kind of job: what every layer knows of it, and where each side finds its own part."""
 
     spec: type[JobSpec]
     metrics: Mapping[str, bool]  # the eval metrics it reports -> whether greater is better (metric_for_best)
+    admission: str  # `module:function`: its admission checks (app.services.job_kinds.KindChecks), run by the API
+    engine: str  # `module:attribute`: the EngineKind that trains it (worker.engines.training.kinds), on workers
+    # Data format -> `module:attribute` of the EngineKind that trains it on that data instead ("chat": any chat
+    # format without its own); a kind with variants also takes chat datasets (core.chat_data).
+    variants: Mapping[str, str] = dataclasses.field(default_factory=dict)
     holds_out_eval: bool = False  # without an eval_dataset it evaluates on a share of the training data
-    chat_data: bool = False  # it also trains on chat, completion and preference datasets (core.chat_data)
-    # A kind from a plugin module: the module that registers its engine pieces (worker.engines.training.kinds), which
-    # only workers import, so the API process never loads the ML stack. None: built in (registered there).
-    engine_module: str | None = None
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.variants) - {CHAT_VARIANT, *CHAT_FORMATS})
+        if unknown:
+            raise ValueError(f"{self.name}: variants are keyed by {CHAT_VARIANT!r} or a chat format "
+                             f"({', '.join(CHAT_FORMATS)}), not {', '.join(map(repr, unknown))}")
+        for ref in (self.admission, self.engine, *self.variants.values()):
+            split_ref(ref)
 
     @property
     def name(self) -> str:
         return task_name(self.spec)
+
+    @property
+    def chat_data(self) -> bool:
+        """It also trains on chat, completion, preference or prompts datasets (core.chat_data): it has variants."""
+        return bool(self.variants)
+
+    @property
+    def engines(self) -> dict[str, str]:
+        """Its engine entries: entry name (the kind's, or `<kind>/<format>`) -> `module:attribute`."""
+        return {self.name: self.engine, **{f"{self.name}/{key}": ref for key, ref in self.variants.items()}}
 
     @property
     def hyperparameters(self) -> type[TrainingHyperparameters]:
@@ -180,6 +209,21 @@ class JobKind:
     def greater_is_better(self, metric: str) -> bool:
         """Direction of one of its eval metrics (KeyError for a metric it does not report)."""
         return self.metrics[metric]
+
+
+def split_ref(ref: str) -> tuple[str, str]:
+    """(module, attribute) of a `module:attribute` reference; ValueError for one of another shape."""
+    module, colon, attribute = ref.partition(":")
+    if not (module and colon and attribute.isidentifier()):
+        raise ValueError(f"{ref!r} is not a `module:attribute` reference")
+    return module, attribute
+
+
+def resolve_ref(ref: str) -> Any:
+    """The object a `module:attribute` reference names (importing its module); ImportError or AttributeError when
+    it names none."""
+    module, attribute = split_ref(ref)
+    return getattr(importlib.import_module(module), attribute)
 
 
 KINDS: dict[str, JobKind] = {}
@@ -312,9 +356,34 @@ def stored_hyperparameters(task: str, stored: Mapping[str, Any]) -> TrainingHype
         raise _failed(exc, "hyperparameters") from exc
 
 
-register(JobKind(ClassificationJob, {"eval_loss": False, "eval_accuracy": True, "eval_f1": True}))
-register(JobKind(CausalLMJob, {"eval_loss": False, "perplexity": False, "eval_reward": True}, holds_out_eval=True,
-                  chat_data=True))
+@dataclass(frozen=True, kw_only=True)
+class ResolvedJob:
+    """A stored job as the engines take it: the columns they read, typed, with the kind's hyperparameters model
+    (worker.jobs.config.resolve_job builds it from the row). Never the ORM row, so a renamed column fails mypy
+    where the row is read, not a run."""
+
+    id: str
+    kind: str
+    hyperparameters: TrainingHyperparameters  # the kind's own model (KINDS[kind].hyperparameters)
+    text_column: str
+    devices: int
+    base_model: str | None  # the name the client gave; None: a fresh model
+    base_model_path: str | None  # where the worker loads it from (admission resolved the name)
+    model_config: Mapping[str, int] | None  # a fresh causal LM's shape
+    label_column: str | None
+    adapter: AdapterConfig | None
+    method: Method | None  # the kinds with methods (JobKind.methods)
+
+
+register(JobKind(ClassificationJob, {"eval_loss": False, "eval_accuracy": True, "eval_f1": True},
+                  admission="app.services.job_kinds:classification_fields",
+                  engine="worker.engines.training.kinds:CLASSIFICATION"))
+register(JobKind(CausalLMJob, {"eval_loss": False, "perplexity": False, "eval_reward": True},
+                  admission="app.services.job_kinds:causal_lm_fields",
+                  engine="worker.engines.training.kinds:CAUSAL_LM",
+                  variants={CHAT_VARIANT: "worker.engines.training.kinds:CHAT",
+                            "prompts": "worker.engines.training.kinds:REINFORCEMENT"},
+                  holds_out_eval=True))
 if TYPE_CHECKING:
     JobCreate = JobSpec
 else:

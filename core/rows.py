@@ -1,4 +1,4 @@
-"""ORM rows. The schema itself is created only by the Alembic migrations."""
+"""ORM rows. The schema itself is created only by the Alembic migrations; each JSON column is typed (core.columns)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import JsonValue
 from sqlalchemy import (
-    JSON,
     BigInteger,
     Boolean,
     DateTime,
@@ -25,6 +25,9 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
+from core.adapters import AdapterConfig
+from core.columns import BestEval, JobError, JSONObject, SweepTemplate, TypedJSON, check_assignments
+from core.jobspec import Method, MethodConfig, ModelConfigValue
 from core.vocab import (  # the rows' vocabularies, importable from here with the rows that use them
     ACTIVE,
     DEFAULT_TENANT,
@@ -98,8 +101,8 @@ class Dataset(Base):
     filename: Mapped[str] = mapped_column(String(255))
     format: Mapped[str] = mapped_column(String(10))
     rows: Mapped[int] = mapped_column(Integer)
-    columns: Mapped[list[str]] = mapped_column(JSON)
-    column_stats: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    columns: Mapped[list[str]] = mapped_column(TypedJSON(list[str]))
+    column_stats: Mapped[dict[str, Any]] = mapped_column(TypedJSON(dict[str, JSONObject]), default=dict)
     sha256: Mapped[str] = mapped_column(String(64), index=True)
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     path: Mapped[str] = mapped_column(String(500))
@@ -125,14 +128,15 @@ class Sweep(Base):
     tenant_id: Mapped[str] = mapped_column(String(64), index=True)
     status: Mapped[str] = mapped_column(String(16), default=SweepStatus.RUNNING, index=True)
     method: Mapped[str] = mapped_column(String(16))
-    parameters: Mapped[dict[str, Any]] = mapped_column(JSON)  # the search space as submitted
-    job_spec: Mapped[dict[str, Any]] = mapped_column(JSON)  # the base job as submitted
-    template: Mapped[dict[str, Any]] = mapped_column(JSON)  # validated job columns every child shares
-    trials: Mapped[list[dict[str, Any]]] = mapped_column(JSON)  # per trial: params and resolved hyperparameters
+    parameters: Mapped[dict[str, Any]] = mapped_column(TypedJSON(JSONObject))  # the search space as submitted
+    job_spec: Mapped[dict[str, Any]] = mapped_column(TypedJSON(JSONObject))  # the base job as submitted
+    template: Mapped[SweepTemplate] = mapped_column(TypedJSON(SweepTemplate))  # validated columns every child shares
+    # Per trial: its params and resolved hyperparameters.
+    trials: Mapped[list[dict[str, Any]]] = mapped_column(TypedJSON(list[JSONObject]))
     parallelism: Mapped[int] = mapped_column(Integer)
     metric: Mapped[str] = mapped_column(String(64))
     greater_is_better: Mapped[bool] = mapped_column(Boolean)
-    pruning: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    pruning: Mapped[dict[str, Any] | None] = mapped_column(TypedJSON(JSONObject), nullable=True)
     best_job_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
@@ -161,22 +165,24 @@ class Job(Base):
     )
     text_column: Mapped[str] = mapped_column(String(200))
     label_column: Mapped[str | None] = mapped_column(String(200), nullable=True)
-    hyperparameters: Mapped[dict[str, Any]] = mapped_column(JSON)
-    model_config_: Mapped[dict[str, int] | None] = mapped_column("model_config", JSON, nullable=True)
-    adapter: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # core.adapters.AdapterConfig
-    method: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # causal-lm: sft or dpo settings
-    metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    # The kind's hyperparameters model as JSON; typed by the row's task when it is resolved (core.jobspec).
+    hyperparameters: Mapped[dict[str, Any]] = mapped_column(TypedJSON(JSONObject))
+    model_config_: Mapped[dict[str, int] | None] = mapped_column("model_config", TypedJSON(dict[str, ModelConfigValue]),
+                                                                  nullable=True)
+    adapter: Mapped[AdapterConfig | None] = mapped_column(TypedJSON(AdapterConfig), nullable=True)
+    method: Mapped[Method | None] = mapped_column(TypedJSON(MethodConfig), nullable=True)  # the kinds with methods
+    metadata_: Mapped[dict[str, str]] = mapped_column("metadata", TypedJSON(dict[str, str]), default=dict)
     suffix: Mapped[str | None] = mapped_column(String(64), nullable=True)  # /v1/fine_tuning/jobs' suffix
-    labels: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    labels: Mapped[list[int | str]] = mapped_column(TypedJSON(list[int | str]), default=list)
     step: Mapped[int] = mapped_column(Integer, default=0)
     total_steps: Mapped[int | None] = mapped_column(Integer, nullable=True)
     epoch: Mapped[float] = mapped_column(Float, default=0.0)
     eta_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
-    metrics: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
+    metrics: Mapped[dict[str, float]] = mapped_column(TypedJSON(dict[str, float]), default=dict)
     device: Mapped[str | None] = mapped_column(String(40), nullable=True)
     # Devices the job trains on (one DDP process each); a checkpoint resumes only at the same world size.
     devices: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
-    error: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    error: Mapped[JobError | None] = mapped_column(TypedJSON(JobError), nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     task_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
@@ -188,9 +194,9 @@ class Job(Base):
     priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     claimed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     run_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
-    receipt: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    receipt: Mapped[dict[str, Any] | None] = mapped_column(TypedJSON(JSONObject), nullable=True)
     rerun_of: Mapped[str | None] = mapped_column(String(40), nullable=True)
-    best: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # {step, metric, value}
+    best: Mapped[BestEval | None] = mapped_column(TypedJSON(BestEval), nullable=True)
     stop_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
     sweep_id: Mapped[str | None] = mapped_column(ForeignKey("sweeps.id", ondelete="SET NULL"), nullable=True,
                                                  index=True)
@@ -229,7 +235,7 @@ class JobEvent(Base):
     kind: Mapped[str] = mapped_column(String(40))
     level: Mapped[str] = mapped_column(String(10), default="info")
     message: Mapped[str] = mapped_column(Text)
-    data: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    data: Mapped[dict[str, Any] | None] = mapped_column(TypedJSON(JSONObject), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
@@ -242,7 +248,7 @@ class Artifact(Base):
     path: Mapped[str] = mapped_column(String(1000))
     step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
-    files: Mapped[list[str]] = mapped_column(JSON, default=list)
+    files: Mapped[list[str]] = mapped_column(TypedJSON(list[str]), default=list)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
     job: Mapped[Job] = relationship(back_populates="artifacts")
@@ -257,9 +263,9 @@ class OutboxMessage(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     task: Mapped[str] = mapped_column(String(100))
     queue: Mapped[str] = mapped_column(String(40))
-    args: Mapped[list[Any]] = mapped_column(JSON)
+    args: Mapped[list[Any]] = mapped_column(TypedJSON(list[JsonValue]))
     # Message headers (the request id, so the worker's log lines for the job carry it); None on older rows.
-    headers: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
+    headers: Mapped[dict[str, str] | None] = mapped_column(TypedJSON(dict[str, str]), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     sent_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, index=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
@@ -305,7 +311,7 @@ class WebhookEndpoint(Base):
     tenant_id: Mapped[str] = mapped_column(String(64), index=True)
     url: Mapped[str] = mapped_column(String(2000))
     description: Mapped[str] = mapped_column(String(200), default="")
-    event_types: Mapped[list[str]] = mapped_column(JSON)
+    event_types: Mapped[list[str]] = mapped_column(TypedJSON(list[str]))
     secret: Mapped[str] = mapped_column(String(100))
     # After a rotation the old secret signs too, until previous_secret_until (receivers switch over meanwhile).
     previous_secret: Mapped[str | None] = mapped_column(String(100), nullable=True)
@@ -370,10 +376,11 @@ class Batch(Base):
     endpoint: Mapped[str] = mapped_column(String(40))
     input_file_id: Mapped[str] = mapped_column(String(40))
     completion_window: Mapped[str] = mapped_column(String(8))
-    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, nullable=True)
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", TypedJSON(JSONObject), nullable=True)
     output_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
     error_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
-    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)  # batch-level: why it failed
+    # Batch-level: why it failed.
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(TypedJSON(list[JSONObject]), nullable=True)
     total: Mapped[int] = mapped_column(Integer)
     completed: Mapped[int] = mapped_column(Integer, default=0)
     failed: Mapped[int] = mapped_column(Integer, default=0)
@@ -398,9 +405,10 @@ class Eval(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(String(64), index=True)
     name: Mapped[str] = mapped_column(String(256))
-    data_source_config: Mapped[dict[str, Any]] = mapped_column(JSON)
-    testing_criteria: Mapped[list[dict[str, Any]]] = mapped_column(JSON)  # graders (core.graders.spec)
-    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, nullable=True)
+    data_source_config: Mapped[dict[str, Any]] = mapped_column(TypedJSON(JSONObject))
+    # Graders (core.graders.spec).
+    testing_criteria: Mapped[list[dict[str, Any]]] = mapped_column(TypedJSON(list[JSONObject]))
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", TypedJSON(JSONObject), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
 
 
@@ -414,7 +422,7 @@ class EvalRun(Base):
     tenant_id: Mapped[str] = mapped_column(String(64), index=True)
     name: Mapped[str] = mapped_column(String(256))
     model: Mapped[str] = mapped_column(String(200))
-    data_source: Mapped[dict[str, Any]] = mapped_column(JSON)
+    data_source: Mapped[dict[str, Any]] = mapped_column(TypedJSON(JSONObject))
     total: Mapped[int] = mapped_column(Integer)
     batch_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
     # A fine-tuning job's eval: `base` runs on its base model when it is created, `fine_tuned` on it once it succeeds.
@@ -422,8 +430,8 @@ class EvalRun(Base):
                                                index=True)
     role: Mapped[str | None] = mapped_column(String(16), nullable=True)
     status: Mapped[str] = mapped_column(String(16))  # queued until its batch exists; then read from the batch
-    error: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, nullable=True)
+    error: Mapped[dict[str, Any] | None] = mapped_column(TypedJSON(JSONObject), nullable=True)
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", TypedJSON(JSONObject), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
 
 
@@ -438,8 +446,8 @@ class EvalOutputItem(Base):
     eval_id: Mapped[str] = mapped_column(String(40))
     datasource_item_id: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(8))  # pass, fail, error
-    sample: Mapped[dict[str, Any]] = mapped_column(JSON)
-    results: Mapped[list[dict[str, Any]]] = mapped_column(JSON)  # one per testing criterion
+    sample: Mapped[dict[str, Any]] = mapped_column(TypedJSON(JSONObject))
+    results: Mapped[list[dict[str, Any]]] = mapped_column(TypedJSON(list[JSONObject]))  # one per testing criterion
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
@@ -469,5 +477,8 @@ class ModelAliasMove(Base):
     from_target: Mapped[str | None] = mapped_column(String(200), nullable=True)
     to_target: Mapped[str] = mapped_column(String(200))
     moved_by: Mapped[str] = mapped_column(String(40))  # the API key's id
-    gate: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    gate: Mapped[dict[str, Any] | None] = mapped_column(TypedJSON(JSONObject), nullable=True)
     moved_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+
+
+check_assignments(Base)  # a typed JSON attribute refuses a value its type does not take when it is assigned

@@ -80,9 +80,10 @@ class Settings(BaseSettings):
     metrics_flush_s: float = Field(1.0, description="How often a running job writes buffered metric points.")
     max_sweep_trials: int = Field(100, description="Most trials one sweep may have (422 beyond).")
     job_kind_modules: str = Field(
-        "", description="Comma-separated importable modules that add job kinds: each registers its spec "
-                        "(core.jobspec.register, naming its engine_module) at import. The API imports them when it "
-                        "builds its app, every worker when it starts (and the engine modules too).")
+        "", description="Comma-separated importable modules that add job kinds: each registers a kind's one "
+                        "declaration (core.jobspec.register: its spec, and its admission checks and engine entries "
+                        "by module:attribute) at import. The API imports them when it builds its app, every worker "
+                        "when it starts; each checks that it can resolve its own part of every kind.")
 
     # --- Training workers: devices, capacity reports, their /metrics ---
     worker_device: str = Field("auto", description="This worker's device (set by `trainserve worker --device`).")

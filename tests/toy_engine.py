@@ -1,5 +1,5 @@
-"""The engine side of the toy job kind (tests.toy_kind): its frozen config and the loop's Recipe, registered in
-worker.engines.training.kinds at import (a worker imports this module because the kind's core entry names it)."""
+"""The engine side of the toy job kind (tests.toy_kind): its frozen config, the loop's Recipe and the EngineKind
+that joins them, which the kind's declaration names (`tests.toy_engine:ENGINE`); a worker resolves it from there."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from core.hyperparams import default
 from core.tabular import read_table
 from tests.toy_kind import TOY, ToyHyperparameters
 from worker.engines.models import manifest as manifests
-from worker.engines.training.kinds import RUN_HYPERPARAMETERS, EngineKind, register, same_names
+from worker.engines.training.kinds import RUN_HYPERPARAMETERS, EngineKind, same_names
 from worker.engines.training.loop import RunConfig, Setup
 
 
@@ -64,5 +64,5 @@ class ToyTask:
         return manifest
 
 
-ENGINE = register(TOY, EngineKind(ToyConfig, ToyTask, {
-    **RUN_HYPERPARAMETERS, **same_names("epochs", "batch_size", "learning_rate", "weight_decay", "seed")}))
+ENGINE = EngineKind(ToyConfig, ToyTask, {
+    **RUN_HYPERPARAMETERS, **same_names("epochs", "batch_size", "learning_rate", "weight_decay", "seed")})

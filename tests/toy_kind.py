@@ -1,17 +1,23 @@
-"""A job kind shipped outside the package, as TRAINSERVE_JOB_KIND_MODULES loads one: its spec, registered here at
-import (all the API needs: no torch), and its engine in tests.toy_engine, which only workers import.
+"""A job kind shipped outside the package, as TRAINSERVE_JOB_KIND_MODULES loads one: its one declaration, registered
+here at import, naming its spec and admission checks (here: all the API needs, no torch) and its engine entry in
+tests.toy_engine, which only workers import.
 
 The toy kind fits words per text from characters per text with one linear unit.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
+from core.errors import ValidationFailed
 from core.hyperparams import TrainingHyperparameters
 from core.jobspec import JobKind, JobSpec, register
+
+if TYPE_CHECKING:
+    from core.rows import Dataset
+    from core.settings import Settings
 
 TOY = "text-length"
 
@@ -34,5 +40,14 @@ class ToyJob(JobSpec):
     hyperparameters: ToyHyperparameters = Field(default_factory=ToyHyperparameters)
 
 
-KIND = register(JobKind(ToyJob, {"eval_loss": False, "eval_mae": False}, holds_out_eval=True,
-                        engine_module="tests.toy_engine"))
+def admit(settings: Settings, spec: ToyJob, train: Dataset, evaluation: Dataset | None,
+          base_path: str | None) -> dict[str, Any]:
+    """The toy kind's admission checks: it fits a length, so a label column is refused; it trains a fresh unit
+    (no base model path) and has no labels."""
+    if spec.label_column is not None:
+        raise ValidationFailed("label_column", f"{TOY} jobs fit a text's length; they take no label_column")
+    return {"base_model_path": None, "labels": []}
+
+
+KIND = register(JobKind(ToyJob, {"eval_loss": False, "eval_mae": False}, admission="tests.toy_kind:admit",
+                        engine="tests.toy_engine:ENGINE", holds_out_eval=True))

@@ -17,14 +17,16 @@ celery.conf.update(include=["worker.tasks"])
 
 
 def _load_job_kinds() -> None:
-    """The job kinds of TRAINSERVE_JOB_KIND_MODULES, spec and engine, before the pool forks or any task runs."""
+    """The job kinds of TRAINSERVE_JOB_KIND_MODULES, before the pool forks or any task runs; on a training worker,
+    every registered kind's engine entries, resolved and checked (IncompleteKind: the worker does not start)."""
+    from core.jobspec import load_kind_modules
     from core.settings import get_settings
 
-    modules = get_settings().job_kind_module_names
-    if modules:
-        from worker.engines.training.kinds import load_plugins
+    load_kind_modules(get_settings().job_kind_module_names)
+    if takes_training_jobs():
+        from worker.engines.training.kinds import check_kinds
 
-        load_plugins(modules)
+        check_kinds()
 
 
 _load_job_kinds()

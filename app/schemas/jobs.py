@@ -7,10 +7,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from core.adapters import AdapterConfig
+
 # JobCreate, the request body: a union of the registered kinds' specs, discriminated by `task` (core.jobspec).
 from core.jobspec import INT32_MAX as INT32_MAX
 from core.jobspec import JobCreate as JobCreate
-from core.jobspec import ModelConfigValue
+from core.jobspec import MethodConfig, ModelConfigValue
 from core.rows import JobStatus
 
 
@@ -54,8 +56,8 @@ class JobRead(BaseModel):
     label_column: str | None
     labels: list[Any]
     hyperparameters: dict[str, Any]
-    adapter: dict[str, Any] | None = Field(None, description="LoRA settings, when the job trains an adapter.")
-    method: dict[str, Any] | None = Field(None, description="causal-lm: sft or dpo (with beta).")
+    adapter: AdapterConfig | None = Field(None, description="LoRA settings, when the job trains an adapter.")
+    method: MethodConfig | None = Field(None, description="causal-lm: sft, dpo or reinforcement, with its settings.")
     devices: int
     progress: Progress
     eta_seconds: float | None

@@ -32,7 +32,7 @@ from app.schemas.fine_tuning import (
 )
 from app.services import evals, jobs
 from app.services.files import unix
-from core.adapters import AdapterConfig
+from core.adapters import AdapterConfig, PreferenceConfig
 from core.auth import Principal
 from core.errors import NotFound, ValidationFailed
 from core.hyperparams import default
@@ -197,17 +197,19 @@ def fine_tuning_job(job: Job, started: dict[str, Any] | None = None) -> FineTuni
     """A job as OpenAI's fine_tuning.job: statuses, resolved hyperparameters, fine_tuned_model once succeeded;
     `started`: its engine's report at the start (a chat job's tokens per epoch)."""
     hp = job.hyperparameters or {}
-    method = job.method or {}
-    method_type = {"dpo": "dpo", "reinforcement": "reinforcement"}.get(str(method.get("method")), "supervised")
+    method = job.method
+    method_type = ("dpo" if isinstance(method, PreferenceConfig) else
+                   "reinforcement" if isinstance(method, ReinforcementConfig) else "supervised")
     resolved = HyperparametersRead(batch_size=hp.get("batch_size"), learning_rate_multiplier=_multiplier(job),
-                                   n_epochs=hp.get("epochs"), beta=method.get("beta") if method_type != "supervised"
+                                   n_epochs=hp.get("epochs"),
+                                   beta=method.beta if isinstance(method, PreferenceConfig | ReinforcementConfig)
                                    else None)
-    if method_type == "reinforcement":
+    if isinstance(method, ReinforcementConfig):
         resolved = resolved.model_copy(update={
-            "compute_multiplier": round(method.get("samples", REINFORCEMENT_SAMPLES) / REINFORCEMENT_SAMPLES, 6),
-            "eval_interval": hp.get("eval_steps"), "eval_samples": method.get("eval_samples")})
+            "compute_multiplier": round(method.samples / REINFORCEMENT_SAMPLES, 6),
+            "eval_interval": hp.get("eval_steps"), "eval_samples": method.eval_samples})
         method_read = MethodRead(type="reinforcement", reinforcement=ReinforcementRead(
-            hyperparameters=resolved, grader=method.get("grader") or {}))
+            hyperparameters=resolved, grader=method.model_dump(mode="json")["grader"]))
     else:
         method_read = MethodRead(type=method_type,  # type: ignore[arg-type]
                                  **{method_type: MethodHyperparameters(hyperparameters=resolved)})

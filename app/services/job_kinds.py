@@ -1,18 +1,19 @@
 """The API side of the job-kind registry (core.jobspec holds the kinds): each kind's own admission checks.
 
 POST /jobs validates what every job shares (datasets, columns, devices, method, metric_for_best), then the checks
-registered for the job's kind (`register_checks`, keyed by the kind's name as the worker keys its engine pieces):
-they refuse what the kind cannot train (422 naming the field) and resolve the row's kind-specific columns
-(base_model_path, labels, label_column, model_config). A kind without checks of its own stores no base model
-path and no labels.
+the job's kind names (`JobKind.admission`, a `module:function` reference resolved here): they refuse what the kind
+cannot train (422 naming the field) and resolve the row's kind-specific columns (base_model_path, labels,
+label_column, model_config). `check_kinds` resolves every registered kind's checks when the app is built, so a kind
+without them stops the API from starting rather than failing its first request.
 """
 
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from app.services.job_methods import is_chat
 from core.adapters import AdapterConfig
@@ -22,7 +23,7 @@ from core.chat_data import longest_tokens
 from core.errors import ValidationFailed
 from core.estimate import Head, adapter_parameter_count, architecture, format_bytes, load_model_config, training_memory
 from core.hyperparams import Hyperparameters, LMHyperparameters
-from core.jobspec import CausalLMJob, ClassificationJob, JobSpec, task_name
+from core.jobspec import KINDS, CausalLMJob, ClassificationJob, JobKind, JobSpec, kind_of, resolve_ref
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
 from core.precision import auto_precision
 from core.protocol import ErrorCode
@@ -31,28 +32,46 @@ from core.rows import Dataset
 from core.settings import Settings
 from core.tabular import MAX_LABEL_CHARS, MAX_TRACKED_VALUES, label_space, name_list, short, to_label
 
-S = TypeVar("S", bound=JobSpec)
 # (settings, spec, train dataset, eval dataset, resolved base model path) -> the row's kind-specific columns
 KindChecks = Callable[[Settings, Any, Dataset, Dataset | None, str | None], dict[str, Any]]
-CHECKS: dict[str, KindChecks] = {}
 MAX_HINT_COLUMNS = 1000  # columns searched for a "did you mean" hint
 
 
-def register_checks(spec: type[S], checks: Callable[[Settings, S, Dataset, Dataset | None, str | None],
-                                                     dict[str, Any]]) -> None:
-    """Admission checks of the kind whose spec this is (replacing any it had)."""
-    CHECKS[task_name(spec)] = checks
+class IncompleteKind(LookupError):
+    """A registered job kind whose admission checks the API cannot resolve."""
 
 
-def _no_checks(settings: Settings, spec: JobSpec, train: Dataset, evaluation: Dataset | None,
-               base_path: str | None) -> dict[str, Any]:
-    return {"base_model_path": None, "labels": []}
+def admission_checks(kind: JobKind) -> KindChecks:
+    """The admission checks `kind` names; IncompleteKind when its reference names no function of their shape."""
+    try:
+        checks = resolve_ref(kind.admission)
+    except (ImportError, AttributeError) as exc:
+        raise IncompleteKind(f"{kind.name}: {kind.admission} names no admission checks: {exc}") from exc
+    try:
+        inspect.signature(checks).bind(None, None, None, None, None)
+    except (TypeError, ValueError) as exc:
+        raise IncompleteKind(f"{kind.name}: {kind.admission} does not take (settings, spec, train, evaluation, "
+                             f"base_path): {exc}") from exc
+    return checks  # type: ignore[no-any-return]
+
+
+def check_kinds() -> None:
+    """Every registered kind's admission checks resolve (the API builds its app only then); IncompleteKind naming
+    each that does not."""
+    found = []
+    for kind in KINDS.values():
+        try:
+            admission_checks(kind)
+        except IncompleteKind as exc:
+            found.append(str(exc))
+    if found:
+        raise IncompleteKind("job kinds the API cannot admit: " + "; ".join(found))
 
 
 def kind_fields(settings: Settings, spec: JobSpec, train: Dataset, evaluation: Dataset | None,
                 base_path: str | None) -> dict[str, Any]:
-    """Run the checks registered for the spec's kind; the row's columns they resolve."""
-    return CHECKS.get(spec.task, _no_checks)(settings, spec, train, evaluation, base_path)
+    """Run the checks the spec's kind names; the row's columns they resolve."""
+    return admission_checks(kind_of(spec.task))(settings, spec, train, evaluation, base_path)
 
 
 def classification_fields(settings: Settings, spec: ClassificationJob, train: Dataset, evaluation: Dataset | None,
@@ -184,6 +203,3 @@ def labels_of(dataset: Dataset, column: str, field: str) -> list[int | str]:
     # Stats keys are strings; numeric labels come back as ints, as the worker reads them, so the maps agree.
     return label_space([to_label(v) for v in values])
 
-
-register_checks(ClassificationJob, classification_fields)
-register_checks(CausalLMJob, causal_lm_fields)

@@ -5,8 +5,8 @@ A causal-lm job trains on a text corpus (a table's text column, or .txt) with ne
 method dpo, a prompts dataset with method reinforcement (GRPO, rewarded by a grader). DPO needs a base_model and an
 adapter (its reference model is the base with the adapter switched off); so does reinforcement with a KL penalty
 (beta > 0), which trains all weights only without one; chat data needs a base_model whose tokenizer has a chat
-template (a completion dataset renders without one). A kind trains on chat data when its registry entry says so
-(JobKind.chat_data), else on tables only. The worker picks the engine by the same rule
+template (a completion dataset renders without one). A kind trains on chat data when its registry entry names
+engine variants for it (JobKind.chat_data), else on tables only. The worker picks the engine by the same rule
 (worker.engines.training.kinds.engine_name).
 """
 
@@ -81,7 +81,7 @@ def method_fields(spec: JobSpec, train: Dataset, evaluation: Dataset | None,
         raise ValidationFailed("adapter", "an adapter trains on top of a base_model; a fresh model trains in full")
     method = getattr(spec, "method", None)  # the kinds with methods (JobKind.methods) have the field
     if method is None:
-        return {"adapter": adapter.model_dump(mode="json") if adapter else None, "method": None}
+        return {"adapter": adapter, "method": None}
     name = method.method
     wanted = METHOD_FORMATS[name]
     for field, dataset in (("train_dataset", train), ("eval_dataset", evaluation)):
@@ -115,4 +115,4 @@ def method_fields(spec: JobSpec, train: Dataset, evaluation: Dataset | None,
             raise ValidationFailed("base_model", f"{spec.base_model} has no chat template (tokenizer_config.json "
                                                  "chat_template), so its conversations cannot be rendered; use a "
                                                  "chat model or a completion dataset")
-    return {"adapter": adapter.model_dump(mode="json") if adapter else None, "method": method.model_dump(mode="json")}
+    return {"adapter": adapter, "method": method}

@@ -17,6 +17,7 @@ from app.services import idempotency
 from app.services.jobs import prepare_job, request_cancel
 from core.admission import waiting_reason
 from core.auth import Principal
+from core.columns import SweepTemplate
 from core.errors import Conflict, TooManyRequests, ValidationFailed
 from core.jobspec import kind_of, validate_spec
 from core.protocol import ErrorCode
@@ -30,9 +31,16 @@ from core.store.paging import decode_cursor, split_page
 from core.sweeps import advance, best_child, format_params
 
 ROUTE = "POST /sweeps"
-# Job columns every child shares; the trial only changes the hyperparameters.
-TEMPLATE = ("task", "base_model", "base_model_path", "train_dataset_id", "eval_dataset_id", "text_column",
-            "label_column", "labels", "model_config_", "metadata_", "devices", "adapter", "method")
+
+
+def sweep_template(job: Job) -> SweepTemplate:
+    """The validated job columns every child of a sweep shares (its first trial's); a trial changes only the
+    hyperparameters."""
+    return SweepTemplate(task=job.task, base_model=job.base_model, base_model_path=job.base_model_path,
+                         train_dataset_id=job.train_dataset_id, eval_dataset_id=job.eval_dataset_id,
+                         text_column=job.text_column, label_column=job.label_column, labels=job.labels,
+                         model_config_=job.model_config_, metadata_=job.metadata_, devices=job.devices,
+                         adapter=job.adapter, method=job.method)
 
 
 def expand_trials(spec: SweepCreate, max_trials: int) -> list[dict[str, Any]]:
@@ -93,7 +101,7 @@ def create_sweep(session: Session, settings: Settings, queue: TaskQueue, princip
     sweep = Sweep(id=new_id("swp"), tenant_id=principal.tenant_id, status=SweepStatus.RUNNING, method=spec.method,
                   parameters={k: v.model_dump(exclude_defaults=True) for k, v in spec.parameters.items()},
                   job_spec=spec.job.request(),
-                  template={name: getattr(first, name) for name in TEMPLATE},
+                  template=sweep_template(first),
                   trials=[{"params": params, "hyperparameters": job.hyperparameters}
                           for params, job in zip(trial_params, jobs, strict=True)],
                   parallelism=spec.parallelism, metric=metric,

@@ -14,7 +14,7 @@ from rich.console import Console
 from trainserve.cli import build_parser
 from trainserve.client.api import Api, ApiError
 from trainserve.client.chat import chat
-from trainserve.client.commands import job_spec
+from trainserve.client.commands import FLAGS, hyperparameter_flag, job_spec
 from trainserve.client.config import ClientConfig, ConfigError, load_config
 from trainserve.client.follow import follow, summary
 
@@ -49,6 +49,20 @@ def test_train_flags_build_the_jobs_body(tmp_path):
                                                   "lr_scheduler": "cosine"}}
     with pytest.raises(ConfigError, match="--dataset"):
         job_spec(build_parser().parse_args(["train"]))
+
+
+def test_hyperparameter_flags_take_their_types_and_help_from_the_kinds_models():
+    from core.hyperparams import Hyperparameters, LMHyperparameters
+
+    args = build_parser().parse_args(["train", "--dataset", "ds_a", "--epochs", "0.5", "--batch-size", "4"])
+    assert job_spec(args)["hyperparameters"] == {"epochs": 0.5, "batch_size": 4}  # epochs is a float in the models
+    for name in FLAGS:
+        kind, description = hyperparameter_flag(name)
+        model = Hyperparameters if name in Hyperparameters.model_fields else LMHyperparameters
+        assert model.model_fields[name].description == description and kind in (int, float), name
+    assert [hyperparameter_flag(name)[0] for name in ("epochs", "learning_rate", "max_steps")] == [float, float, int]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--batch-size", "4.5"])  # an int in every kind's model
 
 
 def test_train_offers_the_registered_kinds_those_of_plugin_modules_too(monkeypatch):

@@ -1,16 +1,20 @@
-"""A job kind added through the registry alone: its spec and engine in their own modules (tests.toy_kind,
-tests.toy_engine), registered in core.jobspec and worker.engines.training.kinds; nothing else knows it, yet it is
-validated, stored, claimed, trained by the one loop, checkpointed, evaluated and saved. (The same kind on a
-worker process, loaded by TRAINSERVE_JOB_KIND_MODULES: tests/integration/test_job_kind_plugin.py.)
+"""A job kind added through the registry alone: one declaration (tests.toy_kind) naming its spec, admission checks
+and engine entry (tests.toy_engine); nothing else knows it, yet it is validated, admitted, stored, claimed, trained
+by the one loop, checkpointed, evaluated and saved. Every registered kind is complete on both sides: its admission
+checks resolve on the API, its engine entries (data-format variants too) on a worker, and nothing is registered on
+one side only. (The same kind on a worker process, loaded by TRAINSERVE_JOB_KIND_MODULES:
+tests/integration/test_job_kind_plugin.py.)
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import pytest
 
 from core.auth import Principal
 from core.db import session_scope
-from core.jobspec import parse_spec, register, unregister
+from core.jobspec import KINDS, JobKind, parse_spec, register, unregister
 from tests.factories import sentiment_rows, tsv_bytes, upload
 
 TOY = "text-length"  # tests.toy_kind's kind; imported only by the fixture, so no other test sees it registered
@@ -19,15 +23,11 @@ TENANT = Principal(key_id="key", tenant_id="tenant-a", is_admin=False)  # the te
 
 @pytest.fixture(scope="module")
 def toy_kind():
-    from tests import toy_engine, toy_kind  # importing registers the kind; the fixture takes it out again
-    from worker.engines.training.kinds import ENGINE_KINDS
-    from worker.engines.training.kinds import register as register_engine
+    from tests import toy_kind  # importing registers the kind (its one declaration); the fixture takes it out again
 
     register(toy_kind.KIND)  # again: an earlier test may have removed it after importing the module
-    register_engine(TOY, toy_engine.ENGINE)
     yield toy_kind
     unregister(TOY)
-    ENGINE_KINDS.pop(TOY)
 
 
 def test_a_kind_added_through_the_registry_runs_end_to_end_on_a_worker(toy_kind, client, queue, settings):
@@ -94,3 +94,57 @@ def test_a_registered_kind_is_offered_by_the_fine_tuning_route_and_its_schema(to
     assert job["hyperparameters"]["learning_rate"] == toy_kind.ToyHyperparameters().learning_rate
     unknown = client.post("/v1/fine_tuning/jobs", json={**body, "task": "text-lengths"})
     assert unknown.status_code == 422 and unknown.json()["error"]["param"] == "task"
+
+
+def test_every_registered_kind_is_complete_on_both_sides(toy_kind):
+    """The startup checks of the API and of a training worker pass for the built-in kinds and a plugin's."""
+    from app.services import job_kinds
+    from worker.engines.training import kinds
+
+    job_kinds.check_kinds()
+    kinds.check_kinds()
+    for kind in KINDS.values():
+        assert callable(job_kinds.admission_checks(kind)), kind.name
+        for name in kind.engines:
+            engine = kinds.engine_kind(name)
+            assert set(engine.hyperparameters) == set(kind.hyperparameters.model_fields), name
+    assert set(KINDS["causal-lm"].engines) == {"causal-lm", "causal-lm/chat", "causal-lm/prompts"}
+    assert KINDS["causal-lm"].chat_data and not KINDS["text-classification"].chat_data
+
+
+def test_nothing_is_registered_on_one_side_only():
+    """Each EngineKind the built-in engine module defines is some kind's entry, and each admission function the API
+    module offers for a kind is some kind's checks: an entry no kind names would never run."""
+    from app.services import job_kinds
+    from worker.engines.training import kinds
+
+    named = {ref for kind in KINDS.values() for ref in (kind.admission, *kind.engines.values())}
+    engines = {f"{kinds.__name__}:{name}" for name, value in vars(kinds).items() if isinstance(value, kinds.EngineKind)}
+    assert engines and engines <= named
+    checks = {f"{job_kinds.__name__}:{name}" for name in vars(job_kinds) if name.endswith("_fields")
+              and name != "kind_fields"}
+    assert checks and checks <= named
+
+
+def test_a_kind_missing_a_part_stops_the_side_that_needs_it(toy_kind):
+    from app.services import job_kinds
+    from worker.engines.training import kinds
+
+    class Broken(toy_kind.ToyJob):
+        task: Literal["broken"]  # type: ignore[assignment]
+
+    register(JobKind(Broken, {"eval_loss": False}, admission="tests.toy_kind:no_such_checks",
+                     engine="tests.toy_engine:ENGINE", variants={"chat": "tests.toy_kind:KIND"}))
+    try:
+        with pytest.raises(job_kinds.IncompleteKind, match="broken: tests.toy_kind:no_such_checks names no"):
+            job_kinds.check_kinds()
+        with pytest.raises(kinds.IncompleteKind) as refused:
+            kinds.check_kinds()
+        assert "broken/chat: tests.toy_kind:KIND is a JobKind, not an EngineKind" in str(refused.value)
+        assert "text-length, broken share the config ToyConfig" in str(refused.value)  # a launch could not tell
+    finally:
+        unregister("broken")
+    with pytest.raises(ValueError, match="variants are keyed by"):
+        JobKind(Broken, {}, admission="a:b", engine="a:b", variants={"csv": "a:b"})
+    with pytest.raises(ValueError, match="not a `module:attribute` reference"):
+        JobKind(Broken, {}, admission="app.services.job_kinds", engine="a:b")

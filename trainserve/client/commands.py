@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from core.generation_limits import CHAT
 from core.jobspec import DEFAULT_KIND, KINDS, load_kind_modules
@@ -19,7 +19,7 @@ from trainserve.client.text import plain, visible
 if TYPE_CHECKING:  # rich is imported when a client command runs, not when `trainserve worker` starts
     from rich.console import Console
 
-HYPERPARAMETERS = {"epochs": int, "max_steps": int, "batch_size": int, "learning_rate": float, "max_length": int}
+FLAGS = ("epochs", "max_steps", "batch_size", "learning_rate", "max_length")  # hyperparameters with a flag of their own
 
 
 def _api(args: argparse.Namespace) -> Api:
@@ -49,7 +49,7 @@ def job_spec(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, flag) is not None:
             spec[field] = getattr(args, flag)
     hyper = spec.setdefault("hyperparameters", {})
-    for name in HYPERPARAMETERS:
+    for name in FLAGS:
         if getattr(args, name) is not None:
             hyper[name] = getattr(args, name)
     for item in args.set or []:
@@ -151,6 +151,22 @@ def kind_choices() -> list[str]:
     return list(KINDS)
 
 
+def hyperparameter_flag(name: str) -> tuple[type, str]:
+    """The type and help of a hyperparameter's flag, read from the registered kinds' models that have the field
+    (a float where one kind takes a float and another an int); ValueError when no kind has it or kinds disagree."""
+    fields = [kind.hyperparameters.model_fields[name] for kind in KINDS.values()
+              if name in kind.hyperparameters.model_fields]
+    types = {member for field in fields for member in get_args(field.annotation) or (field.annotation,)
+             if member is not type(None)}
+    if types == {int, float}:
+        types = {float}
+    if len(types) != 1:
+        raise ValueError(f"hyperparameter {name} has no one scalar type across the job kinds: {types or 'none'}")
+    (kind,) = types
+    described = [field.description for field in fields if field.description]
+    return kind, described[0] if described else ""
+
+
 def register(sub: Any) -> None:
     """Add the client subcommands to the `trainserve` parser."""
     common = argparse.ArgumentParser(add_help=False)
@@ -170,8 +186,10 @@ def register(sub: Any) -> None:
     train.add_argument("--base-model", default=None, help="e.g. minilm-l6, a hub id, or a finished job's id")
     train.add_argument("--text-column", default=None)
     train.add_argument("--label-column", default=None)
-    for name, kind in HYPERPARAMETERS.items():
-        train.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
+    for name in FLAGS:
+        kind, description = hyperparameter_flag(name)
+        train.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
+                           help=description.replace("%", "%%"))  # argparse formats help with %
     train.add_argument("--set", action="append", metavar="NAME=VALUE", help="any other hyperparameter")
     train.add_argument("--spec", default=None, help="a JSON file with a whole POST /jobs body")
     train.add_argument("--detach", action="store_true", help="start it and return at once")

@@ -1,4 +1,5 @@
-"""The engine's frozen config, built from a job row and its datasets (fetched from the artifact store)."""
+"""A job row resolved into what the engines take (`ResolvedJob`), and the engine's frozen config built from it and
+its datasets (fetched from the artifact store)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from core.hyperparams import TrainingHyperparameters
-from core.jobspec import kind_of, stored_hyperparameters
+from core.jobspec import ResolvedJob, stored_hyperparameters
 from core.paths import job_checkpoints_dir, job_model_dir
 from core.protocol import ErrorCode
 from core.rows import Job
@@ -25,27 +25,24 @@ from worker.model_store import fetch_full_model
 EngineConfig = RunConfig  # each kind's frozen config (worker.engines.training.kinds)
 
 
-def build_config(settings: Settings, job: Job, train_path: Path, eval_path: Path | None, hashes: dict[str, str],
-                 device: str, data_format: str = "") -> EngineConfig:
-    """The engine's frozen config from a job row: its kind's typed hyperparameters, rebuilt from the row; the
-    training data's format picks the kind's entry (chat data: kinds.engine_name)."""
-    hp = stored_hyperparameters(job.task, job.hyperparameters)
+def resolve_job(job: Job) -> ResolvedJob:
+    """The row as the engines take it: typed, its hyperparameters validated back into its kind's model
+    (ValidationFailed naming a stored key the model refuses)."""
+    return ResolvedJob(id=job.id, kind=job.task, hyperparameters=stored_hyperparameters(job.task, job.hyperparameters),
+                       text_column=job.text_column, devices=job.devices, base_model=job.base_model,
+                       base_model_path=job.base_model_path, model_config=job.model_config_,
+                       label_column=job.label_column, adapter=job.adapter, method=job.method)
+
+
+def build_config(settings: Settings, job: ResolvedJob, train_path: Path, eval_path: Path | None,
+                 hashes: dict[str, str], device: str, data_format: str = "") -> EngineConfig:
+    """The engine's frozen config of a resolved job; the training data's format picks the kind's entry (chat data:
+    kinds.engine_name)."""
     common: dict[str, Any] = {
         "train_file": train_path, "eval_file": eval_path, "output_dir": job_model_dir(settings, job.id),
-        "checkpoint_dir": job_checkpoints_dir(settings, job.id), "text_column": job.text_column,
-        "checkpoint_steps": settings.checkpoint_steps, "device": device, "devices": job.devices,
-        "memory_limit_bytes": settings.worker_memory_bytes or None,
-        "base_model_name": job.base_model or "", "dataset_hashes": hashes, **best_fields(job.task, hp)}
-    return kinds.build(kinds.engine_name(job.task, data_format), common, job, hp)
-
-
-def best_fields(task: str, hp: TrainingHyperparameters) -> dict[str, Any]:
-    """Best-checkpoint settings: the metric and its direction, or none for a row from before them (its last model
-    is kept)."""
-    if "metric_for_best" not in hp.model_fields_set:
-        return {"metric_for_best": None}
-    return {"metric_for_best": hp.metric_for_best,
-            "greater_is_better": kind_of(task).greater_is_better(hp.metric_for_best)}
+        "checkpoint_dir": job_checkpoints_dir(settings, job.id), "checkpoint_steps": settings.checkpoint_steps,
+        "device": device, "memory_limit_bytes": settings.worker_memory_bytes or None, "dataset_hashes": hashes}
+    return kinds.build(kinds.engine_name(job.kind, data_format), common, job)
 
 
 class DatasetMissing(ValueError):
@@ -78,16 +75,14 @@ def job_inputs(session: Session, job: Job) -> JobInputs:
     return JobInputs(train=train_ds.path, eval=eval_key, hashes=hashes, train_format=train_ds.format)
 
 
-def config_for(settings: Settings, storage: ArtifactStore, job: Job, inputs: JobInputs, device: str) -> EngineConfig:
+def config_for(settings: Settings, storage: ArtifactStore, job: ResolvedJob, inputs: JobInputs,
+               device: str) -> EngineConfig:
     """Fetch the datasets (cached on this host) and build the job's config; DatasetMissing if one is not stored."""
     try:
         train_path = storage.fetch_file(inputs.train)
         eval_path = storage.fetch_file(inputs.eval) if inputs.eval is not None else None
     except FileNotFoundError as exc:
         raise DatasetMissing(str(exc)) from exc
-    config = build_config(settings, job, train_path, eval_path, inputs.hashes, device, inputs.train_format)
-    base = getattr(config, "base_model", None)
-    if isinstance(base, str) and is_job_model(base):  # continue from a finished job's model
-        continued: dict[str, Any] = {"base_model": str(fetch_full_model(storage, base))}  # a field of the kind's config
-        config = dataclasses.replace(config, **continued)
-    return config
+    if job.base_model_path is not None and is_job_model(job.base_model_path):  # continue from a finished job's model
+        job = dataclasses.replace(job, base_model_path=str(fetch_full_model(storage, job.base_model_path)))
+    return build_config(settings, job, train_path, eval_path, inputs.hashes, device, inputs.train_format)

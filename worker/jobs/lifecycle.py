@@ -11,6 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core import job_order, states
+from core.columns import BestEval
 from core.db import session_scope
 from core.errors import NotFound, StaleAttempt
 from core.logs import bound
@@ -26,7 +27,7 @@ from worker.engines.device import release_memory, resolve_device
 from worker.engines.training.kinds import run_task
 from worker.engines.training.launch import train_on_devices
 from worker.engines.training.loop import TrainResult, run
-from worker.jobs.config import EngineConfig, JobInputs, config_for, job_inputs
+from worker.jobs.config import EngineConfig, JobInputs, config_for, job_inputs, resolve_job
 from worker.jobs.prometheus import TrainingMetrics
 from worker.jobs.receipt import base_receipt
 from worker.jobs.recovery import Heartbeat
@@ -145,7 +146,7 @@ def run_engine(config: EngineConfig, reporter: JobReporter) -> TrainResult:
 def _prepare(ctx: WorkerContext, job: Job, inputs: JobInputs) -> EngineConfig:
     """Fetch the datasets and the newest stored checkpoint to this host, then build the engine's config."""
     with storage_errors(f"fetch the inputs of {job.id} from {ctx.storage.url}"):
-        config = config_for(ctx.settings, ctx.storage, job, inputs, ctx.settings.worker_device)
+        config = config_for(ctx.settings, ctx.storage, resolve_job(job), inputs, ctx.settings.worker_device)
     pull_checkpoint(ctx.storage, ctx.settings, job.id)
     return config
 
@@ -193,9 +194,11 @@ def _record_result(ctx: WorkerContext, job_id: str, attempt: int, result: TrainR
         job.step = result.global_step
         _record_tensorboard(ctx, session, job_id, attempt)
         if result.status == "completed" and result.model_dir is not None:
-            job.best, job.stop_reason = result.best, result.stop_reason
+            kept = result.best
+            job.best = None if not kept else BestEval(step=kept["step"], metric=kept["metric"], value=kept["value"])
+            job.stop_reason = result.stop_reason
             # The model folder holds the best evaluation's weights: the artifact carries that step.
-            model_step = result.best["step"] if result.best else result.global_step
+            model_step = kept["step"] if kept else result.global_step
             model = artifact_row(ctx.settings, job_id, ArtifactKind.MODEL, result.model_dir, model_step)
             store.add_artifact(session, artifact=model, attempt=attempt)
             how = {"completed": "finished"}.get(result.stop_reason or "completed", f"ended ({result.stop_reason})")

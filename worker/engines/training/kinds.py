@@ -1,32 +1,39 @@
-"""The engine side of the job-kind registry (core.jobspec holds the rest): kind -> frozen config type, Recipe.
+"""The engine side of the job-kind registry: each entry's frozen config type, Recipe, and how a config is built.
 
-`build(kind, common, job, hp)` makes a kind's config from three disjoint parts: its typed hyperparameters through
-the entry's one explicit `hyperparameters` mapping (each field of the kind's model -> the config field it sets, or
-None where another part carries it), `common` (paths, device, settings: those the config has) and the entry's
-`from_row` (what its row resolved: base model, labels, adapter, method). A hyperparameter the mapping does not
-name is an error, never dropped; the configs take every value from the model, so its defaults are the only ones.
+A kind's one declaration (core.jobspec.JobKind) names its engine entries by `module:attribute`; each is an
+`EngineKind` defined in the module that runs it (the built-in ones below, a plugin's in its own module), resolved
+here (`engine_kind`) and checked when a worker starts (`check_kinds`): every registered kind has an EngineKind for
+itself and each of its data-format variants, each mapping its kind's hyperparameters model field for field, and
+no two entries share a config type (a multi-device launch finds its entry by it).
 
-A kind may train differently on chat data (core.chat_data's formats): its entry `<kind>/chat`
+`build(name, common, job)` makes an entry's config from three disjoint parts: the job's typed hyperparameters
+through the entry's one explicit `hyperparameters` mapping (each field of the kind's model -> the config field it
+sets, or None where another part carries it), `common` (paths, device, settings, and the job's own columns every
+config has: those the config has) and the entry's `from_job` (what the resolved job carries for this engine: base
+model, labels, adapter, method). A hyperparameter the mapping does not name is an error, never dropped; the
+configs take every value from the model, so its defaults are the only ones. Engines take a `ResolvedJob`
+(core.jobspec), never the ORM row.
+
+A kind may train differently on chat data (core.chat_data's formats): its variant `<kind>/chat`
 (`engine_name`) then runs those jobs, e.g. causal-lm over chat, completion or preference records is chat SFT or
-DPO (worker.engines.training.chat), over a text corpus next-token training (worker.engines.training.causal_lm).
-A kind from a plugin module registers here from its core entry's `engine_module` (`load_plugins`).
+DPO (worker.engines.training.chat), over prompts GRPO (worker.engines.training.reinforcement), over a text corpus
+next-token training (worker.engines.training.causal_lm).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
-from core.adapters import AdapterConfig, PreferenceConfig
+from core.adapters import PreferenceConfig
 from core.chat_data import CHAT_FORMATS
-from core.jobspec import KINDS, load_kind_modules
+from core.hyperparams import TrainingHyperparameters
+from core.jobspec import CHAT_VARIANT, KINDS, JobKind, ResolvedJob, kind_of, resolve_ref
 from core.reinforcement import ReinforcementConfig
-from core.vocab import TaskKind
 from worker.engines.training.causal_lm import CausalLMRecipe, LMTrainConfig
 from worker.engines.training.chat import ChatRecipe, ChatTrainConfig
 from worker.engines.training.classifier import ClassifierRecipe, TrainConfig
@@ -34,7 +41,7 @@ from worker.engines.training.loop import Recipe, RunConfig
 from worker.engines.training.reinforcement import ReinforcementRecipe, ReinforcementTrainConfig
 
 # What every kind's hyperparameters share (TrainingHyperparameters) -> RunConfig's fields; metric_for_best is
-# None: the worker resolves it with its direction (or none, for a row from before it: worker.jobs.config).
+# None: `best_fields` resolves it with its direction (or none, for a row from before it).
 RUN_HYPERPARAMETERS: Mapping[str, str | None] = {
     "max_steps": "max_steps", "warmup_ratio": "warmup_ratio",
     "gradient_accumulation_steps": "gradient_accumulation_steps", "precision": "precision",
@@ -53,29 +60,26 @@ def same_names(*names: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class EngineKind:
-    """One job kind as the engines run it."""
+    """One engine entry of a job kind: how the engines run it; UnknownHyperparameter when its mapping sets a field
+    its config does not have."""
 
     config: type[RunConfig]
     task: Callable[[Any], Recipe]  # config -> the loop's Recipe
     # Every field of the kind's hyperparameters model -> the config field it sets (None: not the config's).
     hyperparameters: Mapping[str, str | None]
-    # The job row's resolved fields -> config fields (base_model_path, label_column, model_config, ...).
-    from_row: Callable[[Any], Mapping[str, Any]] = lambda row: {}
+    # The resolved job -> the config fields this engine takes from it (base_model, label_column, adapter, ...).
+    from_job: Callable[[ResolvedJob], Mapping[str, Any]] = lambda job: {}
+
+    def __post_init__(self) -> None:
+        fields = config_fields(self.config)
+        missing = sorted(str(target) for target in self.hyperparameters.values() if target is not None
+                         and target not in fields)
+        if missing:
+            raise UnknownHyperparameter(f"{self.config.__name__} has no field {', '.join(missing)}")
 
 
-ENGINE_KINDS: dict[str, EngineKind] = {}
-
-
-def register(name: str, kind: EngineKind) -> EngineKind:
-    """Add the engine pieces of the job kind `name` (the same name as its core.jobspec entry, or `<name>/chat`);
-    UnknownHyperparameter when its mapping sets a field its config does not have."""
-    fields = config_fields(kind.config)
-    missing = sorted(str(target) for target in kind.hyperparameters.values() if target is not None
-                     and target not in fields)
-    if missing:
-        raise UnknownHyperparameter(f"{kind.config.__name__} has no field {', '.join(missing)}")
-    ENGINE_KINDS[name] = kind
-    return kind
+class IncompleteKind(LookupError):
+    """A registered job kind whose engine entries this worker cannot resolve, or that do not fit the kind."""
 
 
 def config_fields(config: type[RunConfig]) -> set[str]:
@@ -83,42 +87,80 @@ def config_fields(config: type[RunConfig]) -> set[str]:
     return {f.name for f in dataclasses.fields(config)}
 
 
+def engine_ref(name: str) -> str:
+    """The `module:attribute` of entry `name` (a kind's, or `<kind>/<format>`); KeyError for one no kind declares."""
+    task = name.partition("/")[0]
+    return KINDS[task].engines[name]
+
+
 def engine_kind(name: str) -> EngineKind:
-    """The engine pieces of a registered kind (KeyError for one this worker does not know)."""
-    return ENGINE_KINDS[name]
+    """The engine pieces of entry `name`, resolved from its kind's declaration; IncompleteKind when its reference
+    names no EngineKind."""
+    return resolve_engine(engine_ref(name))
 
 
-def load_plugins(modules: Iterable[str]) -> None:
-    """Import the job-kind modules (TRAINSERVE_JOB_KIND_MODULES), then the engine module of every kind they added."""
-    load_kind_modules(modules)
-    for kind in list(KINDS.values()):
-        if kind.engine_module is not None:
-            importlib.import_module(kind.engine_module)
+def resolve_engine(ref: str) -> EngineKind:
+    """The EngineKind a `module:attribute` reference names (a rank process of a launch resolves it by this alone)."""
+    try:
+        engine = resolve_ref(ref)
+    except (ImportError, AttributeError) as exc:
+        raise IncompleteKind(f"{ref} names no engine: {exc}") from exc
+    if not isinstance(engine, EngineKind):
+        raise IncompleteKind(f"{ref} is a {type(engine).__name__}, not an EngineKind")
+    return engine
 
 
-def engine_module(name: str) -> str | None:
-    """The module that registers the engine pieces of kind `name` (None: built in)."""
-    return KINDS[name].engine_module if name in KINDS else None
+def kind_problems(kind: JobKind) -> list[str]:
+    """What keeps this worker from running every entry of `kind` (empty when it can)."""
+    found: list[str] = []
+    fields = set(kind.hyperparameters.model_fields)
+    for name, ref in kind.engines.items():
+        try:
+            engine = resolve_engine(ref)
+        except IncompleteKind as exc:
+            found.append(f"{name}: {exc}")
+            continue
+        unknown, absent = sorted(fields - set(engine.hyperparameters)), sorted(set(engine.hyperparameters) - fields)
+        if unknown or absent:
+            found.append(f"{name}: its mapping misses {', '.join(unknown) or '-'} and names "
+                         f"{', '.join(absent) or '-'}, against {kind.hyperparameters.__name__}")
+    return found
 
 
-def kind_name(config: RunConfig) -> str:
-    """The registered name of a config's kind (the rank processes of a launch look it up by this)."""
-    return next(name for name, kind in ENGINE_KINDS.items() if type(config) is kind.config)
+def check_kinds() -> None:
+    """Every registered kind has a resolvable EngineKind for itself and each variant, each mapping its
+    hyperparameters model exactly, and no two entries share a config type; IncompleteKind naming each gap."""
+    found = [problem for kind in KINDS.values() for problem in kind_problems(kind)]
+    by_config: dict[type[RunConfig], list[str]] = {}
+    for kind in KINDS.values():
+        for name, ref in kind.engines.items():
+            if not any(problem.startswith(f"{name}:") for problem in found):
+                by_config.setdefault(resolve_engine(ref).config, []).append(name)
+    found += [f"{', '.join(names)} share the config {config.__name__}" for config, names in by_config.items()
+              if len(names) > 1]
+    if found:
+        raise IncompleteKind("job kinds this worker cannot run: " + "; ".join(found))
+
+
+def entry_of(config: RunConfig) -> str:
+    """The entry whose config type `config` is (the one that runs it)."""
+    return next(name for kind in KINDS.values() for name, ref in kind.engines.items()
+                if type(config) is resolve_engine(ref).config)
 
 
 def engine_name(task: str, data_format: str) -> str:
     """The entry that runs a job of kind `task` on data of that format: `<task>/<format>` when the kind has one
     (causal-lm/prompts: reinforcement), else `<task>/chat` for chat data when it has one, else the kind's own."""
-    own, chat = f"{task}/{data_format}", f"{task}/chat"
-    if data_format and own in ENGINE_KINDS:
-        return own
-    return chat if data_format in CHAT_FORMATS and chat in ENGINE_KINDS else task
+    variants = KINDS[task].variants
+    if data_format and data_format in variants:
+        return f"{task}/{data_format}"
+    return f"{task}/{CHAT_VARIANT}" if data_format in CHAT_FORMATS and CHAT_VARIANT in variants else task
 
 
 def hyperparameter_values(name: str, hyperparameters: BaseModel) -> dict[str, Any]:
     """The config fields entry `name` takes from typed hyperparameters, by its mapping; UnknownHyperparameter for
     a field of the model the mapping does not name (or one it names that the model lacks)."""
-    mapping = ENGINE_KINDS[name].hyperparameters
+    mapping = engine_kind(name).hyperparameters
     given = set(type(hyperparameters).model_fields)
     unknown, absent = sorted(given - set(mapping)), sorted(set(mapping) - given)
     if unknown or absent:
@@ -128,13 +170,15 @@ def hyperparameter_values(name: str, hyperparameters: BaseModel) -> dict[str, An
     return {target: getattr(hyperparameters, field) for field, target in mapping.items() if target is not None}
 
 
-def build(name: str, common: Mapping[str, Any], row: Any, hyperparameters: BaseModel) -> RunConfig:
-    """The frozen config of a run of entry `name` from its typed hyperparameters, its row and `common` (of which
-    the config takes those it has); ValueError when two of the parts set the same field."""
-    kind = ENGINE_KINDS[name]
+def build(name: str, common: Mapping[str, Any], job: ResolvedJob) -> RunConfig:
+    """The frozen config of a run of entry `name` from the job's typed hyperparameters, the job itself and `common`
+    (of which the config takes those it has); ValueError when two of the parts set the same field."""
+    kind = engine_kind(name)
     fields = config_fields(kind.config)
-    parts = (hyperparameter_values(name, hyperparameters),
-             {key: value for key, value in common.items() if key in fields}, dict(kind.from_row(row)))
+    shared = {"text_column": job.text_column, "devices": job.devices, "base_model_name": job.base_model or "",
+              **best_fields(job.kind, job.hyperparameters), **common}
+    parts = (hyperparameter_values(name, job.hyperparameters),
+             {key: value for key, value in shared.items() if key in fields}, dict(kind.from_job(job)))
     values: dict[str, Any] = {}
     for part in parts:
         twice = sorted(set(values) & set(part))
@@ -144,42 +188,46 @@ def build(name: str, common: Mapping[str, Any], row: Any, hyperparameters: BaseM
     return kind.config(**values)
 
 
-def adapter_of(row: Any) -> AdapterConfig | None:
-    """The row's adapter settings, typed (None: the job trains every weight)."""
-    return AdapterConfig.model_validate(row.adapter) if row.adapter else None
+def best_fields(task: str, hp: TrainingHyperparameters) -> dict[str, Any]:
+    """Best-checkpoint settings: the metric and its direction, or none for a row from before them (its last model
+    is kept)."""
+    if "metric_for_best" not in hp.model_fields_set:
+        return {"metric_for_best": None}
+    return {"metric_for_best": hp.metric_for_best,
+            "greater_is_better": kind_of(task).greater_is_better(hp.metric_for_best)}
 
 
-def _chat_fields(row: Any) -> Mapping[str, Any]:
-    method = row.method or {}
-    return {"base_model": row.base_model_path, "adapter": adapter_of(row),
-            "preference": PreferenceConfig.model_validate(method) if method.get("method") == "dpo" else None}
+def _reinforcement(job: ResolvedJob) -> ReinforcementConfig:
+    if not isinstance(job.method, ReinforcementConfig):
+        raise ValueError(f"a prompts dataset trains with method reinforcement; job {job.id} has {job.method!r}")
+    return job.method
 
 
 def run_task(config: RunConfig) -> Recipe:
     """The Recipe that runs `config`."""
-    return ENGINE_KINDS[kind_name(config)].task(config)
+    return engine_kind(entry_of(config)).task(config)
 
 
-register(TaskKind.TEXT_CLASSIFICATION, EngineKind(
+CLASSIFICATION = EngineKind(
     TrainConfig, ClassifierRecipe,
     {**RUN_HYPERPARAMETERS, **same_names("epochs", "batch_size", "learning_rate", "weight_decay", "max_length",
                                          "seed", "freeze_word_embeddings")},
-    lambda row: {"base_model": row.base_model_path, "label_column": row.label_column, "adapter": adapter_of(row)}))
-register(TaskKind.CAUSAL_LM, EngineKind(
+    lambda job: {"base_model": job.base_model_path, "label_column": job.label_column, "adapter": job.adapter})
+CAUSAL_LM = EngineKind(
     LMTrainConfig, CausalLMRecipe,
     {**RUN_HYPERPARAMETERS, **same_names("epochs", "batch_size", "block_size", "learning_rate", "weight_decay",
                                          "seed", "val_fraction")},
-    lambda row: {"base_model": row.base_model_path, "model_config": row.model_config_, "adapter": adapter_of(row)}))
+    lambda job: {"base_model": job.base_model_path, "model_config": job.model_config, "adapter": job.adapter})
 # Chat records are rendered whole (up to block_size tokens each) and evaluated only on an eval dataset.
-register(f"{TaskKind.CAUSAL_LM}/chat", EngineKind(
+CHAT = EngineKind(
     ChatTrainConfig, ChatRecipe,
     {**RUN_HYPERPARAMETERS, **same_names("epochs", "batch_size", "learning_rate", "weight_decay", "seed"),
      "block_size": "max_length", "val_fraction": None},
-    _chat_fields))
+    lambda job: {"base_model": job.base_model_path, "adapter": job.adapter,
+                 "preference": job.method if isinstance(job.method, PreferenceConfig) else None})
 # Prompts scored by a grader (method reinforcement): GRPO with rollouts from the policy being trained.
-register(f"{TaskKind.CAUSAL_LM}/prompts", EngineKind(
+REINFORCEMENT = EngineKind(
     ReinforcementTrainConfig, ReinforcementRecipe,
     {**RUN_HYPERPARAMETERS, **same_names("epochs", "batch_size", "learning_rate", "weight_decay", "seed"),
      "block_size": "max_length", "val_fraction": None},
-    lambda row: {"base_model": row.base_model_path, "adapter": adapter_of(row),
-                 "reinforcement": ReinforcementConfig.model_validate(row.method)}))
+    lambda job: {"base_model": job.base_model_path, "adapter": job.adapter, "reinforcement": _reinforcement(job)})

@@ -11,7 +11,6 @@ next message, and torchrun stops the other ranks.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import signal
@@ -41,7 +40,7 @@ from core.protocol import (
     RankStopReason,
 )
 from worker.engines.training.distributed import Dist, leave
-from worker.engines.training.kinds import engine_kind, engine_module, kind_name
+from worker.engines.training.kinds import engine_ref, entry_of, resolve_engine
 from worker.engines.training.loop import Recipe, RunConfig, TrainCallbacks, TrainResult, run
 
 log = logging.getLogger(__name__)
@@ -61,16 +60,15 @@ class LaunchFailed(RuntimeError):
 def train_on_devices(config: RunConfig, callbacks: TrainCallbacks | None = None) -> TrainResult:
     """Run (or resume) `config` on config.devices processes under torchrun; returns rank 0's result."""
     callbacks = callbacks or TrainCallbacks()
-    kind = kind_name(config)  # the job kind's registered name (worker.engines.training.kinds)
+    engine = engine_ref(entry_of(config))  # `module:attribute` of its EngineKind: each rank resolves it by this alone
     with tempfile.TemporaryDirectory(prefix="trainserve-ranks-") as folder:  # mode 0700: only this user
         config_file, output = Path(folder) / "config.json", Path(folder) / "launch.log"
         config_file.write_bytes(TypeAdapter(type(config)).dump_json(config))
         address, authkey = str(Path(folder) / "rank0.sock"), os.urandom(32)
         with Listener(address, family="AF_UNIX", authkey=authkey) as listener, output.open("wb") as sink:
-            plugin = engine_module(kind)  # a kind from a plugin: each rank imports its engine module too
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-                       f"--nproc-per-node={config.devices}", "--max-restarts=0", "-m", __name__, kind,
-                       str(config_file), *([plugin] if plugin else [])]
+                       f"--nproc-per-node={config.devices}", "--max-restarts=0", "-m", __name__, engine,
+                       str(config_file)]
             # A new session: a signal meant for the worker (Ctrl+C, a warm shutdown) reaches the ranks only
             # through should_stop, so they checkpoint instead of dying mid-step.
             process = subprocess.Popen(command, env=_rank_env(config, address, authkey), stdout=sink,
@@ -208,10 +206,8 @@ class RankZeroCallbacks(TrainCallbacks):
 
 def main(argv: list[str]) -> int:
     """One rank: read the config, run the loop as rank RANK of WORLD_SIZE; rank 0 reports to the launcher."""
-    kind, config_file, *plugins = argv
-    for module in plugins:
-        importlib.import_module(module)  # registers the engine pieces of a kind from a plugin module
-    engine = engine_kind(kind)
+    ref, config_file = argv
+    engine = resolve_engine(ref)  # a plugin kind's engine too: the reference names its module
     config = TypeAdapter(engine.config).validate_json(Path(config_file).read_bytes())
     dist = Dist.from_env()
     if dist.world_size != config.devices:
