@@ -19,6 +19,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from app.main import create_app
+from core import states
 from core.auth import create_key
 from core.db import make_engine, make_sessionmaker, session_scope
 from core.migrate import upgrade
@@ -44,7 +45,7 @@ def seed(url: str, steps: int) -> tuple[str, str]:
                   created_at=utcnow())
         session.add_all([dataset, job])
         session.flush()
-        store.claim_job(session, job_id=job.id, device="cpu", now=utcnow(), stale_before=utcnow())
+        states.claim_job(session, job_id=job.id, device="cpu", now=utcnow(), stale_before=utcnow())
         for start in range(1, steps + 1, 2000):  # 2,000 steps x 4 metrics x 6 columns: under 65,535 parameters
             store.add_metric_points(session, job_id=job.id, attempt=1, points=[
                 (s, s / 1000, name, math.exp(-s / steps) + (s % 17) / 100) for s in range(start, min(start + 2000,

@@ -1,6 +1,6 @@
 """The job state machine: the table of legal moves and the one function that makes them.
 
-    queued  -> running     a worker claimed it: `claim`, which the scheduler (whose turn) and store.claim_job
+    queued  -> running     a worker claimed it: `claim`, which core.job_order (whose turn) and `claim_job`
                            (a silent running job, requeued and claimed in one step) call
     queued  -> cancelled   cancelled before it started
     queued  -> failed      refused before it could start
@@ -17,13 +17,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, func, select, update
+from sqlalchemy import ColumnElement, and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from core.errors import IllegalTransition, StaleAttempt
 from core.logs import task_headers
 from core.public_text import public_text
-from core.rows import TERMINAL, EventKind, Job, JobEvent, JobStatus, WebhookEventType, utcnow
+from core.rows import TERMINAL, EventKind, Job, JobEvent, JobStatus, WebhookEventType, is_valid_id, utcnow
+from core.store import jobs as jobs_store
 from core.store import outbox, webhooks
 
 TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
@@ -158,3 +159,23 @@ def _event(session: Session, job_id: str, *, kind: str, level: str, message: str
     session.add(JobEvent(job_id=job_id, kind=kind, level=level, message=public_text(message), data=data,
                          created_at=now))
     session.flush()
+
+
+def claim_job(session: Session, *, job_id: str, device: str, now: datetime, stale_before: datetime,
+              include_queued: bool = True) -> Job | None:
+    """Atomically move a queued job (or a running one whose worker went silent) to running.
+
+    Returns None when the job is finished or another live worker holds it: a duplicate or redelivered
+    task message is then harmless. `claim` makes the move (one conditional UPDATE, fenced by the
+    attempt number read here), safe on SQLite and PostgreSQL alike.
+    Workers pick queued jobs with core.job_order.claim_next and pass include_queued=False here, to take
+    back only a silent running job named by a redelivered message.
+    """
+    # A silent running job is requeued and claimed in one step (running -> queued -> running).
+    silent_running = and_(Job.status.in_(sources(JobStatus.QUEUED)), jobs_store.silent(stale_before))
+    claimable = or_(Job.status.in_(sources(JobStatus.RUNNING)), silent_running) if include_queued else silent_running
+    attempt = session.scalar(select(Job.attempts).where(Job.id == job_id)) if is_valid_id(job_id) else None
+    if attempt is None:
+        jobs_store.get_job(session, job_id=job_id)  # NotFound, in the words of every job lookup
+        return None
+    return claim(session, job_id=job_id, attempt=attempt, device=device, now=now, when=claimable)

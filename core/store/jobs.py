@@ -11,11 +11,9 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from core import states
 from core.errors import NotFound, StaleAttempt
 from core.public_text import public_text
 from core.rows import Artifact, EventKind, Job, JobEvent, JobStatus, MetricPoint, is_valid_id, utcnow
-from core.states import sources
 from core.store.owned import get_owned
 from core.store.paging import before_cursor
 
@@ -134,26 +132,6 @@ def count_jobs(session: Session, *, tenant: str, statuses: Sequence[str]) -> int
     """How many of a tenant's jobs are in the given statuses."""
     query = select(func.count()).select_from(Job).where(Job.tenant_id == tenant, Job.status.in_(list(statuses)))
     return session.scalar(query) or 0
-
-
-def claim_job(session: Session, *, job_id: str, device: str, now: datetime, stale_before: datetime,
-              include_queued: bool = True) -> Job | None:
-    """Atomically move a queued job (or a running one whose worker went silent) to running.
-
-    Returns None when the job is finished or another live worker holds it: a duplicate or redelivered
-    task message is then harmless. core.states.claim makes the move (one conditional UPDATE, fenced by the
-    attempt number read here), safe on SQLite and PostgreSQL alike.
-    Workers pick queued jobs with core.job_order.claim_next and pass include_queued=False here, to take
-    back only a silent running job named by a redelivered message.
-    """
-    # A silent running job is requeued and claimed in one step (running -> queued -> running).
-    silent_running = and_(Job.status.in_(sources(JobStatus.QUEUED)), silent(stale_before))
-    claimable = or_(Job.status.in_(sources(JobStatus.RUNNING)), silent_running) if include_queued else silent_running
-    attempt = session.scalar(select(Job.attempts).where(Job.id == job_id)) if is_valid_id(job_id) else None
-    if attempt is None:
-        get_job(session, job_id=job_id)  # NotFound, in the words of every job lookup
-        return None
-    return states.claim(session, job_id=job_id, attempt=attempt, device=device, now=now, when=claimable)
 
 
 def silent(stale_before: datetime) -> ColumnElement[bool]:

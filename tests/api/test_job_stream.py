@@ -28,7 +28,7 @@ def running_job(client, factory):
     train = upload(client, tsv_bytes(sentiment_rows())).json()["id"]
     job_id = client.post("/jobs", json=job_body(train)).json()["id"]
     with session_scope(factory) as session:
-        store.claim_job(session, job_id=job_id, device="cpu", now=utcnow(), stale_before=utcnow())
+        states.claim_job(session, job_id=job_id, device="cpu", now=utcnow(), stale_before=utcnow())
     return job_id
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from core import states
 from core.db import make_engine, make_sessionmaker, session_scope
 from core.store import jobs as store
 from core.tasks import QUEUE_TRAIN, TASK_TRAIN
@@ -130,7 +131,7 @@ def test_cancel_running_sets_a_request_the_worker_sees(client, settings, train_i
     with session_scope(factory) as session:
         from core.rows import utcnow
 
-        store.claim_job(session, job_id=job["id"], device="cpu", now=utcnow(), stale_before=utcnow())
+        states.claim_job(session, job_id=job["id"], device="cpu", now=utcnow(), stale_before=utcnow())
     body = client.post(f"/jobs/{job['id']}/cancel").json()
     assert body["status"] == "running" and body["cancel_requested"] is True
     with factory() as session:
@@ -157,7 +158,7 @@ def test_metrics_history_since_step(client, settings, train_id):
         from core.rows import utcnow
 
         # metric points are written by the attempt that holds the job: claim it first (attempt 1)
-        store.claim_job(session, job_id=job["id"], device="cpu", now=utcnow(), stale_before=utcnow())
+        states.claim_job(session, job_id=job["id"], device="cpu", now=utcnow(), stale_before=utcnow())
         store.add_metric_points(session, job_id=job["id"], attempt=1, points=[
             (s, s / 10, "train_loss", 1.0 / s) for s in range(1, 6)])
         # the same step written again (a resumed job) is ignored, not duplicated
@@ -190,7 +191,7 @@ def test_events_and_errors_a_tenant_reads_name_no_server_paths(client, settings,
         from core import states
         from core.rows import EventKind, JobStatus, utcnow
 
-        row = store.claim_job(session, job_id=job["id"], device="cpu", now=utcnow(), stale_before=utcnow())
+        row = states.claim_job(session, job_id=job["id"], device="cpu", now=utcnow(), stale_before=utcnow())
         assert row is not None
         store.add_event(session, job_id=job["id"], kind=EventKind.SAVED, attempt=1,
                         message=f"model saved to {home}/jobs/{job['id']}/model")

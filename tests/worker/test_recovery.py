@@ -7,10 +7,10 @@ from datetime import timedelta
 import pytest
 import redis
 
+from core import states
 from core.db import session_scope
 from core.redis_keys import BROKER_SENTINEL
 from core.rows import Job, JobStatus, utcnow
-from core.store import jobs as store
 from core.tasks import QUEUE_TRAIN, TASK_TRAIN
 from tests.conftest import INTEGRATION_REDIS, RecordingQueue
 from tests.factories import job_body, sentiment_rows, tsv_bytes, upload
@@ -33,7 +33,7 @@ def _set(factory, job_id, **values):
 def _claim(factory, job_id, settings):
     now = utcnow()
     with session_scope(factory) as session:
-        return store.claim_job(session, job_id=job_id, device="cpu", now=now,
+        return states.claim_job(session, job_id=job_id, device="cpu", now=now,
                                stale_before=now - timedelta(seconds=settings.heartbeat_timeout_s))
 
 

@@ -34,7 +34,7 @@ def _new_job(factory) -> str:
 def _claim(factory, job_id, timeout_s=60.0):
     now = utcnow()
     with session_scope(factory) as session:
-        job = store.claim_job(session, job_id=job_id, device="cpu", now=now,
+        job = states.claim_job(session, job_id=job_id, device="cpu", now=now,
                               stale_before=now - timedelta(seconds=timeout_s))
         return None if job is None else job.attempts
 

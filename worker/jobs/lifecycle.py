@@ -165,7 +165,7 @@ def _claim(ctx: WorkerContext, session: Session, job_id: str) -> Job | None:
     if job is not None:
         return job
     try:
-        return store.claim_job(session, job_id=job_id, device=device, now=now, include_queued=False,
+        return states.claim_job(session, job_id=job_id, device=device, now=now, include_queued=False,
                                stale_before=now - timedelta(seconds=ctx.settings.heartbeat_timeout_s))
     except NotFound:
         log.warning("job %s does not exist; dropping its task", job_id)
