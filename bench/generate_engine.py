@@ -139,8 +139,8 @@ def run_engine(folder: Path, prompts: list[str], args: argparse.Namespace, graph
         after = engine.stats()
         stats = {key: after[key] - before[key] for key in ("steps", "prefills")}
         stats["peak_running_sequences"] = after["peak_running_sequences"]
-        if engine._static is not None:  # the padded static steps run (all runs so far) and graphs captured
-            stats.update(static_steps=engine._static.steps, captures=engine._static.captures)
+        if engine._loop.static is not None:  # the padded static steps run (all runs so far) and graphs captured
+            stats.update(static_steps=engine._loop.static.steps, captures=engine._loop.static.captures)
     finally:
         engine.close()
     ttft = sorted(first_token[i] - submitted[i] for i in first_token)

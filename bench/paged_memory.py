@@ -56,7 +56,7 @@ class Held:
         engine = self.engine
         if engine is None:
             return
-        rows = engine._running.rows  # on the scheduler thread: the rows as this step left them
+        rows = engine._loop.rows.rows  # on the scheduler thread: the rows as this step left them
         if len({id(s.request) for s in rows}) < self.least:
             return
         cache = engine._runner.cache

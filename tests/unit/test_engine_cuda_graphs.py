@@ -133,7 +133,7 @@ def _generate(folder: Path, mode: str, params: list[SamplingParams], *, max_batc
         with engine._lock:  # admitted together: one batch whose rows finish at different steps
             futures = [engine.submit(prompt, p) for prompt, p in zip(PROMPTS, params, strict=True)]
         results = [f.result(WAIT) for f in futures]
-        static = engine._static
+        static = engine._loop.static
         steps = (static.steps, static.eager_draws) if static is not None else (0, 0)
     return results, steps
 
@@ -236,7 +236,7 @@ def test_adapter_rows_step_eagerly_and_the_base_rows_alone_go_static(llama_dir: 
                            engine.submit(PROMPTS[2], SamplingParams(max_new_tokens=5, temperature=0),
                                          adapter="wide")]
             outputs[mode] = [f.result(WAIT).choices[0].token_ids for f in futures]
-            static_steps[mode] = engine._static.steps if engine._static is not None else 0
+            static_steps[mode] = engine._loop.static.steps if engine._loop.static is not None else 0
     assert outputs["eager"] == outputs["off"]
     assert [len(tokens) for tokens in outputs["eager"]] == [16, 5]
     assert static_steps["eager"] == 11  # 15 decode steps: the 4 with the adapter's row ran the ordinary path

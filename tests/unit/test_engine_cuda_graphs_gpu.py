@@ -38,7 +38,7 @@ def _run(folder: Path, mode: str) -> tuple[list[list[list[int]]], list, int, int
         with engine._lock:  # one batch of 6 rows (padded to 8), rows finishing at different steps
             futures = [engine.submit(p, params) for p, params in zip(PROMPTS, PARAMS, strict=True)]
         results = [f.result(WAIT) for f in futures]
-        static = engine._static
+        static = engine._loop.static
         steps, captures = (static.steps, static.captures) if static is not None else (0, 0)
         assert static is None or static.eager_draws == 0
     tokens = [[c.token_ids for c in r.choices] for r in results]
@@ -66,5 +66,5 @@ def test_graphs_are_captured_again_when_the_cache_grows(model_dir: Path) -> None
             results, _ = arrive_mid_run(engine, PROMPTS[3], WAIT)
             outputs[mode] = [r.choices[0].token_ids for r in results]
             if mode == "cuda":
-                assert engine._static is not None and engine._static.captures >= 2
+                assert engine._loop.static is not None and engine._loop.static.captures >= 2
     assert outputs["cuda"] == outputs["off"]

@@ -198,15 +198,15 @@ def test_steps_that_prefill_prompt_chunks_check_drafts_too(arch, tiny_gpt2_dir, 
     for k in (0, 4):
         with GenerationEngine(model_dir, device="cpu", precision="fp32", max_batch_size=8, speculative_tokens=k,
                               prefill_chunk_tokens=7) as engine:
-            plan = engine._drafts
+            schedule = engine.scheduler.schedule
 
-            def traced(rows, first, chunks, plan=plan):
-                found = plan(rows, first, chunks)
-                if found is not None and chunks:
-                    mixed.append(len(chunks))
-                return found
+            def traced(*args, schedule=schedule, **kwargs):
+                plan = schedule(*args, **kwargs)
+                if plan.drafts and plan.prefill:  # a step that checks drafts beside prompt chunks
+                    mixed.append(len(plan.prefill))
+                return plan
 
-            monkeypatch.setattr(engine, "_drafts", traced)
+            monkeypatch.setattr(engine.scheduler, "schedule", traced)
             with engine._lock:
                 futures = [engine.submit(p, params) for p, params in zip(prompts, settings, strict=True)]
             results[k] = [[c.token_ids for c in f.result(timeout=120).choices] for f in futures]

@@ -140,7 +140,7 @@ def test_a_constrained_and_a_free_request_share_a_step_and_both_are_right(engine
     solo = engine.generate("Hello there", free).choices[0]
     steps_before = engine.stats()["steps"]
     sizes: list[int] = []
-    engine._on_step = sizes.append  # the engine's own batch-size hook
+    engine._loop.on_step = sizes.append  # the step loop's own batch-size hook
     try:
         constrained = engine.submit("Hello there", SamplingParams(max_new_tokens=SCHEMA_TOKENS, temperature=1.0,
                                                                   seed=5, constraint=schema_of(SCHEMA)))
@@ -148,7 +148,7 @@ def test_a_constrained_and_a_free_request_share_a_step_and_both_are_right(engine
         jsonschema.validate(json.loads(constrained.result(timeout=WAIT).choices[0].text), SCHEMA)
         together = mixed.result(timeout=WAIT).choices[0]
     finally:
-        engine._on_step = None
+        engine._loop.on_step = None
     assert together.token_ids == solo.token_ids and together.text == solo.text
     assert engine.stats()["steps"] > steps_before and max(sizes) == 2  # both rows drew in the same steps
 
@@ -177,7 +177,7 @@ def test_logprobs_equal_hf_log_softmax_and_hold_the_requested_count(engine, mode
         top_values, top_ids = reference[step].topk(5)
         assert len(entry.top_logprobs) == 5
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top_values.tolist(), abs=1e-3)
-        assert [bytes(t.bytes) for t in entry.top_logprobs] == [engine._table[i] for i in top_ids.tolist()]
+        assert [bytes(t.bytes) for t in entry.top_logprobs] == [engine._loop.table[i] for i in top_ids.tolist()]
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)  # greedy took the best
     zero = engine.generate("To be", SamplingParams(max_new_tokens=3, temperature=0, logprobs=0)).choices[0]
     assert all(e.top_logprobs == [] for e in zero.logprobs) and len(zero.logprobs) == 3

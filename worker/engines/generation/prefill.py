@@ -13,6 +13,7 @@ where its chunks were.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from worker.engines.generation.caches.paged_cache import PagedCache
@@ -64,13 +65,15 @@ class ChunkBudget:
             self.token_s = sample if self.token_s is None else (1 - EMA) * self.token_s + EMA * sample
 
 
-@dataclass
+@dataclass(frozen=True)
 class Chunk:
-    """Prompt tokens start..end of a request, prefilled in one forward."""
+    """Prompt tokens start..end of a request, prefilled in one forward into its cache rows (n choices share one
+    prefill: the first row is filled, the others share its blocks when the prompt ends)."""
 
     request: Request
     start: int
     end: int
+    rows: tuple[int, ...]
 
     @property
     def last(self) -> bool:
@@ -116,10 +119,12 @@ class PrefillQueue:
         """The request part-way through its prompt (its rows hold `done` positions), if any."""
         return self.requests[0] if self.requests and self.done else None
 
-    def plan(self, budget: int | None) -> list[Chunk]:
-        """The next step's chunks: the head's next part first, then later prompts while `budget` tokens last."""
+    def plan(self, budget: int | None, first: int) -> list[Chunk]:
+        """The next step's chunks: the head's next part first, then later prompts while `budget` tokens last; their
+        cache rows from `first` on, in order (a part-way prompt's last)."""
         chunks: list[Chunk] = []
         used = width = 0
+        row = first
         for index, request in enumerate(self.requests):
             start = self.done if index == 0 and self.done else request.cached_tokens
             size = len(request.prompt) - start
@@ -127,27 +132,29 @@ class PrefillQueue:
                 size = min(size, budget - used)
             if size <= 0 or (chunks and (len(chunks) + 1) * max(width, size) > PREFILL_TOKENS):
                 break
-            chunks.append(Chunk(request, start, start + size))
-            used, width = used + size, max(width, size)
+            n = request.params.n
+            chunks.append(Chunk(request, start, start + size, tuple(range(row, row + n))))
+            used, width, row = used + size, max(width, size), row + n
             if start + size < len(request.prompt):
                 break  # part-way: the budget is spent
         return chunks
 
-    def restore(self, cache: PagedCache, chunks: list[Chunk], groups: list[list[int]]) -> None:
+    def restore(self, cache: PagedCache, chunks: Sequence[Chunk]) -> None:
         """Before a forward: the rows of requests starting now let go of whatever they held, and each request's first
         row takes its cached prefix."""
-        for chunk, rows in zip(chunks, groups, strict=True):
+        for chunk in chunks:
             if chunk.start != chunk.request.cached_tokens:
                 continue  # a later chunk of a prompt already under way
-            for row in rows:
+            for row in chunk.rows:
                 cache.free_row(row)
             if self.prefix is not None and chunk.request.prefix:
-                self.prefix.restore(cache, chunk.request, rows[0])
+                self.prefix.restore(cache, chunk.request, chunk.rows[0])
 
-    def advance(self, cache: PagedCache, chunks: list[Chunk], groups: list[list[int]]) -> None:
+    def advance(self, cache: PagedCache, chunks: Sequence[Chunk]) -> None:
         """After a forward: drop (and cache) the prompts that ended, their other rows sharing the first's blocks;
         note where the part-way one stands."""
-        for chunk, rows in zip(chunks, groups, strict=True):
+        for chunk in chunks:
+            rows = chunk.rows
             if chunk.last:
                 self.requests.remove(chunk.request)
                 self.done = 0
@@ -193,11 +200,3 @@ class PrefillQueue:
             self.prefix.clear()
         cache.release()
 
-
-def chunk_groups(chunks: list[Chunk], first: int) -> list[list[int]]:
-    """Cache rows of each chunk's request (rows first.. in order; a part-way prompt's last)."""
-    groups, row = [], first
-    for chunk in chunks:
-        groups.append(list(range(row, row + chunk.request.params.n)))
-        row += chunk.request.params.n
-    return groups

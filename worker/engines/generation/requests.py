@@ -99,6 +99,11 @@ class Request:
         return GenerationResult(self.request_id, choices, len(self.prompt), sum(len(c.token_ids) for c in choices),
                                 self.cached_tokens)
 
+    def start(self) -> bool:
+        """Mark the request running as it is admitted (its future can no longer be cancelled); False when its caller
+        cancelled the future first."""
+        return self.future.set_running_or_notify_cancel()
+
     def open(self, pieces: Callable[[], Pieces]) -> list[SequenceState]:
         """Create the request's n sequences, each with its own seed (seed + index when seeded) and text decoder."""
         for index in range(self.params.n):

@@ -3,7 +3,7 @@ per row: the tokens each has seen (for the repetition penalty) and the rows' sam
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -29,7 +29,7 @@ class RunningRows:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def open(self, chunks: list[Chunk], pieces: Callable[[], Pieces]) -> int:
+    def open(self, chunks: Sequence[Chunk], pieces: Callable[[], Pieces]) -> int:
         """Rows for the requests whose prompts end in `chunks` (their prompts marked as seen); the first new row."""
         start = len(self.rows)
         for chunk in chunks:
@@ -59,6 +59,10 @@ class RunningRows:
         """Rows first.. have just sampled `tokens`."""
         rows = torch.arange(first, first + tokens.shape[0], device=self.device)
         self.seen[rows, tokens] = True
+
+    def finished(self) -> list[SequenceState]:
+        """The rows that are to leave: finished, or their request ended (failed, cancelled)."""
+        return [s for s in self.rows if s.finish_reason is not None or s.request.done]
 
     def remove_finished(self, cache: PagedCache) -> list[SequenceState]:
         """Take out finished rows (and those of ended requests), moving the last row into each hole; the removed."""

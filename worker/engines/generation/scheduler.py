@@ -1,9 +1,12 @@
-"""The generation scheduler: which waiting requests start, and which prompt tokens the next step prefills.
+"""The generation scheduler: which waiting requests start, and what each step runs.
 
-vLLM's seam: the engine's loop asks the scheduler for admissions and for the step's prompt chunks and runs them;
-the scheduler alone owns the waiting queues, the rows and cache positions in flight (`max_batch_size`,
-`max_tokens_in_flight`), each tenant's share, the adapter slots' constraint (through the LoRA manager), the
-prefill queue and the chunk budget (prefill.py). Its methods run under the engine's lock.
+vLLM's seam: each step the engine's loop asks `schedule()` for a StepPlan (step.py: the requests started and
+dropped, the batch rows to decode, their drafts, the prompt chunks to prefill and their cache rows), runs it on the
+runner and hands the StepOutcome back to `update()` (prompts that ended, rows that finished, the step's time); the
+loop never touches the scheduler's state. The scheduler alone owns the waiting queues, the rows and cache positions
+in flight (`max_batch_size`, `max_tokens_in_flight`), each tenant's share, the adapter slots' constraint (through the
+LoRA manager), the prefill queue with the prefix cache and the chunk budget (prefill.py), and which rows speculate
+and how far (speculative.py), sized by the measured step times. Its methods run under the engine's lock.
 
 Rows count, not requests: a request of n choices takes n rows and n x (prompt + max_new_tokens) cache positions,
 in the queue bound as in the batch.
@@ -28,13 +31,17 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from worker.engines.generation import speculative
+from worker.engines.generation.caches.paged_cache import PagedCache
 from worker.engines.generation.caches.prefix_cache import PrefixCache
 from worker.engines.generation.lora.adapter_cache import AdapterCacheFull
-from worker.engines.generation.prefill import Chunk, ChunkBudget, PrefillQueue
-from worker.engines.generation.requests import QueueFull, Request
+from worker.engines.generation.prefill import ChunkBudget, PrefillQueue
+from worker.engines.generation.requests import QueueFull, Request, SequenceState
+from worker.engines.generation.step import StepOutcome, StepPlan
 
 
 class AdapterSlots(Protocol):
@@ -58,16 +65,18 @@ class Admission:
 
 
 class Scheduler:
-    """The waiting queues, admission under the row, token and share bounds, and the prefill plan of each step."""
+    """The waiting queues, admission under the row, token and share bounds, and the plan of each step."""
 
     def __init__(self, *, max_batch_size: int, max_tokens_in_flight: int, max_queue: int,
                  tenant_queue_share: float = 1.0, prefill_chunk_tokens: int = 2048,
-                 prefill_step_ratio: float = 1.5, prefix_cache_bytes: int = 0) -> None:
+                 prefill_step_ratio: float = 1.5, prefix_cache_bytes: int = 0, speculative_tokens: int = 0,
+                 speculative_max_rows: int = 32) -> None:
         for name, value in (("max_batch_size", max_batch_size), ("max_tokens_in_flight", max_tokens_in_flight),
                             ("max_queue", max_queue)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name, value in (("prefill_chunk_tokens", prefill_chunk_tokens), ("prefix_cache_bytes", prefix_cache_bytes)):
+        for name, value in (("prefill_chunk_tokens", prefill_chunk_tokens), ("prefix_cache_bytes", prefix_cache_bytes),
+                            ("speculative_tokens", speculative_tokens), ("speculative_max_rows", speculative_max_rows)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be 0 (off) or a positive integer, got {value!r}")
         if not isinstance(prefill_step_ratio, int | float) or not (prefill_step_ratio == 0 or prefill_step_ratio > 1):
@@ -85,8 +94,26 @@ class Scheduler:
         self.tokens_in_flight = 0
         # Started requests whose prompts are still going into the cache, in chunks sized by the budget.
         # With prefix_cache_bytes, the KV of shared prompt prefixes is reused (caches/prefix_cache.py).
-        self.prefilling = PrefillQueue(PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None)
+        self._prefill = PrefillQueue(PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None)
         self.budget = ChunkBudget(prefill_chunk_tokens or None, prefill_step_ratio)
+        # Speculative decoding (speculative.py): up to this many prompt-lookup draft tokens per row, as many as pay
+        # by the measured step costs, while at most speculative_max_rows rows decode; 0: off.
+        self.speculative_tokens, self.speculative_max_rows = speculative_tokens, speculative_max_rows
+        self._costs = speculative.StepCosts()
+        self._rates = speculative.DraftRates()
+        self._cache: PagedCache | None = None
+        self._context_length = 0
+
+    def bind(self, cache: PagedCache, context_length: int) -> None:
+        """The loaded model's KV cache (prompts and cached prefixes go into it) and its context (drafts stay within
+        it): once, before the first step."""
+        self._cache, self._context_length = cache, context_length
+
+    @property
+    def cache(self) -> PagedCache:
+        if self._cache is None:
+            raise RuntimeError("the scheduler has no KV cache yet (bind() it to the loaded model's)")
+        return self._cache
 
     # -- the queue (callers' threads, under the engine's lock) --
 
@@ -108,12 +135,15 @@ class Scheduler:
         """Every waiting request (a snapshot)."""
         return [request for queue in self._waiting.values() for request in queue]
 
-    def drain(self) -> list[Request]:
-        """Empty the queues (the engine is closing); returns what waited."""
-        waiting = self.waiting
-        self._waiting.clear()
-        self._waiting_rows.clear()
-        return waiting
+    @property
+    def queued(self) -> list[Request]:
+        """Every request not in the batch yet: those waiting, then those whose prompts are going in (a snapshot)."""
+        return [*self.waiting, *self._prefill.requests]
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request waits or is being prefilled."""
+        return bool(self._waiting or self._prefill.requests)
 
     # -- admission (the engine's scheduler thread) --
 
@@ -213,20 +243,121 @@ class Scheduler:
         else:
             self._running_rows.pop(request.tenant, None)
 
-    # -- the step's prompt chunks --
+    # -- the step (the engine's scheduler thread) --
 
-    def chunks(self, decoding: bool) -> list[Chunk]:
-        """The next step's prefill chunks: within the measured budget while streams decode, the cap otherwise."""
-        return self.prefilling.plan(self.budget.tokens(decoding))
+    def schedule(self, batch: Sequence[SequenceState], *, left: Sequence[SequenceState] = (),
+                 gone: Collection[int] = frozenset(), now: float, adapters: AdapterSlots | None = None) -> StepPlan:
+        """The next step's plan for `batch` (the running rows, in row order): rows that `left` it since the last step
+        give their share back and requests cancelled while queued (`gone`: their id()s) are dropped before
+        admission; admitted requests start (their cached prefixes looked up); the prefill queue's next chunks take
+        the cache rows after the batch's, within the measured budget while rows decode, the cap otherwise; the
+        batch's rows get drafts when a speculative step pays."""
+        for sequence in left:
+            self.release(sequence.request, 1)
+        dropped = [request for request in self._prefill.requests if id(request) in gone]
+        self._prefill.remove(self.cache, dropped)
+        for request in dropped:
+            self.release(request, request.params.n)
+        admission = self.admit(gone, now, adapters)
+        started = []
+        for request in admission.admitted:
+            if request.start():
+                self._prefill.add(self.cache, request)
+                started.append(request)
+            else:  # its caller cancelled the future meanwhile: its rows go back
+                self.release(request, request.params.n)
+        self._prefill.follow(self.cache, len(batch))  # the part-way prompt's rows right after the batch's
+        chunks = self._prefill.plan(self.budget.tokens(decoding=bool(batch)), len(batch))
+        self._prefill.restore(self.cache, chunks)
+        drafts, proposals = self._drafts(batch, [c.request for c in chunks if c.last])
+        return StepPlan(admitted=tuple(started), expired=tuple(admission.expired),
+                        cancelled=(*admission.cancelled, *dropped), failed=tuple(admission.failed),
+                        decode=tuple(batch), drafts=drafts, proposals=proposals, prefill=tuple(chunks),
+                        part_way=self._prefill.partial is not None)
 
-    def observe(self, seconds: float, decoded: bool, chunks: list[Chunk], draft_positions: int = 0) -> None:
-        """A step's wall time, for the chunk budget (draft positions a speculative step checked count as the
-        positions they are: each adds to the step what a prompt token does)."""
-        self.budget.observe(seconds, decoded, sum(c.end - c.start for c in chunks) + draft_positions)
+    def _drafts(self, batch: Sequence[SequenceState], opening: list[Request]
+                ) -> tuple[tuple[tuple[int, ...], ...], tuple[speculative.Proposal, ...]]:
+        """Each batch row's draft and the proposal it was cut from, or none when the step does not speculate (the
+        rows that prompts ending this step open count and must be eligible too: they take their first token in it).
+        """
+        if not self.speculative_tokens or not batch or \
+                len(batch) + sum(r.params.n for r in opening) > self.speculative_max_rows or \
+                not all(speculative.eligible(r) for r in [*(s.request for s in batch), *opening]):
+            return (), ()
+        proposals = [speculative.draft(s, self.speculative_tokens, self._context_length) for s in batch]
+        # Measured step times price each checked position against what the decode rows yield alone (a step's prompt
+        # tokens do not lower the bar: their time buys the prefill, not decode tokens).
+        decode_s, position_s = self._costs.price(len(batch))
+        taken = speculative.lengths([self._rates.yields(s, p) for s, p in zip(batch, proposals, strict=True)],
+                                    decode_s, position_s)
+        if not any(taken):
+            return (), ()
+        return tuple(tuple(p.tokens[:n]) for p, n in zip(proposals, taken, strict=True)), tuple(proposals)
+
+    def update(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        """Take a step's outcome back: prompts that ended hand their blocks on (their other rows share them, the
+        prefix cache keeps their full blocks), finished rows give their share back, and the step's time sizes later
+        chunks and drafts (a checked draft position counts as the prompt token it costs as much as), each checked
+        draft teaching the rates."""
+        if outcome.prefilled:
+            self._prefill.advance(self.cache, outcome.prefilled)
+        for sequence in outcome.finished:
+            self.release(sequence.request, 1)
+        if outcome.decoded and not outcome.prefilled:
+            self._costs.observe(outcome.decoded + outcome.drafted, outcome.seconds)
+        self.budget.observe(outcome.seconds, bool(outcome.decoded),
+                            sum(c.end - c.start for c in outcome.prefilled) + outcome.drafted)
+        if outcome.drafted:
+            for sequence, proposal, drafted, kept in zip(plan.decode, plan.proposals, plan.drafts, outcome.kept,
+                                                         strict=False):
+                self._rates.record(sequence, proposal, list(drafted), list(kept))
+
+    # -- when a step fails, when nothing runs, at shutdown --
+
+    def abort(self, requests: list[Request], left: Sequence[SequenceState], rows: int) -> None:
+        """Requests whose prefill failed are dropped with their rows (`left`: those they opened, already out of the
+        batch of `rows` rows); every cache row past the batch and a part-way prompt goes back."""
+        self._prefill.remove(self.cache, requests)
+        for request in requests:
+            if not request.sequences:
+                self.release(request, request.params.n)
+        for sequence in left:
+            self.release(sequence.request, 1)
+        self._prefill.follow(self.cache, rows)
+        partial = self._prefill.partial
+        self.cache.free_rows_from(self._prefill.tail + partial.params.n if partial is not None else rows)
+
+    def reset(self, left: Sequence[SequenceState]) -> list[Request]:
+        """After a failed forward the cache is suspect: the batch's rows (`left`) give their share back, the prompts
+        being prefilled are dropped (returned, to fail) and the cache and the prefix cache start empty."""
+        for sequence in left:
+            self.release(sequence.request, 1)
+        dropped = self._drop_prefill()
+        for request in dropped:
+            self.release(request, request.params.n)
+        return dropped
+
+    def idle(self) -> None:
+        """Nothing runs: give the cache's memory back, keeping only the prefix cache's blocks (compacted)."""
+        self._prefill.idle(self.cache)
+
+    def drain(self) -> list[Request]:
+        """Empty the queues and the cache (the engine is closing); returns what waited and what was being prefilled."""
+        waiting = self.waiting
+        self._waiting.clear()
+        self._waiting_rows.clear()
+        return [*waiting, *self._drop_prefill()]
+
+    def _drop_prefill(self) -> list[Request]:
+        dropped = list(self._prefill.requests)
+        self._prefill.remove(self.cache, dropped)
+        self._prefill.clear(self.cache)
+        return dropped
 
     def stats(self) -> dict[str, int | None]:
         """Occupancy counters for the engine's stats()."""
         return {"waiting": sum(len(queue) for queue in self._waiting.values()),
-                "waiting_rows": sum(self._waiting_rows.values()), "prefilling": len(self.prefilling.requests),
+                "waiting_rows": sum(self._waiting_rows.values()), "prefilling": len(self._prefill.requests),
                 "tokens_in_flight": self.tokens_in_flight, "waiting_tenants": len(self._waiting),
-                "prefill_budget_tokens": self.budget.tokens(decoding=True)}
+                "prefill_budget_tokens": self.budget.tokens(decoding=True),
+                "prefix_cache_blocks": self._prefill.cached_blocks}

@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import torch
 
-from worker.engines.generation.requests import SequenceState
+from worker.engines.generation.requests import Request, SequenceState
 from worker.engines.generation.runners.runner import DecodeInput
 from worker.engines.generation.sampling.sampler import RowParams, next_tokens
 
@@ -74,11 +74,10 @@ def propose(history: Sequence[int], k: int, *, max_ngram: int = MAX_NGRAM, min_n
     return Proposal([], 0)
 
 
-def eligible(sequence: SequenceState) -> bool:
-    """Whether a running sequence may speculate this step."""
-    params = sequence.request.params
-    return (params.speculative and sequence.matcher is None and params.logprobs is None
-            and params.repetition_penalty == 1.0)
+def eligible(request: Request) -> bool:
+    """Whether a request's rows may speculate (no grammar, logprobs or repetition penalty; not opted out)."""
+    params = request.params
+    return params.speculative and not request.matchers and params.logprobs is None and params.repetition_penalty == 1.0
 
 
 def draft(sequence: SequenceState, k: int, context_length: int) -> Proposal:
@@ -204,27 +203,14 @@ class StepCosts:
         return (fixed if per_token is None else fixed + per_token * rows), per_token
 
 
-class Plan(NamedTuple):
-    """A speculative step's decode tokens: each decode row's last token and its draft at consecutive positions."""
-
-    step: DecodeInput  # its rows: each decode token's row
-    chunks: list[list[int]]  # per decode row: its last token and its draft
-    drafts: list[list[int]]
-    proposals: list[Proposal]
-    positions: int  # the draft tokens checked
-
-    @classmethod
-    def build(cls, rows: Sequence[SequenceState], proposals: list[Proposal], taken: list[int],
-              device: torch.device) -> Plan:
-        drafts = [proposal.tokens[:n] for proposal, n in zip(proposals, taken, strict=True)]
-        chunks = [[s.tokens[-1], *d] for s, d in zip(rows, drafts, strict=True)]
-        # Each a decode token of its own that reads its row up to itself (DecodeInput.rows): no padding to the
-        # longest draft.
-        owners = [row for row, chunk in enumerate(chunks) for _ in chunk]
-        positions = [s.position + j for s, chunk in zip(rows, chunks, strict=True) for j in range(len(chunk))]
-        step = DecodeInput(torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=device),
-                           torch.tensor(positions, device=device), max(positions) + 1, rows=owners)
-        return cls(step, chunks, drafts, proposals, sum(taken))
+def check_input(rows: Sequence[SequenceState], drafts: Sequence[Sequence[int]], device: torch.device) -> DecodeInput:
+    """A speculative step's decode tokens: each decode row's last token and its draft at consecutive positions, each
+    a decode token of its own that reads its row up to itself (DecodeInput.rows): no padding to the longest draft."""
+    chunks = [[s.tokens[-1], *d] for s, d in zip(rows, drafts, strict=True)]
+    owners = [row for row, chunk in enumerate(chunks) for _ in chunk]
+    positions = [s.position + j for s, chunk in zip(rows, chunks, strict=True) for j in range(len(chunk))]
+    return DecodeInput(torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=device),
+                       torch.tensor(positions, device=device), max(positions) + 1, rows=owners)
 
 
 def choices(logits: torch.Tensor, rows: Sequence[SequenceState], spans: Sequence[int]) -> list[int]:
