@@ -147,7 +147,7 @@ class Scheduler:
 
     # -- admission (the engine's scheduler thread) --
 
-    def admit(self, gone: set[int], now: float, adapters: AdapterSlots | None) -> Admission:
+    def admit(self, gone: Collection[int], now: float, adapters: AdapterSlots | None) -> Admission:
         """Drop expired and cancelled (`gone`: their id()s) waiting requests, then admit what fits, tenants in turn."""
         outcome = Admission()
         for queue in self._waiting.values():

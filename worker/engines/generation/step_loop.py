@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from worker.engines.generation import speculative
 from worker.engines.generation.endings import Endings
@@ -46,7 +47,7 @@ class StepLoop:
     """
 
     def __init__(self, runner: Runner, scheduler: Scheduler, endings: Endings, lock: threading.RLock, *,
-                 tokenizer: object, device: torch.device, lora: LoraManager | None, decode_graphs: str,
+                 tokenizer: PreTrainedTokenizerBase, device: torch.device, lora: LoraManager | None, decode_graphs: str,
                  cancelled_ids: Callable[[list[str]], Collection[str]] | None = None,
                  on_step: Callable[[int], None] | None = None) -> None:
         self.runner, self.cache, self.scheduler, self.endings = runner, runner.cache, scheduler, endings
