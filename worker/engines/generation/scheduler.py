@@ -1,12 +1,14 @@
 """The generation scheduler: which waiting requests start, and what each step runs.
 
-vLLM's seam: each step the engine's loop asks `schedule()` for a StepPlan (step.py: the requests started and
-dropped, the batch rows to decode, their drafts, the prompt chunks to prefill and their cache rows), runs it on the
-runner and hands the StepOutcome back to `update()` (prompts that ended, rows that finished, the step's time); the
-loop never touches the scheduler's state. The scheduler alone owns the waiting queues, the rows and cache positions
-in flight (`max_batch_size`, `max_tokens_in_flight`), each tenant's share, the adapter slots' constraint (through the
-LoRA manager), the prefill queue with the prefix cache and the chunk budget (prefill.py), and which rows speculate
-and how far (speculative.py), sized by the measured step times. Its methods run under the engine's lock.
+vLLM's seam, one plan per step: the engine's step loop asks `schedule()` for a StepPlan (step.py: the requests
+started and dropped, the batch's rows to decode and their drafts, the prompt chunks to prefill with their cache rows),
+runs it on the runner and hands the StepOutcome back to `update()` (the prompts that ended, the rows that finished,
+the step's time); neither reaches into the other's state. A step frees before it admits: rows that left the batch
+and requests cancelled while queued give their share back first. The scheduler alone owns the waiting queues, the
+rows and cache positions in flight (`max_batch_size`, `max_tokens_in_flight`), each tenant's share, the adapter
+slots' constraint (through the LoRA manager), the prefill queue with the prefix cache and the chunk budget
+(prefill.py), and which rows speculate and how far (speculative.py), sized by the measured step times. Its methods
+run under the engine's lock.
 
 Rows count, not requests: a request of n choices takes n rows and n x (prompt + max_new_tokens) cache positions,
 in the queue bound as in the batch.
@@ -255,9 +257,10 @@ class Scheduler:
         for sequence in left:
             self.release(sequence.request, 1)
         dropped = [request for request in self._prefill.requests if id(request) in gone]
-        self._prefill.remove(self.cache, dropped)
-        for request in dropped:
-            self.release(request, request.params.n)
+        if dropped:
+            self._prefill.remove(self.cache, dropped)
+            for request in dropped:
+                self.release(request, request.params.n)
         admission = self.admit(gone, now, adapters)
         started = []
         for request in admission.admitted:
