@@ -140,7 +140,7 @@ def test_chunked_prefill_matches_hf_alone_in_a_batch_and_joining_one(chunked, hf
 def test_a_request_cancelled_during_its_chunked_prefill_stops_there(chunked) -> None:
     polls = []
 
-    def is_cancelled() -> bool:  # polled once at admission, then once per step: true after two chunks
+    def is_cancelled() -> bool:  # polled once before every step, admission's included: true after three chunks
         polls.append(1)
         return len(polls) > 3
 

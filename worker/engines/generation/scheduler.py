@@ -113,6 +113,7 @@ class Scheduler:
 
     @property
     def cache(self) -> PagedCache:
+        """The KV cache bound to (RuntimeError before bind())."""
         if self._cache is None:
             raise RuntimeError("the scheduler has no KV cache yet (bind() it to the loaded model's)")
         return self._cache

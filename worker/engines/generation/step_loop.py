@@ -35,7 +35,7 @@ from worker.engines.generation.sampling.sampler import next_tokens
 from worker.engines.generation.scheduler import Scheduler
 from worker.engines.generation.step import StepOutcome, StepPlan
 
-Kept = tuple[tuple[int, ...], ...]
+Kept = tuple[tuple[int, ...], ...]  # per row, the tokens a step kept (StepOutcome.kept)
 
 
 class StepLoop:
