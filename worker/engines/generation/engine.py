@@ -6,7 +6,7 @@ prefills in chunks (prefill.py) beside one decode step for all running sequences
 it; the scheduler takes the outcome back; a finished sequence leaves at once and its row is reused. How a request
 ends (finished, cancelled, timed out, failed) is endings.py's; a deadline only applies while a request waits
 (DeadlineExceeded). Per-request sampling (sampling/), grammars (sampling/grammar.py), LoRA adapters of the base in
-the same batches (lora/manager.py), one runner per architecture (runners/) holding the KV cache (caches/).
+the same batches (lora_manager.py), one runner per architecture (runners/) holding the KV cache (caches/).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from core.protocol import SamplingParams
 from worker.engines.device import DevicePlan, resolve_device
 from worker.engines.generation.endings import Endings
-from worker.engines.generation.lora.manager import LoraManager
+from worker.engines.generation.lora_manager import LoraManager
 from worker.engines.generation.requests import (
     AdapterUse,
     DeadlineExceeded,

@@ -83,7 +83,7 @@ class Request:
     sequences: list[SequenceState] = field(default_factory=list)
     done: bool = False
     matchers: list[LLMatcher] = field(default_factory=list)  # one grammar matcher per choice when constrained
-    adapter: AdapterUse | None = None  # a LoRA adapter over the engine's base model (lora/manager.py)
+    adapter: AdapterUse | None = None  # a LoRA adapter over the engine's base model (lora_manager.py)
     tenant: str | None = None  # whose request: the scheduler shares rows and the queue between tenants
     batch: bool = False  # a /v1/batches line: admitted after interactive requests
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (prefix_cache.py)

@@ -23,14 +23,14 @@ from transformers import PreTrainedTokenizerBase
 
 from worker.engines.generation import speculative
 from worker.engines.generation.endings import Endings
-from worker.engines.generation.lora.manager import LoraManager
+from worker.engines.generation.lora_manager import LoraManager
 from worker.engines.generation.prefill import Chunk
 from worker.engines.generation.requests import EngineClosed, SequenceState
+from worker.engines.generation.row_outputs import constrained_logits, record_logprobs
 from worker.engines.generation.runners.cuda_graphs import static_decoder, static_eligible
 from worker.engines.generation.runners.runner import DecodeInput, PrefillInput, Runner
 from worker.engines.generation.running import RunningRows
 from worker.engines.generation.sampling.detokenize import logprob_table, piece_decoders
-from worker.engines.generation.sampling.row_outputs import constrained_logits, record_logprobs
 from worker.engines.generation.sampling.sampler import next_tokens
 from worker.engines.generation.scheduler import Scheduler
 from worker.engines.generation.step import StepOutcome, StepPlan

@@ -34,8 +34,8 @@ import torch
 
 from worker.engines.generation.caches.paged_cache import BLOCK, blocks_for
 from worker.engines.generation.requests import SequenceState
+from worker.engines.generation.row_outputs import constrained_logits
 from worker.engines.generation.runners.runner import DecodeInput, Runner
-from worker.engines.generation.sampling.row_outputs import constrained_logits
 from worker.engines.generation.sampling.sampler import (
     CANDIDATES,
     RowParams,
