@@ -47,8 +47,8 @@ run: setup
 # Two xdist workers (this machine's cores). --dist loadscope runs each module on one worker, so a module-scoped
 # started service starts once (loadgroup's xdist_group is ignored under pytest 9.2: xdist 3.8 sets item._nodeid).
 # --durations prints the slowest tests of every run, so CI's log says where the time went.
-# The latency measurement (-m alone) runs first, on a machine no other test has loaded yet: right after the
-# suite its quiet-vs-loaded comparison failed on a 2-core runner where it passes on an unloaded one.
+# The latency measurements (-m alone: the load tests' p99 bounds) run first, one at a time, on a machine no other
+# test loads: right after the suite, or beside it, their bounds failed on 2-core runners where they pass unloaded.
 TEST_WORKERS ?= 2
 test: setup lint smollm2
 	$(PY) -m pytest -q -n 0 --durations=5 -m alone

@@ -73,11 +73,11 @@ def test_a_job_started_from_the_form_draws_its_curve_live_until_it_succeeds(page
     state["first"] = job_id
     state["second"] = _job(service, train, epochs=2, learning_rate=3e-3)  # queued behind it, for compare
     # The loss chart fills from the stream while the job runs, then the badge turns to succeeded.
-    page.wait_for_function("document.querySelector('[data-chart=Loss]').dataset.points > 0", timeout=300_000)
+    page.wait_for_function("document.querySelector('[data-chart=Loss]')?.dataset.points > 0", timeout=300_000)
     page.wait_for_selector("#job-status [data-status=succeeded]", timeout=300_000)
     losses = service.api.get(f"/jobs/{job_id}/metrics", params={"name": ["train_loss", "eval_loss"]}).json()["data"]
     assert len(losses) > 20
-    page.wait_for_function(f"document.querySelector('[data-chart=Loss]').dataset.points == {len(losses)}")
+    page.wait_for_function(f"document.querySelector('[data-chart=Loss]')?.dataset.points == {len(losses)}")
     assert page.locator("#events [data-kind=succeeded]").count() == 1
     assert page.locator("#settings").inner_text().count("learning_rate") == 1
     page.wait_for_selector("#artifacts button")  # the model, downloadable

@@ -138,6 +138,7 @@ def _normal(base: str, key: str, tiny_bert_dir, receiver: Receiver) -> dict:
     return {"job": job_id}
 
 
+@pytest.mark.alone  # /health's p99 under the hostile tenant is a latency measurement too: not beside other tests
 def test_a_hostile_tenant_leaves_the_normal_one_served_and_health_fast(pg_url, tmp_path, tmp_path_factory,
                                                                        tiny_bert_dir, tiny_gpt2_dir):
     home = tmp_path / "home"
