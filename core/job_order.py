@@ -88,8 +88,11 @@ def claim_next(session: Session, settings: Settings, *, device: str, now: dateti
     for share in shares(session, settings, now=now):
         if share.blocks(devices):
             continue
+        # FOR NO KEY UPDATE (key_share), the lock the claim's UPDATE takes anyway: a row that another transaction
+        # only references (an outbox or event row being inserted holds FOR KEY SHARE on its job) is not skipped, so
+        # the tenant's oldest job is not passed over while, say, broker recovery re-enqueues every queued job.
         candidates = (select(Job.id, Job.attempts).where(_within_tenant(share.tenant, devices))
-                      .order_by(*states.QUEUE_ORDER).limit(4).with_for_update(skip_locked=True))
+                      .order_by(*states.QUEUE_ORDER).limit(4).with_for_update(skip_locked=True, key_share=True))
         for job_id, attempt in session.execute(candidates).tuples().all():
             job = states.claim(session, job_id=job_id, attempt=attempt, device=device, now=now,
                                when=Job.status.in_(states.sources(JobStatus.RUNNING)))

@@ -87,3 +87,17 @@ def test_queue_position_and_waiting_reason(factory, settings):
     claimed = _claim(factory, settings)
     assert claimed is not None and claimed.id == a[0]
     assert _place(factory, settings, a[0]) is None  # running: no place in the queue
+
+
+def test_a_job_another_transaction_only_references_is_still_claimed_in_turn(factory, settings):
+    """Broker recovery inserts an outbox row per queued job in one transaction; each insert holds FOR KEY SHARE on
+    its job's row until commit. The claim must still take the tenant's oldest job, not skip it as locked."""
+    from core.store import outbox
+
+    oldest, newer = _job(factory, "team-a", age_s=20), _job(factory, "team-a", age_s=10)
+    with factory() as recovering:  # open, uncommitted: the first job's row is referenced by a new outbox row
+        outbox.add_train(recovering, job_id=oldest, devices=1)
+        recovering.flush()
+        job = _claim(factory, settings)
+        recovering.rollback()
+    assert job is not None and job.id == oldest, (job and job.id, oldest, newer)
