@@ -103,7 +103,11 @@ def job_models(session: Session, *, tenant: str | None) -> list[Job]:
 
 def list_served_models(session: Session, settings: Settings, *, tenant: str | None) -> list[ServedModel]:
     """Everything the caller can generate with (hub models are not enumerated)."""
-    return local_models(settings) + [_job_model(job) for job in job_models(session, tenant=tenant)]
+    jobs = job_models(session, tenant=tenant)
+    # Each base's config.json read once per listing, however many adapter jobs share that base.
+    bases = {job.base_model_path for job in jobs if job.adapter is not None and job.base_model_path is not None}
+    configs = {base: load_model_config(base) for base in bases}
+    return local_models(settings) + [_job_model(job, configs.get(job.base_model_path or "")) for job in jobs]
 
 
 def adapter_served_per_row(config: dict | None) -> bool:
@@ -112,12 +116,12 @@ def adapter_served_per_row(config: dict | None) -> bool:
     return config is not None and config.get("model_type") in LLAMA_FAMILY
 
 
-def _job_model(job: Job, config: dict | None = None) -> ServedModel:
+def _job_model(job: Job, config: dict | None) -> ServedModel:
     """A finished causal-lm job as a served model, named by its job id: its own model, or its adapter over its base
-    (per row), or its adapter merged (whole): `config` is the base's, read when not given."""
+    (per row), or its adapter merged (whole): `config` is the base's config.json."""
     created = int(job.created_at.timestamp())
     if job.adapter is not None and job.base_model_path is not None:
-        if adapter_served_per_row(config if config is not None else _job_config(job)):
+        if adapter_served_per_row(config):
             return ServedModel(id=job.id, path=job.base_model_path, owned_by=job.tenant_id, created=created,
                                adapter=job.id)
     return ServedModel(id=job.id, path=job.id, owned_by=job.tenant_id, created=created)

@@ -73,7 +73,7 @@ def write_merged(model: PeftModel, tokenizer: Any, output_dir: Path, manifest: d
     tokenizer.save_pretrained(output_dir)
     merged = dict(manifest)
     merged["merged_from_adapter"] = merged.pop("adapter", None)
-    merged.pop(manifests.MERGED_DIR, None)
+    merged.pop("merged", None)  # the adapter artifact's pointer to its merged/ copy: this folder is that copy
     manifests.write_manifest(output_dir, merged)
     return output_dir
 
