@@ -88,11 +88,13 @@ def claim_next(session: Session, settings: Settings, *, device: str, now: dateti
     for share in shares(session, settings, now=now):
         if share.blocks(devices):
             continue
-        # FOR NO KEY UPDATE (key_share), the lock the claim's UPDATE takes anyway: a row that another transaction
-        # only references (an outbox or event row being inserted holds FOR KEY SHARE on its job) is not skipped, so
-        # the tenant's oldest job is not passed over while, say, broker recovery re-enqueues every queued job.
+        # The tenant's next jobs locked FOR NO KEY UPDATE (key_share: the lock the claim's UPDATE takes anyway), waiting
+        # for, never skipping, a row another transaction holds: the relay stamps a job's task id as it sends its
+        # message, and an outbox or event insert references the row; skipping such a row passed over the tenant's
+        # oldest job while broker recovery re-enqueued every queued job. Claims wait on each other only through
+        # the advisory lock above, so the wait is as short as the transaction holding the row.
         candidates = (select(Job.id, Job.attempts).where(_within_tenant(share.tenant, devices))
-                      .order_by(*states.QUEUE_ORDER).limit(4).with_for_update(skip_locked=True, key_share=True))
+                      .order_by(*states.QUEUE_ORDER).limit(4).with_for_update(key_share=True))
         for job_id, attempt in session.execute(candidates).tuples().all():
             job = states.claim(session, job_id=job_id, attempt=attempt, device=device, now=now,
                                when=Job.status.in_(states.sources(JobStatus.RUNNING)))

@@ -101,3 +101,23 @@ def test_a_job_another_transaction_only_references_is_still_claimed_in_turn(fact
         job = _claim(factory, settings)
         recovering.rollback()
     assert job is not None and job.id == oldest, (job and job.id, oldest, newer)
+
+
+def test_a_job_whose_row_the_relay_holds_is_waited_for_not_passed_over(factory, settings):
+    """The relay stamps a job's task id as it sends its message (an UPDATE holding the row until commit): a claim
+    meanwhile waits for that row and takes the tenant's oldest job, never the next one."""
+    import threading
+
+    from sqlalchemy import update
+
+    oldest, _newer = _job(factory, "team-a", age_s=20), _job(factory, "team-a", age_s=10)
+    claimed: list[Job | None] = []
+    with factory() as relay:
+        relay.execute(update(Job).where(Job.id == oldest).values(task_id="sent"))
+        claimer = threading.Thread(target=lambda: claimed.append(_claim(factory, settings)))
+        claimer.start()
+        claimer.join(0.5)
+        assert claimer.is_alive()  # waiting on the row, not skipping it
+        relay.commit()
+    claimer.join(10)
+    assert claimed and claimed[0] is not None and claimed[0].id == oldest
