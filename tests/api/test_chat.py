@@ -183,7 +183,7 @@ def test_the_worker_renders_chats_exactly_as_apply_chat_template(served):
         for chat in chats:
             task = GenerateTask(request_id="r", model=str(served), prompt="", deadline=0, params=SamplingParams(),
                                 messages=[ChatMessage(**m) for m in chat])
-            expected = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+            expected = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
             assert plan_chat(engine, task).ids == list(expected)
             assert expected[0] == tokenizer.bos_token_id  # the template's bos_token came from tokenizer_config.json
 

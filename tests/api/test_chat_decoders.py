@@ -55,7 +55,7 @@ def api(client):
 
 def _reference(model, tokenizer, messages, max_new_tokens):
     """HF's rendering, greedy generate and the log-softmax of each chosen token."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     prompt = torch.tensor([ids])
     with torch.inference_mode():
@@ -92,7 +92,7 @@ def test_metaspace_logprob_bytes_are_each_tokens_own_bytes(api, decoders):
     model, tokenizer = decoders["llama"]
     reply = api.chat.completions.create(model="llama", messages=CHATS[0], max_tokens=12, temperature=0,
                                         logprobs=True)
-    ids = tokenizer.apply_chat_template(CHATS[0], add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(CHATS[0], add_generation_prompt=True, tokenize=True, return_dict=False)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     with torch.inference_mode():
         out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, pad_token_id=0)

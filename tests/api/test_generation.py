@@ -263,12 +263,13 @@ def test_llama_and_qwen3_complete_greedily_as_hf_generate_side_by_side(client, s
 
 
 def test_an_unsupported_architecture_is_refused_naming_model(client, settings, worker_ctx):
-    folder = settings.home / "models" / "neox"
+    # An encoder is no causal LM: no runner serves it (any causal LM transformers defines is served).
+    folder = settings.home / "models" / "encoder"
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"model_type": "gpt_neox",
-                                                    "architectures": ["GPTNeoXForCausalLM"]}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
     (folder / "model.safetensors").write_bytes(b"")
-    response = client.post("/v1/completions", json={"model": "neox", "prompt": "Hi", "max_tokens": 2})
+    response = client.post("/v1/completions", json={"model": "encoder", "prompt": "Hi", "max_tokens": 2})
     assert response.status_code == 422, response.text
     error = response.json()["error"]
-    assert error["field"] == "model" and "gpt_neox" in error["message"] and "llama" in error["message"]
+    assert error["field"] == "model" and "'bert'" in error["message"] and "not a causal language model" in \
+        error["message"]

@@ -40,7 +40,7 @@ def test_mask_covers_exactly_the_weighted_assistant_turns(template):
     tokenizer = build_chat_tokenizer(template)
     rendered = render_chat(tokenizer, CONVERSATION)
     # The same ids transformers gives for the whole conversation: rendering changes nothing but the labels.
-    assert rendered.input_ids == tokenizer.apply_chat_template(CONVERSATION, tokenize=True)
+    assert rendered.input_ids == tokenizer.apply_chat_template(CONVERSATION, tokenize=True, return_dict=False)
     assert _runs(tokenizer, rendered) == [f"Hello there!{END[template]}", f"Blue.{END[template]}"]
     trained = tokenizer(f"Hello there!{END[template]}Blue.{END[template]}", add_special_tokens=False)["input_ids"]
     assert rendered.trained_tokens == len(trained)
@@ -52,7 +52,7 @@ def test_single_turn_and_truncation(template):
     turn = CONVERSATION[1:3]
     full = render_chat(tokenizer, turn)
     assert _runs(tokenizer, full) == [f"Hello there!{END[template]}"]
-    prompt = len(tokenizer.apply_chat_template(turn[:1], add_generation_prompt=True))
+    prompt = len(tokenizer.apply_chat_template(turn[:1], add_generation_prompt=True, return_dict=False))
     assert all(label == IGNORE for label in full.labels[:prompt]) and all(
         label != IGNORE for label in full.labels[prompt:])
     cut = render_chat(tokenizer, turn, max_length=prompt + 2)
@@ -67,7 +67,8 @@ def test_preference_trains_the_final_reply_only():
               "non_preferred_output": [{"role": "assistant", "content": "Seven"}]}
     chosen, rejected = render_preference(tokenizer, record)
     assert _runs(tokenizer, chosen) == ["Blue.<|eot_id|>"] and _runs(tokenizer, rejected) == ["Seven<|eot_id|>"]
-    shared = len(tokenizer.apply_chat_template(record["input"]["messages"], add_generation_prompt=True))
+    shared = len(tokenizer.apply_chat_template(record["input"]["messages"], add_generation_prompt=True,
+                                                  return_dict=False))
     assert chosen.input_ids[:shared] == rejected.input_ids[:shared]
 
 

@@ -129,21 +129,9 @@ def test_bf16_weights_follow_fp32(built, name) -> None:
 
 
 def test_other_model_types_are_refused_by_name(tmp_path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "vocab_size": 10}))
-    with pytest.raises(ValueError, match="model_type 'gpt_neox' is not supported"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "architectures": ["T5Model"]}))
+    with pytest.raises(ValueError, match="model_type 't5' .* is not a causal language model"):
         GenerationEngine(tmp_path, device="cpu", precision="fp32")
-
-
-def test_serving_a_llama_imports_no_hf_modeling_code(built) -> None:
-    folder, _, _ = built("qwen3")
-    code = ("import sys; from worker.engines.generation.engine import GenerationEngine; "
-            f"e = GenerationEngine({str(folder)!r}, device='cpu', precision='fp32', max_batch_size=2); "
-            "print(e.generate('Hi', __import__('core.protocol').protocol.SamplingParams(max_new_tokens=2, "
-            "temperature=0)).completion_tokens); e.close(); "
-            "print(sorted(m for m in ('sklearn', 'pandas', 'accelerate', 'transformers.modeling_utils') "
-            "if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
-    assert out.stdout.split() == ["2", "[]"]
 
 
 def test_a_llama_without_a_fast_tokenizer_is_refused(built, tmp_path) -> None:

@@ -428,8 +428,8 @@ def test_the_model_loads_on_the_scheduler_thread_and_a_load_error_raises_in_the_
         assert eng.generate("Hello", greedy(2)).choices[0].token_ids
     assert loaded_on == ["generation-scheduler"]
     schedulers = sum(t.name == "generation-scheduler" for t in threading.enumerate())
-    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
-    with pytest.raises(ValueError, match="model_type 'bert' is not supported"):
+    (tmp_path / "config.json").write_text('{"model_type": "bert", "architectures": ["BertModel"]}')
+    with pytest.raises(ValueError, match="model_type 'bert' .* is not a causal language model"):
         GenerationEngine(tmp_path, device="cpu", max_batch_size=1)
     time.sleep(0.1)  # the failed load's thread has ended
     assert sum(t.name == "generation-scheduler" for t in threading.enumerate()) == schedulers
@@ -480,18 +480,6 @@ def test_packed_weights_replace_the_originals(model_dir, engine, hf) -> None:
     held = engine._runner.tensors
     assert not [name for name in held if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))]
     assert "lm_head.weight" not in held
-
-
-def test_the_engine_does_not_import_hf_modeling_code(model_dir) -> None:
-    # HF's modeling imports pull scikit-learn, pandas and accelerate into the worker: ~200 MiB resident.
-    code = ("import sys; from worker.engines.generation.engine import GenerationEngine; "
-            f"e = GenerationEngine({str(model_dir)!r}, device='cpu', max_batch_size=2); "
-            "print(e.generate('Hi', __import__('core.protocol').protocol.SamplingParams(max_new_tokens=2, "
-            "temperature=0)).completion_tokens); e.close(); "
-            "print(sorted(m for m in ('sklearn', 'pandas', 'accelerate', 'transformers.modeling_utils') "
-            "if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.split() == ["2", "[]"]
 
 
 def test_a_decode_step_and_a_prefill_in_one_pass_equal_both_apart(model_dir, engine) -> None:

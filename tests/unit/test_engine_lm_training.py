@@ -54,7 +54,7 @@ def tokenizer_dir(tmp_path_factory) -> Path:
         tokenizer = GPT2TokenizerFast.from_pretrained(assets)
     else:  # the assets folder is made by a colleague; the shared copy holds the same two files
         source = SHARED / "gpt2-tokenizer"
-        tokenizer = GPT2TokenizerFast(vocab_file=str(source / "vocab.json"), merges_file=str(source / "merges.txt"))
+        tokenizer = GPT2TokenizerFast(vocab=str(source / "vocab.json"), merges=str(source / "merges.txt"))
     path = tmp_path_factory.mktemp("tok") / "gpt2-tokenizer"
     tokenizer.save_pretrained(path)
     return path

@@ -40,6 +40,7 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
     if not getattr(tokenizer, "chat_template", None):
         raise NoChatTemplate("this model has no chat template; use /v1/completions")
     ids = tokenizer.apply_chat_template(messages, tools=cast(Any, tools), add_generation_prompt=True, tokenize=True,
+                                        return_dict=False,
                                         **template_kwargs)
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 

@@ -45,14 +45,14 @@ def last_layer_at_cls(model: torch.nn.Module) -> bool:
             or config.add_cross_attention or getattr(config, "chunk_size_feed_forward", 0)):
         return False
     layer = bert.bert.encoder.layer[-1]
-    if layer.attention.pruned_heads:
+    if getattr(layer.attention, "pruned_heads", None):
         return False
     layer.forward = types.MethodType(_cls_layer_forward, layer)
     return True
 
 
 def _cls_layer_forward(layer: Any, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                       head_mask: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor]:
+                       *args: Any, **kwargs: Any) -> torch.Tensor:
     """BertLayer.forward with queries at position 0 only: returns hidden states of shape [batch, 1, width]."""
     attention = layer.attention.self
     batch, length, _ = hidden_states.shape
@@ -73,8 +73,6 @@ def _cls_layer_forward(layer: Any, hidden_states: torch.Tensor, attention_mask: 
         else:
             scores = scores + mask
     probabilities = attention.dropout(F.softmax(scores, dim=-1))
-    if head_mask is not None:
-        probabilities = probabilities * head_mask
     context = torch.matmul(probabilities, value).transpose(1, 2).reshape(batch, 1, heads * size)
     attended = layer.attention.output(context, cls)
-    return (layer.feed_forward_chunk(attended),)
+    return layer.feed_forward_chunk(attended)

@@ -123,7 +123,8 @@ class ReinforcementRecipe:
         for line_no, record in records:
             messages = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
             try:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False)
             except Exception as exc:  # noqa: BLE001 - a template's own error (raise_exception) names no line
                 raise ValueError(f"{path.name} line {line_no}: the chat template cannot render it: {exc}") from exc
             if len(ids) <= self.max_length:

@@ -10,19 +10,20 @@ in fp32.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from core.architectures import LLAMA_FAMILY, SERVED_MODEL_TYPES
+from core.architectures import LLAMA_FAMILY, unsupported_reason
 from worker.engines.device import DevicePlan, linear
 from worker.engines.generation.caches.paged_cache import DecodeLayout, PagedCache, PrefillLayout, sees, trim_heap
 from worker.engines.generation.lora.runner_lora import RunnerLora
 from worker.engines.generation.runners.decoder_weights import DecoderWeights, load_decoder
 from worker.engines.generation.runners.gpt2 import Gpt2Runner
-from worker.engines.generation.runners.gpt2_weights import ACTIVATIONS, load_gpt2, model_type
-from worker.engines.generation.runners.runner import DecodeInput, PrefillInput
+from worker.engines.generation.runners.gpt2_weights import ACTIVATIONS, load_gpt2, resolve_folder
+from worker.engines.generation.runners.runner import DecodeInput, PrefillInput, Runner
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, 1, head_dim] in the compute dtype
 
@@ -171,12 +172,19 @@ class DecoderRunner:
         return {layer.window for layer in self.weights.layers if layer.window}
 
 
-def open_runner(model: str | Path, plan: DevicePlan, *, max_rows: int) -> Gpt2Runner | DecoderRunner:
-    """The serving runner for a checkpoint's model_type: GPT-2's own, or the llama-family one; ValueError otherwise."""
-    kind = model_type(model)
+def open_runner(model: str | Path, plan: DevicePlan, *, max_rows: int) -> Runner:
+    """The serving runner for a checkpoint: GPT-2's own, the llama-family one, or for any other causal LM
+    transformers' own model over the paged cache (general.py); ValueError for what none of them can serve."""
+    folder = resolve_folder(model)
+    config = json.loads((folder / "config.json").read_text())
+    reason = unsupported_reason(config)
+    if reason is not None:
+        raise ValueError(f"{model}: {reason}")
+    kind = config.get("model_type")
     if kind == "gpt2":
         return Gpt2Runner(load_gpt2(model, plan), plan, max_rows=max_rows)
     if kind in LLAMA_FAMILY:
         return DecoderRunner(load_decoder(model, plan), plan, max_rows=max_rows)
-    raise ValueError(f"{model}: model_type {kind!r} is not supported; "
-                     f"the engine serves {', '.join(SERVED_MODEL_TYPES)}")
+    from worker.engines.generation.runners.general import load_general  # imports transformers' modeling code
+
+    return load_general(model, plan, max_rows=max_rows)

@@ -3,7 +3,7 @@
 As for GPT-2 (gpt2_weights), no HF model class is imported: each layer's q/k/v projections are joined into
 one [q + 2 kv, hidden] matrix and gate/up into one [2 intermediate, hidden] matrix, so a layer is four
 matmuls, packed once for oneDNN on a CPU. The rotary frequencies come from transformers' own
-ROPE_INIT_FUNCTIONS (default, linear, llama3, yarn), so every scaling type computes exactly as HF's does.
+ROPE_INIT_FUNCTIONS (linear, llama3, yarn; the default is the model class's own formula), so every scaling type computes exactly as HF's does.
 """
 
 from __future__ import annotations
@@ -76,12 +76,11 @@ def load_decoder(model: str | Path, plan: DevicePlan, *, pack: bool = True) -> D
         raise ValueError(f"{model}: model_type {config.model_type!r} is not a llama-family decoder")
     if config.hidden_act not in ACTIVATIONS:
         raise ValueError(f"{model}: activation {config.hidden_act!r} is not supported")
-    rope = dict(getattr(config, "rope_scaling", None) or {})
+    rope = dict(getattr(config, "rope_parameters", None) or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"{model}: rope_scaling type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
-    init = ROPE_INIT_FUNCTIONS["default" if rope_type == "dynamic" else rope_type]
-    inv_freq, rope_scale = init(config, torch.device("cpu"))
+        raise ValueError(f"{model}: rope_parameters type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
+    inv_freq, rope_scale = _rotary_frequencies(config, rope, rope_type)
     context = config.max_position_embeddings
     if rope_type == "dynamic":
         context = rope.get("original_max_position_embeddings") or context
@@ -136,6 +135,16 @@ def load_decoder(model: str | Path, plan: DevicePlan, *, pack: bool = True) -> D
         if bias(f"{mlp}.gate_proj", f"{mlp}.up_proj", f"{mlp}.down_proj") is not None:
             raise ValueError(f"{model}: MLP biases (mlp_bias) are not supported")
     return weights
+
+
+def _rotary_frequencies(config: PretrainedConfig, rope: dict, rope_type: str) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies [head_dim / 2] and the cos/sin factor, as the model's rotary embedding computes them:
+    transformers' ROPE_INIT_FUNCTIONS for scaled types, its default (the model class's own) otherwise."""
+    if rope_type in ("default", "dynamic"):
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        base = rope["rope_theta"]
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
 
 
 def _window(config: PretrainedConfig, index: int, layer_types: list[str] | None) -> int | None:

@@ -86,7 +86,7 @@ def special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
 
 def token_bytes(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[bytes] | None:
     """The exact bytes each token id stands for in a byte-level BPE (special tokens: none); None for others."""
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or type(backend.decoder).__name__ != "ByteLevel":
