@@ -1,4 +1,6 @@
-"""Tiny llama-family decoders (llama, mistral, qwen2, qwen3) and their tokenizers for generation tests.
+"""Tiny decoders and their tokenizers for generation and training tests: the llama family (llama, mistral, qwen2,
+qwen3; VARIANTS, the llama-family runner's) and today's other architectures (TODAYS, the general runner's: Gemma 2
+and 3, Phi-3, OLMo 2, Granite, Mixtral, Qwen3-MoE, gpt-oss).
 
 Random weights from a fixed seed, 2 layers, hidden 64; the variants cover head counts, GQA ratios (MQA too),
 tied and untied heads, rope settings (theta, linear, llama3, yarn, dynamic), qwen2's q/k/v biases, qwen3's
@@ -18,13 +20,21 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Olmo2Config,
+    Phi3Config,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from tests.conftest import DATA
@@ -53,6 +63,35 @@ VARIANTS: dict[str, tuple[type[PretrainedConfig], dict[str, Any], str]] = {
     "qwen3": (Qwen3Config, {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
                             "tie_word_embeddings": False, "rope_theta": 1000000.0,
                             "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "bytelevel"),
+}
+
+# Each with what sets it apart: Gemma's scaled embeddings, (1 + w) norms, four norms a block, query_pre_attn_scalar,
+# alternating sliding and full layers (Gemma 3 with q/k norms and two rope bases, Gemma 2 with soft-capped scores
+# and logits); Phi-3's joined projections and partial rotary; OLMo 2's norms after each sublayer; Granite's
+# multipliers; the MoE routers (Mixtral, Qwen3-MoE: top-2 of 4 experts); gpt-oss's sink logits, biased experts and
+# alternating windows. Byte-level tokenizer for all.
+GQA = {"num_attention_heads": 4, "num_key_value_heads": 2}
+TODAYS: dict[str, tuple[type[PretrainedConfig], dict[str, Any], str]] = {
+    "gemma3": (Gemma3TextConfig, {**GQA, "head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 16,
+                                  "layer_types": ["sliding_attention", "full_attention"]}, "bytelevel"),
+    "gemma2": (Gemma2Config, {**GQA, "head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 16,
+                              "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}, "bytelevel"),
+    "phi3": (Phi3Config, {**GQA, "partial_rotary_factor": 0.5, "tie_word_embeddings": False,
+                          "pad_token_id": 0}, "bytelevel"),
+    "olmo2": (Olmo2Config, {**GQA, "tie_word_embeddings": False, "pad_token_id": 0}, "bytelevel"),
+    "granite": (GraniteConfig, {**GQA, "embedding_multiplier": 6.0, "residual_multiplier": 0.5,
+                                "attention_multiplier": 0.1, "logits_scaling": 2.0}, "bytelevel"),
+    "mixtral": (MixtralConfig, {**GQA, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                "tie_word_embeddings": False}, "bytelevel"),
+    "qwen3_moe": (Qwen3MoeConfig, {**GQA, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                   "moe_intermediate_size": 32, "norm_topk_prob": True,
+                                   "tie_word_embeddings": False}, "bytelevel"),
+    "gpt_oss": (GptOssConfig, {**GQA, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                               "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
+                               "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 2.0,
+                                                   "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                                                   "beta_slow": 1.0, "truncate": False},
+                               "tie_word_embeddings": False}, "bytelevel"),
 }
 
 
@@ -113,8 +152,9 @@ def save_tokenizer(kind: str, folder: Path) -> PreTrainedTokenizerFast:
 
 
 def build_tiny_decoder(name: str, folder: Path, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """Save variant `name` (VARIANTS) with its tokenizer under `folder`; returns the fp32 HF model and tokenizer."""
-    config_class, overrides, kind = VARIANTS[name]
+    """Save variant `name` (VARIANTS or TODAYS) with its tokenizer under `folder`; returns the fp32 HF model and
+    tokenizer."""
+    config_class, overrides, kind = VARIANTS[name] if name in VARIANTS else TODAYS[name]
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = save_tokenizer(kind, folder)
     eos = tokenizer.convert_tokens_to_ids("</s>" if kind == "metaspace" else "<|endoftext|>")

@@ -1,8 +1,10 @@
-"""Llama-family decoders (llama, mistral, qwen2, qwen3) in the continuous batcher: greedy equals HF `generate`.
+"""Decoders in the continuous batcher: greedy equals HF `generate`, on the llama-family runner and the general one.
 
-Each variant of tests/tiny_llama.py (head counts, GQA/MQA, tied and untied heads, rope theta/linear/llama3/
-yarn/dynamic, qwen2 biases, qwen3 q/k norms, sliding windows shorter than the prompts) serves a batch of
-prompts of mixed lengths (accents and emoji included) in one prefill; each row equals HF generating it alone.
+Each llama-family variant of tests/tiny_llama.py (head counts, GQA/MQA, tied and untied heads, rope theta/linear/
+llama3/yarn/dynamic, qwen2 biases, qwen3 q/k norms, sliding windows shorter than the prompts) and each of today's
+other architectures the general runner serves (Gemma 2 and 3, Phi-3, OLMo 2, Granite, Mixtral, Qwen3-MoE, gpt-oss)
+serves a batch of prompts of mixed lengths (accents and emoji included) in one prefill; each row equals HF
+generating it alone. A LoRA adapter of each of today's architectures, served merged, equals HF + PEFT.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from tests.tiny_llama import VARIANTS, build_tiny_decoder
+from core.adapters import AdapterConfig
+from tests.tiny_adapters import make_adapters, peft_model
+from tests.tiny_llama import TODAYS, VARIANTS, build_tiny_decoder
+from worker.engines.models.adapters import export_merged
 from worker.engines.generation.caches import paged_attention
 from worker.engines.generation.engine import GenerationEngine, SamplingParams
 
@@ -28,6 +33,7 @@ PROMPTS = [
     "O",
 ]
 WAIT = 60
+ADAPTER = AdapterConfig(r=4, alpha=8, target_modules="all-linear")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +44,11 @@ def built(tmp_path_factory: pytest.TempPathFactory):
 
     def get(name: str) -> tuple[Path, PreTrainedModel, PreTrainedTokenizerFast]:
         if name not in cache:
-            cache[name] = (root / name, *build_tiny_decoder(name, root / name))
+            model, tokenizer = build_tiny_decoder(name, root / name)
+            if getattr(model.config, "attn_logit_softcapping", None):
+                # transformers' SDPA path drops Gemma 2's score soft-capping; its eager attention is the model
+                model = AutoModelForCausalLM.from_pretrained(root / name, attn_implementation="eager").eval()
+            cache[name] = (root / name, model, tokenizer)
         return cache[name]
 
     return get
@@ -56,12 +66,42 @@ def greedy(max_new_tokens: int) -> SamplingParams:
 
 
 @pytest.mark.parametrize("chunk", [512, 5])  # 5: chunked prefill, every prompt but "O" in several chunks
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", [*VARIANTS, *TODAYS])
 def test_greedy_equals_hf_generate_for_mixed_prompts_in_one_batch(built, name, chunk) -> None:
     assert_mixed_batch_equals_hf(built, name, chunk)
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", list(TODAYS))
+def test_a_lone_request_equals_hf_generate(built, name) -> None:
+    folder, model, tokenizer = built(name)
+    with GenerationEngine(folder, device="cpu", precision="fp32", max_batch_size=2) as engine:
+        choice = engine.generate(PROMPTS[1], greedy(16)).choices[0]
+    assert choice.token_ids == hf_greedy(model, tokenizer(PROMPTS[1])["input_ids"], 16)
+
+
+@pytest.mark.parametrize("name", list(TODAYS))
+def test_a_lora_adapter_served_merged_equals_hf_and_peft(built, name, tmp_path) -> None:
+    # Over a base the llama-family runner does not run, an adapter is served as its merged model (served_models.py).
+    folder, _, tokenizer = built(name)
+    adapter = make_adapters(folder, tmp_path, {"wide": ADAPTER})["wide"]
+    tokenizer.save_pretrained(adapter)
+    merged = export_merged(adapter, tmp_path / "merged")
+    reference = peft_model(folder, adapter)
+    if getattr(reference.config, "attn_logit_softcapping", None):
+        reference.base_model.model.config._attn_implementation = "eager"
+        reference.base_model.model.set_attn_implementation("eager")
+    with GenerationEngine(merged, device="cpu", precision="fp32", max_batch_size=4) as engine:
+        futures = [engine.submit(p, greedy(12)) for p in PROMPTS[:3]]
+        results = [f.result(WAIT) for f in futures]
+    plain = []
+    for prompt, result in zip(PROMPTS[:3], results, strict=True):
+        ids = tokenizer(prompt)["input_ids"]
+        assert result.choices[0].token_ids == hf_greedy(reference, ids, 12), (name, prompt)
+        plain.append(hf_greedy(built(name)[1], ids, 12))
+    assert plain != [r.choices[0].token_ids for r in results]  # the adapter changed what the model says
+
+
+@pytest.mark.parametrize("name", [*VARIANTS, *TODAYS])
 def test_the_gathered_decode_path_equals_hf_generate(built, name, monkeypatch) -> None:
     # Where the paged kernel is not built (or on a GPU) decode steps gather the rows' blocks for SDPA.
     monkeypatch.setattr(paged_attention, "kernel", lambda: None)

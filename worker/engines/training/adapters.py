@@ -35,11 +35,42 @@ def lora_config(adapter: AdapterConfig, task: str) -> LoraConfig:
 
 
 def apply_adapter(model: PreTrainedModel, adapter: AdapterConfig, task: str) -> PeftModel:
-    """The model with a fresh LoRA adapter (from the seeded torch RNG); only the adapter (and a new head) trains."""
+    """The model with a fresh LoRA adapter (from the seeded torch RNG); only the adapter (and a new head) trains.
+
+    Over some mixtures of experts (Mixtral, Qwen3-MoE), "all-linear" also adapts the experts' fused weights and the
+    router (PEFT's target_parameters), which PEFT trains without dropout: there the adapter's dropout is 0, and the
+    manifest says so.
+    """
+    if adapter.dropout and _has_fused_experts(model) and _dropout_refused(model, adapter, task):
+        adapter = adapter.model_copy(update={"dropout": 0.0})
     try:
         return get_peft_model(model, lora_config(adapter, task))
     except ValueError as exc:  # PEFT names the modules it could not find
         raise ValueError(f"adapter.target_modules: {exc}") from exc
+
+
+def _has_fused_experts(model: torch.nn.Module) -> bool:
+    """Whether the model keeps its experts as fused 3-D weights (transformers 5's MoE blocks: Mixtral, Qwen3-MoE,
+    gpt-oss), which PEFT's "all-linear" adapts as parameters."""
+    return any(type(module).__name__.endswith("Experts") and any(p.dim() == 3 for p in module.parameters(False))
+               for module in model.modules())
+
+
+def _dropout_refused(model: torch.nn.Module, adapter: AdapterConfig, task: str) -> bool:
+    """Whether PEFT adapts some of the model's weights as parameters, which it refuses to do with dropout: asked of
+    a weightless (meta) copy of the architecture, so the model itself is never half-wrapped."""
+    from transformers import AutoModelForCausalLM
+
+    config = getattr(model, "config", None)
+    if config is None or task != TaskKind.CAUSAL_LM:
+        return False
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    try:
+        get_peft_model(skeleton, lora_config(adapter, task))
+    except ValueError as exc:
+        return "lora_dropout != 0" in str(exc)
+    return False
 
 
 def adapter_summary(model: torch.nn.Module, adapter: AdapterConfig) -> dict[str, Any]:
@@ -50,8 +81,10 @@ def adapter_summary(model: torch.nn.Module, adapter: AdapterConfig) -> dict[str,
     assert isinstance(config, LoraConfig)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    resolved = sorted({name.rsplit(".", 1)[-1] for name in config.target_modules or ()})  # q_proj, not its full path
-    return {**adapter.model_dump(), "target_modules_resolved": resolved,
+    # q_proj, not its full path; experts' fused weights (target_parameters) as experts.gate_up_proj
+    resolved = sorted({name.rsplit(".", 1)[-1] for name in config.target_modules or ()}
+                      | {".".join(name.rsplit(".", 2)[-2:]) for name in getattr(config, "target_parameters", None) or ()})
+    return {**adapter.model_dump(), "dropout": config.lora_dropout, "target_modules_resolved": resolved,
             "trainable_parameters": trainable, "total_parameters": total}
 
 
