@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: `worker` lives in ROOT
 
 import torch  # noqa: E402
-from transformers import GPT2LMHeadModel, GPT2TokenizerFast  # noqa: E402
+from transformers import GPT2LMHeadModel, GPT2Tokenizer  # noqa: E402
 
 # GPT-2 small's shape with `layers` blocks, random weights from seed 0, eos suppressed in the saved config and
 # generation config: every side (the engine, and both `generate` baselines) produces exactly max_new_tokens.
@@ -59,7 +59,7 @@ def load_prompts(source: Path, count: int) -> list[str]:
 
 def run_baseline(folder: Path, prompts: list[str], args: argparse.Namespace) -> dict:
     """One `model.generate` call per prompt, one after the other (HF's KV cache, batch of one)."""
-    tokenizer = GPT2TokenizerFast.from_pretrained(folder)
+    tokenizer = GPT2Tokenizer.from_pretrained(folder)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     model = GPT2LMHeadModel.from_pretrained(folder).eval().to(args.device, dtype)
     outputs: list[list[int]] = []
@@ -85,7 +85,7 @@ def run_baseline(folder: Path, prompts: list[str], args: argparse.Namespace) -> 
 
 def run_batched(folder: Path, prompts: list[str], args: argparse.Namespace) -> dict:
     """One `model.generate` per `--concurrency` prompts, left padded with an attention mask (greedy only)."""
-    tokenizer = GPT2TokenizerFast.from_pretrained(folder, padding_side="left")
+    tokenizer = GPT2Tokenizer.from_pretrained(folder, padding_side="left")
     tokenizer.pad_token = tokenizer.eos_token
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     model = GPT2LMHeadModel.from_pretrained(folder).eval().to(args.device, dtype)

@@ -17,7 +17,7 @@ import llguidance
 import llguidance.hf
 import llguidance.torch
 import xgrammar
-from transformers import GPT2TokenizerFast
+from transformers import GPT2Tokenizer
 
 from core.paths import GPT2_TOKENIZER_DIR
 from tests.unit.test_engine_structured import SCHEMA, build_llama_tokenizer
@@ -93,7 +93,7 @@ def llguidance_walks(tokenizer, eos: int):
 
 def main() -> None:
     llama = build_llama_tokenizer()
-    for name, tokenizer, eos in (("gpt2", GPT2TokenizerFast.from_pretrained(GPT2_TOKENIZER_DIR), 50256),
+    for name, tokenizer, eos in (("gpt2", GPT2Tokenizer.from_pretrained(GPT2_TOKENIZER_DIR), 50256),
                                  ("llama-byte-fallback", llama, llama.eos_token_id)):
         for library, run in (("llguidance", llguidance_walks), ("xgrammar", xgrammar_walks)):
             setup, compile_s, times, valid = run(tokenizer, eos)

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 import torch  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, GPT2Tokenizer  # noqa: E402
 
 from core.paths import GPT2_TOKENIZER_DIR  # noqa: E402
 from worker.engines.generation.engine import GenerationEngine, SamplingParams  # noqa: E402
@@ -45,7 +45,7 @@ def build(folder: Path, layers: int) -> None:
     model.config.eos_token_id = None  # every stream makes exactly its tokens
     model.generation_config.eos_token_id = None
     model.save_pretrained(folder, safe_serialization=True)
-    GPT2TokenizerFast.from_pretrained(GPT2_TOKENIZER_DIR).save_pretrained(folder)
+    GPT2Tokenizer.from_pretrained(GPT2_TOKENIZER_DIR).save_pretrained(folder)
 
 
 class Steps:

@@ -80,7 +80,8 @@ def test_adapter_jobs_answer_as_peft_in_one_burst_with_their_base(client, served
     models = {name: peft_model(base, None if name is None else folders[name]) for name in (None, "wide", "narrow")}
     for (name, kind, index), answer in zip(asks, answers, strict=True):
         if kind == "chat":
-            ids = list(tokenizer.apply_chat_template(chats[index], add_generation_prompt=True, tokenize=True, return_dict=False))
+            ids = list(tokenizer.apply_chat_template(chats[index], add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))
         else:
             ids = tokenizer(prompts[index])["input_ids"]
         want = tokenizer.decode(hf_greedy(models[name], ids, 8 + index), skip_special_tokens=True)

@@ -146,7 +146,8 @@ def _burst_equals_peft(live_client, base: Path, jobs: list[str], folders: dict[s
     tokenizer = AutoTokenizer.from_pretrained(base)
     models = {model: peft_model(base, folders.get(model)) for model in ("tiny", *jobs)}
     for (model, index), answer in zip(asks, answers, strict=True):
-        ids = list(tokenizer.apply_chat_template(CHATS[index], add_generation_prompt=True, tokenize=True, return_dict=False))
+        ids = list(tokenizer.apply_chat_template(CHATS[index], add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False))
         assert answer == tokenizer.decode(hf_greedy(models[model], ids, 6), skip_special_tokens=True), (model, index)
     by_model = {model: [a for (m, _), a in zip(asks, answers, strict=True) if m == model] for model in models}
     assert by_model[jobs[0]] != by_model[jobs[1]] != by_model["tiny"]  # each adapter answers its own way

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,9 +20,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from core.adapters import AdapterConfig
 from tests.tiny_adapters import make_adapters, peft_model
 from tests.tiny_llama import TODAYS, VARIANTS, build_tiny_decoder
-from worker.engines.models.adapters import export_merged
 from worker.engines.generation.caches import paged_attention
 from worker.engines.generation.engine import GenerationEngine, SamplingParams
+from worker.engines.models.adapters import export_merged
 
 PROMPTS = [
     "First Citizen:",

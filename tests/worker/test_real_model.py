@@ -53,7 +53,8 @@ def test_greedy_chat_equals_hf_generate_token_for_token(smollm2: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False) for chat in CHATS]
+    prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+               for chat in CHATS]
     expected = []
     with torch.inference_mode():
         for ids in prompts:  # one at a time: no padding on the reference side

@@ -38,7 +38,7 @@ class ChatPlan:
 def _think_mode(engine: GenerationEngine, template: str, ids: list[int]) -> str | None:
     if not thinks(template):
         return None
-    tail = engine.tokenizer.decode(ids[-8:]).rstrip()
+    tail = str(engine.tokenizer.decode(ids[-8:])).rstrip()
     if tail.endswith(THINK_OPEN):
         return "inside"
     if tail.endswith(THINK_CLOSE):  # enable_thinking false: the template wrote an empty thinking section

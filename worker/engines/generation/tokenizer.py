@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, cast
 
-from transformers import GPT2TokenizerFast, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import GPT2Tokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from core.paths import GPT2_TOKENIZER_DIR
 from worker.engines.generation.runners.gpt2_weights import model_type, resolve_folder
@@ -22,8 +22,8 @@ def load_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
             raise ValueError(f"{model}: no tokenizer.json; a {kind} model is served with the fast tokenizer it ships")
         return with_plain_byte_tokens(PreTrainedTokenizerFast.from_pretrained(folder))
     if not any((folder / name).exists() for name in _TOKENIZER_FILES):
-        return GPT2TokenizerFast.from_pretrained(GPT2_TOKENIZER_DIR)
-    return GPT2TokenizerFast.from_pretrained(folder)
+        return GPT2Tokenizer.from_pretrained(GPT2_TOKENIZER_DIR)
+    return GPT2Tokenizer.from_pretrained(folder)
 
 
 class NoChatTemplate(ValueError):

@@ -82,8 +82,9 @@ def adapter_summary(model: torch.nn.Module, adapter: AdapterConfig) -> dict[str,
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     # q_proj, not its full path; experts' fused weights (target_parameters) as experts.gate_up_proj
+    parameters = getattr(config, "target_parameters", None) or ()
     resolved = sorted({name.rsplit(".", 1)[-1] for name in config.target_modules or ()}
-                      | {".".join(name.rsplit(".", 2)[-2:]) for name in getattr(config, "target_parameters", None) or ()})
+                      | {".".join(name.rsplit(".", 2)[-2:]) for name in parameters})
     return {**adapter.model_dump(), "dropout": config.lora_dropout, "target_modules_resolved": resolved,
             "trainable_parameters": trainable, "total_parameters": total}
 

@@ -205,7 +205,8 @@ def _model_config(config: LMTrainConfig, tokenizer, architecture: dict[str, int]
         return AutoConfig.from_pretrained(config.base_model, trust_remote_code=False)
     eos = tokenizer.eos_token_id
     # len(tokenizer) counts added special tokens too, so every id the tokenizer can emit has a row.
-    return GPT2Config(vocab_size=len(tokenizer), bos_token_id=eos, eos_token_id=eos, **architecture)
+    sizes: dict[str, Any] = dict(architecture)
+    return GPT2Config(vocab_size=len(tokenizer), bos_token_id=eos, eos_token_id=eos, **sizes)
 
 
 def _context_length(model_config: PretrainedConfig) -> int | None:

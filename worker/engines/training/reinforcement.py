@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -128,7 +128,7 @@ class ReinforcementRecipe:
             except Exception as exc:  # noqa: BLE001 - a template's own error (raise_exception) names no line
                 raise ValueError(f"{path.name} line {line_no}: the chat template cannot render it: {exc}") from exc
             if len(ids) <= self.max_length:
-                kept.append(Prompt(list(ids), record))
+                kept.append(Prompt([int(i) for i in cast(list[int], ids)], record))
         return kept, len(records) - len(kept)
 
     def epoch_steps(self, epoch: int) -> list[list[list[tuple[int, int, int]]]]:
@@ -155,7 +155,7 @@ class ReinforcementRecipe:
         texts = []
         for ids, mask in zip(out.completion_ids.tolist(), out.completion_mask.tolist(), strict=True):
             kept = [token for token, live in zip(ids, mask, strict=True) if live and token not in self.stop_ids]
-            texts.append(self.tokenizer.decode(kept, skip_special_tokens=True))
+            texts.append(str(self.tokenizer.decode(kept, skip_special_tokens=True)))
         return out, texts
 
     def rewards(self, items: list[dict[str, Any]], texts: list[str]) -> dict[str, list[float]]:

@@ -3,7 +3,8 @@
 As for GPT-2 (gpt2_weights), no HF model class is imported: each layer's q/k/v projections are joined into
 one [q + 2 kv, hidden] matrix and gate/up into one [2 intermediate, hidden] matrix, so a layer is four
 matmuls, packed once for oneDNN on a CPU. The rotary frequencies come from transformers' own
-ROPE_INIT_FUNCTIONS (linear, llama3, yarn; the default is the model class's own formula), so every scaling type computes exactly as HF's does.
+ROPE_INIT_FUNCTIONS (linear, llama3, yarn; the default is the model class's own formula), so every scaling type
+computes exactly as HF's does.
 """
 
 from __future__ import annotations

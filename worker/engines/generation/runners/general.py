@@ -21,7 +21,7 @@ import contextvars
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -165,7 +165,7 @@ class GeneralRunner:
                sinks: torch.Tensor | None) -> torch.Tensor:
         """One layer's attention for the step's flat tokens: query [N, heads, head_dim], key and value [N, kv heads,
         head_dim] -> [N, heads, head_dim], the keys and values written to the layer's blocks first."""
-        index = module.layer_idx
+        index: int = module.layer_idx
         batch, rows, layout = step.batch, step.rows, step.layout
         scale = self.head_dim ** -0.5 if scaling is None else scaling
         window = window or None
@@ -222,7 +222,7 @@ def load_general(model: str | Path, plan: DevicePlan, *, max_rows: int) -> Gener
     folder = resolve_folder(model)
     config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     dtype = plan.autocast_dtype or torch.float32
-    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTENTION,
+    loaded = cast(Any, AutoModelForCausalLM).from_pretrained(folder, dtype=dtype, attn_implementation=ATTENTION,
                                                   use_safetensors=True, trust_remote_code=False)
     loaded.to(plan.device).eval()
     loaded.requires_grad_(False)

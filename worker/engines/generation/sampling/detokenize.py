@@ -139,6 +139,6 @@ def piece_decoders(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> Calla
     held = frozenset(byte_tokens | special_ids(tokenizer))
 
     def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True)
+        return str(tokenizer.decode(ids, skip_special_tokens=True))
 
     return lambda: WindowPieces(decode, held)
