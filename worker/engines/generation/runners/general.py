@@ -165,7 +165,7 @@ class GeneralRunner:
                sinks: torch.Tensor | None) -> torch.Tensor:
         """One layer's attention for the step's flat tokens: query [N, heads, head_dim], key and value [N, kv heads,
         head_dim] -> [N, heads, head_dim], the keys and values written to the layer's blocks first."""
-        index: int = module.layer_idx
+        index = int(cast(Any, module).layer_idx)
         batch, rows, layout = step.batch, step.rows, step.layout
         scale = self.head_dim ** -0.5 if scaling is None else scaling
         window = window or None
