@@ -15,8 +15,13 @@ from typing import Any, Literal
 
 Head = Literal["causal-lm", "classifier"]
 
-# Families whose MLP is gated (SwiGLU: gate, up and down matrices) and whose positions are rotary (no table).
-GATED_MLP = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo"})
+# Families whose MLP is gated (SwiGLU/GeGLU: gate, up and down matrices) and whose positions are rotary (no table).
+GATED_MLP = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma", "gemma2",
+                       "gemma3", "gemma3_text", "phi3", "olmo", "olmo2", "granite", "granitemoe", "gpt_oss"})
+# The config keys of a mixture of experts: how many experts each MoE layer has, how many a token uses, and the width
+# of one expert's MLP (absent: the model's intermediate_size).
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+ACTIVE_EXPERT_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
 # The runtime a training process holds besides the model: CUDA context and kernels, or Python, torch and the
 # tokenized data on a CPU. Measured at 0.4-0.6 GB for both; rounded up.
 RUNTIME_BYTES = 1024**3
@@ -42,6 +47,9 @@ class Architecture:
     kv_hidden: int  # width of the key and value projections (hidden unless grouped-query attention)
     gated_mlp: bool
     tied_head: bool  # the LM head shares the token embedding (GPT-2, BERT) or is its own matrix (Llama)
+    q_hidden: int = 0  # width of the query projection and the attention output (heads x head_dim; 0: hidden)
+    experts: int = 1  # a mixture of experts' MLPs per layer (1: a dense model); each `intermediate` wide
+    active_experts: int = 1  # the experts each token runs through (its activations; all experts' weights train)
 
 
 @dataclass(frozen=True)
@@ -92,20 +100,30 @@ def architecture(config: Mapping[str, Any]) -> Architecture | None:
     gated = model_type in GATED_MLP
     rotary = gated or "rope_theta" in config or "rotary_dim" in config
     kv_heads = first("num_key_value_heads") or heads
+    head_dim = first("head_dim")
+    experts = first(*EXPERT_COUNT_KEYS) or 1
+    intermediate = first("intermediate_size", "n_inner", "hidden_dim", "ffn_dim") or 4 * hidden
+    if experts > 1:
+        intermediate = first("moe_intermediate_size") or intermediate
     return Architecture(
-        layers=layers, hidden=hidden, heads=heads,
-        intermediate=first("intermediate_size", "n_inner", "hidden_dim", "ffn_dim") or 4 * hidden,
+        layers=layers, hidden=hidden, heads=heads, q_hidden=hidden if head_dim is None else heads * head_dim,
+        intermediate=intermediate,
         vocab=vocab, positions=0 if rotary else (first("max_position_embeddings", "n_positions") or 0),
-        type_vocab=first("type_vocab_size") or 0, kv_hidden=hidden * kv_heads // heads, gated_mlp=gated,
-        tied_head=bool(config.get("tie_word_embeddings", True)),
+        type_vocab=first("type_vocab_size") or 0,
+        kv_hidden=(hidden // heads if head_dim is None else head_dim) * kv_heads, gated_mlp=gated,
+        tied_head=bool(config.get("tie_word_embeddings", True)), experts=experts,
+        active_experts=min(experts, first(*ACTIVE_EXPERT_KEYS) or 1) if experts > 1 else 1,
     )
 
 
 def parameter_count(arch: Architecture, head: Head, num_labels: int = 2) -> int:
     """Parameters of the stack with a causal-LM head or a sequence-classification head (BERT pooler + linear)."""
     h, i = arch.hidden, arch.intermediate
-    attention = 2 * h * h + 2 * h * arch.kv_hidden + 2 * h + 2 * arch.kv_hidden  # q, o and k, v, with biases
+    q = arch.q_hidden or h
+    attention = 2 * h * q + 2 * h * arch.kv_hidden + q + h + 2 * arch.kv_hidden  # q, o and k, v, with biases
     mlp = 3 * h * i if arch.gated_mlp else 2 * h * i + i + h
+    if arch.experts > 1:  # every expert's MLP, and the router's [experts, hidden] scores
+        mlp = arch.experts * mlp + arch.experts * h
     norms = 4 * h  # two LayerNorms (weight and bias) per layer
     embeddings = (arch.vocab + arch.positions + arch.type_vocab) * h + 2 * h  # and one more LayerNorm
     total = arch.layers * (attention + mlp + norms) + embeddings
@@ -120,7 +138,8 @@ def adapter_parameter_count(arch: Architecture, r: int, target_modules: str | Se
     names: those matching LORA_SHAPES, an unknown name counted as a hidden x hidden layer), and a classifier's
     new output layer, which trains in full (PEFT's modules_to_save)."""
     h, i, kv = arch.hidden, arch.intermediate, arch.kv_hidden
-    shapes = {"q": (h, h), "k": (h, kv), "v": (h, kv), "o": (h, h), "up": (h, i), "down": (i, h)}
+    q = arch.q_hidden or h
+    shapes = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "up": (h, i), "down": (i, h)}
     if arch.gated_mlp:
         shapes["gate"] = (h, i)
     if isinstance(target_modules, str):
@@ -161,7 +180,8 @@ def training_memory(arch: Architecture, *, head: Head, batch_size: int, seq_len:
     else:
         states = parameters * (4 + cast) + trainable * (16 + cast)
     h, i = arch.hidden, arch.intermediate
-    mlp_values = 3 * i if arch.gated_mlp else 2 * i  # gate and up outputs, and the activation's
+    # gate and up outputs, and the activation's: in each expert a token runs through (and the router's scores)
+    mlp_values = (3 * i if arch.gated_mlp else 2 * i) * arch.active_experts + (arch.experts if arch.experts > 1 else 0)
     per_layer = ACTIVATION_FACTOR * (value * (8 * h + mlp_values) + 2 * h)
     if not fused_attention:
         per_layer += arch.heads * seq_len * (3 * value + 1)

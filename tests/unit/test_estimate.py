@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -114,3 +115,23 @@ def test_the_jobs_from_the_issue_need_terabytes():
 def test_estimate_and_capacity_stay_import_light():
     code = "import sys, core.estimate, core.capacity; assert not {'torch', 'transformers'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma2", "phi3", "olmo2", "granite", "mixtral", "qwen3_moe", "gpt_oss"])
+def test_todays_architectures_count_their_parameters_from_config_json(name, tmp_path):
+    # head_dim apart from hidden / heads (Gemma, Qwen3-MoE, gpt-oss) and every expert of a mixture (all train).
+    from tests.tiny_llama import build_tiny_decoder
+
+    model, _ = build_tiny_decoder(name, tmp_path / name)
+    arch = architecture(json.loads((tmp_path / name / "config.json").read_text()))
+    assert arch is not None
+    real = sum(p.numel() for p in model.parameters())
+    assert abs(parameter_count(arch, "causal-lm") - real) / real < 0.01
+    if name in ("mixtral", "qwen3_moe", "gpt_oss"):  # 4 experts, 2 a token: activations count the 2
+        assert (arch.experts, arch.active_experts) == (4, 2)
+        dense = dataclasses.replace(arch, experts=1, active_experts=1)
+        one = dataclasses.replace(arch, active_experts=1)
+        kwargs = {"head": "causal-lm", "batch_size": 2, "seq_len": 64, "precision": "fp32"}
+        assert training_memory(one, **kwargs).activations_bytes < training_memory(arch, **kwargs).activations_bytes
+        experts_and_router = arch.layers * (3 * 3 * arch.hidden * arch.intermediate + 4 * arch.hidden)
+        assert parameter_count(arch, "causal-lm") - parameter_count(dense, "causal-lm") == experts_and_router
