@@ -263,13 +263,15 @@ def test_llama_and_qwen3_complete_greedily_as_hf_generate_side_by_side(client, s
 
 
 def test_an_unsupported_architecture_is_refused_naming_model(client, settings, worker_ctx):
-    # An encoder is no causal LM: no runner serves it (any causal LM transformers defines is served).
-    folder = settings.home / "models" / "encoder"
+    # Any causal LM transformers defines is served; one whose code ships with its checkpoint (auto_map) is not.
+    folder = settings.home / "models" / "custom"
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "custom_lm", "architectures": ["CustomForCausalLM"],
+        "auto_map": {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}}))
     (folder / "model.safetensors").write_bytes(b"")
-    response = client.post("/v1/completions", json={"model": "encoder", "prompt": "Hi", "max_tokens": 2})
+    response = client.post("/v1/completions", json={"model": "custom", "prompt": "Hi", "max_tokens": 2})
     assert response.status_code == 422, response.text
     error = response.json()["error"]
-    assert error["field"] == "model" and "'bert'" in error["message"] and "not a causal language model" in \
+    assert error["field"] == "model" and "'custom_lm'" in error["message"] and "trust_remote_code" in \
         error["message"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
 import huggingface_hub
 import pytest
 from huggingface_hub.errors import RepositoryNotFoundError
@@ -39,7 +40,9 @@ def online_hub(monkeypatch, settings):
     def model_info(repo_id, *, timeout=None, files_metadata=False, **_):
         assert files_metadata, "sizes are only listed with files_metadata=True"
         if repo_id not in REPOS:
-            raise RepositoryNotFoundError(f"404: {repo_id}")
+            url = f"https://huggingface.co/api/models/{repo_id}"
+            response = httpx.Response(404, request=httpx.Request("GET", url))
+            raise RepositoryNotFoundError(f"404: {repo_id}", response=response)
         return SimpleNamespace(id=repo_id, siblings=[RepoSibling(rfilename=name, size=size)
                                                      for name, size in REPOS[repo_id].items()])
 

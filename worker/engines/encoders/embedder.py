@@ -57,6 +57,16 @@ class EmbeddingSpec:
     matryoshka: tuple[int, ...] = ()  # declared widths; empty: not trained to be cut
 
 
+def special_wrapping(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The special ids the tokenizer puts before and after one sequence's tokens ([CLS] and [SEP] for BERT), read
+    from its own post-processor around a probe token."""
+    probe = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    wrapped = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    size = len(probe)
+    at = next((i for i in range(len(wrapped) - size + 1) if size and wrapped[i:i + size] == probe), None)
+    return ([], []) if at is None else (wrapped[:at], wrapped[at + size:])
+
+
 def _json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -166,7 +176,8 @@ class Embedder:
                 if max(row) >= vocab:
                     raise EmbeddingRefused(_field(index, len(token_ids or [])),
                                            f"token id {max(row)} is outside the model's vocabulary of {vocab}")
-            ids = [self.tokenizer.build_inputs_with_special_tokens(list(row)) for row in token_ids or []]
+            prefix, suffix = special_wrapping(self.tokenizer)
+            ids = [prefix + list(row) + suffix for row in token_ids or []]
         for index, row in enumerate(ids):
             if len(row) > self.max_length:
                 raise EmbeddingRefused(_field(index, len(ids)), f"input is {len(row)} tokens; this model takes at "

@@ -81,7 +81,7 @@ def write_merged(model: PeftModel, tokenizer: Any, output_dir: Path, manifest: d
 def export_merged(folder: Path, output_dir: Path) -> Path:
     """A full model from an adapter folder: its base with the adapter folded into the weights, tokenizer and
     manifest."""
-    from transformers import AutoTokenizer
+    from worker.engines.models.tokenizers import load_tokenizer_files
 
     manifest = manifests.read_manifest(folder) or {}
-    return write_merged(load_adapted(folder), AutoTokenizer.from_pretrained(str(folder)), output_dir, manifest)
+    return write_merged(load_adapted(folder), load_tokenizer_files(str(folder)), output_dir, manifest)

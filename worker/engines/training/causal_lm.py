@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
-    AutoTokenizer,
     GPT2Config,
     GPT2LMHeadModel,
     PretrainedConfig,
@@ -27,6 +26,7 @@ from core.lm_config import DEFAULT_BLOCK_SIZE, resolve_block_size, validate_mode
 from core.paths import GPT2_TOKENIZER_DIR
 from worker.engines.device import DevicePlan
 from worker.engines.models import manifest as manifests
+from worker.engines.models.tokenizers import load_tokenizer_files
 from worker.engines.training import adapters, artifacts
 from worker.engines.training import corpus_data as lm_data
 from worker.engines.training.loop import RunConfig, Setup, TrainCallbacks, TrainResult, require_fit, run
@@ -83,7 +83,7 @@ class CausalLMRecipe:
         config = self.config
         self.plan = plan
         self.tokenizer_source = _tokenizer_source(config)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_source)
+        self.tokenizer = load_tokenizer_files(self.tokenizer_source)
         self.model_config = _model_config(config, self.tokenizer, self.architecture)
         self.context = _context_length(self.model_config)
         # A model that states no context length gets the requested block size unchecked.

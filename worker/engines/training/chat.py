@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from core.adapters import AdapterConfig, PreferenceConfig
 from core.chat_data import MAX_LENGTH, read_records
@@ -24,6 +24,7 @@ from core.estimate import adapter_parameter_count, architecture, training_memory
 from core.hyperparams import LMHyperparameters, default
 from worker.engines.device import DevicePlan
 from worker.engines.models import manifest as manifests
+from worker.engines.models.tokenizers import load_tokenizer_files
 from worker.engines.training import adapters, artifacts
 from worker.engines.training import tabular_data as data
 from worker.engines.training.chat_render import IGNORE, Rendered, collate, render_preference, render_record
@@ -79,7 +80,7 @@ class ChatRecipe:
         """Render the records with the base model's template, then load (and adapt) the model if it fits."""
         config = self.config
         self.plan = plan
-        self.tokenizer = AutoTokenizer.from_pretrained(config.base_model)
+        self.tokenizer = load_tokenizer_files(config.base_model)
         self.pad_id = next(i for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if i is not None)
         self.train_set, self.dropped = self._examples(config.train_file)
         if not self.train_set:

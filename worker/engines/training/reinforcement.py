@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer
 
 from core.chat_data import MAX_LENGTH, read_records
 from core.errors import DomainError
@@ -27,6 +26,7 @@ from core.graders.spec import PythonGrader
 from core.reinforcement import ReinforcementConfig, graders_of, metric_name
 from worker.engines.device import DevicePlan
 from worker.engines.models import manifest as manifests
+from worker.engines.models.tokenizers import load_tokenizer_files
 from worker.engines.training import adapters, artifacts
 from worker.engines.training import tabular_data as data
 from worker.engines.training.chat import ChatTrainConfig, load_policy
@@ -74,7 +74,7 @@ class ReinforcementRecipe:
         """Render the prompts with the base model's template, then load (and adapt) the model if it fits."""
         config, rl = self.config, self.rl
         self.plan = plan
-        self.tokenizer = AutoTokenizer.from_pretrained(config.base_model)
+        self.tokenizer = load_tokenizer_files(config.base_model)
         self.pad_id = next(i for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if i is not None)
         self.train_set, self.dropped = self._prompts(config.train_file)
         if not self.train_set:
