@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from transformers import AutoTokenizer
+from transformers import PreTrainedTokenizerFast
 
 from core.tool_calls import HERMES, ChoiceParser
 from tests.conftest import INTEGRATION_REDIS, make_key
@@ -91,7 +91,7 @@ def test_fine_tuned_tool_calls_are_right_valid_and_equal_hf_peft(pg_url, tmp_pat
 
         with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
             folder = _download(client, client.get(f"/jobs/{job.id}").json(), tmp_path / "adapter")
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(base_dir)  # its tokenizer.json, as trained and served
     model = peft_model(base_dir, folder)
     for question, _, _ in ASKS:  # HF + PEFT, unconstrained, read by the template's own parser: the same calls
         ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], tools=TOOLS,
