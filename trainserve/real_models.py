@@ -61,7 +61,15 @@ def build_smollm2(out: Path = SMOLLM2_DIR) -> Path:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     tokenizer = fixed_tokenizer(gguf)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers 5 marks a model read from GGUF as quantized and will not save it: the same weights, dequantized
+    # to fp32 on load, go into a plain model of the same config.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.tie_weights()
     bos, eos = (tokenizer.convert_tokens_to_ids(token) for token in (BOS, EOS))
     model.config.update({"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos, "torch_dtype": "float32"})
     # Built beside the target and renamed into place: a reader never sees half a folder.
