@@ -69,6 +69,12 @@ def test_greedy_equals_hf_generate_for_mixed_prompts_in_one_batch(built, name, c
     assert_mixed_batch_equals_hf(built, name, chunk)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama3"])
+def test_the_general_runner_serves_llama_family_models_equal_to_hf_too(built, name) -> None:
+    # The built-in runner's reference: transformers' own model over the same cache (runner="general").
+    assert_mixed_batch_equals_hf(built, name, 5, runner="general")
+
+
 @pytest.mark.parametrize("name", list(TODAYS))
 def test_a_lone_request_equals_hf_generate(built, name) -> None:
     folder, model, tokenizer = built(name)
@@ -106,12 +112,12 @@ def test_the_gathered_decode_path_equals_hf_generate(built, name, monkeypatch) -
     assert_mixed_batch_equals_hf(built, name, 512)
 
 
-def assert_mixed_batch_equals_hf(built, name: str, chunk: int) -> None:
+def assert_mixed_batch_equals_hf(built, name: str, chunk: int, runner: str = "auto") -> None:
     folder, model, tokenizer = built(name)
     lengths = [20, 9, 16, 24]
     streamed: dict[int, list[str]] = {i: [] for i in range(len(PROMPTS))}
     with GenerationEngine(folder, device="cpu", precision="fp32", max_batch_size=8,
-                          prefill_chunk_tokens=chunk) as engine:
+                          prefill_chunk_tokens=chunk, runner=runner) as engine:
         assert engine.context_length == model.config.max_position_embeddings
         with engine._lock:  # everything queued meanwhile is admitted together: one batched prefill
             futures = [engine.submit(p, greedy(n), on_token=lambda _, d, i=i: streamed[i].append(d))

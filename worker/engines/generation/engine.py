@@ -62,7 +62,7 @@ class GenerationEngine:
         on_step: Callable[[int], None] | None = None, prefill_chunk_tokens: int = 2048, prefill_step_ratio: float = 1.5,
         prefix_cache_bytes: int = 0, decode_graphs: str = "off", max_loras: int = 8,
         adapter_folder: Callable[[str], Path] | None = None, speculative_tokens: int = 0,
-        speculative_max_rows: int = 32,
+        speculative_max_rows: int = 32, runner: str = "auto",
     ) -> None:
         self.scheduler = Scheduler(max_batch_size=max_batch_size, max_tokens_in_flight=max_tokens_in_flight,
                                    max_queue=max_queue, tenant_queue_share=tenant_queue_share,
@@ -75,6 +75,7 @@ class GenerationEngine:
         self.max_queue = max_queue
         self.max_loras = max_loras
         self.speculative_tokens, self.speculative_max_rows = speculative_tokens, speculative_max_rows
+        self.runner_choice = runner  # "auto": by the model's type (runners/decoder.open_runner); "general"
         self._encode_lock = threading.Lock()  # HF fast tokenizers are not safe to call from many threads
         self._lock = threading.RLock()  # the scheduler's queue, the loop's rows and the counters
         self._closed = False
@@ -112,7 +113,7 @@ class GenerationEngine:
         """The runner (weights and KV cache), tokenizer, grammars and adapters: on the scheduler thread (see
         __init__)."""
         self.plan: DevicePlan = resolve_device(device, precision, generation=True)
-        self._runner: Runner = open_runner(model, self.plan, max_rows=self.max_batch_size)  # GPT-2 or llama-family
+        self._runner: Runner = open_runner(model, self.plan, max_rows=self.max_batch_size, runner=self.runner_choice)
         self.tokenizer = load_tokenizer(model)
         self.config = self._runner.config
         self.context_length: int = self._runner.max_length

@@ -172,15 +172,20 @@ class DecoderRunner:
         return {layer.window for layer in self.weights.layers if layer.window}
 
 
-def open_runner(model: str | Path, plan: DevicePlan, *, max_rows: int) -> Runner:
+def open_runner(model: str | Path, plan: DevicePlan, *, max_rows: int, runner: str = "auto") -> Runner:
     """The serving runner for a checkpoint: GPT-2's own, the llama-family one, or for any other causal LM
-    transformers' own model over the paged cache (general.py); ValueError for what none of them can serve."""
+    transformers' own model over the paged cache (general.py); ValueError for what none of them can serve.
+    runner "general": the general runner whatever the model (the built-in runners' reference, and their benchmark)."""
     folder = resolve_folder(model)
     config = json.loads((folder / "config.json").read_text())
     reason = unsupported_reason(config)
     if reason is not None:
         raise ValueError(f"{model}: {reason}")
     kind = config.get("model_type")
+    if runner not in ("auto", "general"):
+        raise ValueError(f"runner must be 'auto' or 'general', not {runner!r}")
+    if runner == "general":
+        kind = None
     if kind == "gpt2":
         return Gpt2Runner(load_gpt2(model, plan), plan, max_rows=max_rows)
     if kind in LLAMA_FAMILY:
