@@ -94,18 +94,32 @@ def main() -> int:
             outputs[side] = out
             print(f"repeat {repeat + 1} {side}: {tokens} tokens, {tokens / seconds:.1f} tok/s", flush=True)
     median = {side: statistics.median(values) for side, values in rates.items()}
+    loads = [os.getloadavg()[0]]
+    agree = outputs["general-runner"] == outputs["llama-family-runner"]
+    equal_hf = all(ours == theirs[:len(ours)] for ours, theirs in
+                   zip(outputs["general-runner"], outputs["hf-generate-batched"], strict=True))
+
+    def figure(side: str) -> str:
+        values = rates[side]
+        return f"{median[side]:.1f} [{min(values):.1f}-{max(values):.1f}]"
+
     record = {
-        "benchmark": "general-runner", "machine": describe(), "load_average_1m": os.getloadavg()[0],
-        "model": "SmolLM2-135M-Instruct (llama), fp32", "requests": args.requests,
-        "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-        "tokens_per_s_median": {side: round(v, 1) for side, v in median.items()},
-        "tokens_per_s_spread": {side: [round(min(v), 1), round(max(v), 1)] for side, v in rates.items()},
-        "general_vs_llama_family": round(median["general-runner"] / median["llama-family-runner"], 2),
-        "general_vs_hf_generate": round(median["general-runner"] / median["hf-generate-batched"], 2),
-        "runners_agree_token_for_token": outputs["general-runner"] == outputs["llama-family-runner"],
-        "general_equals_hf_generate": all(ours == theirs[:len(ours)] for ours, theirs in
-                                          zip(outputs["general-runner"], outputs["hf-generate-batched"],
-                                              strict=True)),
+        "benchmark": "bench/general_runner.py",
+        "what": (f"The general runner (transformers' own model over the paged cache) vs the llama-family runner on the "
+                 f"same model and vs one batched HF generate: SmolLM2-135M-Instruct, fp32, {args.requests} greedy "
+                 f"requests x {args.max_new_tokens} tokens in one burst, each side in its own process, "
+                 f"{args.repeats} interleaved repeats, medians [min-max]"),
+        "command": f"python bench/general_runner.py --requests {args.requests} --max-new-tokens "
+                   f"{args.max_new_tokens} --repeats {args.repeats}",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": describe(),
+        "load": f"{loads[0]:.1f} (1-minute load average after the runs)",
+        "result": (f"general runner {figure('general-runner')} vs llama-family runner {figure('llama-family-runner')} "
+                   f"vs HF generate batched {figure('hf-generate-batched')} tokens/s: "
+                   f"{median['general-runner'] / median['llama-family-runner']:.2f}x the llama-family runner, "
+                   f"{median['general-runner'] / median['hf-generate-batched']:.2f}x HF generate; the two runners' "
+                   f"greedy tokens {'identical' if agree else 'DIFFERENT'}, the general runner's "
+                   f"{'equal to' if equal_hf else 'DIFFERENT from'} generate's"),
     }
     print(json.dumps(record, indent=2))
     if args.json:
