@@ -11,23 +11,13 @@ one whose code ships with its checkpoint (`auto_map`: trust_remote_code, which t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 # GPT-2 has its own runner; these share one (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU).
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 SERVED_MODEL_TYPES = ("gpt2", *LLAMA_FAMILY)  # the built-in runners' model types
 # transformers' causal-LM head classes end so (GPT2LMHeadModel, LlamaForCausalLM, GptOssForCausalLM, ...).
 CAUSAL_LM_CLASSES = ("ForCausalLM", "LMHeadModel")
-
-RunnerName = Literal["gpt2", "llama-family", "general"]
-
-
-def runner_for(config: Mapping[str, Any]) -> RunnerName:
-    """Which runner serves a servable model's config.json."""
-    model_type = config.get("model_type")
-    if model_type == "gpt2":
-        return "gpt2"
-    return "llama-family" if model_type in LLAMA_FAMILY else "general"
 
 
 def unsupported_reason(config: Mapping[str, Any]) -> str | None:

@@ -146,6 +146,7 @@ class Embedder:
         self.plan: DevicePlan = resolve_device(device)
         self.spec = read_spec(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.spec.transformer_dir)
+        self.special_wrapping = special_wrapping(self.tokenizer)  # what token-id inputs are wrapped in
         if adapters.is_adapter(self.model_dir):  # a LoRA classifier: base + adapter, folded
             encoder = adapters.load_merged(self.model_dir).base_model
         else:  # a classifier's folder loads as its encoder alone (the head's weights are left out)
@@ -176,7 +177,7 @@ class Embedder:
                 if max(row) >= vocab:
                     raise EmbeddingRefused(_field(index, len(token_ids or [])),
                                            f"token id {max(row)} is outside the model's vocabulary of {vocab}")
-            prefix, suffix = special_wrapping(self.tokenizer)
+            prefix, suffix = self.special_wrapping
             ids = [prefix + list(row) + suffix for row in token_ids or []]
         for index, row in enumerate(ids):
             if len(row) > self.max_length:

@@ -118,6 +118,9 @@ class GeneralRunner:
         self.cache = PagedCache(n_layer=text.num_hidden_layers, cache_heads=self.cache_heads,
                                 head_dim=self.head_dim, device=self.device, dtype=self.dtype)
         self.lora: RunnerLora | None = None  # adapters over these bases are served merged (served_models.py)
+        # Soft-capped scores (Gemma 2) or sink logits (gpt-oss): attention the decode kernel does not compute.
+        self.eager = bool(getattr(text, "attn_logit_softcapping", None)) or text.model_type == "gpt_oss"
+        self.windows = _windows(text)  # the sliding windows the layers use (None: full attention)
         trim_heap()
 
     @property
@@ -137,7 +140,7 @@ class GeneralRunner:
         if decode is not None:
             batch = decode.tokens.shape[0]
             rows = DecodeLayout(self.cache, decode.positions, decode.span, decode.table, decode.rows)
-            if self._eager:
+            if self.eager:
                 rows.kernel = None  # the kernel computes plain softmax attention only
             ids.append(decode.tokens)
             positions.append(decode.positions)
@@ -147,7 +150,7 @@ class GeneralRunner:
             positions.append(layout.positions.view(-1))
             if not layout.chunked:
                 at = torch.arange(layout.width, device=self.device)
-                masks = {window: sees(at, layout.width, window) for window in self._windows}
+                masks = {window: sees(at, layout.width, window) for window in self.windows}
         flat_ids = (ids[0] if len(ids) == 1 else torch.cat(ids))[None]
         flat_positions = (positions[0] if len(positions) == 1 else torch.cat(positions))[None]
         # Only the decode rows and each prompt's last position need logits (the model applies its own final
@@ -200,22 +203,15 @@ class GeneralRunner:
 
         return attention
 
-    @property
-    def _eager(self) -> bool:
-        text = self.config.get_text_config()
-        return bool(getattr(text, "attn_logit_softcapping", None)) or text.model_type == "gpt_oss"
 
-    @property
-    def _windows(self) -> set[int | None]:
-        """The sliding windows the model's layers use (None: full attention)."""
-        text = self.config.get_text_config()
-        window = getattr(text, "sliding_window", None)
-        types = getattr(text, "layer_types", None)
-        if not window:
-            return {None}
-        if types is None:
-            return {None, window}
-        return {window if kind == "sliding_attention" else None for kind in types}
+def _windows(text: PretrainedConfig) -> set[int | None]:
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if not window:
+        return {None}
+    if types is None:
+        return {None, window}
+    return {window if kind == "sliding_attention" else None for kind in types}
 
 
 def load_general(model: str | Path, plan: DevicePlan, *, max_rows: int) -> GeneralRunner:
