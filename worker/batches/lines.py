@@ -26,7 +26,8 @@ from worker.servers.embeddings import embedder_for
 from worker.servers.generation import GenerationService, choice_out, engine_fit
 
 if TYPE_CHECKING:
-    from worker.engines.generation.engine import GenerationEngine, GenerationResult
+    from worker.engines.generation.requests import GenerationResult
+    from worker.engines.serving import ServingEngine
 
 QUEUE_FULL_PAUSE_S = 0.05  # the engine's waiting queue is full of interactive requests: let them go first
 PACE_POLL_S = 0.02  # how soon a batch at its share looks again (a decode step of a small model)
@@ -98,7 +99,7 @@ def completion_body(line: PlannedLine, result: Any, rid: str, plan: ChatPlan | N
             "usage": _usage(result)}
 
 
-def _prompt_ids(engine: GenerationEngine, line: PlannedLine, request_id: str
+def _prompt_ids(engine: ServingEngine, line: PlannedLine, request_id: str
                 ) -> tuple[list[int], PlannedLine, ChatPlan | None] | LineError:
     assert line.params is not None and line.path is not None
     plan: ChatPlan | None = None
@@ -123,7 +124,7 @@ def _prompt_ids(engine: GenerationEngine, line: PlannedLine, request_id: str
     return ids, line, plan
 
 
-def _submit(engine: GenerationEngine, ids: list[int], line: PlannedLine, request_id: str, tenant: str | None
+def _submit(engine: ServingEngine, ids: list[int], line: PlannedLine, request_id: str, tenant: str | None
             ) -> Future[GenerationResult]:
     """Submit as a batch line of `tenant` (admitted after interactive requests, within the tenant's share of the
     engine's rows), waiting while the engine's queue is full (interactive requests fill it first)."""
@@ -162,7 +163,7 @@ class Pacer:
         self._busy_at = float("-inf")  # when interactive requests were last seen in the engine
         self._changed = threading.Condition()
 
-    def submit(self, engine: GenerationEngine, ids: list[int], line: PlannedLine, request_id: str
+    def submit(self, engine: ServingEngine, ids: list[int], line: PlannedLine, request_id: str
                ) -> Future[GenerationResult]:
         """Submit once the batch holds fewer rows than its share allows now; the row frees when it finishes."""
         while True:
@@ -185,14 +186,14 @@ class Pacer:
             self.in_flight -= 1
             self._changed.notify()
 
-    def _limit(self, engine: GenerationEngine) -> int:
+    def _limit(self, engine: ServingEngine) -> int:
         stats = engine.stats()
         now = time.monotonic()
         if stats["running"] + stats["waiting"] > self.in_flight:
             self._busy_at = now
         return self.share.busy if now - self._busy_at < BUSY_HOLD_S else self.share.idle
 
-    def give_way(self, engines: list[GenerationEngine], spent_s: float) -> float:
+    def give_way(self, engines: list[ServingEngine], spent_s: float) -> float:
         """After `spent_s` of batch work outside the engines: while requests are in any engine (or were within
         BUSY_HOLD_S), pause so the batch takes about `share.time` of the time; the pause in seconds."""
         now = time.monotonic()

@@ -16,7 +16,7 @@ from core.tool_calls import THINK_CLOSE, THINK_OPEN, ChoiceParser, Family, famil
 from core.tool_grammar import MARKERS, constraint_rules, lark, tool_rules
 
 if TYPE_CHECKING:
-    from worker.engines.generation.engine import GenerationEngine
+    from worker.engines.serving import ServingEngine
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class ChatPlan:
         return ChoiceParser(self.family, self.think is not None, in_think=self.think == "inside")
 
 
-def _think_mode(engine: GenerationEngine, template: str, ids: list[int]) -> str | None:
+def _think_mode(engine: ServingEngine, template: str, ids: list[int]) -> str | None:
     if not thinks(template):
         return None
     tail = str(engine.tokenizer.decode(ids[-8:])).rstrip()
@@ -46,7 +46,7 @@ def _think_mode(engine: GenerationEngine, template: str, ids: list[int]) -> str 
     return "open"
 
 
-def plan_chat(engine: GenerationEngine, task: GenerateTask) -> ChatPlan | ErrorEvent:
+def plan_chat(engine: ServingEngine, task: GenerateTask) -> ChatPlan | ErrorEvent:
     """Render the task's chat with its tools; the params constrained to the family's calls and reasoning first."""
     from worker.engines.generation.sampling.grammar import field_of  # the engine (and torch) is loaded by now
     from worker.engines.generation.tokenizer import NoChatTemplate

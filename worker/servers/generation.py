@@ -47,7 +47,8 @@ from worker.servers.chat_plan import plan_chat
 from worker.servers.events import EventPump, EventWriter
 
 if TYPE_CHECKING:
-    from worker.engines.generation.engine import GenerationEngine
+    from worker.engines.serving import ServingEngine
+    from worker.engines.vllm.engine import VllmOptions
 
 log = logging.getLogger(__name__)
 MB = 1024 * 1024
@@ -165,9 +166,10 @@ class EngineRegistry(Generic[EngineT]):
             entry.engine.close()
 
 
-def _footprint(engine: GenerationEngine) -> int:
+def _footprint(engine: ServingEngine) -> int:
     """What an idle engine may hold, in bytes: its weights and buffers, and the prefix cache's budget (an idle
-    engine keeps the prefix cache's blocks; the rest of its KV cache is released whenever it is idle)."""
+    built-in engine keeps the prefix cache's blocks, the rest of its KV cache is released whenever it is idle; vLLM
+    keeps its whole KV cache)."""
     return engine.weight_bytes + engine.prefix_cache_bytes
 
 
@@ -191,29 +193,58 @@ class GenerationService:
         """The factory for `ctx.service("generation", ...)`."""
         return cls(ctx.settings, ctx.redis, ctx.storage)
 
-    def _load(self, model: str) -> GenerationEngine:
-        from worker.engines.generation.engine import GenerationEngine
-
+    def _load(self, model: str) -> ServingEngine:
+        name = model
         if is_job_model(model):  # a trained job's model (an adapter folded into its base): from the artifact store
             model = str(fetch_full_model(self.storage, model))
-        # Also serves the LoRA adapter jobs trained on this model (GenerateTask.adapter), in the same batches.
-        engine = GenerationEngine(model, device=self.settings.worker_device,
-                                      precision=self.settings.generation_precision,
-                                      max_batch_size=self.settings.max_batch_size,
-                                      max_tokens_in_flight=self.settings.max_tokens_in_flight,
-                                      prefill_chunk_tokens=self.settings.prefill_chunk_tokens,
-                                      prefill_step_ratio=self.settings.prefill_step_ratio,
-                                      prefix_cache_bytes=int(self.settings.prefix_cache_mb * MB),
-                                      decode_graphs="cuda" if self.settings.cuda_graphs else "off",
-                                      max_queue=self.settings.generation_queue_per_model * 4,
-                                      tenant_queue_share=self.settings.generation_tenant_queue_share,
-                                      speculative_tokens=self.settings.speculative_tokens,
-                                      speculative_max_rows=self.settings.speculative_max_rows,
-                                      cancelled_ids=self.cancelled_ids, on_step=metrics.observe_batch,
-                                      max_loras=self.settings.max_loras, adapter_folder=self._adapter_folder)
-        log.info("generation engine loaded: %s on %s in %s, %.1f MiB of weights", model, engine.plan.device,
-                 engine.plan.precision, engine.weight_bytes / MB)
+        engine: ServingEngine
+        if self._engine_for(name) == "vllm":
+            engine = self._load_vllm(name, model)
+        else:
+            engine = self._load_builtin(model)
+        log.info("generation engine loaded: %s (%s), %.1f MiB of weights", model, type(engine).__name__,
+                 engine.weight_bytes / MB)
         return engine
+
+    def _engine_for(self, name: str) -> str:
+        from worker.engines.vllm.server import find_python
+
+        return self.settings.generation_engine_for(
+            name, cuda=_on_cuda(self.settings), vllm_installed=find_python(self.settings.vllm_python) is not None)
+
+    def _load_builtin(self, model: str) -> ServingEngine:
+        from worker.engines.generation.engine import GenerationEngine
+
+        # Also serves the LoRA adapter jobs trained on this model (GenerateTask.adapter), in the same batches.
+        return GenerationEngine(model, device=self.settings.worker_device,
+                                precision=self.settings.generation_precision,
+                                max_batch_size=self.settings.max_batch_size,
+                                max_tokens_in_flight=self.settings.max_tokens_in_flight,
+                                prefill_chunk_tokens=self.settings.prefill_chunk_tokens,
+                                prefill_step_ratio=self.settings.prefill_step_ratio,
+                                prefix_cache_bytes=int(self.settings.prefix_cache_mb * MB),
+                                decode_graphs="cuda" if self.settings.cuda_graphs else "off",
+                                max_queue=self.settings.generation_queue_per_model * 4,
+                                tenant_queue_share=self.settings.generation_tenant_queue_share,
+                                speculative_tokens=self.settings.speculative_tokens,
+                                speculative_max_rows=self.settings.speculative_max_rows,
+                                cancelled_ids=self.cancelled_ids, on_step=metrics.observe_batch,
+                                max_loras=self.settings.max_loras, adapter_folder=self._adapter_folder)
+
+    def _load_vllm(self, name: str, model: str) -> ServingEngine:
+        from worker.engines.vllm.engine import VllmEngine
+        from worker.engines.vllm.server import INSTALL_HINT, VllmUnavailable, find_python
+
+        python = find_python(self.settings.vllm_python)
+        if python is None:
+            raise VllmUnavailable(INSTALL_HINT)
+        options = vllm_options(self.settings, name, python)
+        return VllmEngine(model, options, max_batch_size=self.settings.max_batch_size,
+                          max_tokens_in_flight=self.settings.max_tokens_in_flight,
+                          max_queue=self.settings.generation_queue_per_model * 4,
+                          tenant_queue_share=self.settings.generation_tenant_queue_share,
+                          cancelled_ids=self.cancelled_ids, prefix_cache_bytes=int(self.settings.prefix_cache_mb * MB),
+                          max_loras=self.settings.max_loras, adapter_folder=self._adapter_folder)
 
     def _adapter_folder(self, job_id: str) -> Path:
         """A LoRA adapter job's folder on this host (fetched once), on a request's thread: off the decode loop."""
@@ -262,7 +293,7 @@ class GenerationService:
         elif isinstance(outcome, ErrorEvent):
             metrics.GEN_REQUESTS.labels(outcome.error.code).inc()
 
-    def _run(self, engine: GenerationEngine, task: GenerateTask, writer: EventWriter, remaining: float) -> BaseModel:
+    def _run(self, engine: ServingEngine, task: GenerateTask, writer: EventWriter, remaining: float) -> BaseModel:
         from worker.engines.generation.requests import GRAMMAR_ERROR  # the engine and torch are loaded by now
 
         parsers: list[ChoiceParser | None] = [None] * task.params.n
@@ -308,6 +339,31 @@ class GenerationService:
         return done_event(result, parsers)
 
 
+def _on_cuda(settings: Settings) -> bool:
+    """Whether this worker's device is a GPU (its precision is not resolved: no calibration runs)."""
+    from worker.engines.device import resolve_device
+
+    return resolve_device(settings.worker_device, "fp32").device.startswith("cuda")
+
+
+VLLM_DTYPES = {"auto": "auto", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def vllm_options(settings: Settings, name: str, python: str) -> VllmOptions:
+    """How this worker runs vLLM for model `name`: on its device (every GPU it owns is visible to the server, as
+    `trainserve worker --device` set CUDA_VISIBLE_DEVICES), sharded over vllm_devices_for(name) of them (0: all)."""
+    from worker.engines.vllm.engine import VllmOptions
+    from worker.engines.vllm.server import split_args
+
+    cuda = _on_cuda(settings)
+    return VllmOptions(python=python, device="cuda" if cuda else "cpu",
+                       tensor_parallel=(settings.vllm_devices_for(name) or settings.worker_devices) if cuda else 1,
+                       dtype=VLLM_DTYPES[settings.generation_precision],
+                       gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
+                       enforce_eager=settings.vllm_enforce_eager, max_lora_rank=settings.vllm_max_lora_rank,
+                       startup_s=settings.vllm_startup_s, extra_args=split_args(settings.vllm_args))
+
+
 def _emit(writer: EventWriter, index: int, deltas: tuple[str, str, list[dict[str, Any]]],
           logprobs: list[TokenLogprob] | None) -> None:
     content, reasoning, calls = deltas
@@ -336,7 +392,7 @@ def done_event(result: Any, parsers: list[ChoiceParser | None]) -> DoneEvent:
                                  cached_tokens=result.cached_tokens))
 
 
-def engine_fit(engine: GenerationEngine, prompt_tokens: int, params: SamplingParams, field: str) -> Refusal | None:
+def engine_fit(engine: ServingEngine, prompt_tokens: int, params: SamplingParams, field: str) -> Refusal | None:
     """core.generation_limits.fit_refusal on this engine (its context, rows and cache positions), naming `field`."""
     return fit_refusal(prompt_tokens, params, context_length=engine.context_length,
                        max_batch_size=engine.max_batch_size, max_tokens_in_flight=engine.max_tokens_in_flight,

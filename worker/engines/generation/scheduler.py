@@ -353,6 +353,8 @@ class Scheduler:
         return [*waiting, *self._drop_prefill()]
 
     def _drop_prefill(self) -> list[Request]:
+        if self._cache is None:  # admission only (the vLLM engine's use): nothing was ever prefilled here
+            return []
         dropped = list(self._prefill.requests)
         self._prefill.remove(self.cache, dropped)
         self._prefill.clear(self.cache)
