@@ -37,6 +37,14 @@ print(next(r.split(';')[0] for r in requires('trainserve') if r.startswith('gt-a
     && python -c "import importlib.util as u, sys; import app.main; \
 assert 'torch' not in sys.modules and u.find_spec('torch') is None, 'torch in the api image'" \
     && useradd --create-home --uid 1000 trainserve && mkdir -p /data && chown trainserve:trainserve /data
+# vLLM, the generation engine for GPU hosts (docs/serving.md), with --build-arg WITH_VLLM=1: in its own environment,
+# as the CUDA `vllm` pins its own torch; the worker starts its server from there (TRAINSERVE_VLLM_PYTHON, ignored
+# while that Python does not exist) and, with TRAINSERVE_GENERATION_ENGINE=auto, serves through it on a GPU.
+ARG WITH_VLLM=0
+ARG VLLM_VERSION=0.34.0
+RUN if [ "$WITH_VLLM" = 1 ]; then python -m venv /opt/vllm && /opt/vllm/bin/pip install "vllm==${VLLM_VERSION}" \
+    && /opt/vllm/bin/python -c "import vllm; print('vllm', vllm.__version__)"; fi
+ENV TRAINSERVE_VLLM_PYTHON=/opt/vllm/bin/python
 USER trainserve
 WORKDIR /data
 VOLUME ["/data"]

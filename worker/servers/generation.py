@@ -197,14 +197,9 @@ class GenerationService:
         name = model
         if is_job_model(model):  # a trained job's model (an adapter folded into its base): from the artifact store
             model = str(fetch_full_model(self.storage, model))
-        engine: ServingEngine
         if self._engine_for(name) == "vllm":
-            engine = self._load_vllm(name, model)
-        else:
-            engine = self._load_builtin(model)
-        log.info("generation engine loaded: %s (%s), %.1f MiB of weights", model, type(engine).__name__,
-                 engine.weight_bytes / MB)
-        return engine
+            return self._load_vllm(name, model)
+        return self._load_builtin(model)
 
     def _engine_for(self, name: str) -> str:
         from worker.engines.vllm.server import find_python
@@ -216,7 +211,7 @@ class GenerationService:
         from worker.engines.generation.engine import GenerationEngine
 
         # Also serves the LoRA adapter jobs trained on this model (GenerateTask.adapter), in the same batches.
-        return GenerationEngine(model, device=self.settings.worker_device,
+        engine = GenerationEngine(model, device=self.settings.worker_device,
                                 precision=self.settings.generation_precision,
                                 max_batch_size=self.settings.max_batch_size,
                                 max_tokens_in_flight=self.settings.max_tokens_in_flight,
@@ -230,6 +225,9 @@ class GenerationService:
                                 speculative_max_rows=self.settings.speculative_max_rows,
                                 cancelled_ids=self.cancelled_ids, on_step=metrics.observe_batch,
                                 max_loras=self.settings.max_loras, adapter_folder=self._adapter_folder)
+        log.info("generation engine loaded: %s on %s in %s, %.1f MiB of weights", model, engine.plan.device,
+                 engine.plan.precision, engine.weight_bytes / MB)
+        return engine
 
     def _load_vllm(self, name: str, model: str) -> ServingEngine:
         from worker.engines.vllm.engine import VllmEngine
@@ -239,12 +237,16 @@ class GenerationService:
         if python is None:
             raise VllmUnavailable(INSTALL_HINT)
         options = vllm_options(self.settings, name, python)
-        return VllmEngine(model, options, max_batch_size=self.settings.max_batch_size,
+        engine = VllmEngine(model, options, max_batch_size=self.settings.max_batch_size,
                           max_tokens_in_flight=self.settings.max_tokens_in_flight,
                           max_queue=self.settings.generation_queue_per_model * 4,
                           tenant_queue_share=self.settings.generation_tenant_queue_share,
                           cancelled_ids=self.cancelled_ids, prefix_cache_bytes=int(self.settings.prefix_cache_mb * MB),
                           max_loras=self.settings.max_loras, adapter_folder=self._adapter_folder)
+        log.info("generation engine loaded: %s through vLLM on %s (%s, %d device(s)), %.1f MiB of weights; vLLM's "
+                 "log: %s", model, options.device, options.dtype, options.tensor_parallel, engine.weight_bytes / MB,
+                 engine.server.log_path)
+        return engine
 
     def _adapter_folder(self, job_id: str) -> Path:
         """A LoRA adapter job's folder on this host (fetched once), on a request's thread: off the decode loop."""

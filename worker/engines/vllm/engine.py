@@ -394,6 +394,10 @@ def _lora_rank(folder: Path) -> int | None:
 
 
 def _cores() -> int:
+    """OMP_NUM_THREADS where the worker was given a share of the cores, else every core it may run on."""
     import os
 
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -39,9 +39,9 @@ class VllmUnavailable(RuntimeError):
 
 
 def find_python(configured: str = "") -> str | None:
-    """The Python that runs vLLM's server: `configured`, else the worker's own when it imports vllm, else the CPU
-    build's environment; None when there is none."""
-    if configured:
+    """The Python that runs vLLM's server: `configured` (when that file exists), else the worker's own when it
+    imports vllm, else the CPU build's environment; None when there is none."""
+    if configured and Path(configured).is_file():
         return configured
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable

@@ -1,0 +1,253 @@
+"""Both generation engines through the same routes, one suite: trainserve's own and vLLM (its CPU build, eager).
+
+Each engine gets its own started service (the API, a training and a generation worker as processes) with
+TRAINSERVE_GENERATION_ENGINE set, serving the real SmolLM2-135M-Instruct and a tiny Qwen2 with Qwen 2.5's tool
+template; every test runs against both and asks the same of each, with the official openai client: greedy chat
+equal to HF `generate` in a mixed batch, streaming, seeds, logprobs, stop strings, prefix caching, structured output
+valid, a tool call constrained, a LoRA fine-tune served equal to HF + PEFT, cancel on disconnect, and two tenants
+sharing the engine's rows fairly.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from tests.conftest import INTEGRATION_REDIS, make_key
+from tests.integration.test_lora_jobs import _download
+from tests.service import started_service
+from tests.tiny_adapters import hf_greedy, peft_model
+from tests.tiny_chat import chat_jsonl
+from tests.tiny_tools import ASKS, TOOLS, build_tool_base, tool_conversation
+from tests.worker.test_real_model import CHATS
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+NEW_TOKENS = 24
+ROWS = 4  # TRAINSERVE_MAX_BATCH_SIZE of the generation worker (vLLM's --max-num-seqs)
+
+
+@dataclass(frozen=True)
+class Served:
+    engine: str
+    base: str
+    key: str
+    smollm2: Path
+    tool_base: Path
+
+    def client(self, key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=key or self.key, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module", params=["builtin", "vllm"])
+def served(request, pg_url, tmp_path_factory) -> Served:
+    from trainserve.real_models import build_smollm2
+    from worker.engines.vllm.server import find_python
+
+    engine = request.param
+    if engine == "vllm" and find_python() is None:
+        pytest.skip("vLLM's CPU build is not installed: `make vllm` (make test does)")
+    root = tmp_path_factory.mktemp(f"engine-{engine}")
+    home = root / "home"
+    (home / "models").mkdir(parents=True)
+    smollm2 = build_smollm2()
+    (home / "models" / "smollm2").symlink_to(smollm2)  # a fine-tune of it reads the link's target (a model root)
+    # Heads of 32: vLLM's CPU attention has no kernel for narrower ones.
+    tool_base = build_tool_base(home / "models" / "tiny-qwen", [tool_conversation(*ask) for ask in ASKS],
+                                hidden_size=128)
+    with started_service(pg_url, INTEGRATION_REDIS, home, root, TRAINSERVE_GENERATION_ENGINE=engine,
+                         TRAINSERVE_MAX_BATCH_SIZE=str(ROWS), TRAINSERVE_GENERATION_WAIT_S="300",
+                         TRAINSERVE_MAX_TOKENS_IN_FLIGHT="16384", TRAINSERVE_MODEL_ROOTS=str(smollm2.parent)) as base:
+        served = Served(engine, base, make_key(pg_url, tenant="engines"), smollm2, tool_base)
+        api = served.client()
+        for model in ("smollm2", "tiny-qwen"):  # each model's first request waits for its engine to load
+            api.completions.create(model=model, prompt="Hi", max_tokens=1, timeout=600)
+        yield served
+
+
+@pytest.fixture(scope="module")
+def hf_chats(served) -> list[list[int]]:
+    """HF `generate`'s greedy tokens for each chat of CHATS, one at a time (no padding), fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(served.smollm2)
+    model = AutoModelForCausalLM.from_pretrained(served.smollm2, dtype=torch.float32).eval()
+    prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
+               for c in CHATS]
+    return [hf_greedy(model, list(ids), NEW_TOKENS) for ids in prompts]
+
+
+def test_greedy_chat_in_a_mixed_batch_equals_hf_generate(served, hf_chats) -> None:
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(served.smollm2)
+    api = served.client()
+
+    def chat(messages):
+        return api.chat.completions.create(model="smollm2", messages=messages, max_tokens=NEW_TOKENS, temperature=0)
+
+    with ThreadPoolExecutor(len(CHATS)) as pool:  # decoded together
+        replies = list(pool.map(chat, CHATS))
+    for reply, tokens in zip(replies, hf_chats, strict=True):
+        assert reply.choices[0].message.content == tokenizer.decode(tokens, skip_special_tokens=True)
+        ended = tokens[-1] == tokenizer.eos_token_id
+        assert reply.choices[0].finish_reason == ("stop" if ended else "length")
+        assert reply.usage.completion_tokens == len(tokens)
+
+
+def test_streaming_seeds_logprobs_stop_and_prefix_cache(served) -> None:
+    api = served.client()
+    messages = CHATS[1]
+    whole = api.chat.completions.create(model="smollm2", messages=messages, max_tokens=NEW_TOKENS, temperature=0)
+    chunks = list(api.chat.completions.create(model="smollm2", messages=messages, max_tokens=NEW_TOKENS,
+                                              temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+
+    def sampled():
+        return api.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=12, temperature=1.0,
+                                      n=2, seed=7, logprobs=2)
+
+    first, second = sampled(), sampled()
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]  # a seed means one answer
+    assert first.choices[0].text != first.choices[1].text  # choice i is seeded seed + i
+    logprobs = first.choices[0].logprobs
+    assert logprobs.tokens and len(logprobs.tokens) == len(logprobs.top_logprobs) == len(logprobs.token_logprobs)
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+
+    stop = whole.choices[0].message.content.split()[2]  # a word of the greedy answer: the answer ends before it
+    stopped = api.chat.completions.create(model="smollm2", messages=messages, max_tokens=NEW_TOKENS,
+                                          temperature=0, stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert whole.choices[0].message.content.startswith(stopped.choices[0].message.content)
+    assert stop not in stopped.choices[0].message.content
+
+    system = "You are a careful assistant. " + " ".join(f"Rule {i}: answer in plain words." for i in range(60))
+    for _ in range(2):  # the second request finds the long system prompt's blocks cached
+        reply = api.chat.completions.create(model="smollm2", max_tokens=2, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": "Hi"}])
+    assert reply.usage.prompt_tokens_details.cached_tokens >= 128, reply.usage
+
+
+def test_structured_output_is_valid(served) -> None:
+    api = served.client()
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"], "additionalProperties": False}
+    for temperature in (0, 1.0):
+        reply = api.chat.completions.create(
+            model="smollm2", max_tokens=60, temperature=temperature, seed=3,
+            messages=[{"role": "user", "content": "Name a big city and its population as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+        jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    choice = api.completions.create(model="smollm2", prompt="Is the sky blue? Answer:", max_tokens=5,
+                                    temperature=1.0, extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].text in ("yes", "no")
+    regex = api.completions.create(model="smollm2", prompt="A phone number:", max_tokens=20, temperature=1.0,
+                                   extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"})
+    assert len(regex.choices[0].text) == 8 and regex.choices[0].text[3] == "-"
+    bad = httpx.post(f"{served.base}/v1/chat/completions", headers={"Authorization": f"Bearer {served.key}"},
+                     timeout=120, json={"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
+                                        "response_format": {"type": "json_schema", "json_schema": {
+                                            "name": "x", "schema": {"type": "array", "uniqueItems": True}}}})
+    assert bad.status_code == 422 and "response_format" in bad.text, bad.text  # refused alike on both engines
+
+
+PICK = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                        "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["colour", "count"], "additionalProperties": False}
+
+
+def test_a_tool_call_is_constrained_to_the_schema(served) -> None:
+    """A random model (the tiny Qwen2's weights are untrained): only the grammar makes its calls parse and validate;
+    the schema is bounded, so every call closes within max_tokens."""
+    api = served.client()
+    tools = [*TOOLS, {"type": "function", "function": {"name": "pick", "description": "Pick a colour and a count",
+                                                      "parameters": PICK}}]
+    for seed in (5, 6):
+        reply = api.chat.completions.create(model="tiny-qwen", messages=[{"role": "user", "content": "Pick one."}],
+                                            tools=tools, tool_choice={"type": "function", "function": {"name": "pick"}},
+                                            temperature=1.0, max_tokens=120, seed=seed)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert [c.function.name for c in choice.message.tool_calls] == ["pick"]
+        jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), PICK)
+
+
+def test_a_lora_fine_tune_is_served_equal_to_hf_peft(served, tmp_path) -> None:
+    api = served.client()
+    training = api.files.create(file=("blue.jsonl", chat_jsonl("Blue.", repeat=2)), purpose="fine-tune")
+    job = api.fine_tuning.jobs.create(
+        model="smollm2", training_file=training.id, seed=1,
+        method={"type": "supervised", "supervised": {"hyperparameters": {
+            "batch_size": 2, "max_steps": 6, "learning_rate": 1e-3, "precision": "fp32", "block_size": 64}}},
+        extra_body={"adapter": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}})
+    deadline = time.monotonic() + 600
+    while (job := api.fine_tuning.jobs.retrieve(job.id)).status not in ("succeeded", "failed", "cancelled"):
+        assert time.monotonic() < deadline, f"job {job.id} still {job.status}"
+        time.sleep(2)
+    assert job.status == "succeeded", job.error
+    messages = [{"role": "user", "content": "What colour is the sky?"}]
+    reply = api.chat.completions.create(model=job.fine_tuned_model, messages=messages, max_tokens=NEW_TOKENS,
+                                        temperature=0)
+    with httpx.Client(base_url=served.base, headers={"Authorization": f"Bearer {served.key}"}, timeout=120) as c:
+        folder = _download(c, c.get(f"/jobs/{job.id}").json(), tmp_path / "adapter")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(served.smollm2)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    tuned = hf_greedy(peft_model(served.smollm2, folder), list(ids), NEW_TOKENS)
+    assert reply.choices[0].message.content == tokenizer.decode(tuned, skip_special_tokens=True)
+    assert tuned != hf_greedy(peft_model(served.smollm2, None), list(ids), NEW_TOKENS)  # the adapter did steer
+
+
+def _open_and_leave(base: str, key: str) -> None:
+    """A long streamed completion whose client goes away after its first chunk."""
+    with httpx.Client(timeout=300) as client, client.stream(
+            "POST", f"{base}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+            json={"model": "smollm2", "prompt": "Write a very long story.", "max_tokens": 1000, "temperature": 1.0,
+                  "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                return
+
+
+def test_clients_that_leave_free_their_rows(served) -> None:
+    """Every row is taken by a long stream whose client leaves; a request after them is served at once (the
+    1000-token streams, had they gone on, would hold every row for about a minute)."""
+    with ThreadPoolExecutor(ROWS) as pool:
+        list(pool.map(lambda _: _open_and_leave(served.base, served.key), range(ROWS)))
+    started = time.monotonic()
+    reply = served.client().completions.create(model="smollm2", prompt="Hello", max_tokens=4, temperature=0,
+                                               timeout=60)
+    assert reply.usage.completion_tokens == 4 and time.monotonic() - started < 30
+
+
+def test_a_flood_of_one_tenant_does_not_hold_another_back(served, pg_url) -> None:
+    """Tenant A sends three waves of requests (3 x ROWS); tenant B's one request, sent after them, takes the next
+    free row (A's turn comes after it): it ends before A's last wave does. First come first served would put it
+    after all of A's."""
+    flood, other = served.client(), served.client(make_key(pg_url, tenant="engines-other"))
+    done: dict[str, list[float]] = {"a": [], "b": []}
+    lock = threading.Lock()
+
+    def ask(api: openai.OpenAI, who: str) -> None:
+        api.completions.create(model="smollm2", prompt=f"Count slowly ({who}):", max_tokens=48, temperature=0,
+                               timeout=600)
+        with lock:
+            done[who].append(time.monotonic())
+
+    with ThreadPoolExecutor(3 * ROWS + 1) as pool:
+        futures = [pool.submit(ask, flood, "a") for _ in range(3 * ROWS)]
+        time.sleep(1.0)  # A's requests are all in: ROWS running, the rest waiting
+        futures.append(pool.submit(ask, other, "b"))
+        for future in futures:
+            future.result()
+    assert done["b"][0] < sorted(done["a"])[-ROWS], done
