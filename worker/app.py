@@ -6,7 +6,14 @@ import os
 import threading
 from typing import Any
 
-from celery.signals import setup_logging, task_postrun, task_prerun, worker_ready, worker_shutting_down
+from celery.signals import (
+    setup_logging,
+    task_postrun,
+    task_prerun,
+    worker_ready,
+    worker_shutdown,
+    worker_shutting_down,
+)
 
 from core.celery_app import make_celery
 from worker.context import WorkerContext, takes_training_jobs
@@ -54,6 +61,13 @@ def context() -> WorkerContext:
 def _on_shutdown(**_: Any) -> None:
     # A running fine-tune sees this between steps: it checkpoints and goes back to the queue.
     _shutdown.set()
+
+
+@worker_shutdown.connect
+def _close_services(**_: Any) -> None:
+    """The process's services let go of what they hold (a vLLM engine's server) as the worker exits."""
+    if _context is not None:
+        _context.close()
 
 
 @worker_ready.connect

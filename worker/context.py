@@ -65,7 +65,14 @@ class WorkerContext:
             return self._services[name]  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        """Release pooled connections (tests, and a worker shutting down)."""
+        """Close the services that hold something (the generation engines: a vLLM server each), then release pooled
+        connections (tests, and a worker shutting down)."""
+        with self._lock:
+            services, self._services = list(self._services.values()), {}
+        for service in services:
+            close = getattr(service, "close", None)
+            if callable(close):
+                close()
         if "engine" in self.__dict__:
             self.engine.dispose()
         if "redis" in self.__dict__:

@@ -24,6 +24,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from tests.conftest import INTEGRATION_REDIS, make_key
+from tests.integration.conftest import wait_for
 from tests.integration.test_lora_jobs import _download
 from tests.service import started_service
 from tests.tiny_adapters import hf_greedy, peft_model
@@ -72,6 +73,21 @@ def served(request, pg_url, tmp_path_factory) -> Served:
         for model in ("smollm2", "tiny-qwen"):  # each model's first request waits for its engine to load
             api.completions.create(model=model, prompt="Hi", max_tokens=1, timeout=600)
         yield served
+    # The generation worker stopped: every vLLM server it started (one per model) stopped with it.
+    wait_for(lambda: not _vllm_servers(str(tool_base)), 60, "the worker's vLLM servers to stop")
+
+
+def _vllm_servers(model: str) -> list[int]:
+    """Processes whose command line runs vLLM's server on `model`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in command and model.encode() in command:
+            found.append(int(entry.name))
+    return found
 
 
 @pytest.fixture(scope="module")

@@ -137,3 +137,20 @@ def test_the_worker_metrics_read_the_warm_engines_at_each_scrape(models) -> None
     assert samples[("trainserve_generation_draft_tokens_accepted_total", model)] == stats["accepted_draft_tokens"]
     assert samples[("trainserve_generation_sequences_running", model)] == 0
     assert samples[("trainserve_generation_requests_waiting", model)] == 0
+
+
+def test_an_engine_that_stopped_serving_is_loaded_again(models) -> None:
+    """An engine that is no longer alive (a vLLM server whose engine core died) is replaced on its next use, once no
+    request holds it; one in use is left to its requests."""
+    registry = EngineRegistry(_engine, budget_bytes=10**12, footprint=_footprint, alive=lambda e: e.alive())
+    try:
+        with registry.use(str(models["a"])) as first:
+            first.close()  # stands in for a server that died
+            with registry.use(str(models["a"])) as held:
+                assert held is first  # in use: not replaced under its requests
+        assert not first.alive()
+        with registry.use(str(models["a"])) as again:
+            assert again is not first and again.alive() and _say(again)
+        assert registry.loaded() == [str(models["a"])]
+    finally:
+        registry.close()

@@ -14,7 +14,8 @@ The contract both keep:
   the tenant's share of it is full (429), DeadlineExceeded when it waited past its deadline (504), EngineClosed.
 - Cancel: `cancelled_ids` (given at construction) names the requests whose callers went away; they end "cancelled".
 - `read_adapter(name)`: a LoRA adapter of this base, loaded (ValueError when this engine cannot serve it).
-- `stats()`: occupancy and counters; `weight_bytes` and `prefix_cache_bytes`: what an idle engine holds.
+- `stats()`: occupancy and counters; `weight_bytes` and `prefix_cache_bytes`: what an idle engine holds;
+  `alive()`: False once it cannot serve (the worker's registry then loads the model again).
 """
 
 from __future__ import annotations
@@ -53,5 +54,9 @@ class ServingEngine(Protocol):
                batch: bool = False) -> Future[GenerationResult]: ...
 
     def stats(self) -> dict[str, Any]: ...
+
+    def alive(self) -> bool:
+        """Whether it can still serve (False once closed, or once vLLM's server or engine core died)."""
+        ...
 
     def close(self) -> None: ...

@@ -76,11 +76,12 @@ class EngineRegistry(Generic[EngineT]):
     Loading a model holds only that model's lock, so requests for models already loaded go on meanwhile.
     """
 
-    def __init__(self, build: Callable[[str], EngineT], budget_bytes: int, footprint: Callable[[EngineT], int]
-                 ) -> None:
+    def __init__(self, build: Callable[[str], EngineT], budget_bytes: int, footprint: Callable[[EngineT], int],
+                 alive: Callable[[EngineT], bool] | None = None) -> None:
         self.build = build
         self.budget_bytes = budget_bytes
         self.footprint = footprint
+        self.alive = alive  # an engine that is not (its vLLM server died) is replaced when next used, once idle
         self._entries: OrderedDict[str, _Entry[EngineT]] = OrderedDict()
         self._loading: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()  # guards the two dicts above; never held while a model loads
@@ -143,6 +144,11 @@ class EngineRegistry(Generic[EngineT]):
 
     def _hit(self, model: str) -> _Entry[EngineT] | None:
         entry = self._entries.get(model)
+        if entry is not None and entry.users == 0 and self.alive is not None and not self.alive(entry.engine):
+            log.warning("generation engine %s is no longer alive: loading it again", model)
+            del self._entries[model]
+            threading.Thread(target=entry.engine.close, daemon=True).start()  # never under the registry's lock
+            return None
         if entry is not None:
             entry.users += 1
             self._entries.move_to_end(model)
@@ -181,12 +187,17 @@ class GenerationService:
         self.redis = redis
         self.storage = storage
         self.events = EventPump(redis)
-        self.registry = EngineRegistry(self._load, int(settings.generation_memory_budget_mb * MB), _footprint)
+        self.registry = EngineRegistry(self._load, int(settings.generation_memory_budget_mb * MB), _footprint,
+                                       alive=lambda engine: engine.alive())
         metrics.ENGINE_STATE.source = self.engine_stats  # the worker's scrapes read this service's engines
 
     def engine_stats(self) -> list[tuple[str, dict[str, Any]]]:
         """(model, stats) of each warm engine, for the worker's metrics."""
         return [(model, engine.stats()) for model, engine in self.registry.warm()]
+
+    def close(self) -> None:
+        """Stop every warm engine (a vLLM engine stops its server): the worker is shutting down."""
+        self.registry.close()
 
     @classmethod
     def build(cls, ctx: WorkerContext) -> GenerationService:

