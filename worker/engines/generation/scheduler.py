@@ -150,8 +150,10 @@ class Scheduler:
 
     # -- admission (the engine's scheduler thread) --
 
-    def admit(self, gone: Collection[int], now: float, adapters: AdapterSlots | None) -> Admission:
-        """Drop expired and cancelled (`gone`: their id()s) waiting requests, then admit what fits, tenants in turn."""
+    def admit(self, gone: Collection[int], now: float, adapters: AdapterSlots | None, *, start: bool = True
+              ) -> Admission:
+        """Drop expired and cancelled (`gone`: their id()s) waiting requests, then (unless `start` is False: the
+        engine admits nothing for now) admit what fits, tenants in turn."""
         outcome = Admission()
         for queue in self._waiting.values():
             for request in list(queue):
@@ -161,6 +163,8 @@ class Scheduler:
                     outcome.expired.append(request)
         for request in [*outcome.cancelled, *outcome.expired]:
             self._unqueue(request)
+        if not start:
+            return outcome
         rows = sum(self._running_rows.values())
         for interactive in (True, False):
             rows = self._admit_class(interactive, rows, adapters, outcome)

@@ -92,7 +92,8 @@ class ServerSpec:
     prefix_caching: bool
     max_loras: int
     max_lora_rank: int
-    threads: int  # on a CPU: OMP threads of its engine core
+    threads: int  # on a CPU: OMP threads of its engine core, bound one per core
+    lora: bool = True  # --enable-lora (on a CPU it halves decode throughput: enabled when an adapter is first asked)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def command(self, port: int) -> list[str]:
@@ -100,13 +101,14 @@ class ServerSpec:
                 "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", self.dtype, "--max-num-seqs", str(self.max_num_seqs),
                 "--max-model-len", str(self.max_model_len), "--tensor-parallel-size", str(self.tensor_parallel),
-                "--enable-lora", "--max-loras", str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank),
                 # trainserve compiles grammars with llguidance (sampling/grammar.py): vLLM uses the same library,
                 # so a tool-call grammar written in llguidance's Lark reads the same on both engines; JSON without
                 # free whitespace, as the built-in's (a bounded schema closes within a bounded number of tokens).
                 "--structured-outputs-config", json.dumps({"backend": "guidance", "disable_any_whitespace": True}),
                 "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
         args.append("--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching")
+        if self.lora:
+            args += ["--enable-lora", "--max-loras", str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank)]
         if self.enforce_eager:
             args.append("--enforce-eager")
         if self.device == "cuda":
@@ -119,10 +121,19 @@ class ServerSpec:
         env.pop("PYTHONPATH", None)  # the worker's packages must not shadow the server environment's own
         if self.device == "cpu":
             env.update(VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), OMP_NUM_THREADS=str(self.threads))
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
+            if "VLLM_CPU_OMP_THREADS_BIND" not in env:
+                # One engine thread per core, none reserved: vLLM's `auto` keeps a core for its API server and ran
+                # 16 streams at 0.7x the tokens/s of every core bound, measured on 2 cores (docs/guides/serving.md).
+                env.update(VLLM_CPU_OMP_THREADS_BIND=cpu_list(self.threads), VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         elif self.visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.visible_devices
         return env
+
+
+def cpu_list(threads: int) -> str:
+    """The first `threads` cores this process may run on, as vLLM's VLLM_CPU_OMP_THREADS_BIND lists them."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return ",".join(str(core) for core in cores[:max(1, threads)])
 
 
 def split_args(text: str) -> tuple[str, ...]:
