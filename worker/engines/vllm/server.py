@@ -123,7 +123,7 @@ class ServerSpec:
             env.update(VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), OMP_NUM_THREADS=str(self.threads))
             if "VLLM_CPU_OMP_THREADS_BIND" not in env:
                 # One engine thread per core, none reserved: vLLM's `auto` keeps a core for its API server and ran
-                # 16 streams at 0.7x the tokens/s of every core bound, measured on 2 cores (docs/guides/serving.md).
+                # 16 streams at 0.73x the tokens/s of every core bound on 2 cores (bench/vllm_cpu_settings.py).
                 env.update(VLLM_CPU_OMP_THREADS_BIND=cpu_list(self.threads), VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         elif self.visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.visible_devices
