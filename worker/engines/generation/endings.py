@@ -64,6 +64,16 @@ class Endings:
         if not request.future.cancelled():
             request.future.set_result(request.result())
 
+    def dropped(self, expired: Iterable[Request], cancelled: Iterable[Request],
+                failed: Iterable[tuple[Request, BaseException]]) -> None:
+        """What one admission pass dropped while it waited ends: expired, cancelled, failed (e.g. its adapter)."""
+        for request in expired:
+            self.expire(request, f"request {request.request_id} waited past its deadline")
+        for request in cancelled:
+            self.cancel(request)
+        for request, error in failed:
+            self.fail(request, error)
+
     def close(self, requests: Iterable[Request], error: BaseException) -> None:
         """The engine closed: every request not ended yet fails with `error` (uncounted)."""
         for request in requests:

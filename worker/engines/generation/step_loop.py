@@ -148,12 +148,7 @@ class StepLoop:
 
     def _settle(self, plan: StepPlan, left: list[SequenceState]) -> None:
         """The requests the plan dropped end, as do the running ones cancelled this turn (their rows have left)."""
-        for request in plan.expired:
-            self.endings.expire(request, f"request {request.request_id} waited past its deadline")
-        for request in plan.cancelled:
-            self.endings.cancel(request)
-        for request, error in plan.failed:
-            self.endings.fail(request, error)
+        self.endings.dropped(plan.expired, plan.cancelled, plan.failed)
         if plan.admitted:
             self.endings.count(cached_prompt_tokens=sum(r.cached_tokens for r in plan.admitted))
         self._resolve(left)

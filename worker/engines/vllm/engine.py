@@ -354,12 +354,7 @@ class VllmEngine:
                 self._running[id(request)] = run
                 started.append(run)
             self._endings.peak(sum(r.request.params.n for r in self._running.values()))
-        for request in admission.expired:
-            self._endings.expire(request, f"request {request.request_id} waited past its deadline")
-        for request in admission.cancelled:
-            self._endings.cancel(request)
-        for request, error in admission.failed:
-            self._endings.fail(request, error)
+        self._endings.dropped(admission.expired, admission.cancelled, admission.failed)
         for run in started:
             for index in range(run.request.params.n):
                 self._streams.submit(self._stream_choice, run, index)
