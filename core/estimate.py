@@ -31,6 +31,8 @@ LORA_SHAPES = {"q_proj": "q", "query": "q", "k_proj": "k", "key": "k", "v_proj":
                "down_proj": "down", "dense": "o", "c_proj": "o", "c_attn": "q"}
 # Hugging Face modules keep about twice the minimal set of activations for backward (see training_memory).
 ACTIVATION_FACTOR = 2.0
+# Logit values one chunk of the chunked loss holds (worker.engines.training.token_loss): 64 MB in fp32.
+CHUNK_VALUES = 2**24
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class MemoryEstimate:
     activations_bytes: int  # saved for backward over one micro-batch, the output logits included
     runtime_bytes: int
     tokens: int  # in one micro-batch: batch_size x sequence length
+    checkpointing: bool = False  # gradient checkpointing: each layer's activations recomputed in backward
 
     @property
     def total_bytes(self) -> int:
@@ -76,7 +79,8 @@ class MemoryEstimate:
         """'9.1 GB (1.2B parameters: 8.5 GB of weights, gradients and AdamW states, ...)' for error messages."""
         return (f"{format_bytes(self.total_bytes)} ({_count(self.parameters)} parameters: "
                 f"{format_bytes(self.states_bytes)} of weights, gradients and AdamW states, "
-                f"{format_bytes(self.activations_bytes)} of activations for {self.tokens} tokens per micro-batch, "
+                f"{format_bytes(self.activations_bytes)} of activations for {self.tokens} tokens per micro-batch"
+                f"{' with gradient checkpointing' if self.checkpointing else ''}, "
                 f"{format_bytes(self.runtime_bytes)} of runtime)")
 
 
@@ -151,9 +155,22 @@ def adapter_parameter_count(arch: Architecture, r: int, target_modules: str | Se
     return arch.layers * per_layer + new_head
 
 
+def fitting_memory(arch: Architecture, *, limit: int | None, checkpointing: bool | None,
+                   **kwargs: Any) -> MemoryEstimate:
+    """training_memory with gradient checkpointing as the job asks, or (None: auto) on only when the job does not
+    fit `limit` bytes without it: recomputing each layer costs about a third more compute per step."""
+    if checkpointing is None:
+        plain = training_memory(arch, checkpointing=False, **kwargs)
+        if limit is None or plain.total_bytes <= limit:
+            return plain
+        checkpointing = True
+    return training_memory(arch, checkpointing=checkpointing, **kwargs)
+
+
 def training_memory(arch: Architecture, *, head: Head, batch_size: int, seq_len: int, precision: str,
-                    fused_attention: bool = True, num_labels: int = 2,
-                    trainable: int | None = None) -> MemoryEstimate:
+                    fused_attention: bool = True, num_labels: int = 2, trainable: int | None = None,
+                    checkpointing: bool = False, chunked_loss: bool = False,
+                    loss_tokens: int | None = None) -> MemoryEstimate:
     """Peak memory of one AdamW step over a micro-batch of batch_size sequences of seq_len tokens.
 
     Assumptions, matching the engines: weights, gradients and both AdamW moments in fp32 (16 bytes per
@@ -170,6 +187,11 @@ def training_memory(arch: Architecture, *, head: Head, batch_size: int, seq_len:
     nothing: the peak is one micro-batch. Checked against measured peaks in tests/unit/test_estimate.py.
     With `trainable` (a LoRA adapter's parameters, adapter_parameter_count) only those have gradients and
     AdamW moments: the frozen rest holds its fp32 weights (4 bytes each) and autocast's cast copies.
+
+    With `checkpointing` each layer keeps only its input (hidden values per token) and one layer at a time holds
+    its full activations again while backward recomputes it. With `chunked_loss` (token_loss.py) only the
+    `loss_tokens` positions that carry a target (default: all) reach the output layer, CHUNK_VALUES logits at a
+    time: the logits cost one chunk, not the micro-batch.
     """
     parameters = parameter_count(arch, head, num_labels)
     half = precision in ("fp16", "bf16")
@@ -185,12 +207,23 @@ def training_memory(arch: Architecture, *, head: Head, batch_size: int, seq_len:
     per_layer = ACTIVATION_FACTOR * (value * (8 * h + mlp_values) + 2 * h)
     if not fused_attention:
         per_layer += arch.heads * seq_len * (3 * value + 1)
-    per_token = int(arch.layers * per_layer) + value * 3 * h  # and the embeddings' sum, norm and dropout
-    if head == "causal-lm":
-        per_token += arch.vocab * (value + 4 + 4 + (4 if half else 0))
+    embeddings = value * 3 * h  # the embeddings' sum, norm and dropout
     tokens = batch_size * seq_len
-    return MemoryEstimate(parameters=parameters, states_bytes=states, activations_bytes=tokens * per_token,
-                          runtime_bytes=RUNTIME_BYTES, tokens=tokens)
+    if checkpointing:  # every layer's input, and one layer's activations during its recompute
+        activations = tokens * (arch.layers * value * h + embeddings) + int(tokens * per_layer)
+    else:
+        activations = tokens * (int(arch.layers * per_layer) + embeddings)
+    if head == "causal-lm":
+        # the output layer's logits, their fp32 copy and log-softmax and its gradient (and autocast's copy)
+        per_logit = value + 4 + 4 + (4 if half else 0)
+        if chunked_loss:
+            targets = tokens if loss_tokens is None else min(loss_tokens, tokens)
+            chunk = min(targets, max(1, CHUNK_VALUES // arch.vocab))
+            activations += chunk * arch.vocab * per_logit + targets * 2 * value * h  # and the rows' hidden and grad
+        else:
+            activations += tokens * arch.vocab * per_logit
+    return MemoryEstimate(parameters=parameters, states_bytes=states, activations_bytes=activations,
+                          runtime_bytes=RUNTIME_BYTES, tokens=tokens, checkpointing=checkpointing)
 
 
 def load_model_config(reference: str) -> dict[str, Any] | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Precision = Literal["auto", "fp16", "bf16", "fp32"]
 
@@ -45,6 +45,20 @@ class TrainingHyperparameters(BaseModel):
         None, ge=1, le=10_000, description="Stop after this many evaluations without improvement; null: never.")
     early_stopping_threshold: float = Field(
         0.0, ge=0, le=1e6, description="An improvement must exceed this to count for early stopping.")
+    gradient_checkpointing: bool | None = Field(
+        None, description="Recompute each layer's activations during backward instead of keeping them (about a third "
+        "more compute per step, a fraction of the activation memory); null: on only when the job would not fit "
+        "its device without it.")
+    offload_activations: bool = Field(
+        False, description="With gradient checkpointing, hold the layer inputs it keeps in host memory (on a GPU "
+        "this frees layers x tokens x hidden values of device memory and costs a copy each way).")
+
+    @model_validator(mode="after")
+    def _offload_needs_checkpointing(self) -> TrainingHyperparameters:
+        if self.offload_activations and self.gradient_checkpointing is False:
+            raise ValueError("offload_activations keeps gradient checkpointing's layer inputs: it needs "
+                             "gradient_checkpointing true or null")
+        return self
 
 
 class Hyperparameters(TrainingHyperparameters):

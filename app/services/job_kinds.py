@@ -21,7 +21,7 @@ from core.capacity import largest_device
 from core.chat_data import MAX_LENGTH as CHAT_MAX_LENGTH
 from core.chat_data import longest_tokens
 from core.errors import ValidationFailed
-from core.estimate import Head, adapter_parameter_count, architecture, format_bytes, load_model_config, training_memory
+from core.estimate import Head, adapter_parameter_count, architecture, fitting_memory, format_bytes, load_model_config
 from core.hyperparams import Hyperparameters, LMHyperparameters
 from core.jobspec import KINDS, CausalLMJob, ClassificationJob, JobKind, JobSpec, kind_of, resolve_ref
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
@@ -120,11 +120,13 @@ def causal_lm_fields(settings: Settings, spec: CausalLMJob, train: Dataset, eval
             longest = longest_tokens(train.column_stats)
             seq_len = min(hp.block_size or CHAT_MAX_LENGTH, longest or CHAT_MAX_LENGTH,
                           context if isinstance(context, int) else CHAT_MAX_LENGTH)
+        loss_tokens = None
         if isinstance(spec.method, ReinforcementConfig):  # each prompt trains `samples` rows of prompt + answer
             hp = hp.model_copy(update={"batch_size": hp.batch_size * spec.method.samples})
             seq_len += spec.method.max_completion_tokens
+            loss_tokens = hp.batch_size * spec.method.max_completion_tokens  # only the answers carry a target
         require_fit(settings, base_config, "base_model", head="causal-lm", hp=hp, seq_len=seq_len,
-                    devices=spec.devices, adapter=spec.adapter)
+                    devices=spec.devices, adapter=spec.adapter, loss_tokens=loss_tokens)
         return {"base_model_path": base_path, "labels": []}
     try:
         architecture = validate_model_config(spec.architecture or {})
@@ -142,9 +144,13 @@ def causal_lm_fields(settings: Settings, spec: CausalLMJob, train: Dataset, eval
 
 def require_fit(settings: Settings, model_config: dict[str, Any] | None, model_field: str, *, head: Head,
                 hp: Hyperparameters | LMHyperparameters, seq_len: int, num_labels: int = 2, devices: int = 1,
-                adapter: AdapterConfig | None = None) -> None:
+                adapter: AdapterConfig | None = None, loss_tokens: int | None = None) -> None:
     """Refuse (422 does_not_fit) a job whose estimated peak memory exceeds the largest device a live worker
-    reported, or TRAINSERVE_ASSUMED_DEVICE_BYTES while none has; without a config to estimate from, admit."""
+    reported, or TRAINSERVE_ASSUMED_DEVICE_BYTES while none has; without a config to estimate from, admit.
+
+    The estimate counts the techniques the worker will use: the chunked loss of a causal LM (`loss_tokens` of its
+    positions carry a target, at most) and gradient checkpointing as the job asks, or where it is needed to fit.
+    """
     arch = architecture(model_config) if model_config else None
     if arch is None:
         return  # e.g. a hub id not in the local cache: the worker estimates once it has the config
@@ -161,9 +167,12 @@ def require_fit(settings: Settings, model_config: dict[str, Any] | None, model_f
     # On N devices each one runs a share of every micro-batch (the job's batch_size is the global one).
     trainable = None if adapter is None else adapter_parameter_count(arch, adapter.r, adapter.target_modules, head,
                                                                      num_labels)
-    estimate = training_memory(arch, head=head, batch_size=math.ceil(hp.batch_size / devices), seq_len=seq_len,
-                               precision=precision, fused_attention=device is None or device.is_cuda,
-                               num_labels=num_labels, trainable=trainable)
+    sizes: dict[str, Any] = {
+        "head": head, "batch_size": math.ceil(hp.batch_size / devices), "seq_len": seq_len, "precision": precision,
+        "fused_attention": device is None or device.is_cuda, "num_labels": num_labels, "trainable": trainable,
+        "chunked_loss": head == "causal-lm",
+        "loss_tokens": None if loss_tokens is None else math.ceil(loss_tokens / devices)}
+    estimate = fitting_memory(arch, limit=limit, checkpointing=hp.gradient_checkpointing, **sizes)
     if estimate.total_bytes <= limit:
         return
     where = (f"the largest device a live worker has reported ({device.device} on {device.worker}, "
@@ -172,6 +181,9 @@ def require_fit(settings: Settings, model_config: dict[str, Any] | None, model_f
              "(TRAINSERVE_ASSUMED_DEVICE_BYTES)")
     if estimate.fixed_bytes > limit:
         field, hint = model_field, "use a smaller model"
+    elif not estimate.checkpointing and fitting_memory(arch, limit=limit, checkpointing=True,
+                                                       **sizes).total_bytes <= limit:
+        field, hint = "hyperparameters.gradient_checkpointing", "it fits with gradient checkpointing (true or null)"
     else:
         field, hint = "hyperparameters.batch_size", ("lower batch_size (and raise gradient_accumulation_steps for "
                                                      "the same effective batch) or the sequence length")

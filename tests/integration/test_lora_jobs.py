@@ -78,7 +78,7 @@ def _reply_loss(model, tokenizer, reply: str) -> float:
     examples = [render_chat(tokenizer, [{"role": "user", "content": q}, {"role": "assistant", "content": reply}])
                 for q in ("Hello there!", "What colour is the sky?")]
     with torch.no_grad():
-        return assistant_loss(model, **collate(examples, tokenizer.pad_token_id)).item()
+        return assistant_loss(model, None, **collate(examples, tokenizer.pad_token_id)).item()
 
 
 def test_lora_sft_dpo_and_classification_jobs(live_client, start_worker, settings, tiny_llama_dir, tiny_bert_dir,

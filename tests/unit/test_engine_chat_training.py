@@ -78,7 +78,7 @@ def test_dpo_loss_equals_a_direct_computation_with_a_separate_reference(base):
     pairs = [render_preference(tokenizer, record) for record in _pairs()]
     chosen, rejected = (collate([pair[side] for pair in pairs], tokenizer.pad_token_id) for side in (0, 1))
     beta = 0.3
-    loss, metrics = preference_loss(model, model, chosen, rejected, beta)
+    loss, metrics = preference_loss(model, model, None, chosen, rejected, beta)
 
     reference = AutoModelForCausalLM.from_pretrained(base).eval()  # a second copy: the test's only
     with torch.no_grad():
@@ -110,7 +110,7 @@ def test_chat_fine_tune_with_lora_learns_the_replies(tmp_path, base):
     examples = [render_chat(tokenizer, chat["messages"], max_length=128) for chat in _chats()]
     batch = collate(examples, tokenizer.pad_token_id)
     with torch.no_grad():
-        before = assistant_loss(AutoModelForCausalLM.from_pretrained(base), **batch).item()
+        before = assistant_loss(AutoModelForCausalLM.from_pretrained(base), None, **batch).item()
     result = train_chat(config)
     assert result.status == "completed" and result.manifest["method"] == "sft"
     data = result.manifest["data"]
@@ -118,7 +118,7 @@ def test_chat_fine_tune_with_lora_learns_the_replies(tmp_path, base):
     assert result.metrics["eval_loss"] < before / 2
     trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(result.model_dir)).eval()
     with torch.no_grad():
-        assert assistant_loss(trained, **batch).item() == pytest.approx(result.metrics["eval_loss"], rel=1e-4)
+        assert assistant_loss(trained, None, **batch).item() == pytest.approx(result.metrics["eval_loss"], rel=1e-4)
 
 
 def test_dpo_run_prefers_the_preferred_replies(tmp_path, base):
@@ -154,7 +154,7 @@ def test_tool_call_data_trains_in_full_and_dpo_pairs_carry_tools(tmp_path):
     assert all('"arguments": {' in tokenizer.decode([t for t in e.labels if t != IGNORE]) for e in examples)
     batch = collate(examples, tokenizer.pad_token_id)
     with torch.no_grad():
-        before = assistant_loss(AutoModelForCausalLM.from_pretrained(base), **batch).item()
+        before = assistant_loss(AutoModelForCausalLM.from_pretrained(base), None, **batch).item()
     (tmp_path / "sft").mkdir()
     (tmp_path / "dpo").mkdir()
     result = train_chat(_config(tmp_path / "sft", base, _tool_chats() * 2, adapter=None, learning_rate=3e-3,

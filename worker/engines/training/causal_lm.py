@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -20,7 +19,7 @@ from transformers import (
 )
 
 from core.adapters import AdapterConfig
-from core.estimate import adapter_parameter_count, architecture, training_memory
+from core.estimate import adapter_parameter_count, architecture
 from core.hyperparams import LMHyperparameters, default
 from core.lm_config import DEFAULT_BLOCK_SIZE, resolve_block_size, validate_model_config
 from core.paths import GPT2_TOKENIZER_DIR
@@ -29,7 +28,16 @@ from worker.engines.models import manifest as manifests
 from worker.engines.models.tokenizers import load_tokenizer_files
 from worker.engines.training import adapters, artifacts
 from worker.engines.training import corpus_data as lm_data
-from worker.engines.training.loop import RunConfig, Setup, TrainCallbacks, TrainResult, require_fit, run
+from worker.engines.training.loop import (
+    RunConfig,
+    Setup,
+    TrainCallbacks,
+    TrainResult,
+    fit_memory,
+    run,
+    use_checkpointing,
+)
+from worker.engines.training.token_loss import ModelChecks, probe, target_logprobs
 
 if TYPE_CHECKING:
     from worker.engines.training.loop_types import TrainedModel
@@ -95,15 +103,18 @@ class CausalLMRecipe:
         arch = architecture(self.model_config.to_dict())
         trainable = None if arch is None or config.adapter is None else adapter_parameter_count(
             arch, config.adapter.r, config.adapter.target_modules)
-        estimate = None if arch is None else training_memory(
-            arch, head="causal-lm", batch_size=config.batch_size, seq_len=self.block_size, precision=plan.precision,
-            fused_attention=plan.is_cuda, trainable=trainable)
-        require_fit(estimate, plan, config.memory_limit_bytes)
+        sizes: dict[str, Any] = {"head": "causal-lm", "batch_size": config.batch_size, "seq_len": self.block_size,
+                                 "trainable": trainable}
+        estimate = fit_memory(arch, plan, config, chunked_loss=True, **sizes)
         self.model: TrainedModel = _build_model(config, self.model_config)
         if config.adapter is not None:
             self.model = adapters.apply_adapter(self.model, config.adapter, "causal-lm")
         module: torch.nn.Module = self.model  # (transformers' `to` is typed without its self)
         module.to(plan.device)  # in place for modules
+        self.checks = probe(module, self.model_config.vocab_size, device=plan.device)
+        if self.checks.head is None:  # the plain loss holds every position's logits: estimate (and decide) again
+            estimate = fit_memory(arch, plan, config, chunked_loss=False, **sizes)
+        memory = {"loss": self.checks.loss, "gradient_checkpointing": use_checkpointing(module, estimate, config)}
         adapter = None if config.adapter is None else config.adapter.model_dump()
         accumulation = config.gradient_accumulation_steps
         return Setup(
@@ -115,7 +126,7 @@ class CausalLMRecipe:
                   "num_train_tokens": self.train_set.num_tokens, "block_size": self.block_size,
                   "context_length": self.context},
             hyperparameters={"tokens_per_step": config.batch_size * accumulation * self.block_size,
-                             "block_size": self.block_size, "adapter": adapter},
+                             "block_size": self.block_size, "adapter": adapter, "memory": memory},
         )
 
     def epoch_steps(self, epoch: int) -> list[list[np.ndarray]]:
@@ -127,7 +138,7 @@ class CausalLMRecipe:
     def loss(self, model: torch.nn.Module, micro_batch: np.ndarray) -> torch.Tensor:
         """Mean next-token loss over the blocks (all hold block_size targets, so the mean is per token)."""
         inputs, targets = (t.to(self.plan.device) for t in self.train_set.batch(micro_batch))
-        return next_token_loss(model, inputs, targets)
+        return next_token_loss(model, inputs, targets, self.checks)
 
     def evaluate(self) -> dict[str, float]:
         """Mean next-token loss over the chosen validation blocks and its perplexity."""
@@ -136,7 +147,7 @@ class CausalLMRecipe:
         for start in range(0, len(self.eval_order), batch_size):
             chosen = self.eval_order[start:start + batch_size]
             inputs, targets = (t.to(self.plan.device) for t in self.eval_set.batch(chosen))
-            loss_sum += next_token_loss(self.model, inputs, targets).item() * len(chosen)
+            loss_sum += next_token_loss(self.model, inputs, targets, self.checks).item() * len(chosen)
         loss = loss_sum / max(len(self.eval_order), 1)
         return {"eval_loss": loss, "perplexity": math.exp(min(loss, MAX_PERPLEXITY_LOSS))}
 
@@ -163,12 +174,13 @@ class CausalLMRecipe:
         return manifest
 
 
-def next_token_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting `targets` (inputs shifted by one) from `inputs`."""
-    # Targets are already shifted, so the model's own `labels=` path (which shifts again) is not used;
-    # no cache is wanted while training. Logits go to fp32 because softmax over 50k classes in bf16 is lossy.
-    logits = model(input_ids=inputs, use_cache=False).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+def next_token_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                    checks: ModelChecks | None = None) -> torch.Tensor:
+    """Mean cross-entropy of predicting `targets` (inputs shifted by one) from `inputs`: through the chunked output
+    layer with checks (training/token_loss.py), else the model's own fp32 logits."""
+    # Targets are already shifted, so the model's own `labels=` path (which shifts again) is not used.
+    select = torch.ones_like(targets, dtype=torch.bool)
+    return -target_logprobs(model, checks, input_ids=inputs, targets=targets, select=select).mean()
 
 
 def _check_config(config: LMTrainConfig) -> dict[str, int] | None:

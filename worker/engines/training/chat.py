@@ -14,22 +14,31 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from core.adapters import AdapterConfig, PreferenceConfig
 from core.chat_data import MAX_LENGTH, read_records
 from core.errors import DomainError
-from core.estimate import adapter_parameter_count, architecture, training_memory
+from core.estimate import adapter_parameter_count, architecture
 from core.hyperparams import LMHyperparameters, default
 from worker.engines.device import DevicePlan
 from worker.engines.models import manifest as manifests
 from worker.engines.models.tokenizers import load_tokenizer_files
 from worker.engines.training import adapters, artifacts
 from worker.engines.training import tabular_data as data
-from worker.engines.training.chat_render import IGNORE, Rendered, collate, render_preference, render_record
+from worker.engines.training.chat_render import Rendered, collate, render_preference, render_record
 from worker.engines.training.dpo import preference_loss
-from worker.engines.training.loop import RunConfig, Setup, TrainCallbacks, TrainResult, require_fit, run
+from worker.engines.training.loop import (
+    RunConfig,
+    Setup,
+    TrainCallbacks,
+    TrainResult,
+    fit_memory,
+    run,
+    use_checkpointing,
+)
+from worker.engines.training.packing import pack, saves_work
+from worker.engines.training.token_loss import ModelChecks, probe, shifted_targets, target_logprobs
 
 if TYPE_CHECKING:
     from worker.engines.training.loop_types import TrainedModel
@@ -88,8 +97,10 @@ class ChatRecipe:
         self.eval_set = self._examples(config.eval_file)[0] if config.eval_file is not None else []
         self.lengths = np.array([_length(example) for example in self.train_set])
         rows = config.batch_size * (2 if config.preference else 1)
-        self.model = load_policy(config.base_model, config.adapter, plan, rows=rows, seq_len=int(self.lengths.max()),
-                                 memory_limit_bytes=config.memory_limit_bytes)
+        self.policy = load_policy(config, plan, rows=rows, seq_len=int(self.lengths.max()))
+        self.model = self.policy.model
+        self.arch = architecture(self.model.config.to_dict())
+        self.packed_steps = self.steps = 0
         settings = {"adapter": config.adapter.model_dump() if config.adapter else None,
                     "preference": config.preference.model_dump() if config.preference else None}
         return Setup(
@@ -99,7 +110,7 @@ class ChatRecipe:
                       "gradient_accumulation_steps": config.gradient_accumulation_steps, **settings},
             info={"num_train": len(self.train_set), "num_eval": len(self.eval_set), "dropped": self.dropped,
                   "format": self.format, "train_tokens_per_epoch": sum(map(_tokens, self.train_set))},
-            hyperparameters={"max_length": self.max_length, **settings},
+            hyperparameters={"max_length": self.max_length, **settings, "memory": self.policy.describe()},
         )
 
     def _examples(self, path: Any) -> tuple[list[Example], int]:
@@ -137,15 +148,27 @@ class ChatRecipe:
         return self._loss(model, [self.train_set[i] for i in micro_batch])[0]
 
     def _loss(self, model: torch.nn.Module, examples: list[Example]) -> tuple[torch.Tensor, dict[str, Any]]:
-        device = self.plan.device
+        device, checks = self.plan.device, self.policy.checks
         if self.config.preference is None:
             singles = [e for e in examples if isinstance(e, Rendered)]
-            batch = {k: v.to(device) for k, v in collate(singles, self.pad_id).items()}
-            return assistant_loss(model, **batch), {}
+            if checks.packs and saves_work([len(e.input_ids) for e in singles]):
+                self.packed_steps += model.training
+                batch = {k: v.to(device) for k, v in pack(singles).items()}
+            else:
+                batch = {k: v.to(device) for k, v in collate(singles, self.pad_id).items()}
+            self.steps += model.training
+            return assistant_loss(model, checks, **batch), {}
         pairs = [e for e in examples if isinstance(e, tuple)]
         chosen, rejected = ({k: v.to(device) for k, v in collate([pair[side] for pair in pairs], self.pad_id).items()}
                             for side in (0, 1))
-        return preference_loss(model, self.model, chosen, rejected, self.config.preference.beta)
+        return preference_loss(model, self.model, checks, chosen, rejected, self.config.preference.beta)
+
+    def step_metrics(self) -> dict[str, float]:
+        """The share of the step's micro-batches that ran packed (SFT), then reset."""
+        if not self.steps:
+            return {}
+        share, self.packed_steps, self.steps = self.packed_steps / self.steps, 0, 0
+        return {"packed_fraction": share}
 
     def evaluate(self) -> dict[str, float] | None:
         """Loss over the eval records (per assistant token, or per pair with DPO's reward accuracy)."""
@@ -181,31 +204,51 @@ class ChatRecipe:
         return manifest
 
 
-def load_policy(base_model: str, adapter: AdapterConfig | None, plan: DevicePlan, *, rows: int, seq_len: int,
-                memory_limit_bytes: int | None) -> TrainedModel:
+@dataclass(frozen=True)
+class Policy:
+    """A causal LM ready to tune, with what was decided about its memory."""
+
+    model: TrainedModel
+    checks: ModelChecks  # its output layer for the chunked loss, and whether its rows may pack
+    checkpointing: bool  # gradient checkpointing on
+
+    def describe(self) -> dict[str, Any]:
+        """The manifest's record of the memory techniques the run used."""
+        return {"loss": self.checks.loss, "gradient_checkpointing": self.checkpointing}
+
+
+def load_policy(config: ChatTrainConfig, plan: DevicePlan, *, rows: int, seq_len: int,
+                loss_tokens: int | None = None) -> Policy:
     """The causal LM to tune on plan.device (with its LoRA adapter when given), refused first if the estimate of
-    training `rows` sequences of `seq_len` tokens does not fit."""
-    model_config = AutoConfig.from_pretrained(base_model, trust_remote_code=False)
+    training `rows` sequences of `seq_len` tokens does not fit even with gradient checkpointing; `loss_tokens` is
+    how many of them carry a target at most (the chunked loss's rows)."""
+    model_config = AutoConfig.from_pretrained(config.base_model, trust_remote_code=False)
     arch = architecture(model_config.to_dict())
+    adapter = config.adapter
     trainable = None if arch is None or adapter is None else adapter_parameter_count(arch, adapter.r,
                                                                                      adapter.target_modules)
-    estimate = None if arch is None else training_memory(
-        arch, head="causal-lm", batch_size=rows, seq_len=seq_len, precision=plan.precision,
-        fused_attention=plan.is_cuda, trainable=trainable)
-    require_fit(estimate, plan, memory_limit_bytes)
-    base = AutoModelForCausalLM.from_pretrained(base_model, config=model_config, trust_remote_code=False,
+    sizes: dict[str, Any] = {"head": "causal-lm", "batch_size": rows, "seq_len": seq_len, "trainable": trainable,
+                             "loss_tokens": loss_tokens}
+    estimate = fit_memory(arch, plan, config, chunked_loss=True, **sizes)
+    base = AutoModelForCausalLM.from_pretrained(config.base_model, config=model_config, trust_remote_code=False,
                                                 use_safetensors=True)
     model: TrainedModel = base if adapter is None else adapters.apply_adapter(base, adapter, "causal-lm")
     module: torch.nn.Module = model  # (transformers' `to` is typed without its self)
     module.to(plan.device)
-    return model
+    checks = probe(module, model_config.vocab_size, device=plan.device)
+    if checks.head is None:  # the plain loss holds every position's logits: estimate (and decide) again
+        estimate = fit_memory(arch, plan, config, chunked_loss=False, **sizes)
+    return Policy(model, checks, use_checkpointing(module, estimate, config))
 
 
-def assistant_loss(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the labelled (assistant) tokens."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
-    return F.cross_entropy(logits.float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE)
+def assistant_loss(model: torch.nn.Module, checks: ModelChecks | None, input_ids: torch.Tensor,
+                   labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy over the labelled (assistant) tokens (labels not shifted)."""
+    targets, select = shifted_targets(labels)
+    logprobs = target_logprobs(model, checks, input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids, targets=targets, select=select)
+    return -logprobs.mean()
 
 
 def _tokens(example: Example) -> int:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from core.adapters import AdapterConfig
-from core.estimate import adapter_parameter_count, architecture, training_memory
+from core.estimate import adapter_parameter_count, architecture
 from core.hyperparams import Hyperparameters, default
 from worker.engines.device import DevicePlan
 from worker.engines.models import encoder_batches as batching
@@ -25,10 +25,11 @@ from worker.engines.training.loop import (
     Setup,
     TrainCallbacks,
     TrainResult,
+    fit_memory,
     lr_at,
-    require_fit,
     run,
     split_micro_batches,
+    use_checkpointing,
 )
 
 if TYPE_CHECKING:
@@ -85,10 +86,8 @@ class ClassifierRecipe:
         adapter = config.adapter
         trainable = None if arch is None or adapter is None else adapter_parameter_count(
             arch, adapter.r, adapter.target_modules, "classifier", len(self.labels))
-        estimate = None if arch is None else training_memory(
-            arch, head="classifier", batch_size=config.batch_size, seq_len=longest, precision=plan.precision,
-            fused_attention=plan.is_cuda, num_labels=len(self.labels), trainable=trainable)
-        require_fit(estimate, plan, config.memory_limit_bytes)
+        estimate = fit_memory(arch, plan, config, head="classifier", batch_size=config.batch_size, seq_len=longest,
+                              num_labels=len(self.labels), trainable=trainable)
         self.model: TrainedModel = _load_model(config.base_model, self.labels, attention_implementation(plan))
         cls_only = last_layer_at_cls(self.model)
         if config.freeze_word_embeddings:
@@ -98,6 +97,7 @@ class ClassifierRecipe:
         settings = {"adapter": adapter.model_dump()} if adapter else {}
         module: torch.nn.Module = self.model  # (transformers' `to` is typed without its self)
         module.to(plan.device)  # in place for modules
+        checkpointing = use_checkpointing(module, estimate, config)
         num_eval = len(self.eval_set) if self.eval_set is not None else 0
         return Setup(
             model=self.model, num_examples=len(self.train_set), units_per_example=1,
@@ -107,7 +107,8 @@ class ClassifierRecipe:
             info={"num_train": len(self.train_set), "num_eval": num_eval, "labels": self.labels},
             hyperparameters={"max_length": config.max_length, "length_grouped": True, "last_layer_at_cls": cls_only,
                              "attention": self.model.config._attn_implementation,
-                             "freeze_word_embeddings": config.freeze_word_embeddings, **settings},
+                             "freeze_word_embeddings": config.freeze_word_embeddings, **settings,
+                             "memory": {"gradient_checkpointing": checkpointing}},
             sparse_tables=(input_embeddings(self.model),),
         )
 

@@ -16,17 +16,18 @@ import torch
 import torch.nn.functional as F
 
 from worker.engines.training.chat_render import IGNORE
+from worker.engines.training.token_loss import ModelChecks, shifted_targets, target_logprobs
 
 
-def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      labels: torch.Tensor) -> torch.Tensor:
+def sequence_logprobs(model: torch.nn.Module, checks: ModelChecks | None, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per row, the summed log-probability of its labelled tokens (labels not shifted; IGNORE elsewhere)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
-    targets = labels[:, 1:]
-    # fp32 log-softmax: a bf16 one over the vocabulary loses the small differences DPO works on.
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    picked = torch.gather(logprobs, 2, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (picked * (targets != IGNORE)).sum(dim=-1)
+    # fp32 log-probabilities (token_loss): bf16 ones over the vocabulary lose the small differences DPO works on.
+    targets, select = shifted_targets(labels)
+    logprobs = target_logprobs(model, checks, input_ids=input_ids, attention_mask=attention_mask, targets=targets,
+                               select=select)
+    rows = select.nonzero()[:, 0]
+    return torch.zeros(labels.shape[0], dtype=logprobs.dtype, device=logprobs.device).index_add(0, rows, logprobs)
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, reference_chosen: torch.Tensor,
@@ -40,7 +41,7 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, referen
                   "reward_margin": (chosen_rewards - rejected_rewards).detach().mean()}
 
 
-def preference_loss(forward: torch.nn.Module, adapted: Any, chosen: dict[str, torch.Tensor],
+def preference_loss(forward: torch.nn.Module, adapted: Any, checks: ModelChecks | None, chosen: dict[str, torch.Tensor],
                     rejected: dict[str, torch.Tensor], beta: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPO loss of a batch of pairs (collated rows); the reference is `adapted` with its adapter switched off.
 
@@ -49,8 +50,8 @@ def preference_loss(forward: torch.nn.Module, adapted: Any, chosen: dict[str, to
     pairs = chosen["input_ids"].shape[0]
     batch = _stack(chosen, rejected)
     with torch.no_grad(), adapted.disable_adapter():
-        reference = sequence_logprobs(forward, batch["input_ids"], batch["attention_mask"], batch["labels"])
-    policy = sequence_logprobs(forward, batch["input_ids"], batch["attention_mask"], batch["labels"])
+        reference = sequence_logprobs(forward, checks, batch["input_ids"], batch["attention_mask"], batch["labels"])
+    policy = sequence_logprobs(forward, checks, batch["input_ids"], batch["attention_mask"], batch["labels"])
     return dpo_loss(policy[:pairs], policy[pairs:], reference[:pairs], reference[pairs:], beta)
 
 

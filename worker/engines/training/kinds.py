@@ -46,7 +46,8 @@ RUN_HYPERPARAMETERS: Mapping[str, str | None] = {
     "max_steps": "max_steps", "warmup_ratio": "warmup_ratio",
     "gradient_accumulation_steps": "gradient_accumulation_steps", "precision": "precision",
     "eval_steps": "eval_steps", "metric_for_best": None, "early_stopping_patience": "early_stopping_patience",
-    "early_stopping_threshold": "early_stopping_threshold"}
+    "early_stopping_threshold": "early_stopping_threshold", "gradient_checkpointing": "gradient_checkpointing",
+    "offload_activations": "offload_activations"}
 
 
 class UnknownHyperparameter(ValueError):

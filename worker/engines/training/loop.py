@@ -33,10 +33,11 @@ from worker.engines.training.loop_helpers import (
     build_adamw,
     check_config,
     checkpoint_due,
+    fit_memory,
     lr_at,
-    require_fit,
     seed_everything,
     split_micro_batches,
+    use_checkpointing,
 )
 from worker.engines.training.loop_types import (
     MAX_GRAD_NORM,
@@ -54,8 +55,8 @@ from worker.engines.training.tabular_data import steps_per_epoch
 
 # The loop's public names, importable from here as before the split (callers, recipes, tests, benchmarks).
 __all__ = ["MAX_GRAD_NORM", "DoesNotFit", "OutOfMemory", "Progress", "RunConfig", "Setup", "Recipe", "TrainCallbacks",
-           "TrainResult", "build_adamw", "checkpoint_due", "evaluate", "lr_at", "require_fit", "run",
-           "split_micro_batches", "train_step"]
+           "TrainResult", "build_adamw", "checkpoint_due", "evaluate", "fit_memory", "lr_at", "run",
+           "split_micro_batches", "train_step", "use_checkpointing"]
 
 
 def run(config: RunConfig, recipe: Recipe, callbacks: TrainCallbacks | None = None, dist: Dist | None = None

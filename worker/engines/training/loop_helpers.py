@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.estimate import MemoryEstimate, format_bytes
+from core.estimate import Architecture, MemoryEstimate, fitting_memory, format_bytes
 from worker.engines.device import DevicePlan, device_memory
 from worker.engines.training.loop_types import DoesNotFit, RunConfig
 from worker.engines.training.sparse_adamw import RowSparseAdamW
@@ -45,15 +45,37 @@ def build_adamw(model: torch.nn.Module, *, learning_rate: float, weight_decay: f
     return RowSparseAdamW(groups, lr=learning_rate, betas=betas, eps=1e-8, fused=plan.device_type in ("cpu", "cuda"))
 
 
-def require_fit(estimate: MemoryEstimate | None, plan: DevicePlan, limit: int | None) -> None:
-    """Refuse, before the model is allocated, a run whose estimated peak memory exceeds this device."""
-    if estimate is None:
-        return
-    capacity = limit or device_memory(plan)
+def fit_memory(arch: Architecture | None, plan: DevicePlan, config: RunConfig, **kwargs: Any) -> MemoryEstimate | None:
+    """The run's peak-memory estimate with gradient checkpointing decided (the config's choice, or on only when
+    needed: core.estimate.fitting_memory); DoesNotFit, before the model is allocated, when even that exceeds this
+    device (or config.memory_limit_bytes). None when the architecture is unknown."""
+    if arch is None:
+        return None
+    capacity = config.memory_limit_bytes or device_memory(plan)
+    estimate = fitting_memory(arch, limit=capacity, checkpointing=config.gradient_checkpointing,
+                              fused_attention=plan.is_cuda, precision=plan.precision, **kwargs)
+    require_fit(estimate, plan, capacity)
+    return estimate
+
+
+def require_fit(estimate: MemoryEstimate, plan: DevicePlan, capacity: int) -> None:
+    """Refuse a run whose estimated peak memory exceeds `capacity` bytes of this device."""
     if estimate.total_bytes > capacity:
         raise DoesNotFit(f"this job needs about {estimate.describe()}, more than {plan.device} on this worker "
                          f"has ({format_bytes(capacity)}); lower batch_size (and raise gradient_accumulation_steps "
                          "for the same effective batch) or the sequence length, or use a smaller model")
+
+
+def use_checkpointing(model: torch.nn.Module, estimate: MemoryEstimate | None, config: RunConfig) -> bool:
+    """Turn on gradient checkpointing (non-reentrant, offloaded to host memory when asked) where the estimate
+    decided it, or where the config asks and no estimate exists; returns whether it is on."""
+    on = estimate.checkpointing if estimate is not None else bool(config.gradient_checkpointing)
+    if on:
+        enable: Any = getattr(model, "gradient_checkpointing_enable", None)
+        if enable is None:
+            raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False}, offload=config.offload_activations)
+    return on
 
 
 def split_micro_batches(micro_batches: list[Any], split: int) -> list[Any]:
@@ -81,6 +103,8 @@ def check_config(config: RunConfig) -> None:
         raise ValueError(f"epochs must be positive, got {config.epochs}")
     if not 0.0 <= config.warmup_ratio < 1.0:
         raise ValueError(f"warmup_ratio must be in [0, 1), got {config.warmup_ratio}")
+    if config.offload_activations and config.gradient_checkpointing is False:
+        raise ValueError("offload_activations needs gradient_checkpointing true or None")
 
 
 def checkpoint_due(step: int, checkpoint_steps: int | None) -> bool:

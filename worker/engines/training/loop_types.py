@@ -51,6 +51,9 @@ class RunConfig:
     # Evaluations without improvement before stopping (None: never); an improvement must exceed the threshold.
     early_stopping_patience: int | None = default(TrainingHyperparameters, "early_stopping_patience")
     early_stopping_threshold: float = default(TrainingHyperparameters, "early_stopping_threshold")
+    # None: on only when the run does not fit without it (core.estimate.fitting_memory)
+    gradient_checkpointing: bool | None = default(TrainingHyperparameters, "gradient_checkpointing")
+    offload_activations: bool = default(TrainingHyperparameters, "offload_activations")
     device: str = "auto"
     devices: int = 1  # processes (one per device) of a data-parallel run; more than one runs under torchrun
     memory_limit_bytes: int | None = None  # memory this run may use; None: the device's total (RAM on a CPU)

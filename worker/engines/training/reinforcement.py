@@ -81,9 +81,11 @@ class ReinforcementRecipe:
             raise ValueError(f"no training prompt fits in max_length={self.max_length} tokens")
         self.eval_set = self._prompts(config.eval_file)[0] if config.eval_file is not None else []
         self.lengths = np.array([len(prompt.input_ids) for prompt in self.train_set])
-        self.model: TrainedModel = load_policy(
-            config.base_model, config.adapter, plan, rows=config.batch_size * rl.samples,
-            seq_len=int(self.lengths.max()) + rl.max_completion_tokens, memory_limit_bytes=config.memory_limit_bytes)
+        # Each prompt trains `samples` rows of prompt and completion; only the completions' tokens carry a target.
+        rows = config.batch_size * rl.samples
+        self.policy = load_policy(config, plan, rows=rows, seq_len=int(self.lengths.max()) + rl.max_completion_tokens,
+                                  loss_tokens=rows * rl.max_completion_tokens)
+        self.model: TrainedModel = self.policy.model
         self.stop_ids = stop_ids(self.tokenizer, self.model)
         settings = {"adapter": config.adapter.model_dump() if config.adapter else None,
                     "reinforcement": rl.model_dump(mode="json")}
@@ -95,7 +97,7 @@ class ReinforcementRecipe:
                       "gradient_accumulation_steps": config.gradient_accumulation_steps, **settings},
             info={"num_train": len(self.train_set), "num_eval": len(self.eval_set), "dropped": self.dropped,
                   "format": "prompts", "samples_per_prompt": rl.samples, **start},
-            hyperparameters={"max_length": self.max_length, **settings},
+            hyperparameters={"max_length": self.max_length, **settings, "memory": self.policy.describe()},
         )
 
     def _evaluate_at_start(self) -> dict[str, float]:
@@ -185,12 +187,13 @@ class ReinforcementRecipe:
         device = self.plan.device
         rewards = torch.tensor(scores["reward"], dtype=torch.float32, device=device)
         advantages = group_advantages(rewards, rl.samples, scale=rl.scale_rewards)
-        logps = token_logprobs(model, rollouts, rl.temperature)
+        checks = self.policy.checks
+        logps = token_logprobs(model, rollouts, rl.temperature, checks)
         ref = None
         if rl.beta > 0:
             adapted: Any = self.model  # a PeftModel: the reference is it with the adapter off
             with torch.no_grad(), adapted.disable_adapter():
-                ref = token_logprobs(model, rollouts, rl.temperature)
+                ref = token_logprobs(model, rollouts, rl.temperature, checks)
         parts = grpo_loss(logps, logps.detach(), ref, advantages, rollouts.completion_mask, beta=rl.beta,
                           epsilon=rl.epsilon, epsilon_high=rl.epsilon_high or rl.epsilon, loss_type=rl.loss_type,
                           max_completion_tokens=rl.max_completion_tokens)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.engines.training.token_loss import ModelChecks, target_logprobs
+
 SEED_SPACE = 2**63 - 1
 
 
@@ -97,12 +99,18 @@ def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], seeds: Sequ
                     torch.stack(logprobs, dim=1))
 
 
-def token_logprobs(model: torch.nn.Module, rollouts: Rollouts, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probability of each completion token under `model` (one forward over prompt + completion), fp32."""
+def token_logprobs(model: torch.nn.Module, rollouts: Rollouts, temperature: float = 1.0,
+                   checks: ModelChecks | None = None) -> torch.Tensor:
+    """Log-probability [rows, completion width] of each completion token under `model` (one forward over prompt +
+    completion), fp32; with checks, through the chunked output layer (training/token_loss.py)."""
     ids, mask = rollouts.sequences()
-    width = rollouts.completion_ids.shape[1]
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
+    completion = rollouts.completion_ids
+    width = completion.shape[1]
     # The logit at position t predicts token t + 1: the completion's are the last `width` predictions.
-    logits = logits[:, -width - 1:-1].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    return logp.gather(2, rollouts.completion_ids.unsqueeze(-1)).squeeze(-1)
+    targets = torch.zeros_like(ids)
+    targets[:, -width - 1:-1] = completion
+    select = torch.zeros_like(ids, dtype=torch.bool)
+    select[:, -width - 1:-1] = True
+    logprobs = target_logprobs(model, checks, input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                               targets=targets, select=select, temperature=temperature)
+    return logprobs.view(completion.shape)
