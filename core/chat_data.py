@@ -38,7 +38,7 @@ COLUMNS = {
     "prompts": ["messages"],
 }
 CHAT_FORMATS = tuple(COLUMNS)
-MAX_LENGTH = 1024  # tokens per rendered conversation when a job gives no block_size (admission estimates it too)
+MAX_LENGTH = 2048  # tokens per rendered conversation when a job gives no block_size (admission estimates it too)
 # Where an upload's record sizes are kept in the dataset's column_stats (no chat column has this name).
 RECORDS_STATS = "_records"
 # A chat template's own tokens: role headers and end-of-turn markers per message (Llama 3 uses 5, ChatML 5, Llama 2

@@ -18,6 +18,9 @@ Head = Literal["causal-lm", "classifier"]
 # Families whose MLP is gated (SwiGLU/GeGLU: gate, up and down matrices) and whose positions are rotary (no table).
 GATED_MLP = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma", "gemma2",
                        "gemma3", "gemma3_text", "phi3", "olmo", "olmo2", "granite", "granitemoe", "gpt_oss"})
+# Families whose attention runs the eager path (scores materialised): gpt-oss's sink logits have no SDPA kernel.
+# Every other family runs SDPA, whose CPU and CUDA kernels keep no seq_len^2 scores (flash or memory-efficient).
+EAGER_ATTENTION = frozenset({"gpt_oss"})
 # The config keys of a mixture of experts: how many experts each MoE layer has, how many a token uses, and the width
 # of one expert's MLP (absent: the model's intermediate_size).
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -52,6 +55,7 @@ class Architecture:
     q_hidden: int = 0  # width of the query projection and the attention output (heads x head_dim; 0: hidden)
     experts: int = 1  # a mixture of experts' MLPs per layer (1: a dense model); each `intermediate` wide
     active_experts: int = 1  # the experts each token runs through (its activations; all experts' weights train)
+    eager_attention: bool = False  # attention scores materialised (EAGER_ATTENTION), not an SDPA kernel
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,7 @@ def architecture(config: Mapping[str, Any]) -> Architecture | None:
         kv_hidden=(hidden // heads if head_dim is None else head_dim) * kv_heads, gated_mlp=gated,
         tied_head=bool(config.get("tie_word_embeddings", True)), experts=experts,
         active_experts=min(experts, first(*ACTIVE_EXPERT_KEYS) or 1) if experts > 1 else 1,
+        eager_attention=model_type in EAGER_ATTENTION or config.get("_attn_implementation") == "eager",
     )
 
 
@@ -168,7 +173,7 @@ def fitting_memory(arch: Architecture, *, limit: int | None, checkpointing: bool
 
 
 def training_memory(arch: Architecture, *, head: Head, batch_size: int, seq_len: int, precision: str,
-                    fused_attention: bool = True, num_labels: int = 2, trainable: int | None = None,
+                    fused_attention: bool | None = None, num_labels: int = 2, trainable: int | None = None,
                     checkpointing: bool = False, chunked_loss: bool = False,
                     loss_tokens: int | None = None) -> MemoryEstimate:
     """Peak memory of one AdamW step over a micro-batch of batch_size sequences of seq_len tokens.
@@ -181,10 +186,11 @@ def training_memory(arch: Architecture, *, head: Head, batch_size: int, seq_len:
     plus two byte-per-value dropout masks), doubled because Hugging Face modules save more than that
     (GPT-2's tanh GELU is six elementwise ops that each keep their input; dropout keeps output and mask):
     measured at 1.6-2.2x on CPU. Without fused attention (SDPA's flash or memory-efficient kernels, which
-    CUDA has) the heads x seq_len scores per token are kept too: scores, probabilities, dropped
-    probabilities and their mask. A causal LM adds its logits over the vocabulary: the model's output,
-    their fp32 log-softmax and its gradient (and an fp32 copy under autocast). Gradient accumulation adds
-    nothing: the peak is one micro-batch. Checked against measured peaks in tests/unit/test_estimate.py.
+    CUDA and CPUs have; None: the architecture's, see EAGER_ATTENTION) the heads x seq_len scores per token
+    are kept too: scores, probabilities, dropped probabilities and their mask. A causal LM adds its logits
+    over the vocabulary: the model's output, their fp32 log-softmax and its gradient (and an fp32 copy under
+    autocast). Gradient accumulation adds nothing: the peak is one micro-batch. Checked against measured
+    peaks in tests/unit/test_estimate.py and bench/training_memory.py.
     With `trainable` (a LoRA adapter's parameters, adapter_parameter_count) only those have gradients and
     AdamW moments: the frozen rest holds its fp32 weights (4 bytes each) and autocast's cast copies.
 
@@ -205,7 +211,8 @@ def training_memory(arch: Architecture, *, head: Head, batch_size: int, seq_len:
     # gate and up outputs, and the activation's: in each expert a token runs through (and the router's scores)
     mlp_values = (3 * i if arch.gated_mlp else 2 * i) * arch.active_experts + (arch.experts if arch.experts > 1 else 0)
     per_layer = ACTIVATION_FACTOR * (value * (8 * h + mlp_values) + 2 * h)
-    if not fused_attention:
+    scores_kept = arch.eager_attention if fused_attention is None else not fused_attention
+    if scores_kept:
         per_layer += arch.heads * seq_len * (3 * value + 1)
     embeddings = value * 3 * h  # the embeddings' sum, norm and dropout
     tokens = batch_size * seq_len

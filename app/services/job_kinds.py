@@ -163,13 +163,14 @@ def require_fit(settings: Settings, model_config: dict[str, Any] | None, model_f
     if precision == "auto":
         precision = (auto_precision(is_cuda=True) if device is None else
                      auto_precision(is_cuda=device.is_cuda, bf16_supported=device.bf16))
-    # GPUs run attention fused (no seq_len^2 scores); a CPU keeps the scores.
     # On N devices each one runs a share of every micro-batch (the job's batch_size is the global one).
     trainable = None if adapter is None else adapter_parameter_count(arch, adapter.r, adapter.target_modules, head,
                                                                      num_labels)
     sizes: dict[str, Any] = {
         "head": head, "batch_size": math.ceil(hp.batch_size / devices), "seq_len": seq_len, "precision": precision,
-        "fused_attention": device is None or device.is_cuda, "num_labels": num_labels, "trainable": trainable,
+        "num_labels": num_labels, "trainable": trainable,
+        # an encoder trains with eager attention on a CPU (worker.engines.training.encoder), SDPA on a GPU
+        **({"fused_attention": device is None or device.is_cuda} if head == "classifier" else {}),
         "chunked_loss": head == "causal-lm",
         "loss_tokens": None if loss_tokens is None else math.ceil(loss_tokens / devices)}
     estimate = fitting_memory(arch, limit=limit, checkpointing=hp.gradient_checkpointing, **sizes)

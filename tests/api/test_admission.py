@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from core import capacity
@@ -69,17 +71,22 @@ def test_normal_jobs_are_still_accepted(client, queue, board, corpus_id):
 
 
 def test_the_largest_reported_device_is_the_limit(client, queue, board, corpus_id):
-    default = lm_body(corpus_id)  # nanoGPT's baby GPT, 8 x 256 tokens: a few GB
-    capacity.publish(board, capacity.DeviceCapacity(worker="small:1", device="cpu", total_bytes=2 * GB), ttl_s=60)
+    default = lm_body(corpus_id)  # nanoGPT's baby GPT, 8 x 256 tokens: 1.9 GB with gradient checkpointing
+    capacity.publish(board, capacity.DeviceCapacity(worker="small:1", device="cpu", total_bytes=int(1.7 * GB)),
+                     ttl_s=60)
     message = _refused(client.post("/jobs", json=default), "hyperparameters.batch_size")
-    assert "the largest device a live worker has reported (cpu on small:1, 2.1 GB)" in message
+    assert "the largest device a live worker has reported (cpu on small:1, 1.8 GB)" in message
+    assert "with gradient checkpointing" in message  # the estimate already counts it
     train = upload(client, tsv_bytes(sentiment_rows())).json()["id"]
     big_batch = job_body(train, hyperparameters={"batch_size": 1024, "max_length": 512})
     _refused(client.post("/jobs", json=big_batch), "hyperparameters.batch_size")  # MiniLM, 524288 tokens
 
     capacity.publish(board, capacity.DeviceCapacity(worker="gpu:2", device="cuda:0", total_bytes=40 * GB), ttl_s=60)
     assert client.post("/jobs", json=default).status_code == 201
-    assert client.post("/jobs", json=big_batch).status_code == 422  # still too much for 40 GB
+    # 524288 tokens of MiniLM fit 40 GB only with gradient checkpointing, which a job gets unless it turns it off.
+    assert client.post("/jobs", json=big_batch).status_code == 201
+    big_batch["hyperparameters"]["gradient_checkpointing"] = False
+    _refused(client.post("/jobs", json=big_batch), "hyperparameters.gradient_checkpointing")
     _refused(client.post("/jobs", json=lm_body(corpus_id, WIDE)), "model_config")
 
     capacity.withdraw(board, "gpu:2")
@@ -110,23 +117,63 @@ SMOLLM2_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "h
                 "rope_theta": 100000, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
 
 
-def test_a_default_lora_job_of_a_135m_model_on_short_chats_is_admitted(client, queue, board, settings):
-    """Its micro-batch is bounded by the data's longest conversation (stored at validation), not by 1,024 tokens
-    per conversation: 8 x 1,024 tokens needed about 54 GB on a CPU worker and was refused."""
-    import json
-
-    from tests.tiny_chat import build_tiny_llama, chat_jsonl
+def _smollm2(settings) -> str:
+    from tests.tiny_chat import build_tiny_llama
 
     folder = build_tiny_llama(settings.home / "models" / "smollm2-135m")
     (folder / "config.json").write_text(json.dumps(SMOLLM2_135M))  # the API reads the config only
+    return str(folder)
+
+
+def test_a_default_lora_job_of_a_135m_model_on_short_chats_is_admitted(client, queue, board, settings):
+    """Its micro-batch is bounded by the data's longest conversation (stored at validation), not by 2,048 tokens
+    per conversation."""
+    from tests.tiny_chat import chat_jsonl
+
     dataset = upload(client, chat_jsonl("Blue.", repeat=8), filename="chats.jsonl").json()
     assert dataset["format"] == "chat" and dataset["rows"] == 48
-    capacity.publish(board, capacity.DeviceCapacity(worker="cpu:1", device="cpu", total_bytes=16 * GB), ttl_s=60)
-    body = {"task": "causal-lm", "train_dataset": dataset["id"], "base_model": str(folder), "adapter": {}}
+    # 8 x 216 tokens fit 3 GB with gradient checkpointing; 8 x 2,048 need about 4.5 GB even with it.
+    capacity.publish(board, capacity.DeviceCapacity(worker="cpu:1", device="cpu", total_bytes=3 * 10**9), ttl_s=60)
+    body = {"task": "causal-lm", "train_dataset": dataset["id"], "base_model": _smollm2(settings), "adapter": {}}
     response = client.post("/jobs", json=body)
     assert response.status_code == 201, response.text
-    # The bound is the data's: one long conversation makes the batch 8 x 1,024 tokens (cut at 1,024), refused.
-    long = {"messages": [{"role": "user", "content": "why? " * 400}, {"role": "assistant", "content": "Blue."}]}
+    # The bound is the data's: one long conversation makes the batch 8 x 2,048 tokens (cut at 2,048), refused.
+    long = {"messages": [{"role": "user", "content": "why? " * 900}, {"role": "assistant", "content": "Blue."}]}
     body["train_dataset"] = upload(client, json.dumps(long).encode() + b"\n" + chat_jsonl("Blue."),
                                    filename="long.jsonl").json()["id"]
-    assert "8192 tokens per micro-batch" in _refused(client.post("/jobs", json=body), "hyperparameters.batch_size")
+    assert "16384 tokens per micro-batch" in _refused(client.post("/jobs", json=body), "hyperparameters.batch_size")
+
+
+def test_a_default_lora_job_of_smollm2_on_2k_token_chats_fits_24_gb_with_gradient_checkpointing(
+        client, queue, board, settings):
+    """8 conversations of 2,048 tokens a micro-batch: about 40 GB with every layer's activations kept, a few GB
+    with gradient checkpointing and the chunked loss (which the worker turns on by itself when it is needed)."""
+    long = [{"messages": [{"role": "user", "content": "why? " * 900}, {"role": "assistant", "content": "Blue. " * 200}]}
+            for _ in range(4)]
+    dataset = upload(client, "".join(json.dumps(r) + "\n" for r in long).encode(), filename="long.jsonl").json()
+    capacity.publish(board, capacity.DeviceCapacity(worker="cpu:1", device="cpu", total_bytes=24 * 10**9), ttl_s=60)
+    body = {"task": "causal-lm", "train_dataset": dataset["id"], "base_model": _smollm2(settings), "adapter": {}}
+    response = client.post("/jobs", json=body)
+    assert response.status_code == 201, response.text
+    body["hyperparameters"] = {"gradient_checkpointing": False}
+    message = _refused(client.post("/jobs", json=body), "hyperparameters.gradient_checkpointing")
+    assert "16384 tokens per micro-batch" in message and "fits with gradient checkpointing" in message
+    body["hyperparameters"] = {"gradient_checkpointing": False, "offload_activations": True}
+    response = client.post("/jobs", json=body)
+    assert response.status_code == 422 and "offload_activations" in response.text, response.text
+
+
+def test_a_default_reinforcement_job_of_smollm2_in_full_fits_24_gb(client, queue, board, settings):
+    """Batch 8, 4 samples a prompt, 32-token answers: 32 rows of prompt and answer. Refused before the chunked loss
+    and gradient checkpointing as needing about 30 GB, 28.6 GB of it activations for 7,680 tokens."""
+    prompts = [{"messages": [{"role": "user", "content": "add these up: " + "1 + " * 100 + "1"}], "answer": "101"}
+               for _ in range(8)]
+    dataset = upload(client, "".join(json.dumps(r) + "\n" for r in prompts).encode(), filename="p.jsonl").json()
+    assert dataset["format"] == "prompts"
+    capacity.publish(board, capacity.DeviceCapacity(worker="cpu:1", device="cpu", total_bytes=24 * 10**9), ttl_s=60)
+    grader = {"type": "string_check", "name": "sum", "input": "{{sample.output_text}}",
+              "reference": "{{item.answer}}", "operation": "like"}
+    body = {"task": "causal-lm", "train_dataset": dataset["id"], "base_model": _smollm2(settings),
+            "method": {"method": "reinforcement", "grader": grader, "beta": 0}}  # full weights: no KL reference
+    response = client.post("/jobs", json=body)
+    assert response.status_code == 201, response.text

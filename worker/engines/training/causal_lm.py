@@ -37,7 +37,7 @@ from worker.engines.training.loop import (
     run,
     use_checkpointing,
 )
-from worker.engines.training.token_loss import ModelChecks, probe, target_logprobs
+from worker.engines.training.token_loss import ModelChecks, memory_record, probe, target_logprobs
 
 if TYPE_CHECKING:
     from worker.engines.training.loop_types import TrainedModel
@@ -114,7 +114,7 @@ class CausalLMRecipe:
         self.checks = probe(module, self.model_config.vocab_size, device=plan.device)
         if self.checks.head is None:  # the plain loss holds every position's logits: estimate (and decide) again
             estimate = fit_memory(arch, plan, config, chunked_loss=False, **sizes)
-        memory = {"loss": self.checks.loss, "gradient_checkpointing": use_checkpointing(module, estimate, config)}
+        memory = memory_record(self.checks, use_checkpointing(module, estimate, config), estimate)
         adapter = None if config.adapter is None else config.adapter.model_dump()
         accumulation = config.gradient_accumulation_steps
         return Setup(

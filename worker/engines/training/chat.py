@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from core.adapters import AdapterConfig, PreferenceConfig
 from core.chat_data import MAX_LENGTH, read_records
 from core.errors import DomainError
-from core.estimate import adapter_parameter_count, architecture
+from core.estimate import MemoryEstimate, adapter_parameter_count, architecture
 from core.hyperparams import LMHyperparameters, default
 from worker.engines.device import DevicePlan
 from worker.engines.models import manifest as manifests
@@ -38,7 +38,7 @@ from worker.engines.training.loop import (
     use_checkpointing,
 )
 from worker.engines.training.packing import pack, saves_work
-from worker.engines.training.token_loss import ModelChecks, probe, shifted_targets, target_logprobs
+from worker.engines.training.token_loss import ModelChecks, memory_record, probe, shifted_targets, target_logprobs
 
 if TYPE_CHECKING:
     from worker.engines.training.loop_types import TrainedModel
@@ -110,7 +110,9 @@ class ChatRecipe:
                       "gradient_accumulation_steps": config.gradient_accumulation_steps, **settings},
             info={"num_train": len(self.train_set), "num_eval": len(self.eval_set), "dropped": self.dropped,
                   "format": self.format, "train_tokens_per_epoch": sum(map(_tokens, self.train_set))},
-            hyperparameters={"max_length": self.max_length, **settings, "memory": self.policy.describe()},
+            # SFT packs a micro-batch into one row where that saves work and the model was checked to allow it.
+            hyperparameters={"max_length": self.max_length, **settings, "memory": {
+                **self.policy.describe(), "packing": self.policy.checks.packs and config.preference is None}},
         )
 
     def _examples(self, path: Any) -> tuple[list[Example], int]:
@@ -151,7 +153,7 @@ class ChatRecipe:
         device, checks = self.plan.device, self.policy.checks
         if self.config.preference is None:
             singles = [e for e in examples if isinstance(e, Rendered)]
-            if checks.packs and saves_work([len(e.input_ids) for e in singles]):
+            if checks.packs and saves_work([len(e.input_ids) for e in singles], self.arch):
                 self.packed_steps += model.training
                 batch = {k: v.to(device) for k, v in pack(singles).items()}
             else:
@@ -211,10 +213,11 @@ class Policy:
     model: TrainedModel
     checks: ModelChecks  # its output layer for the chunked loss, and whether its rows may pack
     checkpointing: bool  # gradient checkpointing on
+    estimate: MemoryEstimate | None  # the peak it was admitted at (None: an architecture the estimate cannot read)
 
     def describe(self) -> dict[str, Any]:
-        """The manifest's record of the memory techniques the run used."""
-        return {"loss": self.checks.loss, "gradient_checkpointing": self.checkpointing}
+        """The manifest's record of the memory techniques the run used and the peak it was estimated at."""
+        return memory_record(self.checks, self.checkpointing, self.estimate)
 
 
 def load_policy(config: ChatTrainConfig, plan: DevicePlan, *, rows: int, seq_len: int,
@@ -238,7 +241,7 @@ def load_policy(config: ChatTrainConfig, plan: DevicePlan, *, rows: int, seq_len
     checks = probe(module, model_config.vocab_size, device=plan.device)
     if checks.head is None:  # the plain loss holds every position's logits: estimate (and decide) again
         estimate = fit_memory(arch, plan, config, chunked_loss=False, **sizes)
-    return Policy(model, checks, use_checkpointing(module, estimate, config))
+    return Policy(model, checks, use_checkpointing(module, estimate, config), estimate)
 
 
 def assistant_loss(model: torch.nn.Module, checks: ModelChecks | None, input_ids: torch.Tensor,

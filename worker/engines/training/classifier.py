@@ -87,7 +87,8 @@ class ClassifierRecipe:
         trainable = None if arch is None or adapter is None else adapter_parameter_count(
             arch, adapter.r, adapter.target_modules, "classifier", len(self.labels))
         estimate = fit_memory(arch, plan, config, head="classifier", batch_size=config.batch_size, seq_len=longest,
-                              num_labels=len(self.labels), trainable=trainable)
+                              num_labels=len(self.labels), trainable=trainable,
+                              fused_attention=attention_implementation(plan) != "eager")
         self.model: TrainedModel = _load_model(config.base_model, self.labels, attention_implementation(plan))
         cls_only = last_layer_at_cls(self.model)
         if config.freeze_word_embeddings:

@@ -53,7 +53,7 @@ def fit_memory(arch: Architecture | None, plan: DevicePlan, config: RunConfig, *
         return None
     capacity = config.memory_limit_bytes or device_memory(plan)
     estimate = fitting_memory(arch, limit=capacity, checkpointing=config.gradient_checkpointing,
-                              fused_attention=plan.is_cuda, precision=plan.precision, **kwargs)
+                              precision=plan.precision, **kwargs)
     require_fit(estimate, plan, capacity)
     return estimate
 

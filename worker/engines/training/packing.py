@@ -6,7 +6,8 @@ the logits it gets alone (training/token_loss.py's probe checks this on the mode
 loss, a mean over the labelled tokens of the micro-batch, is the padded batch's. What it saves is the padding: B
 rows padded to the longest cost B x longest tokens through every linear layer, the packed row only the real ones.
 What it may cost is attention: SDPA (and the eager path) compute the packed row's scores densely, T^2 pairs for T
-packed tokens against B x longest^2 padded, so a micro-batch is packed only when that is no more (`saves_work`).
+packed tokens against B x longest^2 padded, so a micro-batch is packed only when the sum of both is lower
+(`saves_work`): short examples of mixed lengths pack, long ones whose attention dominates stay padded.
 Flash-attention's variable-length kernel would skip the cross-example pairs; with it, packing always pays.
 """
 
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from core.estimate import Architecture
 from worker.engines.training.chat_render import IGNORE, Rendered
 
 
@@ -37,11 +39,17 @@ def pack(examples: Sequence[Rendered]) -> dict[str, torch.Tensor]:
             "labels": torch.tensor([labels])}
 
 
-def saves_work(lengths: Sequence[int]) -> bool:
-    """True when packing these lengths into one row does less work than padding them, nowhere more: fewer tokens
-    through the linear layers and no more attention pairs (T^2 <= B x longest^2), so neither compute nor the
-    scores' memory grows."""
-    if len(lengths) < 2:
+def saves_work(lengths: Sequence[int], arch: Architecture | None) -> bool:
+    """True when one packed row of these lengths costs fewer multiply-adds than the right-padded batch: the
+    linear layers' per token, attention's per pair of tokens (dense: T^2 packed, B x longest^2 padded)."""
+    if len(lengths) < 2 or arch is None:
         return False
     total, longest = sum(lengths), max(lengths)
-    return total < len(lengths) * longest and total**2 <= len(lengths) * longest**2
+    if total == len(lengths) * longest:
+        return False  # nothing padded
+    q = arch.q_hidden or arch.hidden
+    mlp = arch.hidden * arch.intermediate * (3 if arch.gated_mlp else 2) * arch.active_experts
+    per_token = arch.hidden * (2 * q + 2 * arch.kv_hidden) + mlp
+    per_pair = 2 * q  # q.k and p.v
+    padded = len(lengths) * (longest * per_token + longest**2 * per_pair)
+    return total * per_token + total**2 * per_pair < padded

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from core.estimate import CHUNK_VALUES  # logits one chunk holds: the estimate counts the same
+from core.estimate import CHUNK_VALUES, MemoryEstimate  # logits one chunk holds: the estimate counts the same
 from worker.engines.training.chat_render import IGNORE
 
 
@@ -54,6 +54,12 @@ class ModelChecks:
     def loss(self) -> str:
         """The manifest's name of the loss path."""
         return "chunked" if self.head is not None else "full-logits"
+
+
+def memory_record(checks: ModelChecks, checkpointing: bool, estimate: MemoryEstimate | None) -> dict[str, Any]:
+    """The manifest's record of a run's memory techniques and the peak it was admitted at."""
+    return {"loss": checks.loss, "gradient_checkpointing": checkpointing,
+            "estimated_peak_bytes": None if estimate is None else estimate.total_bytes}
 
 
 def output_head(model: torch.nn.Module) -> OutputHead | None:
