@@ -93,7 +93,7 @@ def _data(job: Job, folder: Path) -> Path:
                          "preferred_output": [{"role": "assistant", "content": _words(job.seq, i + 1)}],
                          "non_preferred_output": [{"role": "assistant", "content": _words(job.seq, i + 2)}]})
         else:
-            rows.append({"messages": [{"role": "user", "content": _words(job.seq - 64, i)}], "answer": "cat"})
+            rows.append({"messages": [{"role": "user", "content": _words(job.seq - 112, i)}], "answer": "cat"})
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
