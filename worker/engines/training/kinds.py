@@ -46,7 +46,7 @@ RUN_HYPERPARAMETERS: Mapping[str, str | None] = {
     "max_steps": "max_steps", "warmup_ratio": "warmup_ratio",
     "gradient_accumulation_steps": "gradient_accumulation_steps", "precision": "precision",
     "eval_steps": "eval_steps", "metric_for_best": None, "early_stopping_patience": "early_stopping_patience",
-    "early_stopping_threshold": "early_stopping_threshold"}
+    "early_stopping_threshold": "early_stopping_threshold", "sharding": "sharding"}
 
 
 class UnknownHyperparameter(ValueError):
