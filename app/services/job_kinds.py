@@ -22,7 +22,7 @@ from core.chat_data import MAX_LENGTH as CHAT_MAX_LENGTH
 from core.chat_data import longest_tokens
 from core.errors import ValidationFailed
 from core.estimate import Head, adapter_parameter_count, architecture, format_bytes, load_model_config, training_memory
-from core.hyperparams import Hyperparameters, LMHyperparameters
+from core.hyperparams import Hyperparameters, LMHyperparameters, weight_shards
 from core.jobspec import KINDS, CausalLMJob, ClassificationJob, JobKind, JobSpec, kind_of, resolve_ref
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
 from core.precision import auto_precision
@@ -124,7 +124,8 @@ def causal_lm_fields(settings: Settings, spec: CausalLMJob, train: Dataset, eval
             hp = hp.model_copy(update={"batch_size": hp.batch_size * spec.method.samples})
             seq_len += spec.method.max_completion_tokens
         require_fit(settings, base_config, "base_model", head="causal-lm", hp=hp, seq_len=seq_len,
-                    devices=spec.devices, adapter=spec.adapter)
+                    devices=spec.devices, adapter=spec.adapter,
+                    shardable=not isinstance(spec.method, ReinforcementConfig))
         return {"base_model_path": base_path, "labels": []}
     try:
         architecture = validate_model_config(spec.architecture or {})
@@ -142,9 +143,14 @@ def causal_lm_fields(settings: Settings, spec: CausalLMJob, train: Dataset, eval
 
 def require_fit(settings: Settings, model_config: dict[str, Any] | None, model_field: str, *, head: Head,
                 hp: Hyperparameters | LMHyperparameters, seq_len: int, num_labels: int = 2, devices: int = 1,
-                adapter: AdapterConfig | None = None) -> None:
+                adapter: AdapterConfig | None = None, shardable: bool = True) -> None:
     """Refuse (422 does_not_fit) a job whose estimated peak memory exceeds the largest device a live worker
-    reported, or TRAINSERVE_ASSUMED_DEVICE_BYTES while none has; without a config to estimate from, admit."""
+    reported, or TRAINSERVE_ASSUMED_DEVICE_BYTES while none has; without a config to estimate from, admit.
+    `shardable` is False for a job that keeps whole replicas on several devices (core.hyperparams.weight_shards)."""
+    try:
+        shards = weight_shards(hp.sharding, devices, shardable=shardable)
+    except ValueError as exc:
+        raise ValidationFailed("hyperparameters.sharding", str(exc)) from exc
     arch = architecture(model_config) if model_config else None
     if arch is None:
         return  # e.g. a hub id not in the local cache: the worker estimates once it has the config
@@ -163,7 +169,7 @@ def require_fit(settings: Settings, model_config: dict[str, Any] | None, model_f
                                                                      num_labels)
     estimate = training_memory(arch, head=head, batch_size=math.ceil(hp.batch_size / devices), seq_len=seq_len,
                                precision=precision, fused_attention=device is None or device.is_cuda,
-                               num_labels=num_labels, trainable=trainable)
+                               num_labels=num_labels, trainable=trainable, shards=shards)
     if estimate.total_bytes <= limit:
         return
     where = (f"the largest device a live worker has reported ({device.device} on {device.worker}, "

@@ -130,3 +130,15 @@ def test_a_default_lora_job_of_a_135m_model_on_short_chats_is_admitted(client, q
     body["train_dataset"] = upload(client, json.dumps(long).encode() + b"\n" + chat_jsonl("Blue."),
                                    filename="long.jsonl").json()["id"]
     assert "8192 tokens per micro-batch" in _refused(client.post("/jobs", json=body), "hyperparameters.batch_size")
+
+
+def test_a_sharded_job_needs_a_device_to_hold_its_share_of_the_states(client, queue, board, corpus_id):
+    # A 354M-parameter GPT-2 in bf16: about 7 GB on one device, 4 GB a device when FSDP splits it over two.
+    medium = {"n_layer": 24, "n_embd": 1024, "n_head": 16, "n_positions": 64}
+    capacity.publish(board, capacity.DeviceCapacity(worker="pair:2", device="cuda:0", total_bytes=5 * GB,
+                                                    devices=2), ttl_s=60)
+    whole = dict(lm_body(corpus_id, medium, batch_size=2, sharding="ddp"), devices=2)
+    _refused(client.post("/jobs", json=whole), "model_config")
+    sharded = dict(lm_body(corpus_id, medium, batch_size=2), devices=2)  # sharding auto: fsdp
+    response = client.post("/jobs", json=sharded)
+    assert response.status_code == 201, response.text
