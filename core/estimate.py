@@ -174,8 +174,8 @@ def fitting_memory(arch: Architecture, *, limit: int | None, checkpointing: bool
 
 def training_memory(arch: Architecture, *, head: Head, batch_size: int, seq_len: int, precision: str,
                     fused_attention: bool | None = None, num_labels: int = 2, trainable: int | None = None,
-                    checkpointing: bool = False, chunked_loss: bool = False,
-                    loss_tokens: int | None = None) -> MemoryEstimate:
+                    checkpointing: bool = False, chunked_loss: bool = False, loss_tokens: int | None = None,
+                    shards: int = 1) -> MemoryEstimate:
     """Peak memory of one AdamW step over a micro-batch of batch_size sequences of seq_len tokens.
 
     Assumptions, matching the engines: weights, gradients and both AdamW moments in fp32 (16 bytes per
@@ -207,6 +207,8 @@ def training_memory(arch: Architecture, *, head: Head, batch_size: int, seq_len:
         states = parameters * (16 + cast)
     else:
         states = parameters * (4 + cast) + trainable * (16 + cast)
+    if shards > 1:  # FSDP: a device keeps its part of these, and gathers one layer's full parameters as it runs
+        states = states // shards + parameters // arch.layers * value
     h, i = arch.hidden, arch.intermediate
     # gate and up outputs, and the activation's: in each expert a token runs through (and the router's scores)
     mlp_values = (3 * i if arch.gated_mlp else 2 * i) * arch.active_experts + (arch.experts if arch.experts > 1 else 0)

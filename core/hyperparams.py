@@ -12,6 +12,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Precision = Literal["auto", "fp16", "bf16", "fp32"]
+# How a multi-device job spreads the model: fsdp shards weights, gradients and AdamW states over the devices
+# (FSDP2), ddp keeps a whole replica on each (DistributedDataParallel); auto is fsdp where the job can shard.
+Sharding = Literal["auto", "fsdp", "ddp"]
 
 
 def default(model: type[BaseModel], name: str) -> Any:
@@ -59,6 +62,10 @@ class TrainingHyperparameters(BaseModel):
             raise ValueError("offload_activations keeps gradient checkpointing's layer inputs: it needs "
                              "gradient_checkpointing true or null")
         return self
+    sharding: Sharding = Field(
+        "auto", description="A job on several devices: fsdp splits weights, gradients and AdamW states over them "
+        "(FSDP2; fits models one device cannot hold); ddp keeps a whole copy on each (faster for small models); "
+        "auto: fsdp, except for reinforcement (ddp).")
 
 
 class Hyperparameters(TrainingHyperparameters):
@@ -84,3 +91,16 @@ class LMHyperparameters(TrainingHyperparameters):
     weight_decay: float = _weight_decay(0.1)
     seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed for init, block order and dropout.")
     val_fraction: float = Field(0.1, gt=0, lt=0.5, description="Held-out share of tokens when no eval dataset.")
+
+
+def weight_shards(sharding: Sharding, devices: int, *, shardable: bool = True) -> int:
+    """How many parts a run's weights, gradients and AdamW states are split into: its devices under fsdp, else 1.
+
+    `shardable` is False for training whose ranks run different numbers of forward passes in a step (reinforcement
+    samples answers of different lengths): every forward of a sharded model gathers its weights from all ranks
+    together, so such a run keeps whole replicas; asking it for fsdp is a ValueError.
+    """
+    if sharding == "fsdp" and not shardable:
+        raise ValueError("this job cannot shard its weights (its devices run different numbers of forward passes "
+                         "in a step); use sharding ddp or auto")
+    return devices if devices > 1 and shardable and sharding != "ddp" else 1

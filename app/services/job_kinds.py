@@ -22,7 +22,7 @@ from core.chat_data import MAX_LENGTH as CHAT_MAX_LENGTH
 from core.chat_data import longest_tokens
 from core.errors import ValidationFailed
 from core.estimate import Head, adapter_parameter_count, architecture, fitting_memory, format_bytes, load_model_config
-from core.hyperparams import Hyperparameters, LMHyperparameters
+from core.hyperparams import Hyperparameters, LMHyperparameters, weight_shards
 from core.jobspec import KINDS, CausalLMJob, ClassificationJob, JobKind, JobSpec, kind_of, resolve_ref
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
 from core.precision import auto_precision
@@ -126,7 +126,8 @@ def causal_lm_fields(settings: Settings, spec: CausalLMJob, train: Dataset, eval
             seq_len += spec.method.max_completion_tokens
             loss_tokens = hp.batch_size * spec.method.max_completion_tokens  # only the answers carry a target
         require_fit(settings, base_config, "base_model", head="causal-lm", hp=hp, seq_len=seq_len,
-                    devices=spec.devices, adapter=spec.adapter, loss_tokens=loss_tokens)
+                    devices=spec.devices, adapter=spec.adapter, loss_tokens=loss_tokens,
+                    shardable=not isinstance(spec.method, ReinforcementConfig))
         return {"base_model_path": base_path, "labels": []}
     try:
         architecture = validate_model_config(spec.architecture or {})
@@ -144,13 +145,18 @@ def causal_lm_fields(settings: Settings, spec: CausalLMJob, train: Dataset, eval
 
 def require_fit(settings: Settings, model_config: dict[str, Any] | None, model_field: str, *, head: Head,
                 hp: Hyperparameters | LMHyperparameters, seq_len: int, num_labels: int = 2, devices: int = 1,
-                adapter: AdapterConfig | None = None, loss_tokens: int | None = None) -> None:
+                adapter: AdapterConfig | None = None, loss_tokens: int | None = None, shardable: bool = True) -> None:
     """Refuse (422 does_not_fit) a job whose estimated peak memory exceeds the largest device a live worker
     reported, or TRAINSERVE_ASSUMED_DEVICE_BYTES while none has; without a config to estimate from, admit.
 
     The estimate counts the techniques the worker will use: the chunked loss of a causal LM (`loss_tokens` of its
-    positions carry a target, at most) and gradient checkpointing as the job asks, or where it is needed to fit.
+    positions carry a target, at most), gradient checkpointing as the job asks or where it is needed to fit, and
+    FSDP's shards (`shardable` is False for a job that keeps whole replicas: core.hyperparams.weight_shards).
     """
+    try:
+        shards = weight_shards(hp.sharding, devices, shardable=shardable)
+    except ValueError as exc:
+        raise ValidationFailed("hyperparameters.sharding", str(exc)) from exc
     arch = architecture(model_config) if model_config else None
     if arch is None:
         return  # e.g. a hub id not in the local cache: the worker estimates once it has the config
@@ -172,7 +178,7 @@ def require_fit(settings: Settings, model_config: dict[str, Any] | None, model_f
         # an encoder trains with eager attention on a CPU (worker.engines.training.encoder), SDPA on a GPU
         **({"fused_attention": device is None or device.is_cuda} if head == "classifier" else {}),
         "chunked_loss": head == "causal-lm",
-        "loss_tokens": None if loss_tokens is None else math.ceil(loss_tokens / devices)}
+        "loss_tokens": None if loss_tokens is None else math.ceil(loss_tokens / devices), "shards": shards}
     estimate = fitting_memory(arch, limit=limit, checkpointing=hp.gradient_checkpointing, **sizes)
     if estimate.total_bytes <= limit:
         return

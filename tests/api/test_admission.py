@@ -177,3 +177,15 @@ def test_a_default_reinforcement_job_of_smollm2_in_full_fits_24_gb(client, queue
             "method": {"method": "reinforcement", "grader": grader, "beta": 0}}  # full weights: no KL reference
     response = client.post("/jobs", json=body)
     assert response.status_code == 201, response.text
+
+
+def test_a_sharded_job_needs_a_device_to_hold_its_share_of_the_states(client, queue, board, corpus_id):
+    # A 354M-parameter GPT-2 in bf16: about 7 GB on one device, 4 GB a device when FSDP splits it over two.
+    medium = {"n_layer": 24, "n_embd": 1024, "n_head": 16, "n_positions": 64}
+    capacity.publish(board, capacity.DeviceCapacity(worker="pair:2", device="cuda:0", total_bytes=5 * GB,
+                                                    devices=2), ttl_s=60)
+    whole = dict(lm_body(corpus_id, medium, batch_size=2, sharding="ddp"), devices=2)
+    _refused(client.post("/jobs", json=whole), "model_config")
+    sharded = dict(lm_body(corpus_id, medium, batch_size=2), devices=2)  # sharding auto: fsdp
+    response = client.post("/jobs", json=sharded)
+    assert response.status_code == 201, response.text

@@ -1,4 +1,5 @@
-"""Two gloo processes under torchrun train as one job: one process's steps and losses, one history, exact resume."""
+"""Two gloo processes under torchrun train as one job (whole replicas or sharded): one process's steps and losses,
+one history, exact resume."""
 
 from __future__ import annotations
 
@@ -39,14 +40,15 @@ def test_step_shares_weigh_examples_so_the_ranks_sum_to_the_step_mean():
 
 
 @pytest.mark.slow
-def test_two_processes_train_like_one_and_resume_as_one_job(tmp_path, tiny_model):
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_two_processes_train_like_one_and_resume_as_one_job(tmp_path, tiny_model, sharding):
     # 32 rows, steps of two micro-batches of 4 (the ranks accumulate without syncing, then all-reduce once).
     common = dict(epochs=10, batch_size=4, gradient_accumulation_steps=2, learning_rate=1e-2, device="cpu")
     train_file = write_tsv(tmp_path / "train.tsv")
     one = Recorder()
     single = train(make_config(tmp_path / "one", tiny_model, train_file=train_file, **common), one)
 
-    config = make_config(tmp_path / "two", tiny_model, train_file=train_file, devices=2, **common)
+    config = make_config(tmp_path / "two", tiny_model, train_file=train_file, devices=2, sharding=sharding, **common)
     first = Recorder(stop_at=12)  # cancelled after step 12: rank 0 checkpoints, every rank stops
     stopped = train_on_devices(config, first)
     assert (stopped.status, stopped.global_step) == ("cancelled", 12)
@@ -65,6 +67,7 @@ def test_two_processes_train_like_one_and_resume_as_one_job(tmp_path, tiny_model
     assert abs(done.metrics["eval_accuracy"] - single.metrics["eval_accuracy"]) <= 1 / 8
     assert done.metrics["eval_accuracy"] == single.metrics["eval_accuracy"] == 1.0
     assert done.manifest["hyperparameters"]["world_size"] == 2
+    assert done.manifest["hyperparameters"]["sharding"] == sharding and first.info["sharded"] == (sharding == "fsdp")
     assert (done.model_dir / "model.safetensors").is_file()  # rank 0 saved the one model
 
     with pytest.raises(ValueError, match="same number of devices"):  # its checkpoint is from two processes

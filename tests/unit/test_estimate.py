@@ -135,3 +135,13 @@ def test_todays_architectures_count_their_parameters_from_config_json(name, tmp_
         assert training_memory(one, **kwargs).activations_bytes < training_memory(arch, **kwargs).activations_bytes
         experts_and_router = arch.layers * (3 * 3 * arch.hidden * arch.intermediate + 4 * arch.hidden)
         assert parameter_count(arch, "causal-lm") - parameter_count(dense, "causal-lm") == experts_and_router
+
+
+def test_sharded_states_are_a_share_plus_one_gathered_layer():
+    gpt2 = architecture({"n_layer": 24, "n_embd": 1024, "n_head": 16, "n_positions": 64, "vocab_size": 50257})
+    assert gpt2 is not None
+    whole = training_memory(gpt2, head="causal-lm", batch_size=2, seq_len=64, precision="bf16")
+    halves = training_memory(gpt2, head="causal-lm", batch_size=2, seq_len=64, precision="bf16", shards=2)
+    layer = whole.parameters // 24 * 2  # bf16 gathered parameters of one layer
+    assert halves.states_bytes == whole.states_bytes // 2 + layer
+    assert halves.activations_bytes == whole.activations_bytes

@@ -57,8 +57,13 @@ class DevicePlan:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
 
-    def grad_scaler(self) -> torch.amp.GradScaler:
-        """A GradScaler that is active only for fp16 on CUDA (a pass-through otherwise)."""
+    def grad_scaler(self, *, sharded: bool = False) -> torch.amp.GradScaler:
+        """A GradScaler that is active only for fp16 on CUDA (a pass-through otherwise); `sharded` for weights split
+        over ranks (FSDP), whose scaler finds an inf or NaN in any rank's shard and all ranks skip the step."""
+        if sharded:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # multi-device runs only
+
+            return ShardedGradScaler(self.device_type, enabled=self.use_grad_scaler)
         return torch.amp.GradScaler(self.device_type, enabled=self.use_grad_scaler)
 
     @property

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,6 +23,8 @@ from worker.engines.models.manifest import MERGED_DIR, write_manifest
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 ADAPTER_WEIGHTS = "adapter.safetensors"  # an adapter run's checkpoint: its trainable tensors only
+MODEL_WEIGHTS = "model.safetensors"  # a full fine-tune's checkpoint: the whole model, tied duplicates left out
+OPTIMIZER = "optimizer.pt"
 STATE = "state.json"  # written last inside a checkpoint: its presence marks a complete one
 
 
@@ -68,10 +73,37 @@ def load_trainable(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> 
     model.load_state_dict(tensors, strict=False)
 
 
+@dataclass(frozen=True)
+class FullState:
+    """A sharded model's checkpoint tensors gathered onto rank 0: the weights a checkpoint holds (its trainable ones
+    for an adapter run, else the whole model's without tied duplicates) and the optimizer's state dict."""
+
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+
+
+def weights_file(model: torch.nn.Module) -> str:
+    """The name of a checkpoint's weights file for this model."""
+    return ADAPTER_WEIGHTS if hasattr(model, "peft_config") else MODEL_WEIGHTS
+
+
+def read_weights(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A checkpoint's weight tensors as written, on the CPU."""
+    return safetensors.torch.load_file(str(Path(path) / weights_file(model)))
+
+
+def read_optimizer(path: Path) -> dict[str, Any]:
+    """A checkpoint's optimizer state dict, on the CPU."""
+    return torch.load(Path(path) / OPTIMIZER, map_location="cpu", weights_only=True)
+
+
 def save_checkpoint(checkpoint_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler, plan: DevicePlan, state: dict[str, Any],
-                    keep_steps: set[int] | frozenset[int] = frozenset()) -> Path:
-    """Write weights, optimizer/scaler/RNG state and loop state atomically; prune all but it and `keep_steps`."""
+                    keep_steps: set[int] | frozenset[int] = frozenset(), full: FullState | None = None) -> Path:
+    """Write weights, optimizer/scaler/RNG state and loop state atomically; prune all but it and `keep_steps`.
+
+    `full`: the tensors to write in place of the model's and optimizer's own (a sharded model holds a part).
+    """
     root = Path(checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(root, step)
@@ -79,11 +111,13 @@ def save_checkpoint(checkpoint_dir: Path, step: int, model: torch.nn.Module, opt
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     tmp.mkdir()
-    if hasattr(model, "peft_config"):  # an adapter run: the frozen base is the base model's own file
+    if full is not None:
+        safetensors.torch.save_file(full.weights, str(tmp / weights_file(model)), metadata={"format": "pt"})
+    elif hasattr(model, "peft_config"):  # an adapter run: the frozen base is the base model's own file
         safetensors.torch.save_file(trainable_tensors(model), str(tmp / ADAPTER_WEIGHTS))
     else:  # save_model/load_model handle shared tensors, so any architecture round-trips exactly.
-        safetensors.torch.save_model(model, str(tmp / "model.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        safetensors.torch.save_model(model, str(tmp / MODEL_WEIGHTS))
+    torch.save(optimizer.state_dict() if full is None else full.optimizer, tmp / OPTIMIZER)
     torch.save(scaler.state_dict(), tmp / "scaler.pt")
     torch.save(_rng_state(plan), tmp / "rng.pt")
     (tmp / STATE).write_text(json.dumps(dict(state, step=step), indent=2))
@@ -102,15 +136,23 @@ def load_weights(path: Path, model: torch.nn.Module, plan: DevicePlan) -> None:
     if hasattr(model, "peft_config"):
         load_trainable(model, safetensors.torch.load_file(str(Path(path) / ADAPTER_WEIGHTS), device=plan.device))
         return
-    safetensors.torch.load_model(model, str(Path(path) / "model.safetensors"), strict=True, device=plan.device)
+    safetensors.torch.load_model(model, str(Path(path) / MODEL_WEIGHTS), strict=True, device=plan.device)
+
+
+# Puts a checkpoint folder's weights and optimizer state back in a sharded run (every rank takes part).
+Restore = Callable[[Path], None]
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scaler: torch.amp.GradScaler, plan: DevicePlan) -> dict[str, Any]:
-    """Restore a checkpoint into model/optimizer/scaler and the RNGs; return the loop state."""
+                    scaler: torch.amp.GradScaler, plan: DevicePlan, restore: Restore | None = None) -> dict[str, Any]:
+    """Restore a checkpoint into model/optimizer/scaler and the RNGs (weights and optimizer by `restore` when
+    given); return the loop state."""
     path = Path(path)
-    load_weights(path, model, plan)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=plan.device, weights_only=True))
+    if restore is None:
+        load_weights(path, model, plan)
+        optimizer.load_state_dict(torch.load(path / OPTIMIZER, map_location=plan.device, weights_only=True))
+    else:
+        restore(path)
     scaler_state = torch.load(path / "scaler.pt", weights_only=True)
     if scaler_state:
         scaler.load_state_dict(scaler_state)
@@ -148,6 +190,24 @@ class Savable(Protocol):
     def save_pretrained(self, save_directory: str, **kwargs: Any) -> Any: ...
 
 
+# Models save_final writes in another's place, by the id of the one a recipe passes: a sharded model holds a part
+# of its weights on each rank, so rank 0 saves a plain copy gathered from all of them (see standing_in).
+_stand_ins: dict[int, Any] = {}
+
+
+@contextlib.contextmanager
+def standing_in(model: torch.nn.Module, full: torch.nn.Module | None) -> Iterator[None]:
+    """While it lasts, save_final given `model` writes `full` instead (nothing changes when `full` is None)."""
+    if full is None:
+        yield
+        return
+    _stand_ins[id(model)] = full
+    try:
+        yield
+    finally:
+        del _stand_ins[id(model)]
+
+
 def save_final(output_dir: Path, model: Savable, tokenizer: Any,
                manifest: dict[str, Any], *, merged: bool = False) -> Path:
     """Save model and tokenizer with save_pretrained, then the manifest last as the completion mark.
@@ -157,6 +217,7 @@ def save_final(output_dir: Path, model: Savable, tokenizer: Any,
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    model = _stand_ins.get(id(model), model)
     model.save_pretrained(str(output_dir), safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
     if merged:
@@ -171,9 +232,10 @@ def save_final(output_dir: Path, model: Savable, tokenizer: Any,
 
 
 def resume_state(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scaler: torch.amp.GradScaler, plan: DevicePlan, identity: dict[str, Any]) -> dict[str, Any]:
+                 scaler: torch.amp.GradScaler, plan: DevicePlan, identity: dict[str, Any],
+                 restore: Restore | None = None) -> dict[str, Any]:
     """Load a checkpoint into the run and return its saved state, refusing one written by a different run."""
-    state = load_checkpoint(checkpoint, model, optimizer, scaler, plan)
+    state = load_checkpoint(checkpoint, model, optimizer, scaler, plan, restore)
     for key, expected in identity.items():
         if state.get(key) != expected:
             raise ValueError(f"{checkpoint} was written with {key}={state.get(key)!r}, this run has "

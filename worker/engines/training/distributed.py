@@ -3,8 +3,9 @@
 Every rank (one process per device, started by torchrun) builds the same model and walks the same seeded
 step plan; each step's micro-batches are dealt out example by example, so every rank's share keeps the
 length grouping and the global batch is the one a single process would take. DistributedDataParallel
-averages the gradients; rank 0 alone talks to the outside (callbacks), evaluates and saves, and its answer
-to "stop?" is broadcast so that all ranks leave the loop after the same step.
+(WholeReplica) or FSDP2 (worker.engines.training.sharded) averages the gradients; rank 0 alone talks to the
+outside (callbacks) and saves, and its answer to "stop?" is broadcast so that all ranks leave the loop after the
+same step. A whole replica is evaluated by rank 0 alone; a sharded one by all ranks together.
 """
 
 from __future__ import annotations
@@ -88,15 +89,17 @@ def step_share(micro_batches: Sequence[Any], dist: Dist) -> tuple[list[Any], lis
 
 
 class Replica:
-    """One rank's model wrapped in DistributedDataParallel, with the collectives the loop uses."""
+    """One rank's model in a data-parallel run and the collectives the loop uses; subclasses decide who holds what.
 
-    def __init__(self, dist: Dist, model: torch.nn.Module, plan: DevicePlan) -> None:
+    WholeReplica keeps the whole model on every rank (DDP); worker.engines.training.sharded.ShardedReplica splits
+    weights, gradients and AdamW states over the ranks (FSDP2).
+    """
+
+    module: torch.nn.Module  # what the micro-batches run through
+
+    def __init__(self, dist: Dist, plan: DevicePlan) -> None:
         self.dist = dist
         self.plan = plan
-        # broadcast_buffers off: rank 0 evaluates alone with the inner model, and BERT/GPT-2 buffers are
-        # constants (position ids), so there is nothing to keep in step and no forward may wait on a peer.
-        self.module = DistributedDataParallel(model, device_ids=[plan.device] if plan.is_cuda else None,
-                                              broadcast_buffers=False)
 
     def share(self, micro_batches: Sequence[Any]) -> tuple[list[Any], list[float]]:
         """This rank's micro-batches of a step and their weights (see step_share)."""
@@ -104,12 +107,13 @@ class Replica:
 
     @property
     def gradient_scale(self) -> float:
-        """What a rank's weighted loss is multiplied by before backward: DDP averages over ranks, we want the sum."""
+        """What a rank's weighted loss is multiplied by before backward: DDP and FSDP average over ranks, we want
+        the sum (each rank's loss is already weighted by its share of the step's examples)."""
         return float(self.dist.world_size)
 
     def sync_unless(self, last: bool) -> contextlib.AbstractContextManager:
-        """Accumulate locally (no all-reduce) for every micro-batch of a step but its last."""
-        return contextlib.nullcontext() if last else self.module.no_sync()
+        """Accumulate locally (no gradient collective) for every micro-batch of a step but its last."""
+        raise NotImplementedError
 
     def total(self, value: torch.Tensor) -> torch.Tensor:
         """The sum of `value` over all ranks (the step's mean loss from each rank's weighted part)."""
@@ -121,3 +125,25 @@ class Replica:
         box = torch.tensor([int(flag)], device=self.plan.device)
         torch_dist.broadcast(box, src=0)
         return bool(box.item())
+
+    def from_main(self, value: int | None) -> int | None:
+        """Rank 0's value, on every rank (what only rank 0 tracks, such as the best evaluation's step)."""
+        box = [value]
+        torch_dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+class WholeReplica(Replica):
+    """The whole model on every rank, wrapped in DistributedDataParallel: rank 0 alone evaluates and saves it."""
+
+    def __init__(self, dist: Dist, model: torch.nn.Module, plan: DevicePlan) -> None:
+        super().__init__(dist, plan)
+        # broadcast_buffers off: rank 0 evaluates alone with the inner model, and BERT/GPT-2 buffers are
+        # constants (position ids), so there is nothing to keep in step and no forward may wait on a peer.
+        self.ddp = DistributedDataParallel(model, device_ids=[plan.device] if plan.is_cuda else None,
+                                           broadcast_buffers=False)
+        self.module = self.ddp
+
+    def sync_unless(self, last: bool) -> contextlib.AbstractContextManager:
+        """Accumulate locally (no all-reduce) for every micro-batch of a step but its last."""
+        return contextlib.nullcontext() if last else self.ddp.no_sync()

@@ -47,7 +47,7 @@ RUN_HYPERPARAMETERS: Mapping[str, str | None] = {
     "gradient_accumulation_steps": "gradient_accumulation_steps", "precision": "precision",
     "eval_steps": "eval_steps", "metric_for_best": None, "early_stopping_patience": "early_stopping_patience",
     "early_stopping_threshold": "early_stopping_threshold", "gradient_checkpointing": "gradient_checkpointing",
-    "offload_activations": "offload_activations"}
+    "offload_activations": "offload_activations", "sharding": "sharding"}
 
 
 class UnknownHyperparameter(ValueError):

@@ -8,7 +8,8 @@ evaluations without one, or a callback's stop reason, end the run early), checkp
 but the latest and the best); stop (after a checkpoint) when asked. At the end evaluate once more, put the best
 evaluation's weights back and let the recipe save the model with its manifest. On several devices (`dist`, one
 process each) the same loop runs on every rank with its share of each step (see worker.engines.training.distributed);
-rank 0 alone reports, evaluates, decides an early stop (the others follow it) and saves.
+rank 0 alone reports, evaluates, decides an early stop (the others follow it) and saves. A sharded model
+(worker.engines.training.sharded) needs every rank in each evaluation, checkpoint and the final save.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from typing import Any
 
 import torch
 
+from core.hyperparams import weight_shards
 from core.vocab import EventKind
 from worker.engines.device import DevicePlan, is_out_of_memory, release_memory, resolve_device
 from worker.engines.models import manifest as manifests
 from worker.engines.training import artifacts
 from worker.engines.training.best import BestTracker
-from worker.engines.training.distributed import Dist, Replica, join
+from worker.engines.training.distributed import Dist, Replica, WholeReplica, join
 from worker.engines.training.dropout import use_fast_dropout
 from worker.engines.training.loop_helpers import (
     build_adamw,
@@ -50,6 +52,7 @@ from worker.engines.training.loop_types import (
     TrainCallbacks,
     TrainResult,
 )
+from worker.engines.training.sharded import ShardedReplica
 from worker.engines.training.sparse_adamw import clip_gradients
 from worker.engines.training.tabular_data import steps_per_epoch
 
@@ -77,7 +80,7 @@ def run(config: RunConfig, recipe: Recipe, callbacks: TrainCallbacks | None = No
         state.optimizer_step(list(steps[index]))
         eval_due = (config.eval_steps is not None and state.progress.step < state.total_steps
                     and state.progress.step % config.eval_steps == 0)
-        improved = state.evaluate_now() if eval_due and state.main else None
+        improved = state.evaluate_now() if eval_due else None
         # A new best is checkpointed at once: it is what the job will serve, so a resume must find it.
         checkpointed = bool(improved) or checkpoint_due(state.progress.step, config.checkpoint_steps)
         if checkpointed:
@@ -112,12 +115,15 @@ class _Run:
             if dist is None:  # looked-up rows only: see training/sparse_adamw.py (DDP reduces dense gradients)
                 for table in self.setup.sparse_tables:
                     table.sparse = table.weight.requires_grad
-        self.replica = None if dist is None else Replica(dist, model, self.plan)
+        # A recipe whose ranks run different numbers of forwards in a step says `shardable = False`.
+        shards = weight_shards(config.sharding, self.world, shardable=getattr(recipe, "shardable", True))
+        self.sharded = None if dist is None or shards == 1 else ShardedReplica(dist, model, self.plan)
+        self.replica: Replica | None = self.sharded or (None if dist is None else WholeReplica(dist, model, self.plan))
         # A checkpoint resumes only at the world size it was written with (the runs' RNG streams differ).
         self.identity = dict(self.setup.identity, world_size=self.world) if self.world > 1 else self.setup.identity
         self.optimizer = build_adamw(model, learning_rate=config.learning_rate, weight_decay=config.weight_decay,
                                      betas=recipe.adam_betas, plan=self.plan)
-        self.scaler = self.plan.grad_scaler()
+        self.scaler = self.plan.grad_scaler(sharded=self.sharded is not None)
         self.per_epoch = steps_per_epoch(self.setup.num_examples, config.batch_size,
                                          config.gradient_accumulation_steps)
         self.total_steps = config.max_steps or math.ceil(config.epochs * self.per_epoch)
@@ -133,8 +139,10 @@ class _Run:
         config, recipe, world, resumed_from = self.config, self.recipe, self.world, None
         checkpoint = artifacts.latest_checkpoint(config.checkpoint_dir)
         if checkpoint is not None:
-            state = artifacts.resume_state(checkpoint, self.model, self.optimizer, self.scaler, self.plan,
-                                           self.identity)
+            sharded, model, optimizer = self.sharded, self.model, self.optimizer
+            restore = None if sharded is None else lambda path: sharded.restore(model, optimizer, path)
+            state = artifacts.resume_state(checkpoint, model, optimizer, self.scaler, self.plan, self.identity,
+                                           restore)
             if state.get("world_size", 1) != world:
                 raise ValueError(f"{checkpoint} was written by a run on {state.get('world_size', 1)} device(s), "
                                  f"this one has {world}; resume it with the same number of devices")
@@ -148,7 +156,8 @@ class _Run:
         self.callbacks.on_start({
             "total_steps": self.total_steps, "steps_per_epoch": self.per_epoch, "warmup_steps": self.warmup_steps,
             **self.setup.info, "device": plan.device if world == 1 else f"{plan.device_type} x{world}",
-            "world_size": world, "precision": plan.precision, "resumed_from_step": resumed_from,
+            "world_size": world, "sharded": self.sharded is not None, "precision": plan.precision,
+            "resumed_from_step": resumed_from,
             "checkpoint_steps": config.checkpoint_steps})
 
     def optimizer_step(self, micro_batches: list[Any]) -> None:
@@ -181,9 +190,15 @@ class _Run:
         })
 
     def evaluate_now(self) -> bool | None:
-        """Evaluate and report (rank 0); True for a new best, False otherwise, None when the recipe has no eval data."""
-        eval_metrics = evaluate(self.recipe, self.model, self.plan)
-        return None if eval_metrics is None else self.evaluated(eval_metrics)
+        """Evaluate and report (rank 0; a sharded model on every rank); True for a new best, False otherwise, None
+        when the recipe has no eval data (and on the other ranks of a whole replica)."""
+        if not self.main and self.sharded is None:
+            return None
+        eval_metrics = evaluate(self.recipe, self.model, self.plan, sharded=self.sharded is not None)
+        improved = None if eval_metrics is None or not self.main else self.evaluated(eval_metrics)
+        if self.sharded is not None and self.sharded.agree(bool(improved)) and not self.main:
+            return True  # every rank takes part in writing rank 0's new best checkpoint
+        return improved
 
     def evaluated(self, eval_metrics: dict[str, float]) -> bool:
         """Report an evaluation; True when it is the new best (the caller checkpoints it)."""
@@ -204,13 +219,15 @@ class _Run:
 
     def save_checkpoint(self) -> None:
         """Write a checkpoint of this step (rank 0), keeping the best one through the rotation."""
-        if not self.main:  # every rank holds the same weights and optimizer state: one writes them
+        # Whole replicas hold the same weights and optimizer state: one writes them; shards are gathered first.
+        full = None if self.sharded is None else self.sharded.gather(self.model, self.optimizer)
+        if not self.main:
             return
         tracker = self.tracker
         state = dict(self.identity, **self.progress.state(), best=tracker.state() if tracker else None)
         keep = {tracker.step} if tracker is not None and tracker.step is not None else set()
         path = artifacts.save_checkpoint(self.config.checkpoint_dir, self.progress.step, self.model, self.optimizer,
-                                         self.scaler, self.plan, state, keep_steps=keep)
+                                         self.scaler, self.plan, state, keep_steps=keep, full=full)
         self.callbacks.on_checkpoint(self.progress.step, path)
 
     def should_stop(self) -> bool:
@@ -225,24 +242,39 @@ class _Run:
 
     def finish(self, stop_reason: str) -> TrainResult:
         """Evaluate once more, put the best evaluation's weights back, and let the recipe save the model (rank 0)."""
-        progress, tracker, config = self.progress, self.tracker, self.config
+        progress, tracker, config, sharded = self.progress, self.tracker, self.config, self.sharded
         metrics = progress.metrics()
-        if not self.main:  # rank 0 evaluates and saves the one model
+        if not self.main and sharded is None:  # rank 0 evaluates and saves the one model
             return TrainResult("completed", progress.step, self.total_steps, metrics, None, {},
                                stop_reason=stop_reason)
-        eval_metrics = evaluate(self.recipe, self.model, self.plan) if stop_reason == "completed" else None
-        if eval_metrics is not None:
+        # Every rank of a sharded model runs the evaluation, restores the best weights and gathers the final ones.
+        eval_metrics = (evaluate(self.recipe, self.model, self.plan, sharded=sharded is not None)
+                        if stop_reason == "completed" else None)
+        if eval_metrics is not None and self.main:
             self.evaluated(eval_metrics)
             metrics.update(eval_metrics)
+        restored = (tracker.step if tracker is not None and tracker.step is not None and tracker.step != progress.step
+                    else None)
+        if sharded is not None:
+            restored = sharded.from_main(restored)
+        if restored is not None:
+            path = artifacts.checkpoint_path(config.checkpoint_dir, restored)
+            if sharded is None:
+                artifacts.load_weights(path, self.model, self.plan)
+            else:
+                sharded.load_weights(self.model, path)
+        full = None if sharded is None else sharded.full_model(self.model)
+        if not self.main:
+            return TrainResult("completed", progress.step, self.total_steps, metrics, None, {},
+                               stop_reason=stop_reason)
         if tracker is not None and tracker.step is not None:
-            if tracker.step != progress.step:
-                artifacts.load_weights(artifacts.checkpoint_path(config.checkpoint_dir, tracker.step), self.model,
-                                       self.plan)
+            if restored is not None:
                 self.callbacks.on_event(EventKind.BEST_RESTORED, f"the model is the best evaluation's: step "
                                         f"{tracker.step}, {tracker.metric}={tracker.value:.4f}")
             metrics.update(tracker.metrics)
         best = tracker.best() if tracker is not None else None
-        manifest = self.recipe.save(metrics, self.hyperparameters(), self.plan)
+        with artifacts.standing_in(self.model, full):  # a sharded model: rank 0's gathered plain copy is saved
+            manifest = self.recipe.save(metrics, self.hyperparameters(), self.plan)
         manifest = dict(manifest, best=best, stop_reason=stop_reason, stopped_at_step=progress.step)
         manifests.write_manifest(config.output_dir, manifest)
         self.callbacks.on_event(EventKind.SAVED, f"model saved to {config.output_dir}")
@@ -261,6 +293,7 @@ class _Run:
             "adam_betas": list(self.recipe.adam_betas), "max_grad_norm": MAX_GRAD_NORM,
             "precision": self.plan.precision, "seed": config.seed, "eval_steps": config.eval_steps,
             "checkpoint_steps": config.checkpoint_steps, "world_size": self.world,
+            "sharding": "fsdp" if self.sharded is not None else "ddp" if self.world > 1 else None,
             "metric_for_best": config.metric_for_best, "early_stopping_patience": config.early_stopping_patience,
             "early_stopping_threshold": config.early_stopping_threshold,
             "sparse_embedding_rows": any(table.sparse for table in self.setup.sparse_tables),
@@ -301,11 +334,14 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
     return step_loss.item(), float(grad_norm), examples
 
 
-def evaluate(recipe: Recipe, model: torch.nn.Module, plan: DevicePlan) -> dict[str, float] | None:
+def evaluate(recipe: Recipe, model: torch.nn.Module, plan: DevicePlan, *, sharded: bool = False
+             ) -> dict[str, float] | None:
     """The recipe's eval metrics in eval mode without autograd; the model is back in train mode after."""
+    # FSDP reuses its all-gather buffers across forwards, and ones made under inference_mode cannot be written
+    # outside it (the next training step would fail): a sharded model evaluates under no_grad.
     model.eval()
     try:
-        with torch.inference_mode(), plan.autocast():
+        with torch.inference_mode() if not sharded else torch.no_grad(), plan.autocast():
             return recipe.evaluate()
     finally:
         model.train()

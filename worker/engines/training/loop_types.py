@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from core.hyperparams import TrainingHyperparameters, default
+from core.hyperparams import Sharding, TrainingHyperparameters, default
 from core.protocol import ErrorCode
 from worker.engines.device import DevicePlan
 
@@ -56,6 +56,8 @@ class RunConfig:
     offload_activations: bool = default(TrainingHyperparameters, "offload_activations")
     device: str = "auto"
     devices: int = 1  # processes (one per device) of a data-parallel run; more than one runs under torchrun
+    # fsdp: weights, gradients and AdamW states split over the devices (FSDP2); ddp: a whole replica on each.
+    sharding: Sharding = default(TrainingHyperparameters, "sharding")
     memory_limit_bytes: int | None = None  # memory this run may use; None: the device's total (RAM on a CPU)
     base_model_name: str = ""
     dataset_hashes: Mapping[str, str] = field(default_factory=dict)

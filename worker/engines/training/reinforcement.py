@@ -60,6 +60,9 @@ class ReinforcementRecipe:
 
     unit = "samples"
     adam_betas = (0.9, 0.999)
+    # Each rank samples answers of its own lengths, so ranks run different numbers of forwards in a step; a sharded
+    # model's every forward gathers from all ranks at once: several devices keep whole replicas (core.hyperparams).
+    shardable = False
 
     def __init__(self, config: ReinforcementTrainConfig) -> None:
         rl = config.reinforcement

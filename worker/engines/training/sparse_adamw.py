@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class RowSparseAdamW(torch.optim.AdamW):
@@ -80,11 +81,17 @@ class RowSparseAdamW(torch.optim.AdamW):
 
 
 def clip_gradients(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """clip_grad_norm_ (foreach) over dense and sparse gradients alike; returns the total norm before clipping."""
+    """clip_grad_norm_ (foreach) over dense and sparse gradients alike; returns the total norm before clipping.
+
+    Sharded gradients (FSDP's DTensors) give the norm over all ranks' shards, the one-process norm: each rank
+    clips its shard by the same coefficient. Every rank must call it then (the norm is a collective).
+    """
     grads = [(p, p.grad) for p in parameters if p.grad is not None]
     params = [p for p, _ in grads]
     if not any(grad.is_sparse for _, grad in grads):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        # A DTensor norm: full_tensor() is the global value, the same on every rank.
+        return total.full_tensor() if isinstance(total, DTensor) else total
     sparse = [grad.coalesce() if grad.is_sparse else grad for _, grad in grads]  # a row looked up twice: 2 entries
     for p, grad in zip(params, sparse, strict=True):
         p.grad = grad

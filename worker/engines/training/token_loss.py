@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from core.estimate import CHUNK_VALUES, MemoryEstimate  # logits one chunk holds: the estimate counts the same
 from worker.engines.training.chat_render import IGNORE
@@ -120,13 +121,15 @@ def target_logprobs(model: torch.nn.Module, checks: ModelChecks | None, *, input
     if position_ids is not None:
         inputs["position_ids"] = position_ids
     chosen = targets[select]
-    if checks is None or checks.head is None:
+    # The head is read from the model at each call: FSDP replaces parameters when it shards them (and a sharded
+    # weight, a DTensor, exists whole only inside the model's own forward, which then computes the logits).
+    head = None if checks is None or checks.head is None else output_head(getattr(model, "module", model))
+    if head is None or isinstance(head.weight, DTensor):
         logits = model(**inputs).logits[select].float() / temperature
         return torch.log_softmax(logits, dim=-1).gather(1, chosen.unsqueeze(1)).squeeze(1)
     # logits_to_keep=1: the model computes one position's logits, not the vocabulary for every position.
     out = model(**inputs, output_hidden_states=True, logits_to_keep=1)
     hidden = out.hidden_states[-1][select]
-    head = checks.head
     return ChunkedLogprobs.apply(hidden, head.weight, head.bias, chosen, head, temperature)
 
 
