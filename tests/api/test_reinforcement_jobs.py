@@ -123,8 +123,9 @@ def test_admission_counts_every_sampled_row(client, settings, prompts_file, tiny
     trainable = adapter_parameter_count(arch, lora.r, lora.target_modules)
 
     def estimate(rows: int, seq_len: int) -> int:
+        # what admission falls back to at worst: the chunked loss and gradient checkpointing
         return training_memory(arch, head="causal-lm", batch_size=rows, seq_len=seq_len, precision="fp32",
-                               fused_attention=False, trainable=trainable).total_bytes
+                               trainable=trainable, chunked_loss=True, checkpointing=True).total_bytes
 
     # 8 rows of 1024 tokens vs 8 x 64 rows of 1024 + 4096: 320 times the activations; the device sits between.
     limit = int((estimate(8, 1024) * estimate(8 * 64, 1024 + 4096)) ** 0.5)
