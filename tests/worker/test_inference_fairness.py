@@ -137,6 +137,7 @@ def _serve(ctx, task: EmbedTask, outcome: dict) -> None:
     outcome["at"] = time.monotonic()
 
 
+@pytest.mark.alone  # a latency ratio: another test file's training on the same cores skews it
 def test_a_one_sentence_request_is_served_between_the_batches_of_another_tenants_long_one(ctx):
     """The worker served in arrival order: 2,048-input requests of one tenant made the other's sentence a 504."""
     embedding.embed(ctx, _task("warm", ["warm the model up"]))

@@ -84,6 +84,8 @@ export function field(doc, schema, path, { required = false, widgets = {} } = {}
   }
   if (s.const !== undefined) return { el: null, value: () => s.const };
   if (s.enum) return enumField(s, path, name, need, optional);
+  // A nullable boolean (null: the server decides) has three states: left out, true or false.
+  if (s.type === "boolean" && optional) return enumField({ ...s, enum: [true, false] }, path, name, false, true);
   if (s.type === "boolean") return booleanField(s, path, name);
   if (s.type === "integer" || s.type === "number") return numberField(s, path, name, need);
   if (s.type === "string") return stringField(s, path, name, need);
