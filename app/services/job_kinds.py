@@ -177,7 +177,7 @@ def require_fit(settings: Settings, model_config: dict[str, Any] | None, model_f
         "num_labels": num_labels, "trainable": trainable,
         # an encoder trains with eager attention on a CPU (worker.engines.training.encoder), SDPA on a GPU
         **({"fused_attention": device is None or device.is_cuda} if head == "classifier" else {}),
-        "chunked_loss": head == "causal-lm",
+        "chunked_loss": head == "causal-lm" and shards == 1,  # a sharded output layer: the model's own logits
         "loss_tokens": None if loss_tokens is None else math.ceil(loss_tokens / devices), "shards": shards}
     estimate = fitting_memory(arch, limit=limit, checkpointing=hp.gradient_checkpointing, **sizes)
     if estimate.total_bytes <= limit:

@@ -225,3 +225,23 @@ def test_an_sft_run_packs_where_it_saves_work_with_the_padded_runs_losses(tmp_pa
     assert runs["packed"].logs.keys() == runs["padded"].logs.keys() == {1, 2, 3, 4}
     for step, metrics in runs["padded"].logs.items():
         assert math.isclose(runs["packed"].logs[step]["train_loss"], metrics["train_loss"], rel_tol=1e-4)
+
+
+@pytest.mark.parametrize("sharding", ["fsdp", "ddp"])
+def test_a_run_on_two_devices_is_estimated_at_each_ones_share(tmp_path, decoders, sharding):
+    """Each device trains half the rows; under FSDP it also holds half the states and takes the model's own logits
+    (the output layer is sharded), as the API's admission counts them (app/services/job_kinds.require_fit)."""
+    import dataclasses
+    import json
+
+    from worker.engines.device import resolve_device
+
+    config = chat_config(tmp_path, decoders["llama"], _varied_chats(), adapter=None, batch_size=4)
+    plan = resolve_device("cpu", "fp32", training=True)
+    one = chat.load_policy(config, plan, rows=4, seq_len=64).estimate
+    two = chat.load_policy(dataclasses.replace(config, devices=2, sharding=sharding), plan, rows=4, seq_len=64)
+    arch = architecture(json.loads((decoders["llama"] / "config.json").read_text()))
+    assert arch is not None and one is not None and two.estimate is not None
+    expected = training_memory(arch, head="causal-lm", batch_size=2, seq_len=64, precision="fp32",
+                               chunked_loss=sharding == "ddp", shards=2 if sharding == "fsdp" else 1)
+    assert two.estimate.total_bytes == expected.total_bytes < one.total_bytes

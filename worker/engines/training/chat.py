@@ -20,7 +20,7 @@ from core.adapters import AdapterConfig, PreferenceConfig
 from core.chat_data import MAX_LENGTH, read_records
 from core.errors import DomainError
 from core.estimate import MemoryEstimate, adapter_parameter_count, architecture
-from core.hyperparams import LMHyperparameters, default
+from core.hyperparams import LMHyperparameters, default, weight_shards
 from worker.engines.device import DevicePlan
 from worker.engines.models import manifest as manifests
 from worker.engines.models.tokenizers import load_tokenizer_files
@@ -221,18 +221,22 @@ class Policy:
 
 
 def load_policy(config: ChatTrainConfig, plan: DevicePlan, *, rows: int, seq_len: int,
-                loss_tokens: int | None = None) -> Policy:
+                loss_tokens: int | None = None, shardable: bool = True) -> Policy:
     """The causal LM to tune on plan.device (with its LoRA adapter when given), refused first if the estimate of
     training `rows` sequences of `seq_len` tokens does not fit even with gradient checkpointing; `loss_tokens` is
-    how many of them carry a target at most (the chunked loss's rows)."""
+    how many of them carry a target at most (the chunked loss's rows). On several devices each holds its share of
+    the rows, and under FSDP its share of the states (core.hyperparams.weight_shards; `shardable` as the recipe
+    says), with every position's logits: a sharded output layer is left to the model's own forward."""
     model_config = AutoConfig.from_pretrained(config.base_model, trust_remote_code=False)
     arch = architecture(model_config.to_dict())
     adapter = config.adapter
     trainable = None if arch is None or adapter is None else adapter_parameter_count(arch, adapter.r,
                                                                                      adapter.target_modules)
-    sizes: dict[str, Any] = {"head": "causal-lm", "batch_size": rows, "seq_len": seq_len, "trainable": trainable,
-                             "loss_tokens": loss_tokens}
-    estimate = fit_memory(arch, plan, config, chunked_loss=True, **sizes)
+    devices, shards = config.devices, weight_shards(config.sharding, config.devices, shardable=shardable)
+    sizes: dict[str, Any] = {"head": "causal-lm", "batch_size": math.ceil(rows / devices), "seq_len": seq_len,
+                             "trainable": trainable, "shards": shards,
+                             "loss_tokens": None if loss_tokens is None else math.ceil(loss_tokens / devices)}
+    estimate = fit_memory(arch, plan, config, chunked_loss=shards == 1, **sizes)
     base = AutoModelForCausalLM.from_pretrained(config.base_model, config=model_config, trust_remote_code=False,
                                                 use_safetensors=True)
     model: TrainedModel = base if adapter is None else adapters.apply_adapter(base, adapter, "causal-lm")

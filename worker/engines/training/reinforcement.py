@@ -87,7 +87,7 @@ class ReinforcementRecipe:
         # Each prompt trains `samples` rows of prompt and completion; only the completions' tokens carry a target.
         rows = config.batch_size * rl.samples
         self.policy = load_policy(config, plan, rows=rows, seq_len=int(self.lengths.max()) + rl.max_completion_tokens,
-                                  loss_tokens=rows * rl.max_completion_tokens)
+                                  loss_tokens=rows * rl.max_completion_tokens, shardable=self.shardable)
         self.model: TrainedModel = self.policy.model
         self.stop_ids = stop_ids(self.tokenizer, self.model)
         settings = {"adapter": config.adapter.model_dump() if config.adapter else None,

@@ -1,0 +1,264 @@
+"""trainserve's fine-tunes against TRL's trainers on the same model, data and settings: tokens/s and peak memory.
+
+Both sides train SmolLM2-135M-Instruct (the real model, `make smollm2`) for one epoch over the same chat rows on a
+CPU in fp32, with the same batch, learning rate, linear schedule without warmup, no weight decay and the same LoRA
+(r 16, alpha 32, no dropout, every linear layer) or full weights:
+- `sft`: trainserve's chat recipe (worker.engines.training.chat: assistant-token loss, chunked, packed where it
+  saves work) against TRL's `SFTTrainer` on prompt-completion rows (completion-only loss), given its best options
+  on this machine (`--trl-sft`: `padding_free` by default: rows concatenated without padding, positions restarting;
+  `packing` (best-fit decreasing) and `padded` are the others), gradient checkpointing off on both (it fits);
+- `dpo`: trainserve's DPO (the same recipe with `preference`) against TRL's `DPOTrainer` (sigmoid loss, beta 0.1,
+  the reference the base with the adapter switched off for LoRA, a frozen copy for full weights).
+Each run is a fresh child process; sides alternate (trainserve, TRL, trainserve, ...) for `--repeats` rounds.
+tokens/s is the epoch's tokens (prompt and reply; both replies of a DPO pair) over the seconds spent in optimizer
+steps (each side's own step timing: trainserve's `train_runtime`, TRL's from a callback at each step's start and
+end), so loading, tokenizing and saving are outside both windows. Peak memory is the resident-set peak (VmHWM) above
+the resident set after imports, before the model loads. The loss of each side is its mean training loss over the
+epoch (token-weighted on both) and its last step's, so the curves can be compared.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/trl_compare.py                      # sft and dpo, LoRA and full, 3 rounds
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/trl_compare.py --only sft-lora --rows 16 --repeats 1   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.machine import describe  # noqa: E402
+from trainserve.real_models import SMOLLM2_DIR, build_smollm2  # noqa: E402
+
+LORA = {"r": 16, "alpha": 32, "dropout": 0.0}
+JOBS = ("sft-lora", "sft-full", "dpo-lora", "dpo-full")
+RATES = {"lora": 2e-4, "full": 2e-5}
+
+
+def _rss(field: str) -> int:
+    match = re.search(field + r":\s+(\d+) kB", Path("/proc/self/status").read_text())
+    assert match is not None
+    return int(match.group(1)) * 1024
+
+
+def _words(count: int, seed: int) -> str:
+    # Common short words, about one SmolLM2 token each.
+    vocabulary = ("the cat sat on a mat and then it ran to see what was in the box by the door of our old house "
+                  "near one big tree").split()
+    return " ".join(vocabulary[(seed * 7 + i * 3) % len(vocabulary)] for i in range(count))
+
+
+def rows(method: str, count: int, longest: int) -> list[dict[str, Any]]:
+    """Chat rows whose replies run from 32 words to `longest`, spread evenly, as real chat data varies."""
+    out: list[dict[str, Any]] = []
+    for i in range(count):
+        words = 32 + (longest - 32) * ((i * 7) % count) // max(1, count - 1)
+        prompt = [{"role": "user", "content": f"Question {i}: " + _words(12, i)}]
+        if method == "sft":
+            out.append({"prompt": prompt, "completion": [{"role": "assistant", "content": _words(words, i + 1)}]})
+        else:
+            out.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": _words(words, i + 1)}],
+                        "rejected": [{"role": "assistant", "content": _words(words, i + 2)}]})
+    return out
+
+
+def epoch_tokens(method: str, data: list[dict[str, Any]], max_length: int) -> int:
+    """Tokens in one epoch: each rendered conversation (both of a DPO pair), cut at max_length."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2_DIR))
+    total = 0
+    for row in data:
+        replies = [row["completion"]] if method == "sft" else [row["chosen"], row["rejected"]]
+        for reply in replies:
+            ids = tokenizer.apply_chat_template(row["prompt"] + reply, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            total += min(len(ids), max_length)
+    return total
+
+
+def run_trainserve(job: str, data: list[dict[str, Any]], args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    from core.adapters import AdapterConfig, PreferenceConfig
+    from core.estimate import RUNTIME_BYTES
+    from worker.engines.training.chat import ChatRecipe, ChatTrainConfig
+    from worker.engines.training.loop import run
+    from worker.engines.training.loop_types import TrainCallbacks
+
+    method, weights = job.split("-")
+    train = folder / "train.jsonl"
+    with train.open("w") as out:
+        for row in data:
+            if method == "sft":
+                out.write(json.dumps({"messages": row["prompt"] + row["completion"]}) + "\n")
+            else:
+                out.write(json.dumps({"input": {"messages": row["prompt"]}, "preferred_output": row["chosen"],
+                                      "non_preferred_output": row["rejected"]}) + "\n")
+    losses: list[float] = []
+
+    class Losses(TrainCallbacks):
+        def on_log(self, step: int, epoch: float, metrics: dict[str, float]) -> None:
+            losses.append(metrics["train_loss"])
+
+    config = ChatTrainConfig(
+        train_file=train, eval_file=None, output_dir=folder / "out", checkpoint_dir=folder / "ckpt",
+        base_model=str(SMOLLM2_DIR), adapter=AdapterConfig(**LORA, target_modules="all-linear")
+        if weights == "lora" else None, preference=PreferenceConfig(beta=0.1) if method == "dpo" else None,
+        epochs=1, batch_size=args.batch_size, learning_rate=RATES[weights], warmup_ratio=0.0, weight_decay=0.0,
+        max_length=args.max_length, seed=0, device="cpu", precision="fp32", gradient_checkpointing=False)
+    result = run(config, ChatRecipe(config), Losses())
+    memory = result.manifest["hyperparameters"]["memory"]
+    return {"seconds": result.metrics["train_runtime"], "losses": losses, "steps": result.global_step,
+            "technique": f"loss {memory['loss']}, packing {memory.get('packing')}",
+            "estimate_gb": (memory["estimated_peak_bytes"] - RUNTIME_BYTES) / 1e9}
+
+
+def run_trl(job: str, data: list[dict[str, Any]], args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    method, weights = job.split("-")
+    steps: list[float] = []
+
+    class StepTimer(TrainerCallback):  # the seconds inside optimizer steps, as trainserve's train_runtime counts
+        started = 0.0
+
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            StepTimer.started = time.perf_counter()
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            steps.append(time.perf_counter() - StepTimer.started)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2_DIR))
+    model = AutoModelForCausalLM.from_pretrained(str(SMOLLM2_DIR), dtype=torch.float32)
+    peft = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
+                      target_modules="all-linear", task_type="CAUSAL_LM") if weights == "lora" else None
+    common: dict[str, Any] = dict(
+        output_dir=str(folder / "trl"), per_device_train_batch_size=args.batch_size, num_train_epochs=1,
+        learning_rate=RATES[weights], lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
+        max_length=args.max_length, gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True,
+        logging_steps=1, save_strategy="no", report_to="none", seed=0, dataloader_num_workers=0,
+        disable_tqdm=True)
+    dataset = Dataset.from_list(data)
+    if method == "sft":
+        from trl import SFTConfig, SFTTrainer
+
+        # padding_free leaves max_length to the caller (TRL refuses it otherwise): the rows fit it already.
+        layout = {"padding_free": {"padding_free": True, "max_length": None}, "packing": {"packing": True},
+                  "padded": {}}[args.trl_sft]
+        common = {**common, **layout}
+        trainer: Any = SFTTrainer(model=model, args=SFTConfig(**common), train_dataset=dataset,
+                                  processing_class=tokenizer, peft_config=peft, callbacks=[StepTimer()])
+    else:
+        from trl import DPOConfig, DPOTrainer
+
+        trainer = DPOTrainer(model=model, args=DPOConfig(**common, beta=0.1), train_dataset=dataset,
+                             processing_class=tokenizer, peft_config=peft, callbacks=[StepTimer()])
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return {"seconds": sum(steps), "losses": losses, "steps": trainer.state.global_step,
+            "technique": args.trl_sft if method == "sft" else "padded"}
+
+
+def measure(side: str, job: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of one side in this (fresh) process."""
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    method = job.split("-")[0]
+    data = rows(method, args.rows, args.longest)
+    tokens = epoch_tokens(method, data, args.max_length)
+    folder = Path(tempfile.mkdtemp(prefix="trl-compare-"))
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here: the model, the run
+    before = _rss("VmRSS")
+    out = (run_trainserve if side == "trainserve" else run_trl)(job, data, args, folder)
+    losses = out.pop("losses")
+    return {"side": side, "job": job, **out, "tokens": tokens, "tokens_per_second": tokens / out["seconds"],
+            "peak_gb": (_rss("VmHWM") - before) / 1e9, "mean_loss": statistics.fmean(losses) if losses else None,
+            "last_loss": losses[-1] if losses else None}
+
+
+def summarize(job: str, runs: list[dict[str, Any]]) -> str:
+    """'sft-lora: trainserve 812 tok/s (790-830) 1.10 GB, TRL 640 tok/s (...) 1.30 GB: 1.27x tokens/s, 0.85x peak'."""
+    def side(name: str) -> tuple[list[float], list[float], list[float]]:
+        mine = [r for r in runs if r["side"] == name and r["job"] == job]
+        return ([r["tokens_per_second"] for r in mine], [r["peak_gb"] for r in mine],
+                [r["mean_loss"] for r in mine if r["mean_loss"] is not None])
+
+    ours, theirs = side("trainserve"), side("trl")
+    if not ours[0] or not theirs[0]:
+        return f"{job}: incomplete"
+    speed = statistics.median(ours[0]) / statistics.median(theirs[0])
+    memory = statistics.median(ours[1]) / statistics.median(theirs[1])
+
+    def figures(values: tuple[list[float], list[float], list[float]]) -> str:
+        return (f"{statistics.median(values[0]):.0f} tok/s ({min(values[0]):.0f}-{max(values[0]):.0f}), "
+                f"{statistics.median(values[1]):.2f} GB, mean loss {statistics.median(values[2]):.3f}")
+
+    return (f"{job}: trainserve {figures(ours)}; TRL {figures(theirs)}: {speed:.2f}x tokens/s at {memory:.2f}x "
+            f"the peak")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", help="the jobs whose name contains this (sft-lora, sft-full, dpo-lora, dpo-full)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--longest", type=int, default=448, help="words in the longest reply")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument("--trl-sft", choices=("padding_free", "packing", "padded"), default="padding_free")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # side:job to run in this process
+    args = parser.parse_args()
+    if args.one:
+        side, job = args.one.split(":")
+        print(json.dumps(measure(side, job, args)))
+        return 0
+    build_smollm2()
+    jobs = [job for job in JOBS if not args.only or args.only in job]
+    passed = [a for a in sys.argv[1:] if not a.startswith("--json") and not a.endswith(".json")]
+    runs, loads = [], []
+    for _ in range(args.repeats):
+        for job in jobs:
+            for side in ("trainserve", "trl"):
+                loads.append(os.getloadavg()[0])
+                env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), TRANSFORMERS_VERBOSITY="error")
+                done = subprocess.run([sys.executable, __file__, *passed, "--one", f"{side}:{job}"], env=env,
+                                      cwd=ROOT, capture_output=True, text=True)
+                if done.returncode != 0:
+                    print(f"{side} {job} failed: {done.stderr.strip()[-2000:]}", flush=True)
+                    continue
+                runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                print(json.dumps(runs[-1]), flush=True)
+    lines = [summarize(job, runs) for job in jobs]
+    print("\n".join(lines))
+    if args.json:
+        args.json.write_text(json.dumps({
+            "benchmark": "bench/trl_compare.py",
+            "what": "one epoch of chat SFT / DPO of SmolLM2-135M-Instruct on a CPU in fp32, trainserve's recipe vs "
+                    "TRL's SFTTrainer / DPOTrainer with the same rows, batch, schedule and LoRA; tokens/s over the "
+                    "optimizer steps, resident-set peak above the imports, medians of the rounds (min-max)",
+            "command": "python bench/trl_compare.py " + " ".join(passed),
+            "date": datetime.now(UTC).strftime("%Y-%m-%d"), "machine": describe(),
+            "peer": f"trl {__import__('trl').__version__}",
+            "load": f"{min(loads):.1f}-{max(loads):.1f}" if loads else "",
+            "result": "; ".join(lines), "runs": runs}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
