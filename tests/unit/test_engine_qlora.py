@@ -1,7 +1,8 @@
 """QLoRA (adapter.quantize_base "nf4") on a tiny Llama: the 4-bit base holds about an eighth of the fp32 bytes of its
 linear layers, as the estimate counts them; its loss is the full-precision base's within NF4's rounding; a chat
 fine-tune over it learns like plain LoRA's; what it saves is an ordinary adapter for the full-precision base, and
-merged/ is that base with the adapter folded in (not a dequantized copy)."""
+the serving engine serves it there as PEFT does; merged/ is that base with the adapter folded in (not a dequantized
+copy)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from core.adapters import AdapterConfig
 from core.estimate import NF4_BYTES, architecture, quantized_parameter_count, training_memory
+from tests.tiny_adapters import hf_greedy, peft_model
 from tests.tiny_chat import build_tiny_llama
 from tests.unit.test_engine_chat_training import (
     _chats,
@@ -113,6 +115,22 @@ def test_qlora_trains_like_lora_and_saves_an_adapter_for_the_full_precision_base
     assert not quantized.is_quantized(adapted)
     with torch.no_grad():
         assert assistant_loss(adapted, None, **batch).item() < before / 2
+
+
+def test_the_serving_engine_serves_a_qlora_adapter_on_the_full_precision_base_as_peft_does(tmp_path, base):
+    from worker.engines.generation.engine import GenerationEngine, SamplingParams
+
+    folder = train_chat(_config(tmp_path, base, _chats(), max_steps=4, adapter=QLORA)).model_dir
+    assert folder is not None
+    want = peft_model(base, folder)
+    prompts = [[0, 5, 9, 17, 33, 60], [0, 44, 12]]
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    with GenerationEngine(base, device="cpu", precision="fp32", max_batch_size=4, max_loras=1,
+                          adapter_folder=lambda name: folder) as engine:
+        results = [engine.submit(prompt, params, adapter="qlora").result(60) for prompt in prompts]
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.choices[0].token_ids == hf_greedy(want, prompt, 8)
+    assert any(hf_greedy(want, p, 8) != hf_greedy(peft_model(base, None), p, 8) for p in prompts)  # it learned
 
 
 def test_merged_export_folds_the_adapter_into_the_full_precision_weights(tmp_path, base):
