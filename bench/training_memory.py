@@ -8,6 +8,9 @@ at (its manifest's `memory.estimated_peak_bytes`, less core.estimate's fixed run
 - `plain`: every position's logits (the chunked loss switched off) and no gradient checkpointing;
 - `chunked`: the chunked loss (training/token_loss.py), no checkpointing;
 - `chunked+ckpt`: the chunked loss and gradient checkpointing.
+An `sft-qlora` row is `sft-lora` over the base in 4-bit NF4 (adapter.quantize_base): the pair gives what the 4-bit
+base saves, and their train_loss (two steps at a learning rate too small to move it: the base's loss) what NF4's
+rounding costs.
 The target: every estimate within 25% of its measured peak, either way.
 
 Usage: HF_HUB_OFFLINE=1 .venv/bin/python bench/training_memory.py [--only sft-lora]
@@ -49,11 +52,13 @@ class Job:
     batch: int
     seq: int  # tokens per row (a GRPO row: prompt + max_completion_tokens)
     technique: str
+    quantize: bool = False  # the adapter's base in 4-bit NF4 (QLoRA)
 
     @property
     def name(self) -> str:
         """E.g. 'sft-lora b2x1024 chunked+ckpt'."""
-        return f"{self.method}-{'lora' if self.lora else 'full'} b{self.batch}x{self.seq} {self.technique}"
+        weights = "qlora" if self.quantize else "lora" if self.lora else "full"
+        return f"{self.method}-{weights} b{self.batch}x{self.seq} {self.technique}"
 
 
 def table() -> list[Job]:
@@ -63,6 +68,7 @@ def table() -> list[Job]:
                                          ("dpo", True, 1, (512, 1024)), ("grpo", False, 2, (256, 512))):
         for seq in lengths:
             jobs.extend(Job(method, lora, batch, seq, technique) for technique in TECHNIQUES)
+    jobs.extend(Job("sft", True, 2, seq, technique, quantize=True) for seq in (512, 2048) for technique in TECHNIQUES)
     return jobs
 
 
@@ -116,7 +122,8 @@ def measure(job: Job) -> dict[str, float | str]:
     folder = Path(tempfile.mkdtemp(prefix="training-memory-"))
     common = dict(train_file=_data(job, folder), eval_file=None, output_dir=folder / "out",
                   checkpoint_dir=folder / "ckpt", base_model=str(SMOLLM2_DIR),
-                  adapter=AdapterConfig(**LORA) if job.lora else None, max_steps=2, batch_size=job.batch,
+                  adapter=AdapterConfig(**LORA, quantize_base="nf4" if job.quantize else None) if job.lora else None,
+                  max_steps=2, batch_size=job.batch,
                   learning_rate=1e-5, seed=0, device="cpu", precision="fp32",
                   gradient_checkpointing=job.technique.endswith("ckpt"))
     config: ChatTrainConfig
@@ -137,6 +144,7 @@ def measure(job: Job) -> dict[str, float | str]:
     estimate = memory["estimated_peak_bytes"] - RUNTIME_BYTES
     return {"job": job.name, "estimate_gb": estimate / 1e9, "measured_gb": peak / 1e9, "ratio": estimate / peak,
             "loss": memory["loss"], "checkpointing": memory["gradient_checkpointing"],
+            "train_loss": result.metrics["train_loss"],
             "step_seconds": result.metrics["train_runtime"] / result.global_step,
             "seconds": time.perf_counter() - started}
 

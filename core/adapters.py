@@ -2,7 +2,8 @@
 
 The models are plain pydantic (no torch), so the job spec's union can embed them and the API can refuse a bad
 adapter before a job is queued; the worker turns an `AdapterConfig` into a `peft.LoraConfig`
-(worker.engines.training.adapters).
+(worker.engines.training.adapters), and loads the base in 4-bit NF4 where `quantize_base` asks (QLoRA:
+worker.engines.training.quantized).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # A module name as PEFT matches it against the end of each module's dotted path (q_proj, attn.c_attn, query).
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
 ALL_LINEAR: Literal["all-linear"] = "all-linear"
+# The one 4-bit format a frozen base loads in: NormalFloat4 (Dettmers et al. 2023, "QLoRA").
+NF4: Literal["nf4"] = "nf4"
 
 
 class AdapterConfig(BaseModel):
@@ -31,6 +34,12 @@ class AdapterConfig(BaseModel):
                                 "matched against the end of each module's path, e.g. [\"q_proj\", \"v_proj\"].")
     merge: bool = Field(False, description="Also write the base with the adapter folded in (a full model) to the "
                                            "artifact's merged/ folder when the job finishes.")
+    quantize_base: Literal["nf4"] | None = Field(
+        None, description="QLoRA: hold the frozen base's linear layers in 4-bit NormalFloat (nf4, double "
+                          "quantization: about 4.1 bits a weight instead of 32), computing in the run's precision; "
+                          "the adapter still trains in fp32, is saved as an ordinary adapter and serves on the "
+                          "full-precision base, and merged/ folds it into the full-precision weights. Causal-LM jobs "
+                          "on a base_model only; not with sharding fsdp.")
 
     @field_validator("target_modules")
     @classmethod

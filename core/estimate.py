@@ -11,7 +11,10 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # attribute reads only: this module stays standard library at run time
+    from core.adapters import AdapterConfig
 
 Head = Literal["causal-lm", "classifier"]
 
@@ -34,6 +37,9 @@ LORA_SHAPES = {"q_proj": "q", "query": "q", "k_proj": "k", "key": "k", "v_proj":
                "down_proj": "down", "dense": "o", "c_proj": "o", "c_attn": "q"}
 # Hugging Face modules keep about twice the minimal set of activations for backward (see training_memory).
 ACTIVATION_FACTOR = 2.0
+# QLoRA's base (bitsandbytes' NF4, blocks of 64 weights): 4 bits a weight, one 8-bit absmax a block and, with double
+# quantization, one fp32 scale per 256 absmax values: 4 + 8/64 + 32/(64 x 256) = 4.127 bits, 0.516 bytes a weight.
+NF4_BYTES = (4 + 8 / 64 + 32 / (64 * 256)) / 8
 # Logit values one chunk of the chunked loss holds (worker.engines.training.token_loss): 64 MB in fp32.
 CHUNK_VALUES = 2**24
 
@@ -160,6 +166,25 @@ def adapter_parameter_count(arch: Architecture, r: int, target_modules: str | Se
     return arch.layers * per_layer + new_head
 
 
+def quantized_parameter_count(arch: Architecture) -> int:
+    """Weights a 4-bit base holds in NF4: the matrices of each block's linear layers (attention and a dense MLP).
+    Embeddings, norms, biases, the output layer and a mixture's fused expert weights (not linear layers) stay as
+    they are."""
+    h, q, kv = arch.hidden, arch.q_hidden or arch.hidden, arch.kv_hidden
+    mlp = (3 if arch.gated_mlp else 2) * h * arch.intermediate if arch.experts == 1 else 0
+    return arch.layers * (2 * h * q + 2 * h * kv + mlp)
+
+
+def adapter_sizes(arch: Architecture | None, adapter: AdapterConfig | None, head: Head = "causal-lm",
+                  num_labels: int = 2) -> dict[str, Any]:
+    """training_memory's arguments for a job's adapter: the parameters that train (None: all of them) and whether
+    the frozen base is quantized (QLoRA)."""
+    if arch is None or adapter is None:
+        return {"trainable": None, "quantized_base": False}
+    return {"trainable": adapter_parameter_count(arch, adapter.r, adapter.target_modules, head, num_labels),
+            "quantized_base": adapter.quantize_base is not None}
+
+
 def fitting_memory(arch: Architecture, *, limit: int | None, checkpointing: bool | None,
                    **kwargs: Any) -> MemoryEstimate:
     """training_memory with gradient checkpointing as the job asks, or (None: auto) on only when the job does not
@@ -175,7 +200,7 @@ def fitting_memory(arch: Architecture, *, limit: int | None, checkpointing: bool
 def training_memory(arch: Architecture, *, head: Head, batch_size: int, seq_len: int, precision: str,
                     fused_attention: bool | None = None, num_labels: int = 2, trainable: int | None = None,
                     checkpointing: bool = False, chunked_loss: bool = False, loss_tokens: int | None = None,
-                    shards: int = 1) -> MemoryEstimate:
+                    shards: int = 1, quantized_base: bool = False) -> MemoryEstimate:
     """Peak memory of one AdamW step over a micro-batch of batch_size sequences of seq_len tokens.
 
     Assumptions, matching the engines: weights, gradients and both AdamW moments in fp32 (16 bytes per
@@ -192,7 +217,10 @@ def training_memory(arch: Architecture, *, head: Head, batch_size: int, seq_len:
     autocast). Gradient accumulation adds nothing: the peak is one micro-batch. Checked against measured
     peaks in tests/unit/test_estimate.py and bench/training_memory.py.
     With `trainable` (a LoRA adapter's parameters, adapter_parameter_count) only those have gradients and
-    AdamW moments: the frozen rest holds its fp32 weights (4 bytes each) and autocast's cast copies.
+    AdamW moments: the frozen rest holds its fp32 weights (4 bytes each) and autocast's cast copies. With
+    `quantized_base` (QLoRA, with `trainable`) the frozen linear layers' weights (quantized_parameter_count) take
+    NF4_BYTES each and no cast copy: the 4-bit kernels dequantize one matrix at a time in the compute dtype, and save
+    the 4-bit weight for backward (counted as one layer's weights dequantized).
 
     With `checkpointing` each layer keeps only its input (hidden values per token) and one layer at a time holds
     its full activations again while backward recomputes it. With `chunked_loss` (token_loss.py) only the
@@ -207,6 +235,9 @@ def training_memory(arch: Architecture, *, head: Head, batch_size: int, seq_len:
         states = parameters * (16 + cast)
     else:
         states = parameters * (4 + cast) + trainable * (16 + cast)
+        if quantized_base:
+            quantized = quantized_parameter_count(arch)
+            states += int(quantized * NF4_BYTES) + quantized // arch.layers * value - quantized * (4 + cast)
     if shards > 1:  # FSDP: a device keeps its part of these, and gathers one layer's full parameters as it runs
         states = states // shards + parameters // arch.layers * value
     h, i = arch.hidden, arch.intermediate

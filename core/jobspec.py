@@ -168,6 +168,7 @@ class JobKind:
     # format without its own); a kind with variants also takes chat datasets (core.chat_data).
     variants: Mapping[str, str] = dataclasses.field(default_factory=dict)
     holds_out_eval: bool = False  # without an eval_dataset it evaluates on a share of the training data
+    quantizes_base: bool = False  # its engines load a base in 4-bit for an adapter that asks (adapter.quantize_base)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.variants) - {CHAT_VARIANT, *CHAT_FORMATS})
@@ -383,7 +384,7 @@ register(JobKind(CausalLMJob, {"eval_loss": False, "perplexity": False, "eval_re
                   engine="worker.engines.training.kinds:CAUSAL_LM",
                   variants={CHAT_VARIANT: "worker.engines.training.kinds:CHAT",
                             "prompts": "worker.engines.training.kinds:REINFORCEMENT"},
-                  holds_out_eval=True))
+                  holds_out_eval=True, quantizes_base=True))
 if TYPE_CHECKING:
     JobCreate = JobSpec
 else:

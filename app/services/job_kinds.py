@@ -21,7 +21,7 @@ from core.capacity import largest_device
 from core.chat_data import MAX_LENGTH as CHAT_MAX_LENGTH
 from core.chat_data import longest_tokens
 from core.errors import ValidationFailed
-from core.estimate import Head, adapter_parameter_count, architecture, fitting_memory, format_bytes, load_model_config
+from core.estimate import Head, adapter_sizes, architecture, fitting_memory, format_bytes, load_model_config
 from core.hyperparams import Hyperparameters, LMHyperparameters, weight_shards
 from core.jobspec import KINDS, CausalLMJob, ClassificationJob, JobKind, JobSpec, kind_of, resolve_ref
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
@@ -127,7 +127,8 @@ def causal_lm_fields(settings: Settings, spec: CausalLMJob, train: Dataset, eval
             loss_tokens = hp.batch_size * spec.method.max_completion_tokens  # only the answers carry a target
         require_fit(settings, base_config, "base_model", head="causal-lm", hp=hp, seq_len=seq_len,
                     devices=spec.devices, adapter=spec.adapter, loss_tokens=loss_tokens,
-                    shardable=not isinstance(spec.method, ReinforcementConfig))
+                    shardable=not isinstance(spec.method, ReinforcementConfig)
+                    and not (spec.adapter and spec.adapter.quantize_base))
         return {"base_model_path": base_path, "labels": []}
     try:
         architecture = validate_model_config(spec.architecture or {})
@@ -170,11 +171,9 @@ def require_fit(settings: Settings, model_config: dict[str, Any] | None, model_f
         precision = (auto_precision(is_cuda=True) if device is None else
                      auto_precision(is_cuda=device.is_cuda, bf16_supported=device.bf16))
     # On N devices each one runs a share of every micro-batch (the job's batch_size is the global one).
-    trainable = None if adapter is None else adapter_parameter_count(arch, adapter.r, adapter.target_modules, head,
-                                                                     num_labels)
     sizes: dict[str, Any] = {
         "head": head, "batch_size": math.ceil(hp.batch_size / devices), "seq_len": seq_len, "precision": precision,
-        "num_labels": num_labels, "trainable": trainable,
+        "num_labels": num_labels, **adapter_sizes(arch, adapter, head, num_labels),
         # an encoder trains with eager attention on a CPU (worker.engines.training.encoder), SDPA on a GPU
         **({"fused_attention": device is None or device.is_cuda} if head == "classifier" else {}),
         "chunked_loss": head == "causal-lm" and shards == 1,  # a sharded output layer: the model's own logits

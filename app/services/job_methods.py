@@ -73,6 +73,21 @@ def require_table_data(spec: JobSpec, train: Dataset, evaluation: Dataset | None
                                       f"{kinds_where(lambda kind: kind.chat_data)} jobs")
 
 
+def require_quantizable(spec: JobSpec) -> None:
+    """Refuse (422 naming adapter.quantize_base) a 4-bit base where its kind's engines load none, or where the
+    job would shard it (FSDP splits plain tensors; a 4-bit weight is packed bytes and its quantization state)."""
+    adapter = getattr(spec, "adapter", None)
+    if adapter is None or adapter.quantize_base is None:
+        return
+    kind = kind_of(spec.task)
+    if not kind.quantizes_base:
+        raise ValidationFailed("adapter.quantize_base", f"a {spec.task} adapter trains on the full-precision base; "
+                               f"a 4-bit base (QLoRA) is for {kinds_where(lambda k: k.quantizes_base)} jobs")
+    if spec.devices > 1 and spec.hyperparameters.sharding == "fsdp":
+        raise ValidationFailed("adapter.quantize_base", "a 4-bit base is not sharded: on several devices each keeps "
+                               "a whole copy (hyperparameters.sharding ddp or auto)")
+
+
 def method_fields(spec: JobSpec, train: Dataset, evaluation: Dataset | None,
                   base_path: str | None) -> dict[str, Any]:
     """The row's adapter and method columns, after checking the data suits them (422 naming the field)."""

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from app.schemas.jobs import ArtifactRead, BestRead, JobRead, Progress
 from app.services import idempotency
 from app.services.job_kinds import kind_fields, require_column
-from app.services.job_methods import is_chat, method_fields, require_table_data, resolve_base
+from app.services.job_methods import is_chat, method_fields, require_quantizable, require_table_data, resolve_base
 from core import job_order, states
 from core.admission import admit_jobs
 from core.auth import Principal
@@ -87,6 +87,7 @@ def prepare_job(session: Session, settings: Settings, principal: Principal, *, s
             require_column(dataset, spec.text_column, field)
             _require_text(dataset, spec.text_column, "train_dataset" if dataset is train else field)
     _require_devices(settings, spec.devices)
+    require_quantizable(spec)  # before the estimate, which counts a 4-bit base
     base_path = resolve_base(session, settings, principal, spec)
     fields = kind_fields(settings, spec, train, evaluation, base_path)  # the checks the job's kind registered
     fields.update(method_fields(spec, train, evaluation, fields.get("base_model_path")))

@@ -45,7 +45,7 @@ def test_a_lora_sft_job_on_chat_data_is_stored_with_its_adapter_and_method(clien
     assert response.status_code == 201, response.text
     job = response.json()
     assert job["adapter"] == {"method": "lora", "r": 4, "alpha": 8.0, "dropout": 0.05,
-                              "target_modules": ["q_proj", "v_proj"], "merge": False}
+                              "target_modules": ["q_proj", "v_proj"], "merge": False, "quantize_base": None}
     assert job["method"] == {"method": "sft"}
     rerun = client.post(f"/jobs/{job['id']}/rerun")
     assert rerun.status_code == 201, rerun.text
@@ -117,3 +117,18 @@ def test_base_model_names_a_finished_job_or_a_folder_under_home_models(client, s
     assert response.status_code == 201, response.text
     classifier = job_body(upload(client, tsv_bytes(sentiment_rows())).json()["id"], base_model=first)
     assert "causal-lm" in _error(client.post("/jobs", json=classifier), "base_model")
+
+
+def test_a_qlora_job_is_stored_and_a_4bit_base_is_refused_where_it_cannot_run(client, chat_id, tiny_llama_dir):
+    qlora = {**ADAPTER, "quantize_base": "nf4"}
+    response = client.post("/jobs", json=_lm(chat_id, str(tiny_llama_dir), adapter=qlora))
+    assert response.status_code == 201, response.text
+    assert response.json()["adapter"]["quantize_base"] == "nf4"
+    int4 = _lm(chat_id, str(tiny_llama_dir), adapter={**qlora, "quantize_base": "int4"})
+    assert _error(client.post("/jobs", json=int4), "adapter.quantize_base")
+    fsdp = _lm(chat_id, str(tiny_llama_dir), adapter=qlora, devices=2,
+               hyperparameters={"max_steps": 2, "batch_size": 2, "sharding": "fsdp"})
+    assert "sharded" in _error(client.post("/jobs", json=fsdp), "adapter.quantize_base")
+    table = upload(client, tsv_bytes(sentiment_rows())).json()["id"]
+    classifier = job_body(table, adapter={"r": 2, "target_modules": ["query", "value"], "quantize_base": "nf4"})
+    assert "causal-lm" in _error(client.post("/jobs", json=classifier), "adapter.quantize_base")

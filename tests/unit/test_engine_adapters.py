@@ -134,7 +134,7 @@ def test_classification_adapter_trains_the_head_too(tmp_path):
 
 def test_adapter_settings_are_validated():
     assert AdapterConfig().model_dump() == {"method": "lora", "r": 8, "alpha": 16.0, "dropout": 0.05,
-                                            "target_modules": "all-linear", "merge": False}
+                                            "target_modules": "all-linear", "merge": False, "quantize_base": None}
     assert AdapterConfig(target_modules=["v_proj", "q_proj", "q_proj"]).target_modules == ["q_proj", "v_proj"]
     for bad in ({"r": 0}, {"dropout": 1.0}, {"target_modules": []}, {"target_modules": ["a b"]},
                 {"target_modules": "all"}, {"rank": 4}, {"method": "ia3"}):

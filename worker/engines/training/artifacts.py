@@ -18,8 +18,9 @@ import safetensors.torch
 import torch
 
 from worker.engines.device import DevicePlan
-from worker.engines.models.adapters import write_merged
+from worker.engines.models.adapters import load_adapted, write_merged
 from worker.engines.models.manifest import MERGED_DIR, write_manifest
+from worker.engines.training.quantized import is_quantized
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 ADAPTER_WEIGHTS = "adapter.safetensors"  # an adapter run's checkpoint: its trainable tensors only
@@ -213,7 +214,8 @@ def save_final(output_dir: Path, model: Savable, tokenizer: Any,
     """Save model and tokenizer with save_pretrained, then the manifest last as the completion mark.
 
     `merged` (an adapted model whose adapter asks for it): also the base with the adapter folded in, a full
-    model, in merged/ (PEFT's merge_and_unload, which consumes the wrapper: call it last).
+    model, in merged/ (PEFT's merge_and_unload, which consumes the wrapper: call it last), folded into the
+    full-precision base where the run's base was 4-bit.
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -226,7 +228,10 @@ def save_final(output_dir: Path, model: Savable, tokenizer: Any,
         if not isinstance(model, PeftModel):
             raise TypeError("only an adapted model has a merged copy to save")
         manifest["merged"] = MERGED_DIR  # in place: the caller returns (and may rewrite) this manifest
-        write_merged(model, tokenizer, output_dir / MERGED_DIR, manifest)
+        # Over a 4-bit base (QLoRA) the adapter folds into the base's original weights, loaded again from its folder
+        # (on the CPU), never into weights dequantized from 4 bits: the export is the full-precision base plus B A.
+        source = load_adapted(output_dir) if is_quantized(model) else model
+        write_merged(source, tokenizer, output_dir / MERGED_DIR, manifest)
     write_manifest(output_dir, manifest)
     return output_dir
 

@@ -19,14 +19,14 @@ from transformers import (
 )
 
 from core.adapters import AdapterConfig
-from core.estimate import adapter_parameter_count, architecture
+from core.estimate import adapter_sizes, architecture
 from core.hyperparams import LMHyperparameters, default
 from core.lm_config import DEFAULT_BLOCK_SIZE, resolve_block_size, validate_model_config
 from core.paths import GPT2_TOKENIZER_DIR
 from worker.engines.device import DevicePlan
 from worker.engines.models import manifest as manifests
 from worker.engines.models.tokenizers import load_tokenizer_files
-from worker.engines.training import adapters, artifacts
+from worker.engines.training import adapters, artifacts, quantized
 from worker.engines.training import corpus_data as lm_data
 from worker.engines.training.loop import (
     RunConfig,
@@ -85,6 +85,7 @@ class CausalLMRecipe:
     def __init__(self, config: LMTrainConfig) -> None:
         self.config = config
         self.architecture = _check_config(config)  # fail before loading anything
+        self.shardable = not (config.adapter and config.adapter.quantize_base)  # a 4-bit base is never sharded
 
     def build(self, plan: DevicePlan) -> Setup:
         """Tokenize the corpus into blocks, then build (or load) the model if its estimate fits this device."""
@@ -101,20 +102,23 @@ class CausalLMRecipe:
                                                       self.model_config.vocab_size)
         self.eval_order = lm_data.eval_indices(len(self.eval_set), MAX_EVAL_BLOCKS)
         arch = architecture(self.model_config.to_dict())
-        trainable = None if arch is None or config.adapter is None else adapter_parameter_count(
-            arch, config.adapter.r, config.adapter.target_modules)
         sizes: dict[str, Any] = {"head": "causal-lm", "batch_size": config.batch_size, "seq_len": self.block_size,
-                                 "trainable": trainable}
+                                 **adapter_sizes(arch, config.adapter)}
         estimate = fit_memory(arch, plan, config, chunked_loss=True, **sizes)
-        self.model: TrainedModel = _build_model(config, self.model_config)
+        four_bit = bool(config.adapter and config.adapter.quantize_base)  # an adapter has a base_model (checked)
+        self.model: TrainedModel = (quantized.load_quantized(config.base_model, self.model_config, plan)
+                                    if four_bit and config.base_model is not None else
+                                    _build_model(config, self.model_config))
         if config.adapter is not None:
             self.model = adapters.apply_adapter(self.model, config.adapter, "causal-lm")
         module: torch.nn.Module = self.model  # (transformers' `to` is typed without its self)
-        module.to(plan.device)  # in place for modules
+        if not four_bit:  # a 4-bit base was placed as it loaded
+            module.to(plan.device)  # in place for modules
         self.checks = probe(module, self.model_config.vocab_size, device=plan.device)
         if self.checks.head is None:  # the plain loss holds every position's logits: estimate (and decide) again
             estimate = fit_memory(arch, plan, config, chunked_loss=False, **sizes)
-        memory = memory_record(self.checks, use_checkpointing(module, estimate, config), estimate)
+        memory = memory_record(self.checks, use_checkpointing(module, estimate, config), estimate,
+                               quantized.describe(plan) if four_bit else None)
         adapter = None if config.adapter is None else config.adapter.model_dump()
         accumulation = config.gradient_accumulation_steps
         return Setup(

@@ -2,8 +2,9 @@
 
 The data is a chat, completion or preference dataset (core.chat_data), each record rendered with the base model's
 chat template (training/chat_render.py); records whose replies fall past max_length are left out and counted.
-With `adapter` the model is the base plus LoRA (worker.engines.training.adapters); DPO needs one, because its reference
-model is the base with the adapter switched off (worker.engines.training.dpo).
+With `adapter` the model is the base plus LoRA (worker.engines.training.adapters), the base in 4-bit NF4 where the
+adapter asks (QLoRA: worker.engines.training.quantized); DPO needs one, because its reference model is the base with
+the adapter switched off (worker.engines.training.dpo).
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from core.adapters import AdapterConfig, PreferenceConfig
 from core.chat_data import MAX_LENGTH, read_records
 from core.errors import DomainError
-from core.estimate import MemoryEstimate, adapter_parameter_count, architecture
+from core.estimate import MemoryEstimate, adapter_sizes, architecture
 from core.hyperparams import LMHyperparameters, default, weight_shards
 from worker.engines.device import DevicePlan
 from worker.engines.models import manifest as manifests
 from worker.engines.models.tokenizers import load_tokenizer_files
-from worker.engines.training import adapters, artifacts
+from worker.engines.training import adapters, artifacts, quantized
 from worker.engines.training import tabular_data as data
 from worker.engines.training.chat_render import Rendered, collate, render_preference, render_record
 from worker.engines.training.dpo import preference_loss
@@ -80,6 +81,7 @@ class ChatRecipe:
     def __init__(self, config: ChatTrainConfig) -> None:
         if config.preference is not None and config.adapter is None:
             raise ValueError("method 'dpo' needs an adapter: the reference model is the base with it switched off")
+        self.shardable = not (config.adapter and config.adapter.quantize_base)  # a 4-bit base is never sharded
         self.max_length = MAX_LENGTH if config.max_length is None else config.max_length
         if self.max_length < 2:
             raise ValueError(f"max_length must be at least 2, got {self.max_length}")
@@ -97,7 +99,8 @@ class ChatRecipe:
         self.eval_set = self._examples(config.eval_file)[0] if config.eval_file is not None else []
         self.lengths = np.array([_length(example) for example in self.train_set])
         rows = config.batch_size * (2 if config.preference else 1)
-        self.policy = load_policy(config, plan, rows=rows, seq_len=int(self.lengths.max()))
+        self.policy = load_policy(config, plan, rows=rows, seq_len=int(self.lengths.max()),
+                                  shardable=self.shardable)
         self.model = self.policy.model
         self.arch = architecture(self.model.config.to_dict())
         self.packed_steps = self.steps = 0
@@ -214,10 +217,11 @@ class Policy:
     checks: ModelChecks  # its output layer for the chunked loss, and whether its rows may pack
     checkpointing: bool  # gradient checkpointing on
     estimate: MemoryEstimate | None  # the peak it was admitted at (None: an architecture the estimate cannot read)
+    quantized_base: dict[str, Any] | None = None  # the 4-bit base's format and backend (QLoRA), else None
 
     def describe(self) -> dict[str, Any]:
         """The manifest's record of the memory techniques the run used and the peak it was estimated at."""
-        return memory_record(self.checks, self.checkpointing, self.estimate)
+        return memory_record(self.checks, self.checkpointing, self.estimate, self.quantized_base)
 
 
 def load_policy(config: ChatTrainConfig, plan: DevicePlan, *, rows: int, seq_len: int,
@@ -230,22 +234,24 @@ def load_policy(config: ChatTrainConfig, plan: DevicePlan, *, rows: int, seq_len
     model_config = AutoConfig.from_pretrained(config.base_model, trust_remote_code=False)
     arch = architecture(model_config.to_dict())
     adapter = config.adapter
-    trainable = None if arch is None or adapter is None else adapter_parameter_count(arch, adapter.r,
-                                                                                     adapter.target_modules)
     devices, shards = config.devices, weight_shards(config.sharding, config.devices, shardable=shardable)
     sizes: dict[str, Any] = {"head": "causal-lm", "batch_size": math.ceil(rows / devices), "seq_len": seq_len,
-                             "trainable": trainable, "shards": shards,
+                             "shards": shards, **adapter_sizes(arch, adapter),
                              "loss_tokens": None if loss_tokens is None else math.ceil(loss_tokens / devices)}
     estimate = fit_memory(arch, plan, config, chunked_loss=shards == 1, **sizes)
-    base = AutoModelForCausalLM.from_pretrained(config.base_model, config=model_config, trust_remote_code=False,
-                                                use_safetensors=True)
+    four_bit = adapter is not None and adapter.quantize_base is not None
+    base = (quantized.load_quantized(config.base_model, model_config, plan) if four_bit else
+            AutoModelForCausalLM.from_pretrained(config.base_model, config=model_config, trust_remote_code=False,
+                                                 use_safetensors=True))
     model: TrainedModel = base if adapter is None else adapters.apply_adapter(base, adapter, "causal-lm")
     module: torch.nn.Module = model  # (transformers' `to` is typed without its self)
-    module.to(plan.device)
+    if not four_bit:  # a 4-bit base was placed as it loaded
+        module.to(plan.device)
     checks = probe(module, model_config.vocab_size, device=plan.device)
     if checks.head is None:  # the plain loss holds every position's logits: estimate (and decide) again
         estimate = fit_memory(arch, plan, config, chunked_loss=False, **sizes)
-    return Policy(model, checks, use_checkpointing(module, estimate, config), estimate)
+    return Policy(model, checks, use_checkpointing(module, estimate, config), estimate,
+                  quantized.describe(plan) if four_bit else None)
 
 
 def assistant_loss(model: torch.nn.Module, checks: ModelChecks | None, input_ids: torch.Tensor,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from core.adapters import AdapterConfig
-from core.estimate import adapter_parameter_count, architecture
+from core.estimate import adapter_sizes, architecture
 from core.hyperparams import Hyperparameters, default
 from worker.engines.device import DevicePlan
 from worker.engines.models import encoder_batches as batching
@@ -72,6 +72,8 @@ class ClassifierRecipe:
     def __init__(self, config: TrainConfig) -> None:
         if config.max_length < 1:
             raise ValueError(f"max_length must be at least 1, got {config.max_length}")
+        if config.adapter is not None and config.adapter.quantize_base is not None:
+            raise ValueError("adapter.quantize_base: a text-classification adapter trains on the full-precision base")
         self.config = config
 
     def build(self, plan: DevicePlan) -> Setup:
@@ -84,10 +86,9 @@ class ClassifierRecipe:
         arch = architecture(model_config.to_dict())
         longest = int(self.train_set.lengths.max()) if len(self.train_set) else config.max_length
         adapter = config.adapter
-        trainable = None if arch is None or adapter is None else adapter_parameter_count(
-            arch, adapter.r, adapter.target_modules, "classifier", len(self.labels))
         estimate = fit_memory(arch, plan, config, head="classifier", batch_size=config.batch_size, seq_len=longest,
-                              num_labels=len(self.labels), trainable=trainable,
+                              num_labels=len(self.labels),
+                              **adapter_sizes(arch, adapter, "classifier", len(self.labels)),
                               fused_attention=attention_implementation(plan) != "eager")
         self.model: TrainedModel = _load_model(config.base_model, self.labels, attention_implementation(plan))
         cls_only = last_layer_at_cls(self.model)

@@ -57,10 +57,13 @@ class ModelChecks:
         return "chunked" if self.head is not None else "full-logits"
 
 
-def memory_record(checks: ModelChecks, checkpointing: bool, estimate: MemoryEstimate | None) -> dict[str, Any]:
-    """The manifest's record of a run's memory techniques and the peak it was admitted at."""
+def memory_record(checks: ModelChecks, checkpointing: bool, estimate: MemoryEstimate | None,
+                  quantized_base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest's record of a run's memory techniques and the peak it was admitted at; `quantized_base` is a
+    4-bit base's format and backend (QLoRA: training.quantized.describe), None for a full-precision one."""
     return {"loss": checks.loss, "gradient_checkpointing": checkpointing,
-            "estimated_peak_bytes": None if estimate is None else estimate.total_bytes}
+            "estimated_peak_bytes": None if estimate is None else estimate.total_bytes,
+            "quantized_base": quantized_base}
 
 
 def output_head(model: torch.nn.Module) -> OutputHead | None:
