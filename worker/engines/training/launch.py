@@ -46,15 +46,15 @@ from core.protocol import (
     RankStart,
     RankStopReason,
 )
+from worker.engines.training import torchrun
 from worker.engines.training.distributed import Dist, leave
 from worker.engines.training.kinds import engine_ref, entry_of, resolve_engine
 from worker.engines.training.loop import Recipe, RunConfig, TrainCallbacks, TrainResult, run
+from worker.engines.training.torchrun import die_with_parent
 
 log = logging.getLogger(__name__)
 
 _ADDRESS, _AUTHKEY = "TRAINSERVE_RANK0_ADDRESS", "TRAINSERVE_RANK0_AUTHKEY"
-_TORCHRUN = "--torchrun"  # the first argument of the launch itself (otherwise: a rank)
-_PR_SET_PDEATHSIG = 1
 _ROOT = Path(__file__).resolve().parents[2]  # the folder holding the `worker` package, for the ranks' imports
 
 
@@ -135,10 +135,10 @@ def _write_config(config: RunConfig, folder: Path) -> tuple[Path, Path]:
 
 def _start(config: RunConfig, config_file: Path, rendezvous: Rendezvous | None, sink: Any,
            extra_env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """Start torchrun for this node's config.devices ranks (through this module, so it dies with the caller)."""
+    """Start torchrun for this node's config.devices ranks (ended with the caller: training.torchrun)."""
     engine = engine_ref(entry_of(config))  # `module:attribute` of its EngineKind: each rank resolves it by this alone
     topology = ["--standalone", "--nnodes=1"] if rendezvous is None else rendezvous.torchrun_args()
-    command = [sys.executable, "-m", __name__, _TORCHRUN, *topology, f"--nproc-per-node={config.devices}",
+    command = [sys.executable, "-m", torchrun.__name__, *topology, f"--nproc-per-node={config.devices}",
                "--max-restarts=0", "-m", __name__, engine, str(config_file)]
     # A new session: a signal meant for the worker (Ctrl+C, a warm shutdown) reaches the ranks only
     # through should_stop, so they checkpoint instead of dying mid-step.
@@ -303,24 +303,5 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def die_with_parent(sig: int) -> None:
-    """Ask Linux to send `sig` to this process when the process (thread) that started it ends."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig))
-
-
-def torchrun(argv: list[str]) -> None:
-    """torchrun itself, ended (it passes SIGTERM on to its ranks) when the worker that started it dies."""
-    from torch.distributed.run import main as run_torchrun
-
-    die_with_parent(signal.SIGTERM)
-    run_torchrun(argv)
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == [_TORCHRUN]:
-        torchrun(sys.argv[2:])
-    else:
-        sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))
