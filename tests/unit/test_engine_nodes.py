@@ -34,6 +34,7 @@ def test_rendezvous_gives_torchrun_the_node_rank_and_the_heads_address():
                                     "--master-port=29400", "--rdzv-backend=static", "--rdzv-conf=timeout=60"]
 
 
+@pytest.mark.slow
 def test_two_nodes_train_like_one_process(tmp_path, tiny_model):
     common = dict(max_steps=8, batch_size=8, learning_rate=1e-2, device="cpu")
     train_file = write_tsv(tmp_path / "train.tsv")
