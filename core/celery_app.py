@@ -14,6 +14,7 @@ from core.tasks import (
     TASK_CLASSIFY,
     TASK_EMBED,
     TASK_GENERATE,
+    TASK_JOIN,
     TASK_TRAIN,
 )
 
@@ -25,9 +26,9 @@ def make_celery(settings: Settings | None = None) -> Celery:
     app = Celery("trainserve", broker=url, backend=url)
     app.conf.update(
         task_queues=[Queue(QUEUE_TRAIN), Queue(QUEUE_INFERENCE), Queue(QUEUE_GENERATE)],
-        task_routes={TASK_TRAIN: {"queue": QUEUE_TRAIN}, TASK_CLASSIFY: {"queue": QUEUE_INFERENCE},
-                     TASK_EMBED: {"queue": QUEUE_INFERENCE}, TASK_GENERATE: {"queue": QUEUE_GENERATE},
-                     TASK_BATCH: {"queue": QUEUE_GENERATE}},
+        task_routes={TASK_TRAIN: {"queue": QUEUE_TRAIN}, TASK_JOIN: {"queue": QUEUE_TRAIN},
+                     TASK_CLASSIFY: {"queue": QUEUE_INFERENCE}, TASK_EMBED: {"queue": QUEUE_INFERENCE},
+                     TASK_GENERATE: {"queue": QUEUE_GENERATE}, TASK_BATCH: {"queue": QUEUE_GENERATE}},
         task_default_queue=QUEUE_TRAIN,
         task_serializer="json",
         result_serializer="json",

@@ -54,6 +54,7 @@ class SweepTemplate(TypedDict, total=False):
     model_config_: dict[str, ModelConfigValue] | None
     metadata_: dict[str, str]
     devices: int
+    nodes: int
     adapter: AdapterConfig | None
     method: MethodConfig | None
 

@@ -32,7 +32,7 @@ class TenantShare:
     """A tenant's standing in the queue."""
 
     tenant: str
-    usage_s: float  # device seconds within the window (a job on N devices counts N times)
+    usage_s: float  # device seconds within the window (a job on N devices of M nodes counts N x M times)
     weight: float
     last_claim: datetime | None
     in_use: int  # devices its running jobs hold
@@ -55,7 +55,7 @@ def shares(session: Session, settings: Settings, *, now: datetime) -> list[Tenan
     if not waiting:
         return []
     recent = or_(Job.claimed_at >= since, Job.status == JobStatus.RUNNING)
-    query = (select(Job.tenant_id, Job.status, Job.claimed_at, Job.run_seconds, Job.devices)
+    query = (select(Job.tenant_id, Job.status, Job.claimed_at, Job.run_seconds, Job.devices * Job.nodes)
              .where(Job.tenant_id.in_(sorted(waiting)), recent))
     usage = dict.fromkeys(waiting, 0.0)
     last: dict[str, datetime | None] = dict.fromkeys(waiting)

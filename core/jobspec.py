@@ -48,7 +48,7 @@ from core.chat_data import CHAT_FORMATS
 from core.errors import ValidationFailed
 from core.hyperparams import Hyperparameters, LMHyperparameters, TrainingHyperparameters
 from core.reinforcement import ReinforcementConfig
-from core.tasks import MAX_JOB_DEVICES
+from core.tasks import MAX_JOB_DEVICES, MAX_JOB_NODES
 from core.vocab import TaskKind
 
 INT32_MAX = 2**31 - 1  # steps, event ids and model_config values are 32-bit integer columns or smaller
@@ -94,8 +94,12 @@ class JobSpec(BaseModel):
     hyperparameters: TrainingHyperparameters
     devices: int = Field(
         1, ge=1, le=MAX_JOB_DEVICES,
-        description="Devices to train on (DistributedDataParallel, one process each) on one worker that owns at "
-                    "least this many; hyperparameters keep their meaning: batch_size is split across them.")
+        description="Devices to train on per node (one process each) on a worker that owns at least this many; "
+                    "hyperparameters keep their meaning: batch_size is split across all nodes x devices.")
+    nodes: int = Field(
+        1, ge=1, le=MAX_JOB_NODES,
+        description="Hosts to train on: this many workers (each owning `devices`) join one rendezvous; the run's "
+                    "world size is nodes x devices.")
     metadata: dict[str, str] = Field(default_factory=dict, description="Up to 16 string pairs for your own use.")
     priority: int = Field(0, ge=-100, le=100, description="Higher runs first among your team's queued jobs.")
 
@@ -367,7 +371,8 @@ class ResolvedJob:
     kind: str
     hyperparameters: TrainingHyperparameters  # the kind's own model (KINDS[kind].hyperparameters)
     text_column: str
-    devices: int
+    devices: int  # per node
+    nodes: int
     base_model: str | None  # the name the client gave; None: a fresh model
     base_model_path: str | None  # where the worker loads it from (admission resolved the name)
     model_config: Mapping[str, int] | None  # a fresh causal LM's shape

@@ -54,6 +54,7 @@ class ErrorCode(StrEnum):
     TRAINING_ERROR = "training_error"
     OOM = "oom"
     WORKER_LOST = "worker_lost"
+    NODE_LOST = "node_lost"  # a job on several nodes lost one (or its gang did not assemble) too many times
     DATASET_MISSING = "dataset_missing"
     DOES_NOT_FIT = "does_not_fit"
     STORAGE_UNAVAILABLE = "storage_unavailable"  # also a job failure: the artifact store could not be reached

@@ -12,6 +12,11 @@ def capacity_key(worker: str) -> str:
     return CAPACITY_PREFIX + worker
 
 
+def gang_key(job_id: str, attempt: int) -> str:
+    """Redis list the workers joining a job's attempt on several nodes push their answers to (core.gang)."""
+    return f"{PREFIX}gang:{job_id}:{attempt}"
+
+
 def stream_key(request_id: str) -> str:
     """Redis stream a generation worker writes a request's events to."""
     return f"{PREFIX}gen:{request_id}"

@@ -182,6 +182,8 @@ class Job(Base):
     device: Mapped[str | None] = mapped_column(String(40), nullable=True)
     # Devices the job trains on (one DDP process each); a checkpoint resumes only at the same world size.
     devices: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    # Hosts the job spans, each with `devices` (worker.jobs.gang): the world size is nodes x devices.
+    nodes: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     error: Mapped[JobError | None] = mapped_column(TypedJSON(JobError), nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     task_id: Mapped[str | None] = mapped_column(String(64), nullable=True)

@@ -93,6 +93,14 @@ class Settings(BaseSettings):
                                      "into; 0: its GPU's total, or on a CPU the RAM (cgroup limit included).")
     capacity_ttl_s: float = Field(60.0, description="Lifetime of a training worker's device-capacity report in "
                                   "Redis; workers refresh it every third of this.")
+    worker_address: str = Field(
+        "", max_length=253, description="Address (name or IP) other hosts reach this worker on when it heads a job on "
+        "several nodes: its ranks' rendezvous and collectives listen there; empty: this host's name.")
+    rendezvous_port: int = Field(0, ge=0, le=65535, description="TCP port a worker heading a job on several nodes "
+                                 "serves the rendezvous on; 0: any free port (set one when a firewall must allow it).")
+    gang_timeout_s: float = Field(120.0, gt=0, description="How long a worker heading a job on several nodes waits for "
+                                  "the other workers to join (then it puts the job back in the queue), and how long "
+                                  "their rendezvous may take.")
     worker_metrics_port: int = Field(0, ge=0, le=65535, description="Port a worker serves its own Prometheus "
                                      "/metrics on; 0: none. `trainserve up` gives each worker its own.")
 

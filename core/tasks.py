@@ -10,7 +10,11 @@ TASK_GENERATE = "worker.tasks.generate"
 QUEUE_GENERATE = "generation"
 # /v1/batches run on the generation queue: they share the engines (and the batcher) of interactive requests.
 TASK_BATCH = "worker.tasks.batch"
-MAX_JOB_DEVICES = 64  # most devices one job may ask for (one host's GPUs; torchrun runs it on one node)
+MAX_JOB_DEVICES = 64  # most devices one job may ask for on each node (one host's GPUs)
+MAX_JOB_NODES = 16  # most hosts one job may span (workers that join one rendezvous: worker.jobs.gang)
+# A job on several nodes: the worker that claimed it (the head) calls one more worker per node with this task, on
+# the training queue of the job's size, so only a worker that owns enough devices answers.
+TASK_JOIN = "worker.tasks.join"
 
 
 def train_queue(devices: int) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.tasks import TASK_BATCH, TASK_CLASSIFY, TASK_EMBED, TASK_GENERATE, TASK_TRAIN
+from core.tasks import TASK_BATCH, TASK_CLASSIFY, TASK_EMBED, TASK_GENERATE, TASK_JOIN, TASK_TRAIN
 from worker.app import celery, context
 
 
@@ -14,6 +14,14 @@ def train(job_id: str) -> None:
     from worker.jobs.lifecycle import run_training_job
 
     run_training_job(context(), job_id)
+
+
+@celery.task(name=TASK_JOIN, ignore_result=True)
+def join(payload: dict[str, Any]) -> None:
+    """Run one more node of a job on several nodes (a core.gang.GangCall from the worker heading it)."""
+    from worker.jobs.gang import join as join_gang
+
+    join_gang(context(), payload)
 
 
 @celery.task(name=TASK_CLASSIFY, ignore_result=True)

@@ -59,6 +59,7 @@ class JobRead(BaseModel):
     adapter: AdapterConfig | None = Field(None, description="LoRA settings, when the job trains an adapter.")
     method: MethodConfig | None = Field(None, description="causal-lm: sft, dpo or reinforcement, with its settings.")
     devices: int
+    nodes: int
     progress: Progress
     eta_seconds: float | None
     metrics: dict[str, float]

@@ -86,7 +86,7 @@ def prepare_job(session: Session, settings: Settings, principal: Principal, *, s
         if dataset is not None and not is_chat(dataset):  # chat records are rendered, they have no text column
             require_column(dataset, spec.text_column, field)
             _require_text(dataset, spec.text_column, "train_dataset" if dataset is train else field)
-    _require_devices(settings, spec.devices)
+    _require_devices(settings, spec.devices, spec.nodes)
     require_quantizable(spec)  # before the estimate, which counts a 4-bit base
     base_path = resolve_base(session, settings, principal, spec)
     fields = kind_fields(settings, spec, train, evaluation, base_path)  # the checks the job's kind registered
@@ -96,7 +96,7 @@ def prepare_job(session: Session, settings: Settings, principal: Principal, *, s
     return Job(id=new_id("job"), tenant_id=principal.tenant_id, status=JobStatus.QUEUED, task=spec.task,
                base_model=spec.base_model, train_dataset_id=train.id, eval_dataset_id=spec.eval_dataset,
                text_column=spec.text_column, metadata_=spec.metadata, metrics={}, created_at=utcnow(),
-               devices=spec.devices, priority=spec.priority, **fields)
+               devices=spec.devices, nodes=spec.nodes, priority=spec.priority, **fields)
 
 
 def _require_best_metric(spec: JobSpec, *, has_eval: bool) -> None:
@@ -115,18 +115,24 @@ def _require_best_metric(spec: JobSpec, *, has_eval: bool) -> None:
         raise ValidationFailed("eval_dataset", "early_stopping_patience needs an eval_dataset to evaluate on")
 
 
-def _require_devices(settings: Settings, devices: int) -> None:
-    """Refuse (422 does_not_fit) a job asking for more devices than any live training worker owns."""
-    if devices == 1:
+def _require_devices(settings: Settings, devices: int, nodes: int = 1) -> None:
+    """Refuse (422 does_not_fit) a job asking for more devices than any live training worker owns, or for more
+    nodes than there are live training workers owning `devices`."""
+    if devices == 1 and nodes == 1:
         return
     workers = live_workers(settings.resolved_redis_url)
     if not workers:
-        return  # none has reported yet (or Redis is unreadable): the job waits for a worker that owns enough
+        return  # none has reported yet (or Redis is unreadable): the job waits for workers that own enough
     most = max(workers, key=lambda w: w.devices)
     if devices > most.devices:
         raise ValidationFailed("devices", f"devices={devices}, but the live training workers own at most "
                                f"{most.devices} ({most.device} on {most.worker}); ask for at most {most.devices}",
                                code=ErrorCode.DOES_NOT_FIT)
+    enough = sum(1 for w in workers if w.devices >= devices)
+    if nodes > enough:
+        raise ValidationFailed("nodes", f"nodes={nodes}, but {enough} live training worker"
+                               f"{'s own' if enough != 1 else ' owns'} {devices} or more devices; ask for at most "
+                               f"{enough}", code=ErrorCode.DOES_NOT_FIT)
 
 
 def _dataset(session: Session, principal: Principal, dataset_id: str, field: str) -> Dataset:
@@ -203,6 +209,7 @@ def job_read(job: Job, best: dict[str, float] | None = None, *, placement: tuple
         train_dataset=job.train_dataset_id, eval_dataset=job.eval_dataset_id,
         text_column=job.text_column, label_column=job.label_column, labels=job.labels,
         hyperparameters=job.hyperparameters, adapter=job.adapter, method=job.method, devices=job.devices,
+        nodes=job.nodes,
         progress=Progress(step=job.step, total_steps=total, epoch=round(job.epoch, 4), fraction=round(fraction, 4)),
         eta_seconds=None if job.is_terminal else job.eta_seconds,
         metrics=job.metrics or {}, best_metrics=best or {}, device=job.device, error=job.error, attempts=job.attempts,

@@ -39,7 +39,7 @@ def sweep_template(job: Job) -> SweepTemplate:
     return SweepTemplate(task=job.task, base_model=job.base_model, base_model_path=job.base_model_path,
                          train_dataset_id=job.train_dataset_id, eval_dataset_id=job.eval_dataset_id,
                          text_column=job.text_column, label_column=job.label_column, labels=job.labels,
-                         model_config_=job.model_config_, metadata_=job.metadata_, devices=job.devices,
+                         model_config_=job.model_config_, metadata_=job.metadata_, devices=job.devices, nodes=job.nodes,
                          adapter=job.adapter, method=job.method)
 
 

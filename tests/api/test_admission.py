@@ -189,3 +189,19 @@ def test_a_sharded_job_needs_a_device_to_hold_its_share_of_the_states(client, qu
     sharded = dict(lm_body(corpus_id, medium, batch_size=2), devices=2)  # sharding auto: fsdp
     response = client.post("/jobs", json=sharded)
     assert response.status_code == 201, response.text
+
+
+def test_nodes_beyond_the_live_workers_owning_the_devices_are_refused(client, queue, board):
+    train = upload(client, tsv_bytes(sentiment_rows())).json()["id"]
+    for name in ("a:1", "b:2"):
+        capacity.publish(board, capacity.DeviceCapacity(worker=name, device="cuda:0", total_bytes=40 * GB), ttl_s=60)
+    capacity.publish(board, capacity.DeviceCapacity(worker="pair:3", device="cuda:0", total_bytes=40 * GB,
+                                                    devices=2), ttl_s=60)
+    response = client.post("/jobs", json=job_body(train, nodes=3))  # three workers own one device or more
+    assert response.status_code == 201 and response.json()["nodes"] == 3
+    assert "1 live training worker owns 2 or more" in _refused(client.post("/jobs", json=job_body(train, nodes=2,
+                                                                                                  devices=2)), "nodes")
+    assert queue.sent[-1][2] == "training"  # claimed from its size's queue by the head, like any job
+    for bad in (0, 17):
+        response = client.post("/jobs", json=job_body(train, nodes=bad))
+        assert response.status_code == 422 and response.json()["error"]["field"] == "nodes", response.text

@@ -29,7 +29,7 @@ def resolve_job(job: Job) -> ResolvedJob:
     """The row as the engines take it: typed, its hyperparameters validated back into its kind's model
     (ValidationFailed naming a stored key the model refuses)."""
     return ResolvedJob(id=job.id, kind=job.task, hyperparameters=stored_hyperparameters(job.task, job.hyperparameters),
-                       text_column=job.text_column, devices=job.devices, base_model=job.base_model,
+                       text_column=job.text_column, devices=job.devices, nodes=job.nodes, base_model=job.base_model,
                        base_model_path=job.base_model_path, model_config=job.model_config_,
                        label_column=job.label_column, adapter=job.adapter, method=job.method)
 

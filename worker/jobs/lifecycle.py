@@ -10,7 +10,7 @@ from datetime import timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from core import job_order, states
+from core import gang, job_order, states
 from core.columns import BestEval
 from core.db import session_scope
 from core.errors import NotFound, StaleAttempt
@@ -28,6 +28,7 @@ from worker.engines.training.kinds import run_task
 from worker.engines.training.launch import train_on_devices
 from worker.engines.training.loop import TrainResult, run
 from worker.jobs.config import EngineConfig, JobInputs, config_for, job_inputs, resolve_job
+from worker.jobs.gang import lead
 from worker.jobs.prometheus import TrainingMetrics
 from worker.jobs.receipt import base_receipt
 from worker.jobs.recovery import Heartbeat
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 
 SKIPPED = "skipped"  # the job was finished, unknown, or held by a live worker
 LOST = "lost"  # the attempt stopped holding the job while it ran: its writes were refused
+# On several nodes a lost peer reaches rank 0 as a plain RuntimeError of gloo or NCCL, which looks like any failing
+# step: such an attempt is retried from its last checkpoint, up to max_attempts, rather than failed at once.
+RETRIED_ON_SEVERAL_NODES = frozenset({ErrorCode.NODE_LOST, ErrorCode.TRAINING_ERROR})
 
 
 def run_training_job(ctx: WorkerContext, job_id: str) -> str:
@@ -112,14 +116,19 @@ def _train(ctx: WorkerContext, job: Job, attempt: int, inputs: JobInputs, hyperp
         with heartbeat:  # downloads and uploads count as the attempt's work: the reaper leaves it alone meanwhile
             config = _prepare(ctx, job, inputs)
             reporter.receipt = base_receipt(job, config)
-            result = run_engine(config, reporter)
+            result = run_engine(ctx, job_id, attempt, config, reporter)
             if result.status == "completed" and result.model_dir is not None and not heartbeat.lost.is_set():
                 push_model(ctx.storage, job_id, result.model_dir)
+    except gang.GangIncomplete as exc:  # nothing ran: back in the queue, without counting as a lost attempt
+        reporter.close()
+        return _requeue(ctx, job_id, attempt, f"the other nodes did not gather ({exc}); back in the queue")
     except Exception as exc:  # noqa: BLE001 - any failure ends the job with a recorded reason
         log.exception("job %s failed", job_id)
         # Engines name a specific failure (oom, ...) with a `code` attribute on the exception.
         code = str(getattr(exc, "code", ErrorCode.TRAINING_ERROR))
         reporter.close()  # the event file complete before its artifact row is written
+        if config is not None and config.nodes > 1 and code in RETRIED_ON_SEVERAL_NODES:
+            return _node_lost(ctx, job_id, attempt, f"{type(exc).__name__}: {exc}")
         return _end(ctx, job_id, attempt, JobStatus.FAILED, f"{type(exc).__name__}: {exc}", code=code)
     finally:
         reporter.close()
@@ -136,8 +145,12 @@ def _train(ctx: WorkerContext, job: Job, attempt: int, inputs: JobInputs, hyperp
         return LOST
 
 
-def run_engine(config: EngineConfig, reporter: JobReporter) -> TrainResult:
-    """The engine for the job: in this process on one device, under torchrun (rank 0 reporting) on several."""
+def run_engine(ctx: WorkerContext, job_id: str, attempt: int, config: EngineConfig, reporter: JobReporter
+               ) -> TrainResult:
+    """The engine for the job: in this process on one device, under torchrun (rank 0 reporting) on several, as the
+    head of a gang of workers (worker.jobs.gang) on several nodes."""
+    if config.nodes > 1:
+        return lead(ctx, job_id, attempt, config, reporter)
     if config.devices > 1:
         return train_on_devices(config, reporter)
     return run(config, run_task(config), reporter)
@@ -183,6 +196,29 @@ def _end(ctx: WorkerContext, job_id: str, attempt: int, status: JobStatus, messa
     except StaleAttempt:
         return LOST
     return status
+
+
+def _requeue(ctx: WorkerContext, job_id: str, attempt: int, message: str) -> str:
+    """Put the job back in the queue (with its outbox message) if this attempt still holds it."""
+    try:
+        with session_scope(ctx.sessions) as session:
+            states.move(session, store.get_job(session, job_id=job_id), JobStatus.QUEUED, kind=EventKind.REQUEUED,
+                        level="warning", attempt=attempt, message=message)
+    except StaleAttempt:
+        return LOST
+    with ctx.sessions() as session:
+        deliver_now(session, ctx.queue, job_id=job_id)
+    return JobStatus.QUEUED
+
+
+def _node_lost(ctx: WorkerContext, job_id: str, attempt: int, error: str) -> str:
+    """A run on several nodes broke off: requeue it to resume from its last checkpoint, or fail it (node_lost) once
+    it has had max_attempts attempts, as the reaper does for a lost worker."""
+    log.warning("job %s attempt %d: a node was lost (%s)", job_id, attempt, error)
+    if attempt >= ctx.settings.max_attempts:
+        return _end(ctx, job_id, attempt, JobStatus.FAILED, code=ErrorCode.NODE_LOST,
+                    message=f"a node was lost in each of {attempt} attempts; the last: {error}")
+    return _requeue(ctx, job_id, attempt, f"a node was lost ({error}); requeued to resume from its last checkpoint")
 
 
 def _record_result(ctx: WorkerContext, job_id: str, attempt: int, result: TrainResult) -> str:

@@ -176,7 +176,8 @@ def build(name: str, common: Mapping[str, Any], job: ResolvedJob) -> RunConfig:
     (of which the config takes those it has); ValueError when two of the parts set the same field."""
     kind = engine_kind(name)
     fields = config_fields(kind.config)
-    shared = {"text_column": job.text_column, "devices": job.devices, "base_model_name": job.base_model or "",
+    shared = {"text_column": job.text_column, "devices": job.devices, "nodes": job.nodes,
+              "base_model_name": job.base_model or "",
               **best_fields(job.kind, job.hyperparameters), **common}
     parts = (hyperparameter_values(name, job.hyperparameters),
              {key: value for key, value in shared.items() if key in fields}, dict(kind.from_job(job)))

@@ -152,6 +152,10 @@ class _Run:
                 self.tracker.restore(state.get("best"))
             resumed_from = self.progress.step
             self.callbacks.on_event(EventKind.RESUMED, f"resumed from {checkpoint.name} at step {self.progress.step}")
+        # Each node reads its own copy of the checkpoints (pulled from the store): all must resume the same step.
+        if self.replica is not None and self.replica.from_main(resumed_from) != resumed_from:
+            raise ValueError(f"rank {self.replica.dist.rank} resumed at step {resumed_from}, rank 0 elsewhere; "
+                             "its host's checkpoints differ from the head's")
         plan = self.plan
         self.callbacks.on_start({
             "total_steps": self.total_steps, "steps_per_epoch": self.per_epoch, "warmup_steps": self.warmup_steps,

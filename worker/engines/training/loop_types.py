@@ -55,7 +55,8 @@ class RunConfig:
     gradient_checkpointing: bool | None = default(TrainingHyperparameters, "gradient_checkpointing")
     offload_activations: bool = default(TrainingHyperparameters, "offload_activations")
     device: str = "auto"
-    devices: int = 1  # processes (one per device) of a data-parallel run; more than one runs under torchrun
+    devices: int = 1  # processes (one per device) of a data-parallel run on each node; more than one: torchrun
+    nodes: int = 1  # hosts of the run (worker.jobs.gang); the world size is nodes x devices
     # fsdp: weights, gradients and AdamW states split over the devices (FSDP2); ddp: a whole replica on each.
     sharding: Sharding = default(TrainingHyperparameters, "sharding")
     memory_limit_bytes: int | None = None  # memory this run may use; None: the device's total (RAM on a CPU)
