@@ -8,15 +8,17 @@ CPU in fp32, with the same batch, learning rate, linear schedule without warmup,
   on this machine (`--trl-sft`: `padding_free` by default: rows concatenated without padding, positions restarting;
   `packing` (best-fit decreasing) and `padded` are the others), gradient checkpointing off on both (it fits);
 - `dpo`: trainserve's DPO (the same recipe with `preference`) against TRL's `DPOTrainer` (sigmoid loss, beta 0.1,
-  the reference the base with the adapter switched off for LoRA, a frozen copy for full weights).
+  the reference the base with the adapter switched off; trainserve's DPO trains an adapter, so LoRA only).
 Each run is a fresh child process; sides alternate (trainserve, TRL, trainserve, ...) for `--repeats` rounds.
 tokens/s is the epoch's tokens (prompt and reply; both replies of a DPO pair) over the seconds spent in optimizer
 steps (each side's own step timing: trainserve's `train_runtime`, TRL's from a callback at each step's start and
 end), so loading, tokenizing and saving are outside both windows. Peak memory is the resident-set peak (VmHWM) above
-the resident set after imports, before the model loads. The loss of each side is its mean training loss over the
-epoch (token-weighted on both) and its last step's, so the curves can be compared.
+the resident set after imports, before the model loads, under the same allocator on both sides (`--allocator`:
+glibc's, which keeps freed blocks of either side's activations, or jemalloc's, closer to what the tensors need).
+Both sides' trained models are then scored by one function over the epoch's rows (SFT: the assistant tokens'
+cross-entropy; DPO: its loss against the untrained base), beside each side's first logged step loss.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/trl_compare.py                      # sft and dpo, LoRA and full, 3 rounds
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/trl_compare.py --rows 16 --batch-size 4   # sft LoRA and full, dpo LoRA
     HF_HUB_OFFLINE=1 .venv/bin/python bench/trl_compare.py --only sft-lora --rows 16 --repeats 1   # smoke run
 """
 
@@ -42,8 +44,9 @@ from bench.machine import describe  # noqa: E402
 from trainserve.real_models import SMOLLM2_DIR, build_smollm2  # noqa: E402
 
 LORA = {"r": 16, "alpha": 32, "dropout": 0.0}
-JOBS = ("sft-lora", "sft-full", "dpo-lora", "dpo-full")
+JOBS = ("sft-lora", "sft-full", "dpo-lora")  # trainserve's DPO trains an adapter (its reference: the base)
 RATES = {"lora": 2e-4, "full": 2e-5}
+JEMALLOC = "/lib/x86_64-linux-gnu/libjemalloc.so.2"  # Debian's libjemalloc2
 
 
 def _rss(field: str) -> int:
@@ -118,7 +121,8 @@ def run_trainserve(job: str, data: list[dict[str, Any]], args: argparse.Namespac
         max_length=args.max_length, seed=0, device="cpu", precision="fp32", gradient_checkpointing=False)
     result = run(config, ChatRecipe(config), Losses())
     memory = result.manifest["hyperparameters"]["memory"]
-    return {"seconds": result.metrics["train_runtime"], "losses": losses, "steps": result.global_step,
+    return {"model": lambda: _saved_model(result.model_dir, weights), "seconds": result.metrics["train_runtime"],
+            "losses": losses, "steps": result.global_step,
             "technique": f"loss {memory['loss']}, packing {memory.get('packing')}",
             "estimate_gb": (memory["estimated_peak_bytes"] - RUNTIME_BYTES) / 1e9}
 
@@ -168,8 +172,53 @@ def run_trl(job: str, data: list[dict[str, Any]], args: argparse.Namespace, fold
                              processing_class=tokenizer, peft_config=peft, callbacks=[StepTimer()])
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return {"seconds": sum(steps), "losses": losses, "steps": trainer.state.global_step,
+    return {"model": lambda: trainer.model, "seconds": sum(steps), "losses": losses,
+            "steps": trainer.state.global_step,
             "technique": args.trl_sft if method == "sft" else "padded"}
+
+
+def _saved_model(folder: Path | None, weights: str) -> Any:
+    """The model trainserve saved: the base with the adapter folder, or the full model's folder."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    assert folder is not None
+    if weights == "full":
+        return AutoModelForCausalLM.from_pretrained(str(folder))
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(SMOLLM2_DIR)), str(folder))
+
+
+def final_loss(model: Any, method: str, data: list[dict[str, Any]], max_length: int) -> float:
+    """The trained model's loss over the epoch's rows, one function for both sides: SFT's assistant-token
+    cross-entropy (token-weighted), or DPO's loss (beta 0.1) against the untrained base as the reference."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from worker.engines.training.chat import assistant_loss
+    from worker.engines.training.chat_render import collate, render_chat
+    from worker.engines.training.dpo import dpo_loss, sequence_logprobs
+
+    tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2_DIR))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    model.eval()
+    with torch.no_grad():
+        if method == "sft":
+            total = weight = 0.0
+            for row in data:
+                rendered = render_chat(tokenizer, row["prompt"] + row["completion"], max_length=max_length)
+                batch = collate([rendered], pad)
+                total += assistant_loss(model, None, **batch).item() * rendered.trained_tokens
+                weight += rendered.trained_tokens
+            return total / weight
+        reference = AutoModelForCausalLM.from_pretrained(str(SMOLLM2_DIR)).eval()
+        losses = []
+        for row in data:
+            pair = [collate([render_chat(tokenizer, row["prompt"] + row[key], max_length=max_length)], pad)
+                    for key in ("chosen", "rejected")]
+            policy = [sequence_logprobs(model, None, b["input_ids"], b["attention_mask"], b["labels"]) for b in pair]
+            base = [sequence_logprobs(reference, None, b["input_ids"], b["attention_mask"], b["labels"]) for b in pair]
+            losses.append(dpo_loss(policy[0], policy[1], base[0], base[1], 0.1)[0].item())
+        return sum(losses) / len(losses)
 
 
 def measure(side: str, job: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -185,10 +234,11 @@ def measure(side: str, job: str, args: argparse.Namespace) -> dict[str, Any]:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here: the model, the run
     before = _rss("VmRSS")
     out = (run_trainserve if side == "trainserve" else run_trl)(job, data, args, folder)
-    losses = out.pop("losses")
+    peak = _rss("VmHWM") - before
+    losses, trained = out.pop("losses"), out.pop("model")
     return {"side": side, "job": job, **out, "tokens": tokens, "tokens_per_second": tokens / out["seconds"],
-            "peak_gb": (_rss("VmHWM") - before) / 1e9, "mean_loss": statistics.fmean(losses) if losses else None,
-            "last_loss": losses[-1] if losses else None}
+            "peak_gb": peak / 1e9, "first_loss": losses[0] if losses else None,
+            "final_loss": final_loss(trained(), method, data, args.max_length)}
 
 
 def summarize(job: str, runs: list[dict[str, Any]]) -> str:
@@ -196,7 +246,7 @@ def summarize(job: str, runs: list[dict[str, Any]]) -> str:
     def side(name: str) -> tuple[list[float], list[float], list[float]]:
         mine = [r for r in runs if r["side"] == name and r["job"] == job]
         return ([r["tokens_per_second"] for r in mine], [r["peak_gb"] for r in mine],
-                [r["mean_loss"] for r in mine if r["mean_loss"] is not None])
+                [r["final_loss"] for r in mine])
 
     ours, theirs = side("trainserve"), side("trl")
     if not ours[0] or not theirs[0]:
@@ -206,7 +256,7 @@ def summarize(job: str, runs: list[dict[str, Any]]) -> str:
 
     def figures(values: tuple[list[float], list[float], list[float]]) -> str:
         return (f"{statistics.median(values[0]):.0f} tok/s ({min(values[0]):.0f}-{max(values[0]):.0f}), "
-                f"{statistics.median(values[1]):.2f} GB, mean loss {statistics.median(values[2]):.3f}")
+                f"{statistics.median(values[1]):.2f} GB, loss after the epoch {statistics.median(values[2]):.3f}")
 
     return (f"{job}: trainserve {figures(ours)}; TRL {figures(theirs)}: {speed:.2f}x tokens/s at {memory:.2f}x "
             f"the peak")
@@ -214,13 +264,14 @@ def summarize(job: str, runs: list[dict[str, Any]]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", help="the jobs whose name contains this (sft-lora, sft-full, dpo-lora, dpo-full)")
+    parser.add_argument("--only", help="the jobs whose name contains this (sft-lora, sft-full, dpo-lora)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--longest", type=int, default=448, help="words in the longest reply")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--trl-sft", choices=("padding_free", "packing", "padded"), default="padding_free")
+    parser.add_argument("--allocator", choices=("glibc", "jemalloc"), default="glibc")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # side:job to run in this process
     args = parser.parse_args()
@@ -236,7 +287,8 @@ def main() -> int:
         for job in jobs:
             for side in ("trainserve", "trl"):
                 loads.append(os.getloadavg()[0])
-                env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), TRANSFORMERS_VERBOSITY="error")
+                env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), TRANSFORMERS_VERBOSITY="error",
+                           **({"LD_PRELOAD": JEMALLOC} if args.allocator == "jemalloc" else {}))
                 done = subprocess.run([sys.executable, __file__, *passed, "--one", f"{side}:{job}"], env=env,
                                       cwd=ROOT, capture_output=True, text=True)
                 if done.returncode != 0:
@@ -251,7 +303,8 @@ def main() -> int:
             "benchmark": "bench/trl_compare.py",
             "what": "one epoch of chat SFT / DPO of SmolLM2-135M-Instruct on a CPU in fp32, trainserve's recipe vs "
                     "TRL's SFTTrainer / DPOTrainer with the same rows, batch, schedule and LoRA; tokens/s over the "
-                    "optimizer steps, resident-set peak above the imports, medians of the rounds (min-max)",
+                    "optimizer steps, resident-set peak above the imports, medians of the rounds (min-max); the loss "
+                    "of each side's trained model over the same rows by one function",
             "command": "python bench/trl_compare.py " + " ".join(passed),
             "date": datetime.now(UTC).strftime("%Y-%m-%d"), "machine": describe(),
             "peer": f"trl {__import__('trl').__version__}",
