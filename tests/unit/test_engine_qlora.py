@@ -117,10 +117,12 @@ def test_qlora_trains_like_lora_and_saves_an_adapter_for_the_full_precision_base
         assert assistant_loss(adapted, None, **batch).item() < before / 2
 
 
-def test_the_serving_engine_serves_a_qlora_adapter_on_the_full_precision_base_as_peft_does(tmp_path, base):
+def test_a_qlora_adapter_serves_on_the_full_precision_base_as_peft_does_and_merges_into_its_weights(tmp_path, base):
     from worker.engines.generation.engine import GenerationEngine, SamplingParams
 
-    folder = train_chat(_config(tmp_path, base, _chats(), max_steps=4, adapter=QLORA)).model_dir
+    result = train_chat(_config(tmp_path, base, _chats(), max_steps=4,
+                                adapter=QLORA.model_copy(update={"merge": True})))
+    folder = result.model_dir
     assert folder is not None
     want = peft_model(base, folder)
     prompts = [[0, 5, 9, 17, 33, 60], [0, 44, 12]]
@@ -128,24 +130,19 @@ def test_the_serving_engine_serves_a_qlora_adapter_on_the_full_precision_base_as
     with GenerationEngine(base, device="cpu", precision="fp32", max_batch_size=4, max_loras=1,
                           adapter_folder=lambda name: folder) as engine:
         results = [engine.submit(prompt, params, adapter="qlora").result(60) for prompt in prompts]
-    for prompt, result in zip(prompts, results, strict=True):
-        assert result.choices[0].token_ids == hf_greedy(want, prompt, 8)
+    for prompt, served in zip(prompts, results, strict=True):
+        assert served.choices[0].token_ids == hf_greedy(want, prompt, 8)
     assert any(hf_greedy(want, p, 8) != hf_greedy(peft_model(base, None), p, 8) for p in prompts)  # it learned
 
-
-def test_merged_export_folds_the_adapter_into_the_full_precision_weights(tmp_path, base):
-    result = train_chat(_config(tmp_path, base, _chats(), max_steps=4,
-                                adapter=QLORA.model_copy(update={"merge": True})))
-    out = result.model_dir
-    assert out is not None and read_manifest(out)["merged"] == MERGED_DIR
-    merged = AutoModelForCausalLM.from_pretrained(out / MERGED_DIR).eval()
+    # The merged copy folds the adapter into the base's original weights, not into weights rounded to 4 bits.
+    assert read_manifest(folder)["merged"] == MERGED_DIR
+    merged = AutoModelForCausalLM.from_pretrained(folder / MERGED_DIR).eval()
     assert not quantized.is_quantized(merged)
-    expected = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(out)).merge_and_unload()
+    expected = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(folder)).merge_and_unload()
     merged_weights, expected_weights = merged.state_dict(), expected.eval().state_dict()
     assert merged_weights.keys() == expected_weights.keys()
     for name, weight in expected_weights.items():
         torch.testing.assert_close(merged_weights[name], weight, rtol=0, atol=0, msg=name)
-    # and not the base's weights rounded to 4 bits on the way
     full = AutoModelForCausalLM.from_pretrained(base).state_dict()
     torch.testing.assert_close(merged_weights["model.embed_tokens.weight"], full["model.embed_tokens.weight"])
     assert not torch.equal(merged_weights["model.layers.0.self_attn.q_proj.weight"],
