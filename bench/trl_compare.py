@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from datetime import UTC, datetime
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -262,6 +263,23 @@ def summarize(job: str, runs: list[dict[str, Any]]) -> str:
             f"the peak")
 
 
+def verdict(job: str, runs: list[dict[str, Any]]) -> str:
+    """Whether a job met the target: 'met' or what missed it."""
+    def median(side: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs if r["side"] == side and r["job"] == job)
+
+    try:
+        speed = median("trainserve", "tokens_per_second") / median("trl", "tokens_per_second")
+        memory = median("trainserve", "peak_gb") / median("trl", "peak_gb")
+    except statistics.StatisticsError:
+        return "not measured"
+    missed = [f"{speed:.2f}x tokens/s"] if speed < 1.2 else []
+    missed += [f"{memory:.2f}x the peak"] if memory > 1.0 else []
+    ours, theirs = median("trainserve", "final_loss"), median("trl", "final_loss")
+    missed += [f"loss {ours:.3f} vs {theirs:.3f}"] if abs(ours - theirs) > 0.05 * theirs else []
+    return f"missed ({', '.join(missed)})" if missed else "met"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="the jobs whose name contains this (sft-lora, sft-full, dpo-lora)")
@@ -306,10 +324,11 @@ def main() -> int:
                     "optimizer steps, resident-set peak above the imports, medians of the rounds (min-max); the loss "
                     "of each side's trained model over the same rows by one function",
             "command": "python bench/trl_compare.py " + " ".join(passed),
-            "date": datetime.now(UTC).strftime("%Y-%m-%d"), "machine": describe(),
-            "peer": f"trl {__import__('trl').__version__}",
-            "load": f"{min(loads):.1f}-{max(loads):.1f}" if loads else "",
-            "result": "; ".join(lines), "runs": runs}, indent=2) + "\n")
+            "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+            "machine": f"{describe()}, peft {version('peft')}, trl {version('trl')}",
+            "load": f"{min(loads):.1f}-{max(loads):.1f}" if loads else "", "result": "; ".join(lines),
+            "target": "at least 1.2x TRL's tokens/s at no more than its peak memory, the same loss (within 5%): "
+                      + "; ".join(f"{job} {verdict(job, runs)}" for job in jobs)}, indent=2) + "\n")
     return 0
 
 
