@@ -15,6 +15,7 @@ The target: every estimate within 25% of its measured peak, either way.
 
 Usage: HF_HUB_OFFLINE=1 .venv/bin/python bench/training_memory.py [--only sft-lora]
        [--json bench/results/training-memory.json]
+       HF_HUB_OFFLINE=1 .venv/bin/python bench/training_memory.py --defaults    # the default jobs, full size
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Job:
     seq: int  # tokens per row (a GRPO row: prompt + max_completion_tokens)
     technique: str
     quantize: bool = False  # the adapter's base in 4-bit NF4 (QLoRA)
+    completion: int = 64  # a GRPO row's max_completion_tokens
 
     @property
     def name(self) -> str:
@@ -70,6 +72,13 @@ def table() -> list[Job]:
             jobs.extend(Job(method, lora, batch, seq, technique) for technique in TECHNIQUES)
     jobs.extend(Job("sft", True, 2, seq, technique, quantize=True) for seq in (512, 2048) for technique in TECHNIQUES)
     return jobs
+
+
+def defaults() -> list[Job]:
+    """The defaults a job gets, at the sizes the training-scale issue names: a LoRA of 8 conversations of 2,048
+    tokens, and a reinforcement job in full of 8 prompts x 4 samples with 32-token answers; `auto` leaves gradient
+    checkpointing to the estimate (on where the job would not fit this machine without it), as a job's null does."""
+    return [Job("sft", True, 8, 2048, "auto"), Job("grpo", False, 8, 256, "auto", completion=32)]
 
 
 def _rss(field: str) -> int:
@@ -125,11 +134,11 @@ def measure(job: Job) -> dict[str, float | str]:
                   adapter=AdapterConfig(**LORA, quantize_base="nf4" if job.quantize else None) if job.lora else None,
                   max_steps=2, batch_size=job.batch,
                   learning_rate=1e-5, seed=0, device="cpu", precision="fp32",
-                  gradient_checkpointing=job.technique.endswith("ckpt"))
+                  gradient_checkpointing=None if job.technique == "auto" else job.technique.endswith("ckpt"))
     config: ChatTrainConfig
     if job.method == "grpo":
-        rl = ReinforcementConfig(grader=GRADER, samples=4, max_completion_tokens=64, beta=0.0)
-        config = ReinforcementTrainConfig(**common, max_length=job.seq - 64, reinforcement=rl)
+        rl = ReinforcementConfig(grader=GRADER, samples=4, max_completion_tokens=job.completion, beta=0.0)
+        config = ReinforcementTrainConfig(**common, max_length=job.seq - job.completion, reinforcement=rl)
         recipe: ChatRecipe | ReinforcementRecipe = ReinforcementRecipe(config)
     else:
         config = ChatTrainConfig(**common, max_length=job.seq,
@@ -160,6 +169,7 @@ def describe_row(row: dict[str, float | str]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="run the jobs whose name contains this")
+    parser.add_argument("--defaults", action="store_true", help="the default jobs (defaults()) instead of the table")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a job to measure in this process (JSON)
     args = parser.parse_args()
@@ -168,7 +178,7 @@ def main() -> int:
         return 0
     build_smollm2()
     rows, loads = [], []
-    for job in table():
+    for job in defaults() if args.defaults else table():
         if args.only and args.only not in job.name:
             continue
         loads.append(os.getloadavg()[0])
@@ -189,8 +199,8 @@ def main() -> int:
             "benchmark": "bench/training_memory.py",
             "what": "admission estimate (less the 1 GB runtime allowance) vs measured resident-set peak above the "
                     "resident set before the run, two optimizer steps of SmolLM2-135M-Instruct fine-tunes on a CPU "
-                    "in fp32 (GRPO: 4 samples a prompt, 64-token completions); GB estimated / measured (ratio), "
-                    "seconds per step",
+                    "in fp32 (GRPO: 4 samples a prompt, 64-token completions; the default job 32); GB estimated / "
+                    "measured (ratio), seconds per step",
             "command": "python bench/training_memory.py " + " ".join(sys.argv[1:]),
             "date": datetime.now(UTC).strftime("%Y-%m-%d"), "machine": describe(),
             "load": f"{min(loads):.1f}-{max(loads):.1f}" if loads else "",

@@ -119,7 +119,7 @@ def run_trainserve(job: str, data: list[dict[str, Any]], args: argparse.Namespac
         base_model=str(SMOLLM2_DIR), adapter=AdapterConfig(**LORA, target_modules="all-linear")
         if weights == "lora" else None, preference=PreferenceConfig(beta=0.1) if method == "dpo" else None,
         epochs=1, batch_size=args.batch_size, learning_rate=RATES[weights], warmup_ratio=0.0, weight_decay=0.0,
-        max_length=args.max_length, seed=0, device="cpu", precision="fp32", gradient_checkpointing=False)
+        max_length=args.max_length, seed=args.seed, device="cpu", precision="fp32", gradient_checkpointing=False)
     result = run(config, ChatRecipe(config), Losses())
     memory = result.manifest["hyperparameters"]["memory"]
     return {"model": lambda: _saved_model(result.model_dir, weights), "seconds": result.metrics["train_runtime"],
@@ -154,7 +154,7 @@ def run_trl(job: str, data: list[dict[str, Any]], args: argparse.Namespace, fold
         output_dir=str(folder / "trl"), per_device_train_batch_size=args.batch_size, num_train_epochs=1,
         learning_rate=RATES[weights], lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
         max_length=args.max_length, gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True,
-        logging_steps=1, save_strategy="no", report_to="none", seed=0, dataloader_num_workers=0,
+        logging_steps=1, save_strategy="no", report_to="none", seed=args.seed, dataloader_num_workers=0,
         disable_tqdm=True)
     dataset = Dataset.from_list(data)
     if method == "sft":
@@ -289,6 +289,7 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--trl-sft", choices=("padding_free", "packing", "padded"), default="padding_free")
+    parser.add_argument("--seed", type=int, default=0, help="each side's seed (its data order)")
     parser.add_argument("--allocator", choices=("glibc", "jemalloc"), default="glibc")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # side:job to run in this process

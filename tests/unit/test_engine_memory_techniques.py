@@ -134,6 +134,36 @@ def test_sft_dpo_and_grpo_through_the_chunked_loss_equal_the_full_logits(decoder
                                rtol=1e-5, atol=1e-5)
 
 
+def test_the_chunked_loss_keeps_no_tokens_by_vocab_tensor_for_backward(decoders, monkeypatch):
+    """What it claims to save: the plain loss keeps [targets x vocab] values for backward (the logits of the positions
+    with a target), the chunked one their hidden states instead; what else is kept is the same."""
+    monkeypatch.setattr(token_loss, "CHUNK_VALUES", 700 * 5)
+    model = _load(decoders["llama"], lora=True)
+    checks = probe(model, model.config.vocab_size, device="cpu")
+    batch = collate(_examples([40, 60, 50]), pad_id=0)
+    targets, vocab = int((batch["labels"] != IGNORE).sum()), model.config.vocab_size
+
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}  # kept, but held anyway
+
+    def kept(chosen: token_loss.ModelChecks | None) -> list[int]:
+        sizes: dict[int, int] = {}
+
+        def keep(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.untyped_storage().data_ptr() not in weights:
+                sizes[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            assistant_loss(model, chosen, **batch)
+        return sorted(sizes.values())
+
+    plain, chunked = kept(None), kept(checks)
+    full = targets * vocab * 4  # fp32 logits of every position with a target (the plain loss selects those)
+    assert max(plain) >= full > max(chunked)  # no [targets x vocab] tensor kept
+    rows = targets * model.config.hidden_size * 4  # what it keeps instead: the targets' final hidden states
+    assert sum(plain) - sum(chunked) == full - rows
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "mixtral"])
 def test_a_packed_micro_batch_gives_the_padded_loss_and_gradients(decoders, name):
     model = _load(decoders[name], lora=True)
