@@ -19,8 +19,13 @@ BINARY: dict[type[ast.operator], Callable[[float, float], float]] = {
 }
 UNARY: dict[type[ast.unaryop], Callable[[float], float]] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 FUNCTIONS: dict[str, Callable[..., float]] = {
-    "min": min, "max": max, "abs": abs, "floor": math.floor, "ceil": math.ceil, "round": round,
-    "exp": math.exp, "sqrt": math.sqrt, "log": math.log,
+    "min": min, "max": max, "abs": abs, "floor": math.floor, "ceil": math.ceil,
+    "round": lambda x, digits=0: round(x, int(digits)), "exp": math.exp, "sqrt": math.sqrt, "log": math.log,
+}
+# How many arguments each function takes (least, most; None: any number): min(a) of one number is not a list.
+ARITY: dict[str, tuple[int, int | None]] = {
+    "min": (2, None), "max": (2, None), "abs": (1, 1), "floor": (1, 1), "ceil": (1, 1), "round": (1, 2),
+    "exp": (1, 1), "sqrt": (1, 1), "log": (1, 2),
 }
 
 
@@ -40,8 +45,12 @@ def parse_formula(text: str, *, names: set[str]) -> ast.Expression:
     nodes = list(ast.walk(tree))
     if len(nodes) > MAX_NODES:
         raise FormulaError(f"calculate_output is longer than {MAX_NODES} terms")
+    called = {id(node.func) for node in nodes if isinstance(node, ast.Call)}
     for node in nodes:
         _check(node, names)
+        if isinstance(node, ast.Name) and node.id in FUNCTIONS and node.id not in names and id(node) not in called:
+            raise FormulaError(f"calculate_output uses the function {node.id!r} as a value; call it, "
+                               f"e.g. {node.id}(...)")
     return tree
 
 
@@ -62,14 +71,23 @@ def _check(node: ast.AST, names: set[str]) -> None:
         if not isinstance(node.func, ast.Name) or node.func.id not in FUNCTIONS or node.keywords \
                 or not node.args:
             raise FormulaError(f"calculate_output may call only {', '.join(FUNCTIONS)} (positional arguments)")
+        least, most = ARITY[node.func.id]
+        if len(node.args) < least or most is not None and len(node.args) > most:
+            wanted = f"{least}" if least == most else f"at least {least}" if most is None else f"{least} or {most}"
+            raise FormulaError(f"calculate_output calls {node.func.id} with {len(node.args)} argument(s); it takes "
+                               f"{wanted}")
         return
     raise FormulaError(f"calculate_output may not contain {type(node).__name__}: only arithmetic over grader "
                        "names")
 
 
 def evaluate(tree: ast.Expression, scores: Mapping[str, float]) -> float:
-    """The formula's value for these scores; ArithmeticError or ValueError when the arithmetic fails."""
-    value = float(_value(tree.body, scores))
+    """The formula's value for these scores; ArithmeticError or ValueError when the arithmetic fails (whatever the
+    functions raise on values they refuse counts as that: a checked formula is never a server error)."""
+    try:
+        value = float(_value(tree.body, scores))
+    except (TypeError, KeyError, RecursionError) as exc:
+        raise ValueError(f"calculate_output could not be computed: {exc}") from exc
     if not math.isfinite(value):
         raise ArithmeticError("calculate_output is not a finite number")
     return value

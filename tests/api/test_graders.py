@@ -36,6 +36,13 @@ def test_run_a_string_check_and_a_multi_grader(api):
     assert result.sub_rewards == {"exact": 0.0, "fuzzy": pytest.approx(fuzz.ratio("Pariss", "Paris") / 100)}
     missing = api.fine_tuning.alpha.graders.run(grader=CHECK, model_sample="Paris", item={})
     assert missing.reward == 0.0 and missing.metadata.errors.invalid_variable_error is True
+    # A formula that parses but cannot be computed is the grade's error flag, never a server error.
+    for formula, flagged in (("round(fuzzy * 10, exact)", False), ("log(exact)", True), ("exact % 0", True),
+                             ("10 ** 400", True)):
+        graded = api.fine_tuning.alpha.graders.run(grader={**multi, "calculate_output": formula},
+                                                   model_sample="Pariss", item={"answer": "Paris"})
+        assert graded.metadata.errors.formula_parse_error is flagged, formula
+        assert graded.reward == (0.0 if flagged else round(fuzz.ratio("Pariss", "Paris") / 10)), formula
 
 
 def test_validate_answers_the_grader_and_refuses_what_cannot_run(api):
@@ -45,6 +52,8 @@ def test_validate_answers_the_grader_and_refuses_what_cannot_run(api):
         ({**FUZZY, "evaluation_metric": "meteor"}, "meteor"),
         ({"type": "multi", "name": "m", "graders": {"a": CHECK}, "calculate_output": "__import__('os')"},
          "calculate_output"),
+        ({"type": "multi", "name": "m", "graders": {"a": CHECK}, "calculate_output": "abs(a, a)"}, "takes 1"),
+        ({"type": "multi", "name": "m", "graders": {"a": CHECK}, "calculate_output": "min + a"}, "as a value"),
     ]:
         with pytest.raises(openai.UnprocessableEntityError) as bad:
             api.fine_tuning.alpha.graders.validate(grader=grader)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from typing import Any
 
 import pytest
@@ -171,6 +172,32 @@ def test_multi_combines_named_graders_by_formula() -> None:
 def test_formulas_refuse_everything_but_arithmetic(formula: str) -> None:
     with pytest.raises(FormulaError):
         parse_formula(formula, names={"exact"})
+
+
+@pytest.mark.parametrize("formula", ["round(a, a, a)", "abs(a, a)", "min(a)", "max(b)", "sqrt()", "floor(a, 2)",
+                                     "log(a, b, 2)", "exp(a, a)", "ceil(a, b)", "min + 1", "a * round",
+                                     "round(log)(a)"])
+def test_formulas_with_the_wrong_arguments_are_refused_when_validated(formula: str) -> None:
+    with pytest.raises(FormulaError, match="calculate_output"):
+        parse_formula(formula, names={"a", "b"})
+
+
+# A checked formula fails only on arithmetic (flagged on the grade, never an exception the service answers 500 for).
+EDGES = ["round(a, a)", "round(a, 1e300)", "round(a, -b)", "round(1e308 * 10)", "log(0)", "log(a, 1)", "log(a, 0)",
+         "log(-a)", "sqrt(-a)", "a % 0", "a / 0", "0 ** -1", "(-8) ** 0.5", "10 ** 400", "1e309", "exp(1000)",
+         "floor(1e309)", "ceil(-1e309)", "round(1e309)", "9 ** 9 ** 9", "min(a, 1e309) - max(b, 1e309)",
+         "1" + "0" * 400, "round(a, 10 ** 20)", "abs(-1e309)", "a ^ 0.5 ^ -3", "-(-(-a))", "floor(a) % 0.0"]
+
+
+@pytest.mark.parametrize("formula", EDGES)
+def test_a_checked_formula_is_a_number_or_an_arithmetic_error(formula: str) -> None:
+    tree = parse_formula(formula, names={"a", "b"})
+    for scores in ({"a": 0.5, "b": 2.0}, {"a": 0.0, "b": 0.0}, {"a": 1.0, "b": -3.0}):
+        try:
+            value = evaluate(tree, scores)
+        except (ArithmeticError, ValueError):
+            continue
+        assert math.isfinite(value)
 
 
 def test_formula_arithmetic() -> None:
