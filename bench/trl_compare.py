@@ -9,6 +9,10 @@ CPU in fp32, with the same batch, learning rate, linear schedule without warmup,
   `packing` (best-fit decreasing) and `padded` are the others), gradient checkpointing off on both (it fits);
 - `dpo`: trainserve's DPO (the same recipe with `preference`) against TRL's `DPOTrainer` (sigmoid loss, beta 0.1,
   the reference the base with the adapter switched off; trainserve's DPO trains an adapter, so LoRA only).
+- `grpo`: trainserve's reinforcement recipe against TRL's `GRPOTrainer`, 4 completions a prompt of at most 32
+  tokens sampled at temperature 1, beta 0 (no reference), the reward 1 where the completion holds the answer
+  (trainserve's string_check `ilike` grader, a Python function on TRL's side); tokens are each sample's prompt and
+  completion at the side's own mean completion length, and the rounds are compared by their mean reward.
 Each run is a fresh child process; sides alternate (trainserve, TRL, trainserve, ...) for `--repeats` rounds.
 tokens/s is the epoch's tokens (prompt and reply; both replies of a DPO pair) over the seconds spent in optimizer
 steps (each side's own step timing: trainserve's `train_runtime`, TRL's from a callback at each step's start and
@@ -18,7 +22,8 @@ glibc's, which keeps freed blocks of either side's activations, or jemalloc's, c
 Both sides' trained models are then scored by one function over the epoch's rows (SFT: the assistant tokens'
 cross-entropy; DPO: its loss against the untrained base), beside each side's first logged step loss.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/trl_compare.py --rows 16 --batch-size 4   # sft LoRA and full, dpo LoRA
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/trl_compare.py --rows 16 --batch-size 4 --only sft,dpo
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/trl_compare.py --rows 8 --batch-size 2 --only grpo
     HF_HUB_OFFLINE=1 .venv/bin/python bench/trl_compare.py --only sft-lora --rows 16 --repeats 1   # smoke run
 """
 
@@ -45,7 +50,10 @@ from bench.machine import describe  # noqa: E402
 from trainserve.real_models import SMOLLM2_DIR, build_smollm2  # noqa: E402
 
 LORA = {"r": 16, "alpha": 32, "dropout": 0.0}
-JOBS = ("sft-lora", "sft-full", "dpo-lora")  # trainserve's DPO trains an adapter (its reference: the base)
+JOBS = ("sft-lora", "sft-full", "dpo-lora", "grpo-lora", "grpo-full")  # trainserve's DPO trains an adapter
+# What tells whether a side learned as the other did: the trained model's loss, or GRPO's mean reward over the run.
+QUALITY = {"sft": "final_loss", "dpo": "final_loss", "grpo": "reward"}
+SAMPLES, COMPLETION = 4, 32  # GRPO: completions per prompt, and tokens per completion at most (the defaults)
 RATES = {"lora": 2e-4, "full": 2e-5}
 JEMALLOC = "/lib/x86_64-linux-gnu/libjemalloc.so.2"  # Debian's libjemalloc2
 
@@ -75,6 +83,26 @@ def rows(method: str, count: int, longest: int) -> list[dict[str, Any]]:
             out.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": _words(words, i + 1)}],
                         "rejected": [{"role": "assistant", "content": _words(words, i + 2)}]})
     return out
+
+
+def prompts(count: int) -> list[dict[str, Any]]:
+    """GRPO's rows: a question whose one-word answer the reward checks for in the completion."""
+    words = ("mat", "box", "door", "tree", "house", "cat", "sky", "sea")
+    return [{"prompt": [{"role": "user", "content": f"Question {i}: " + _words(10, i) + ". Which word ends this: "
+                         f"'the cat sat on the {words[i % len(words)]}'? Reply with that word only."}],
+             "answer": words[i % len(words)]} for i in range(count)]
+
+
+def prompt_tokens(data: list[dict[str, Any]]) -> float:
+    """The mean length of GRPO's rendered prompts (the generation prompt included)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2_DIR))
+    lengths = []
+    for row in data:
+        ids = tokenizer.apply_chat_template(row["prompt"], tokenize=True, add_generation_prompt=True)
+        lengths.append(len(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return statistics.fmean(lengths)
 
 
 def epoch_tokens(method: str, data: list[dict[str, Any]], max_length: int) -> int:
@@ -128,16 +156,76 @@ def run_trainserve(job: str, data: list[dict[str, Any]], args: argparse.Namespac
             "estimate_gb": (memory["estimated_peak_bytes"] - RUNTIME_BYTES) / 1e9}
 
 
-def run_trl(job: str, data: list[dict[str, Any]], args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+def run_trainserve_grpo(job: str, data: list[dict[str, Any]], args: argparse.Namespace,
+                        folder: Path) -> dict[str, Any]:
+    from core.adapters import AdapterConfig
+    from core.reinforcement import ReinforcementConfig
+    from worker.engines.training.loop import run
+    from worker.engines.training.loop_types import TrainCallbacks
+    from worker.engines.training.reinforcement import ReinforcementRecipe, ReinforcementTrainConfig
+
+    weights = job.split("-")[1]
+    train = folder / "train.jsonl"
+    train.write_text("".join(json.dumps({"messages": row["prompt"], "answer": row["answer"]}) + "\n" for row in data))
+    logs: list[dict[str, float]] = []
+
+    class Logs(TrainCallbacks):
+        def on_log(self, step: int, epoch: float, metrics: dict[str, float]) -> None:
+            logs.append(metrics)
+
+    grader = {"type": "string_check", "name": "answer", "input": "{{sample.output_text}}",
+              "reference": "{{item.answer}}", "operation": "ilike"}
+    config = ReinforcementTrainConfig(
+        train_file=train, eval_file=None, output_dir=folder / "out", checkpoint_dir=folder / "ckpt",
+        base_model=str(SMOLLM2_DIR), adapter=AdapterConfig(**LORA, target_modules="all-linear")
+        if weights == "lora" else None, epochs=1, batch_size=args.batch_size, learning_rate=RATES[weights],
+        warmup_ratio=0.0, weight_decay=0.0, max_length=args.max_length, seed=args.seed, device="cpu",
+        precision="fp32", gradient_checkpointing=False,
+        reinforcement=ReinforcementConfig(grader=grader, samples=SAMPLES, max_completion_tokens=COMPLETION, beta=0.0))
+    result = run(config, ReinforcementRecipe(config), Logs())
+    return {"seconds": result.metrics["train_runtime"], "steps": result.global_step, "technique": "grpo",
+            "completion_length": statistics.fmean(m["completion_length"] for m in logs),
+            "reward": statistics.fmean(m["reward_mean"] for m in logs)}
+
+
+def run_trl_grpo(job: str, data: list[dict[str, Any]], args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
 
-    method, weights = job.split("-")
+    weights = job.split("-")[1]
     steps: list[float] = []
 
-    class StepTimer(TrainerCallback):  # the seconds inside optimizer steps, as trainserve's train_runtime counts
+    def reward(completions: list[list[dict[str, str]]], answer: list[str], **_: Any) -> list[float]:
+        return [1.0 if word.lower() in completion[0]["content"].lower() else 0.0
+                for completion, word in zip(completions, answer, strict=True)]
+
+    tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2_DIR))
+    model = AutoModelForCausalLM.from_pretrained(str(SMOLLM2_DIR), dtype=torch.float32)
+    peft = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
+                      target_modules="all-linear", task_type="CAUSAL_LM") if weights == "lora" else None
+    config = GRPOConfig(
+        output_dir=str(folder / "trl"), per_device_train_batch_size=args.batch_size * SAMPLES,
+        num_generations=SAMPLES, max_completion_length=COMPLETION, beta=0.0, temperature=1.0, num_train_epochs=1,
+        learning_rate=RATES[weights], lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
+        gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, logging_steps=1, save_strategy="no",
+        report_to="none", seed=args.seed, dataloader_num_workers=0, disable_tqdm=True)
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=Dataset.from_list(data),
+                          processing_class=tokenizer, peft_config=peft, callbacks=[_step_timer(steps)])
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "completions/mean_length" in entry]
+    return {"seconds": sum(steps), "steps": trainer.state.global_step, "technique": "grpo",
+            "completion_length": statistics.fmean(e["completions/mean_length"] for e in logged),
+            "reward": statistics.fmean(e["reward"] for e in logged)}
+
+
+def _step_timer(steps: list[float]) -> Any:
+    """A TRL callback adding each optimizer step's seconds to `steps` (trainserve's train_runtime counts the same)."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
         started = 0.0
 
         def on_step_begin(self, *_: Any, **__: Any) -> None:
@@ -145,6 +233,18 @@ def run_trl(job: str, data: list[dict[str, Any]], args: argparse.Namespace, fold
 
         def on_step_end(self, *_: Any, **__: Any) -> None:
             steps.append(time.perf_counter() - StepTimer.started)
+
+    return StepTimer()
+
+
+def run_trl(job: str, data: list[dict[str, Any]], args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    method, weights = job.split("-")
+    steps: list[float] = []
 
     tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2_DIR))
     model = AutoModelForCausalLM.from_pretrained(str(SMOLLM2_DIR), dtype=torch.float32)
@@ -165,12 +265,12 @@ def run_trl(job: str, data: list[dict[str, Any]], args: argparse.Namespace, fold
                   "padded": {}}[args.trl_sft]
         common = {**common, **layout}
         trainer: Any = SFTTrainer(model=model, args=SFTConfig(**common), train_dataset=dataset,
-                                  processing_class=tokenizer, peft_config=peft, callbacks=[StepTimer()])
+                                  processing_class=tokenizer, peft_config=peft, callbacks=[_step_timer(steps)])
     else:
         from trl import DPOConfig, DPOTrainer
 
         trainer = DPOTrainer(model=model, args=DPOConfig(**common, beta=0.1), train_dataset=dataset,
-                             processing_class=tokenizer, peft_config=peft, callbacks=[StepTimer()])
+                             processing_class=tokenizer, peft_config=peft, callbacks=[_step_timer(steps)])
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return {"model": lambda: trainer.model, "seconds": sum(steps), "losses": losses,
@@ -229,9 +329,18 @@ def measure(side: str, job: str, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
     method = job.split("-")[0]
+    folder = Path(tempfile.mkdtemp(prefix="trl-compare-"))
+    if method == "grpo":  # tokens: each sample's prompt and completion, at the side's own completion lengths
+        data = prompts(args.rows)
+        prompt = prompt_tokens(data)
+        Path("/proc/self/clear_refs").write_text("5")
+        before = _rss("VmRSS")
+        out = (run_trainserve_grpo if side == "trainserve" else run_trl_grpo)(job, data, args, folder)
+        tokens = round(len(data) * SAMPLES * (prompt + out["completion_length"]))
+        return {"side": side, "job": job, **out, "tokens": tokens, "tokens_per_second": tokens / out["seconds"],
+                "peak_gb": (_rss("VmHWM") - before) / 1e9}
     data = rows(method, args.rows, args.longest)
     tokens = epoch_tokens(method, data, args.max_length)
-    folder = Path(tempfile.mkdtemp(prefix="trl-compare-"))
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here: the model, the run
     before = _rss("VmRSS")
     out = (run_trainserve if side == "trainserve" else run_trl)(job, data, args, folder)
@@ -247,7 +356,7 @@ def summarize(job: str, runs: list[dict[str, Any]]) -> str:
     def side(name: str) -> tuple[list[float], list[float], list[float]]:
         mine = [r for r in runs if r["side"] == name and r["job"] == job]
         return ([r["tokens_per_second"] for r in mine], [r["peak_gb"] for r in mine],
-                [r["final_loss"] for r in mine])
+                [r[QUALITY[job.split("-")[0]]] for r in mine])
 
     ours, theirs = side("trainserve"), side("trl")
     if not ours[0] or not theirs[0]:
@@ -257,7 +366,8 @@ def summarize(job: str, runs: list[dict[str, Any]]) -> str:
 
     def figures(values: tuple[list[float], list[float], list[float]]) -> str:
         return (f"{statistics.median(values[0]):.0f} tok/s ({min(values[0]):.0f}-{max(values[0]):.0f}), "
-                f"{statistics.median(values[1]):.2f} GB, loss after the epoch {statistics.median(values[2]):.3f}")
+                f"{statistics.median(values[1]):.2f} GB, {QUALITY[job.split('-')[0]].replace('_', ' ')} "
+                f"{statistics.median(values[2]):.3f}")
 
     return (f"{job}: trainserve {figures(ours)}; TRL {figures(theirs)}: {speed:.2f}x tokens/s at {memory:.2f}x "
             f"the peak")
@@ -275,14 +385,17 @@ def verdict(job: str, runs: list[dict[str, Any]]) -> str:
         return "not measured"
     missed = [f"{speed:.2f}x tokens/s"] if speed < 1.2 else []
     missed += [f"{memory:.2f}x the peak"] if memory > 1.0 else []
-    ours, theirs = median("trainserve", "final_loss"), median("trl", "final_loss")
-    missed += [f"loss {ours:.3f} vs {theirs:.3f}"] if abs(ours - theirs) > 0.05 * theirs else []
+    quality = QUALITY[job.split("-")[0]]
+    ours, theirs = median("trainserve", quality), median("trl", quality)
+    close = abs(ours - theirs) <= (0.1 if quality == "reward" else 0.05 * theirs)  # a mean reward is noisier
+    missed += [] if close else [f"{quality.replace('_', ' ')} {ours:.3f} vs {theirs:.3f}"]
     return f"missed ({', '.join(missed)})" if missed else "met"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", help="the jobs whose name contains this (sft-lora, sft-full, dpo-lora)")
+    parser.add_argument("--only", help="the jobs whose name contains one of these, comma-separated (of "
+                        "sft-lora, sft-full, dpo-lora, grpo-lora, grpo-full)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--longest", type=int, default=448, help="words in the longest reply")
@@ -299,7 +412,7 @@ def main() -> int:
         print(json.dumps(measure(side, job, args)))
         return 0
     build_smollm2()
-    jobs = [job for job in JOBS if not args.only or args.only in job]
+    jobs = [job for job in JOBS if not args.only or any(part in job for part in args.only.split(","))]
     passed = [a for a in sys.argv[1:] if not a.startswith("--json") and not a.endswith(".json")]
     runs, loads = [], []
     for _ in range(args.repeats):
