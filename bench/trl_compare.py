@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.machine import describe  # noqa: E402
+from bench.training_memory import _rss, _words  # noqa: E402
 from trainserve.real_models import SMOLLM2_DIR, build_smollm2  # noqa: E402
 
 LORA = {"r": 16, "alpha": 32, "dropout": 0.0}
@@ -56,19 +56,6 @@ QUALITY = {"sft": "final_loss", "dpo": "final_loss", "grpo": "reward"}
 SAMPLES, COMPLETION = 4, 32  # GRPO: completions per prompt, and tokens per completion at most (the defaults)
 RATES = {"lora": 2e-4, "full": 2e-5}
 JEMALLOC = "/lib/x86_64-linux-gnu/libjemalloc.so.2"  # Debian's libjemalloc2
-
-
-def _rss(field: str) -> int:
-    match = re.search(field + r":\s+(\d+) kB", Path("/proc/self/status").read_text())
-    assert match is not None
-    return int(match.group(1)) * 1024
-
-
-def _words(count: int, seed: int) -> str:
-    # Common short words, about one SmolLM2 token each.
-    vocabulary = ("the cat sat on a mat and then it ran to see what was in the box by the door of our old house "
-                  "near one big tree").split()
-    return " ".join(vocabulary[(seed * 7 + i * 3) % len(vocabulary)] for i in range(count))
 
 
 def rows(method: str, count: int, longest: int) -> list[dict[str, Any]]:
