@@ -7,7 +7,9 @@ prefill itself; the `off` side (TRAINSERVE_PREFIX_CACHE_MB=0, the baseline) pref
 side's rows share the cached system prompt's blocks by reference and prefill the rest. Both sides run the same
 engine settings otherwise (chunked prefill at its default), rounds interleaved (the side going first alternating),
 TTFT p50 and p90 over all rounds, the ratio off / on, whether the two sides' greedy outputs are equal, the cached
-tokens per request, and the load average. Model: GPT-2-small's width with `--layers` layers, random weights, fp32 CPU.
+tokens per request, and the load average. The `on` side's chats are one tenant's; after each round a new tenant
+sends that round's first chat (`other tenant`): the cache is kept per tenant, so it finds nothing and prefills
+whole, as the `off` side does. Model: GPT-2-small's width with `--layers` layers, random weights, fp32 CPU.
 
     python bench/prefix_cache.py                         # 4 layers, 500-token system prompt, 3 rounds of 8
     python bench/prefix_cache.py --layers 2 --rounds 1 --requests 4      # smoke run
@@ -41,11 +43,11 @@ def prompts(engine: GenerationEngine, args: argparse.Namespace) -> list[str]:
     return [f"System: {system}\n\nUser: {s}\n\nAssistant:" for s in sentences[:args.requests * args.rounds]]
 
 
-def ttft(engine: GenerationEngine, prompt: str, max_tokens: int) -> tuple[float, list[int], int]:
+def ttft(engine: GenerationEngine, prompt: str, max_tokens: int, tenant: str = "bench") -> tuple[float, list[int], int]:
     """Seconds to the first token, the greedy tokens, the cached prompt tokens."""
     first: list[float] = []
     start = time.perf_counter()
-    result = engine.submit(prompt, SamplingParams(max_new_tokens=max_tokens, temperature=0),
+    result = engine.submit(prompt, SamplingParams(max_new_tokens=max_tokens, temperature=0), tenant=tenant,
                            on_token=lambda i, d: first.append(time.perf_counter()) if not first else None).result(300)
     return (first[0] if first else time.perf_counter()) - start, result.choices[0].token_ids, result.cached_tokens
 
@@ -70,6 +72,7 @@ def main() -> None:
         times: dict[str, list[float]] = {name: [] for name in sides}
         outputs: dict[str, list[list[int]]] = {name: [] for name in sides}
         cached: list[int] = []
+        other: list[tuple[float, int]] = []  # (TTFT, cached tokens) of each round's new tenant
         for r in range(args.rounds):
             order = ["off", "on"] if r % 2 == 0 else ["on", "off"]
             for name in order:
@@ -79,6 +82,8 @@ def main() -> None:
                     outputs[name].append(tokens)
                     if name == "on":
                         cached.append(hit)
+            seconds, _, hit = ttft(sides["on"], chats[r * args.requests], args.max_tokens, tenant=f"other-{r}")
+            other.append((seconds, hit))
             print(f"round {r}: TTFT p50 off {statistics.median(times['off']):.3f} s, on "
                   f"{statistics.median(times['on']):.3f} s (load average {os.getloadavg()[0]:.2f})", flush=True)
         prompt_tokens = [len(sides["on"].encode(chat)) for chat in chats]
@@ -94,6 +99,9 @@ def main() -> None:
     same = outputs["off"] == outputs["on"]
     print(f"TTFT p50 off / on: {p50['off'] / p50['on']:.2f}x; cached tokens per request: median "
           f"{statistics.median(cached):.0f} (first {cached[0]}); greedy outputs equal: {same}")
+    print(f"other tenant, the same chats on the `on` side: TTFT p50 {statistics.median(t for t, _ in other):.3f} s "
+          f"(off / other: {p50['off'] / statistics.median(t for t, _ in other):.2f}x); cached tokens "
+          f"{[hit for _, hit in other]}")
     print(f"load average {os.getloadavg()}")
 
 

@@ -167,10 +167,12 @@ class Settings(BaseSettings):
         "top_logprobs) (about 80 bytes of JSON each with logprobs); a request over it is a 422 naming its token field "
         "(max_tokens, max_completion_tokens or max_new_tokens).")
     generation_queue_per_model: int = Field(64, ge=1, description="Generation rows in flight per model, a request "
-                                            "of n choices taking n (429 beyond).")
+                                            "of n choices taking n: a tenant alone on the model may use them all "
+                                            "(429 beyond).")
     generation_queue_per_tenant: int = Field(32, ge=1, description="Generation rows one tenant may have in flight "
-                                             "per model: the rest of the model's queue stays open to other tenants "
-                                             "(429 beyond).")
+                                             "per model while another tenant has rows there, and may always have "
+                                             "however full the model's queue, up to generation_queue_per_model + "
+                                             "generation_queue_per_tenant rows in all (429 beyond).")
     generation_tenant_queue_share: float = Field(0.5, gt=0, le=1, description="Fraction of a generation engine's "
                                                  "waiting queue one tenant's requests may fill (the engine admits "
                                                  "tenants in turn and keeps each within its share of the rows).")
@@ -179,7 +181,10 @@ class Settings(BaseSettings):
     generation_wait_s: float = Field(30.0, description="A generation request not started within this is dropped.")
     generation_timeout_s: float = Field(300.0, description="Longest a generation request may take in all.")
     generation_rate_per_minute: int = Field(600, description="Generation requests per API key per minute (429 beyond).")
-    generation_threads: int = Field(64, description="Requests one generation worker keeps in flight.")
+    generation_threads: int = Field(128, description="Requests one generation worker keeps in flight, waiting for a "
+                                    "row or decoding: at least generation_queue_per_model + "
+                                    "generation_queue_per_tenant, so a request the API admitted never waits for a "
+                                    "thread behind another tenant's.")
     max_batch_size: int = Field(32, description="Sequences decoded together by one generation engine.")
     max_tokens_in_flight: int = Field(
         16_384, ge=1, description="Cache positions one generation engine holds for its running rows: a request of n "
@@ -195,6 +200,11 @@ class Settings(BaseSettings):
     prefix_cache_mb: float = Field(
         512.0, ge=0, description="Keys and values of shared prompt prefixes one generation engine keeps for reuse "
         "(automatic prefix caching, least recently used out); 0: off.")
+    prefix_cache_across_tenants: bool = Field(
+        False, description="Let a tenant's requests reuse the prefix-cache blocks of another tenant's prompts. Off: "
+        "each tenant's blocks are its own. On, any tenant can tell from cached_tokens or the time to first token "
+        "whether another has sent a given prompt prefix, block by block; for deployments whose tenants trust each "
+        "other and share long public prefixes.")
     generation_precision: str = Field(
         "auto", pattern="^(auto|fp32|bf16|fp16)$", description="Weights dtype of generation engines: auto (bf16 on "
         "a GPU that has it, else fp16; on a CPU bf16 when a short calibration at load shows a decode step clearly "

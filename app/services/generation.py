@@ -89,8 +89,11 @@ class GenerationGateway:
                          now: float) -> None:
         """Hold `rows` of the model's queue and of the tenant's share of it, both or neither (TooManyRequests).
 
-        Slots older than the longest possible request are leftovers of a crashed API process. A request of more
-        rows than a tenant's share holds the whole share.
+        Work-conserving: a tenant alone on the model may fill its whole queue (generation_queue_per_model rows). While
+        another tenant holds rows, each may hold its share (generation_queue_per_tenant), however full the model's
+        queue, up to both bounds together in all: a lone tenant's burst never keeps a newcomer out. Slots older than
+        the longest possible request are leftovers of a crashed API process. A request of more rows than a tenant's
+        share holds the whole share.
         """
         per_model, per_tenant = self.settings.generation_queue_per_model, self.settings.generation_queue_per_tenant
         taken = self._rows_held(rows)
@@ -99,7 +102,8 @@ class GenerationGateway:
                 str(taken), request_id)
         full = await self.redis.eval(_TAKE_ROWS, 2, *keys, *args)  # type: ignore[misc]
         if full in (b"model", "model"):
-            raise TooManyRequests(f"model {model.id!r} has {per_model} generation rows in flight; retry shortly",
+            raise TooManyRequests(f"model {model.id!r} has its whole generation queue in flight ({per_model} rows, "
+                                  f"{per_model + per_tenant} while several tenants share it); retry shortly",
                                   retry_after=1, code=ErrorCode.OVERLOADED)
         if full in (b"tenant", "tenant"):
             raise TooManyRequests(f"this tenant has {per_tenant} generation rows in flight on model {model.id!r} "
@@ -194,8 +198,14 @@ _TAKE_ROWS = """
 local now, horizon, rows = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[6])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - horizon)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - horizon)
-if redis.call('ZCARD', KEYS[1]) + rows > tonumber(ARGV[3]) then return 'model' end
-if redis.call('ZCARD', KEYS[2]) + rows > tonumber(ARGV[4]) then return 'tenant' end
+local total, mine = redis.call('ZCARD', KEYS[1]), redis.call('ZCARD', KEYS[2])
+local per_model, per_tenant = tonumber(ARGV[3]), tonumber(ARGV[4])
+if total == mine then
+  if total + rows > per_model then return 'model' end
+else
+  if mine + rows > per_tenant then return 'tenant' end
+  if total + rows > per_model + per_tenant then return 'model' end
+end
 for row = 1, rows do
   redis.call('ZADD', KEYS[1], ARGV[1], ARGV[7] .. '#' .. row)
   redis.call('ZADD', KEYS[2], ARGV[1], ARGV[7] .. '#' .. row)

@@ -200,9 +200,10 @@ def test_a_concurrent_burst_gets_exactly_the_bound_of_slots(settings, queue):
     assert second.count("rate_limited") == 14 and second.count("overloaded") == 6  # slots still held by the first
 
 
-def test_one_tenant_holds_at_most_its_share_of_a_models_queue_counted_in_rows(settings, queue):
-    """A tenant's n=16 requests fill its share of the model's rows, not the model's whole queue: another
-    tenant's request is still admitted, and releasing gives back every row."""
+def test_a_lone_tenant_fills_the_models_queue_and_a_newcomer_still_gets_its_share_counted_in_rows(settings, queue):
+    """Work-conserving, in rows: a tenant alone on a model may hold its whole queue (n=16 requests, 48 rows); another
+    tenant arriving then is still admitted up to its share, beyond the model's queue; while both hold rows, each is
+    held to its share, and the model to both bounds together; releasing gives back every row."""
     import asyncio
 
     from app.services.generation import GenerationGateway
@@ -219,15 +220,20 @@ def test_one_tenant_holds_at_most_its_share_of_a_models_queue_counted_in_rows(se
     async def scenario() -> None:
         redis = async_redis_from_url(settings.resolved_redis_url)
         gateway = GenerationGateway(redis, queue, settings)
-        held = [await gateway.admit(flood, model, 16), await gateway.admit(flood, model, 16)]  # 32 rows: its share
-        with pytest.raises(TooManyRequests, match="this tenant has 32 generation rows"):
+        held = [await gateway.admit(flood, model, 16) for _ in range(3)]  # 48 rows: alone, the whole queue
+        with pytest.raises(TooManyRequests, match="whole generation queue"):
             await gateway.admit(flood, model, 1)
-        mine = await gateway.admit(other, model, 16)  # the rest of the model's queue is open to others
-        with pytest.raises(TooManyRequests, match="48 generation rows"):
-            await gateway.admit(other, model, 1)  # the model's own bound still holds
+        mine = [await gateway.admit(other, model, 16) for _ in range(2)]  # its share, past the model's 48
+        with pytest.raises(TooManyRequests, match="this tenant has 32 generation rows"):
+            await gateway.admit(other, model, 1)
+        with pytest.raises(TooManyRequests, match="this tenant has 32 generation rows"):
+            await gateway.admit(flood, model, 1)  # another tenant holds rows: the flood is held to its share
         await gateway.release(held[0], model, finished=True, tenant="flood", rows=16)
-        await gateway.release(mine, model, finished=True, tenant="other", rows=16)
-        await gateway.admit(flood, model, 16)  # its released rows are free again
+        await gateway.release(held[1], model, finished=True, tenant="flood", rows=16)
+        await gateway.admit(flood, model, 16)  # 32 of its own, 80 in all: both bounds together
+        await gateway.release(mine[0], model, finished=True, tenant="other", rows=16)
+        await gateway.release(mine[1], model, finished=True, tenant="other", rows=16)
+        await gateway.admit(flood, model, 16)  # alone again: past its share, within the model's queue
         await redis.aclose()
 
     asyncio.run(scenario())

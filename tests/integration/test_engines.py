@@ -153,6 +153,35 @@ def test_streaming_seeds_logprobs_stop_and_prefix_cache(served) -> None:
     assert reply.usage.prompt_tokens_details.cached_tokens >= 128, reply.usage
 
 
+def test_a_tenants_cached_prompt_is_no_hit_for_another(served, pg_url) -> None:
+    """Tenant A's prompt (a long system prompt: a secret) is cached for A alone. A's repeat hits its own blocks and
+    answers sooner; each of three new tenants sending the same prompt is told 0 cached tokens and waits as long as for
+    a cold prompt of its own (a hit would tell it, by usage or by timing, that someone sent that text)."""
+    def contract(word: str) -> str:  # the word first: two contracts differ from the template's first block on
+        return f"{word} " + " ".join(f"Clause {i} of this contract: the buyer pays within {i} days." for i in range(60))
+
+    def ask(api: openai.OpenAI, system: str) -> tuple[float, int]:
+        started = time.monotonic()
+        reply = api.chat.completions.create(model="smollm2", max_tokens=1, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": "Summarise."}])
+        assert reply.usage.prompt_tokens > 700
+        return time.monotonic() - started, reply.usage.prompt_tokens_details.cached_tokens
+
+    owner = served.client(make_key(pg_url, tenant="engines-owner"))
+    secret = contract("Gold")
+    assert ask(owner, secret)[1] == 0
+    seconds: dict[str, list[float]] = {"owner": [], "other": [], "cold": []}
+    for round_, word in enumerate(("Iron", "Silk", "Wool")):
+        other = served.client(make_key(pg_url, tenant=f"engines-other-{round_}"))
+        for who, api, system in (("other", other, secret), ("cold", other, contract(word)), ("owner", owner, secret)):
+            elapsed, cached = ask(api, system)
+            assert (cached >= 700) if who == "owner" else (cached == 0), (who, cached)
+            seconds[who].append(elapsed)
+    median = {who: sorted(times)[1] for who, times in seconds.items()}
+    assert median["owner"] < 0.5 * median["cold"], median  # a hit is visible in the time: the test can see one
+    assert 0.6 < median["other"] / median["cold"] < 1.67, median
+
+
 def test_structured_output_is_valid(served) -> None:
     api = served.client()
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},

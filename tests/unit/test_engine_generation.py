@@ -208,6 +208,21 @@ def test_the_prefix_cache_evicts_least_recently_used_blocks_later_ones_first() -
     assert sorted(store.blocks.values()) == [1, 2, 3] and cache.blocks == 4
 
 
+@pytest.mark.parametrize("across_tenants", [False, True])
+def test_a_tenants_cached_blocks_are_its_own_unless_shared_across_tenants(across_tenants) -> None:
+    cache = tiny_cache()
+    filled(cache, 1, 64)
+    store = PrefixCache(8 * cache.block_bytes, across_tenants=across_tenants)
+    store.remember(cache, Request("a", list(range(40)), greedy(), None, None, None, tenant="a"), 0)
+    asks = {who: Request(who, list(range(40)), greedy(), None, None, None, tenant=tenant)
+            for who, tenant in (("a again", "a"), ("b", "b"), ("no tenant", None))}
+    for request in asks.values():
+        store.lookup(cache, request)
+    found = {who: request.cached_tokens for who, request in asks.items()}
+    assert found == {"a again": 2 * BLOCK, "b": 2 * BLOCK if across_tenants else 0,
+                     "no tenant": 2 * BLOCK if across_tenants else 0}
+
+
 def test_requests_join_a_running_batch_and_reuse_its_rows(engine, hf) -> None:
     started, order = threading.Event(), []
 

@@ -76,7 +76,8 @@ def test_the_server_command_and_environment() -> None:
 def test_sampling_goes_whole_into_the_body() -> None:
     params = SamplingParams(max_new_tokens=7, temperature=0.5, top_k=3, top_p=0.9, repetition_penalty=1.2,
                             stop=("END",), seed=10, n=3, logprobs=2)
-    body = choice_body("base", [1, 2], params, index=2)
+    body = choice_body("base", [1, 2], params, index=2, cache_salt="tenant-a")
+    assert body["cache_salt"] == "tenant-a"  # vLLM keys the prompt's cached blocks by it: one tenant's own
     assert body["seed"] == 12 and body["n"] == 1  # choice i is seeded seed + i, as the built-in engine's rows
     assert (body["max_tokens"], body["temperature"], body["top_k"], body["top_p"], body["repetition_penalty"]) == (
         7, 0.5, 3, 0.9, 1.2)
@@ -84,6 +85,7 @@ def test_sampling_goes_whole_into_the_body() -> None:
     plain = choice_body("job_x", [1], SamplingParams(), index=0)
     assert plain["top_k"] == -1 and plain["repetition_penalty"] == 1.0 and plain["model"] == "job_x"
     assert "seed" not in plain and "logprobs" not in plain and "structured_outputs" not in plain
+    assert "cache_salt" not in plain
 
 
 def test_constraints_map_to_structured_outputs() -> None:

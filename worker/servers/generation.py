@@ -229,6 +229,7 @@ class GenerationService:
                                 prefill_chunk_tokens=self.settings.prefill_chunk_tokens,
                                 prefill_step_ratio=self.settings.prefill_step_ratio,
                                 prefix_cache_bytes=int(self.settings.prefix_cache_mb * MB),
+                                prefix_cache_across_tenants=self.settings.prefix_cache_across_tenants,
                                 decode_graphs="cuda" if self.settings.cuda_graphs else "off",
                                 max_queue=self.settings.generation_queue_per_model * 4,
                                 tenant_queue_share=self.settings.generation_tenant_queue_share,
@@ -253,7 +254,8 @@ class GenerationService:
                           max_queue=self.settings.generation_queue_per_model * 4,
                           tenant_queue_share=self.settings.generation_tenant_queue_share,
                           cancelled_ids=self.cancelled_ids, prefix_cache_bytes=int(self.settings.prefix_cache_mb * MB),
-                          max_loras=self.settings.max_loras, adapter_folder=self._adapter_folder)
+                          max_loras=self.settings.max_loras, adapter_folder=self._adapter_folder,
+                          prefix_cache_across_tenants=self.settings.prefix_cache_across_tenants)
         log.info("generation engine loaded: %s through vLLM on %s (%s, %d device(s)), %.1f MiB of weights; vLLM's "
                  "log: %s", model, options.device, options.dtype, options.tensor_parallel, engine.weight_bytes / MB,
                  engine.server.log_path)

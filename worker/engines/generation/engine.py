@@ -62,13 +62,14 @@ class GenerationEngine:
         on_step: Callable[[int], None] | None = None, prefill_chunk_tokens: int = 2048, prefill_step_ratio: float = 1.5,
         prefix_cache_bytes: int = 0, decode_graphs: str = "off", max_loras: int = 8,
         adapter_folder: Callable[[str], Path] | None = None, speculative_tokens: int = 0,
-        speculative_max_rows: int = 32, runner: str = "auto",
+        speculative_max_rows: int = 32, runner: str = "auto", prefix_cache_across_tenants: bool = False,
     ) -> None:
         self.scheduler = Scheduler(max_batch_size=max_batch_size, max_tokens_in_flight=max_tokens_in_flight,
                                    max_queue=max_queue, tenant_queue_share=tenant_queue_share,
                                    prefill_chunk_tokens=prefill_chunk_tokens, prefill_step_ratio=prefill_step_ratio,
                                    prefix_cache_bytes=prefix_cache_bytes, speculative_tokens=speculative_tokens,
-                                   speculative_max_rows=speculative_max_rows)
+                                   speculative_max_rows=speculative_max_rows,
+                                   prefix_cache_across_tenants=prefix_cache_across_tenants)
         self.max_batch_size = max_batch_size
         self.prefix_cache_bytes = prefix_cache_bytes
         self.max_tokens_in_flight = max_tokens_in_flight

@@ -72,7 +72,7 @@ class Scheduler:
     def __init__(self, *, max_batch_size: int, max_tokens_in_flight: int, max_queue: int,
                  tenant_queue_share: float = 1.0, prefill_chunk_tokens: int = 2048,
                  prefill_step_ratio: float = 1.5, prefix_cache_bytes: int = 0, speculative_tokens: int = 0,
-                 speculative_max_rows: int = 32) -> None:
+                 speculative_max_rows: int = 32, prefix_cache_across_tenants: bool = False) -> None:
         for name, value in (("max_batch_size", max_batch_size), ("max_tokens_in_flight", max_tokens_in_flight),
                             ("max_queue", max_queue)):
             if not isinstance(value, int) or value < 1:
@@ -96,7 +96,9 @@ class Scheduler:
         self.tokens_in_flight = 0
         # Started requests whose prompts are still going into the cache, in chunks sized by the budget.
         # With prefix_cache_bytes, the KV of shared prompt prefixes is reused (caches/prefix_cache.py).
-        self._prefill = PrefillQueue(PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None)
+        # A tenant's cached blocks are its own unless prefix_cache_across_tenants.
+        self._prefill = PrefillQueue(PrefixCache(prefix_cache_bytes, prefix_cache_across_tenants)
+                                     if prefix_cache_bytes else None)
         self.budget = ChunkBudget(prefill_chunk_tokens or None, prefill_step_ratio)
         # Speculative decoding (speculative.py): up to this many prompt-lookup draft tokens per row, as many as pay
         # by the measured step costs, while at most speculative_max_rows rows decode; 0: off.

@@ -37,6 +37,7 @@ from transformers import AutoConfig
 
 from core.estimate import architecture
 from core.protocol import SamplingParams
+from worker.engines.generation.caches.prefix_cache import salt_of
 from worker.engines.generation.endings import Endings
 from worker.engines.generation.requests import (
     AdapterUse,
@@ -111,7 +112,8 @@ class VllmEngine:
     def __init__(self, model: str | Path, options: VllmOptions, *, max_batch_size: int = 32,
                  max_tokens_in_flight: int = 16384, max_queue: int = 256, tenant_queue_share: float = 1.0,
                  cancelled_ids: Callable[[list[str]], Collection[str]] | None = None, prefix_cache_bytes: int = 0,
-                 max_loras: int = 8, adapter_folder: Callable[[str], Path] | None = None) -> None:
+                 max_loras: int = 8, adapter_folder: Callable[[str], Path] | None = None,
+                 prefix_cache_across_tenants: bool = False) -> None:
         folder = resolve_folder(model)
         self.model = str(folder)
         config = AutoConfig.from_pretrained(folder)
@@ -128,6 +130,7 @@ class VllmEngine:
         self.max_tokens_in_flight = max_tokens_in_flight
         self.max_queue = max_queue
         self.max_loras = max_loras
+        self.prefix_cache_across_tenants = prefix_cache_across_tenants  # else each tenant is its own cache_salt
         self.weight_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
         self.scheduler = Scheduler(max_batch_size=max_batch_size, max_tokens_in_flight=max_tokens_in_flight,
                                    max_queue=max_queue, tenant_queue_share=tenant_queue_share)
@@ -381,7 +384,8 @@ class VllmEngine:
 
     def _stream_choice(self, run: _Running, index: int) -> None:
         request, stream = run.request, run.streams[index]
-        body = choice_body(run.model, request.prompt, request.params, index)
+        body = choice_body(run.model, request.prompt, request.params, index,
+                           salt_of(request, self.prefix_cache_across_tenants))
         try:
             with self._http.stream("POST", "/v1/completions", json=body) as response:
                 if response.status_code != 200:

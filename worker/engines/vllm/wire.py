@@ -33,14 +33,18 @@ def structured_outputs(constraint: Constraint) -> dict[str, Any]:
     return {"grammar": constraint.spec}
 
 
-def choice_body(model: str, prompt: list[int], params: SamplingParams, index: int) -> dict[str, Any]:
-    """The /v1/completions body of choice `index` of a request (streamed, one choice)."""
+def choice_body(model: str, prompt: list[int], params: SamplingParams, index: int,
+                cache_salt: str | None = None) -> dict[str, Any]:
+    """The /v1/completions body of choice `index` of a request (streamed, one choice); cache_salt keeps its prompt's
+    cached blocks apart from those of requests with another salt (another tenant)."""
     body: dict[str, Any] = {
         "model": model, "prompt": prompt, "max_tokens": params.max_new_tokens, "n": 1, "stream": True,
         "stream_options": {"include_usage": True}, "temperature": params.temperature, "top_p": params.top_p,
         "top_k": params.top_k or -1, "repetition_penalty": params.repetition_penalty, "return_token_ids": True,
         "return_tokens_as_token_ids": True, "skip_special_tokens": True, "ignore_eos": False,
     }
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     if params.stop:
         body["stop"] = list(params.stop)
     if params.seed is not None:
