@@ -17,6 +17,7 @@ import statistics
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -324,3 +325,79 @@ def test_a_tenant_sending_what_each_bound_refuses_leaves_the_other_within_3x_its
     assert codes["prompts"].get(422) and codes["prompts"].get(429) and set(codes["prompts"]) <= {422, 429}, codes
     assert codes["embeddings"].get(429) and set(codes["embeddings"]) <= {200, 429}, codes  # its share held, no more
     assert codes["uploads"].get("408"), codes  # trickles are cut
+
+
+# The third load: the engine's rows themselves. One tenant floods chats of n=16 with long answers from 20
+# connections (every row of the engine held by its generations), another sends one short chat at a time; then a lone
+# tenant's burst of 48 chats at 8 a second. A tiny Qwen2 whose context is stretched so the flood's answers are long.
+ROWS_ROLES = (("generation", ["worker", "--device", "cpu", "--queues", "generation"]),)
+# A flood request holds 16 rows for this many steps unless they are paused: greedy, so no row ends early on an eos
+# (this tiny model's greedy answer runs past it), as a large vocabulary's sampled answers hold theirs; two of them
+# fill the engine's 32 rows and, with their prompts, nearly all of its 16,384 cache positions.
+FLOOD_TOKENS = 480
+CHATS = 15
+
+
+def _chat_seconds(api: httpx.Client, **extra) -> float:
+    started = time.monotonic()
+    response = api.post("/v1/chat/completions", json={
+        "model": "tiny-qwen", "max_tokens": 16, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}],
+        **extra})
+    assert response.status_code == 200, response.text
+    return time.monotonic() - started
+
+
+def _flood_rows(api: httpx.Client, stop: threading.Event, codes: Counter) -> None:
+    """n=16 chats of FLOOD_TOKENS tokens, again as soon as answered (a second after a 429)."""
+    while not stop.is_set():
+        status = api.post("/v1/chat/completions", json={
+            "model": "tiny-qwen", "n": 16, "max_tokens": FLOOD_TOKENS, "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell a long story"}]}).status_code
+        codes[status] += 1
+        stop.wait(1.0 if status == 429 else 0)
+
+
+@pytest.mark.alone  # a latency measurement: not beside another test file on the same cores
+def test_an_n16_flood_leaves_another_tenants_chats_near_their_quiet_time_and_a_lone_burst_is_served_whole(
+        pg_url, tmp_path):
+    from tests.tiny_llama import build_tiny_decoder
+
+    home = tmp_path / "home"
+    folder = home / "models" / "tiny-qwen"
+    build_tiny_decoder("qwen2", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    tokenizer = folder / "tokenizer_config.json"
+    tokenizer.write_text(json.dumps({**json.loads(tokenizer.read_text()), "chat_template": CHAT_TEMPLATE}))
+    with started_service(pg_url, INTEGRATION_REDIS, home, tmp_path, roles=ROWS_ROLES) as base:
+        keys = {who: make_key(pg_url, tenant=f"rows-{who}") for who in ("flood", "chat", "burst")}
+        api = {who: httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+               for who, key in keys.items()}
+        _chat_seconds(api["chat"])  # loads the model
+        quiet = [_chat_seconds(api["chat"]) for _ in range(CHATS)]
+        stop, codes = threading.Event(), Counter()
+        flood = [threading.Thread(target=_flood_rows, args=(api["flood"], stop, codes), daemon=True)
+                 for _ in range(20)]
+        for thread in flood:
+            thread.start()
+        time.sleep(3)  # the flood holds every row of the engine
+        try:
+            loaded = [_chat_seconds(api["chat"]) for _ in range(CHATS)]
+        finally:
+            stop.set()
+            for thread in flood:
+                thread.join(120)
+        # A lone tenant's burst: 48 chats, 8 a second, all served (queued, not refused, while no one else waits).
+        with ThreadPoolExecutor(48) as pool:
+            burst = []
+            for _ in range(48):
+                burst.append(pool.submit(_chat_seconds, api["burst"], max_tokens=64))
+                time.sleep(0.125)
+            burst_seconds = [future.result() for future in burst]
+    calm, busy = statistics.median(quiet), statistics.median(loaded)
+    print(f"chat p50 quiet {calm:.3f} s, under the n=16 flood {busy:.3f} s (max {max(loaded):.3f}); flood {codes}; "
+          f"burst of 48: p50 {statistics.median(burst_seconds):.2f} s, max {max(burst_seconds):.2f} s; "
+          f"loadavg {os.getloadavg()}")
+    assert codes[200] > 0, codes  # the flood was served too
+    assert busy <= 3 * calm + 0.5, (calm, busy, loaded)
+    assert len(burst_seconds) == 48

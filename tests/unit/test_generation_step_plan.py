@@ -99,7 +99,7 @@ def test_the_loop_and_the_client_use_the_scheduler_through_its_public_methods_on
     loop = _attributes_used(GENERATION / "step_loop.py", "scheduler")
     client = _attributes_used(GENERATION / "engine.py", "scheduler")
     assert not [name for name in loop | client if name.startswith("_")]
-    assert loop <= {"bind", "queued", "busy", "schedule", "update", "abort", "reset", "idle", "drain",
+    assert loop <= {"bind", "queued", "busy", "rebalance", "schedule", "update", "abort", "reset", "idle", "drain",
                     "max_batch_size"}, loop
     assert client <= {"add", "stats"}, client
     for module in ("engine.py", "step_loop.py"):  # nor the scheduler's prefill queue and prefix cache
@@ -109,10 +109,11 @@ def test_the_loop_and_the_client_use_the_scheduler_through_its_public_methods_on
         assert not names & {"prefilling", "PrefillQueue", "PrefixCache", "prefix"}, module
 
 
-def test_each_step_makes_two_calls_to_the_scheduler_schedule_then_update():
+def test_each_step_makes_three_calls_to_the_scheduler_rebalance_schedule_then_update():
+    """Rows to pause and resume (plain lists, applied by the loop to its rows), the plan, the outcome back."""
     tree = ast.parse((GENERATION / "step_loop.py").read_text())
     step = next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "step")
     calls = [node.func.attr for node in ast.walk(step) if isinstance(node, ast.Call)
              and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Attribute)
              and node.func.value.attr == "scheduler"]
-    assert calls == ["schedule", "update"]
+    assert calls == ["rebalance", "schedule", "update"]

@@ -20,8 +20,13 @@ Fair share, as the training scheduler shares devices between tenants' jobs:
   interactive request that fits is waiting.
 - While another tenant has requests waiting, a tenant's running rows stay within its share of the batch,
   max_batch_size / active tenants (a tenant holding no row may always start one request), so freed rows go to the
-  tenant that waits, however large its next request; rows nobody else asks for are not held back. Nothing
-  running is preempted: a newcomer waits at most for rows to free.
+  tenant that waits, however large its next request; rows nobody else asks for are not held back.
+- Running rows are shared too (`rebalance()`, before each step's plan): when a tenant below its share waits for rows
+  the batch lacks, tenants above their share pause their newest rows, never below their share. A paused row leaves
+  the batch with its keys and values kept in the cache (its cache positions stay counted) and resumes, unchanged,
+  into a free row within its tenant's share, before that tenant's new requests start. So a newcomer waits about one
+  step for a row, not for another tenant's longest generation to end. What is not preempted: cache positions (a
+  request whose positions do not fit waits for them) and the rows of prompts still being prefilled.
 - The waiting queue holds at most max_queue rows, and one tenant at most max_queue x `tenant_queue_share` of them,
   so a flood of one tenant's requests is refused (QueueFull: 429) while another tenant's are still queued.
 Within one tenant's queue the order is first come, first served: a request that does not fit waits at the head
@@ -93,6 +98,9 @@ class Scheduler:
         self._waiting: OrderedDict[str | None, deque[Request]] = OrderedDict()
         self._waiting_rows: dict[str | None, int] = {}
         self._running_rows: dict[str | None, int] = {}  # admitted and not yet left the batch (prefilling included)
+        # Tenant -> its paused rows, first paused first (out of the batch, blocks kept: running.RunningRows.pause).
+        self._paused: OrderedDict[str | None, list[SequenceState]] = OrderedDict()
+        self.pauses = 0  # rows paused so far
         self.tokens_in_flight = 0
         # Started requests whose prompts are still going into the cache, in chunks sized by the budget.
         # With prefix_cache_bytes, the KV of shared prompt prefixes is reused (caches/prefix_cache.py).
@@ -147,8 +155,8 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        """Whether a request waits or is being prefilled."""
-        return bool(self._waiting or self._prefill.requests)
+        """Whether a request waits or is being prefilled, or a row is paused."""
+        return bool(self._waiting or self._prefill.requests or self._paused)
 
     # -- admission (the engine's scheduler thread) --
 
@@ -198,7 +206,10 @@ class Scheduler:
 
     def _next(self, tenant: str | None, interactive: bool, rows: int, adapters: AdapterSlots | None,
               blocked: dict[str | None, bool], outcome: Admission) -> Request | None:
-        """The tenant's first waiting request of the class that may start now, its adapter slot taken; None if none."""
+        """The tenant's first waiting request of the class that may start now, its adapter slot taken; None if none
+        (also while the tenant has paused rows: they resume first)."""
+        if tenant in self._paused:
+            return None
         for request in list(self._waiting.get(tenant, ())):
             if request.batch == interactive:
                 continue
@@ -227,12 +238,16 @@ class Scheduler:
         """Whether the tenant may take `rows` more rows: always while no other tenant waits (rows nobody else asks
         for are not held back) or while it holds none; otherwise within max_batch_size / active tenants."""
         others_wait = any(t != tenant and any(r.batch != interactive for r in queue)
-                          for t, queue in self._waiting.items())
+                          for t, queue in self._waiting.items()) or any(t != tenant for t in self._paused)
         held = self._running_rows.get(tenant, 0)
         if not others_wait or held == 0:
             return True
+        return held + rows <= self._share(tenant)
+
+    def _share(self, tenant: str | None) -> float:
+        """A tenant's share of the batch's rows: max_batch_size over the tenants waiting, running or paused."""
         active = {t for t, queue in self._waiting.items() if queue} | {t for t, n in self._running_rows.items() if n}
-        return held + rows <= self.max_batch_size / len(active | {tenant})
+        return self.max_batch_size / len(active | set(self._paused) | {tenant})
 
     def _unqueue(self, request: Request) -> None:
         tenant = request.tenant
@@ -243,6 +258,17 @@ class Scheduler:
             del self._waiting[tenant]
             del self._waiting_rows[tenant]
 
+    def leave(self, sequence: SequenceState) -> None:
+        """A row left the batch (finished, cancelled, failed), or a paused one ended: its share goes back."""
+        paused = self._paused.get(sequence.request.tenant, [])
+        if sequence not in paused:
+            self.release(sequence.request, 1)
+            return
+        paused.remove(sequence)
+        if not paused:
+            del self._paused[sequence.request.tenant]
+        self.tokens_in_flight -= len(sequence.request.prompt) + sequence.request.params.max_new_tokens
+
     def release(self, request: Request, rows: int) -> None:
         """`rows` of an admitted request left the batch (finished, cancelled or failed): their share goes back."""
         self.tokens_in_flight -= rows * (len(request.prompt) + request.params.max_new_tokens)
@@ -251,6 +277,90 @@ class Scheduler:
             self._running_rows[request.tenant] = left
         else:
             self._running_rows.pop(request.tenant, None)
+
+    # -- running rows shared (the engine's scheduler thread, before each step's plan) --
+
+    def rebalance(self, batch: Sequence[SequenceState], *, left: Sequence[SequenceState] = ()
+                  ) -> tuple[list[SequenceState], list[SequenceState]]:
+        """Rows that `left` the batch since the last step give their share back; then the rows of `batch` (the
+        running rows) to pause and the paused rows to resume, the accounts already moved: the loop takes the first
+        out of the batch and puts the second back before the plan."""
+        for sequence in left:
+            self.leave(sequence)
+        pause = self._to_pause(batch)
+        self.pauses += len(pause)
+        for sequence in pause:
+            tenant = sequence.request.tenant
+            self._running_rows[tenant] -= 1
+            self._paused.setdefault(tenant, []).append(sequence)
+        resume = self._to_resume() if self._prefill.partial is None else []
+        return pause, resume
+
+    def _to_pause(self, batch: Sequence[SequenceState]) -> list[SequenceState]:
+        """Rows to pause: for each tenant below its share whose next request (or paused row) waits for rows the
+        batch lacks, as many as it needs from the tenants furthest above their share, never below it, each
+        tenant's newest rows first; none for a tenant whose need cannot be met so (nothing is paused for nothing)."""
+        free = self.max_batch_size - sum(self._running_rows.values())
+        held = dict(self._running_rows)
+        pause: list[SequenceState] = []
+        for tenant in [*self._paused, *(t for t in self._waiting if t not in self._paused)]:
+            need = 1 if tenant in self._paused else self._head_rows(tenant)
+            mine = held.get(tenant, 0)
+            if need is None or need <= free or (mine and mine + need > self._share(tenant)):
+                continue  # it fits now, or would not start even with the rows (admission's share)
+            taken = self._victims(batch, tenant, need - free, held, pause)
+            if taken:
+                pause += taken
+                held[tenant] = held.get(tenant, 0) + need  # as if started: the next tenant's need comes after
+                free = 0
+        return pause
+
+    def _head_rows(self, tenant: str | None) -> int | None:
+        """The rows of a tenant's first waiting interactive request, if its cache positions fit (pausing rows frees
+        no positions); None otherwise."""
+        request = next((r for r in self._waiting.get(tenant, ()) if not r.batch), None)
+        if request is None or self.tokens_in_flight + request.cost > self.max_tokens_in_flight:
+            return None
+        return request.params.n
+
+    def _victims(self, batch: Sequence[SequenceState], tenant: str | None, rows: int, held: dict[str | None, int],
+                 chosen: list[SequenceState]) -> list[SequenceState]:
+        """`rows` running rows of other tenants above their share (largest excess first, newest rows first), or none
+        when they hold too few above it; `held` is moved when they are found."""
+        excess = {t: math.floor(n - self._share(t)) for t, n in held.items() if t != tenant and n > self._share(t)}
+        if sum(excess.values()) < rows:
+            return []
+        taken: list[SequenceState] = []
+        for victim in sorted(excess, key=lambda t: -excess[t]):
+            candidates = sorted((s for s in batch if s.request.tenant == victim and s not in chosen
+                                 and s.finish_reason is None and not s.request.done), key=lambda s: len(s.tokens))
+            count = min(excess[victim], rows - len(taken), len(candidates))
+            taken += candidates[:count]
+            held[victim] -= count
+            if len(taken) == rows:
+                return taken
+        for sequence in taken:  # the batch held too few of their rows (the rest are prefilling): undo
+            held[sequence.request.tenant] += 1
+        return []
+
+    def _to_resume(self) -> list[SequenceState]:
+        """Paused rows that rejoin now: into free rows, tenants in turn, each within its share while others wait."""
+        free = self.max_batch_size - sum(self._running_rows.values())
+        resume: list[SequenceState] = []
+        progress = True
+        while free and progress:
+            progress = False
+            for tenant in list(self._paused):
+                if not free or not self._within_share(tenant, 1, True):
+                    continue
+                sequence = self._paused[tenant].pop(0)
+                if not self._paused[tenant]:
+                    del self._paused[tenant]
+                self._running_rows[tenant] = self._running_rows.get(tenant, 0) + 1
+                resume.append(sequence)
+                free -= 1
+                progress = True
+        return resume
 
     # -- the step (the engine's scheduler thread) --
 
@@ -262,7 +372,7 @@ class Scheduler:
         the cache rows after the batch's, within the measured budget while rows decode, the cap otherwise; the
         batch's rows get drafts when a speculative step pays."""
         for sequence in left:
-            self.release(sequence.request, 1)
+            self.leave(sequence)
         dropped = [request for request in self._prefill.requests if id(request) in gone]
         if dropped:
             self._prefill.remove(self.cache, dropped)
@@ -312,7 +422,7 @@ class Scheduler:
         if outcome.prefilled:
             self._prefill.advance(self.cache, outcome.prefilled)
         for sequence in outcome.finished:
-            self.release(sequence.request, 1)
+            self.leave(sequence)
         if outcome.decoded and not outcome.prefilled:
             self._costs.observe(outcome.decoded + outcome.drafted, outcome.seconds)
         self.budget.observe(outcome.seconds, bool(outcome.decoded),
@@ -332,7 +442,7 @@ class Scheduler:
             if not request.sequences:
                 self.release(request, request.params.n)
         for sequence in left:
-            self.release(sequence.request, 1)
+            self.leave(sequence)
         self._prefill.follow(self.cache, rows)
         partial = self._prefill.partial
         self.cache.free_rows_from(self._prefill.tail + partial.params.n if partial is not None else rows)
@@ -341,7 +451,7 @@ class Scheduler:
         """After a failed forward the cache is suspect: the batch's rows (`left`) give their share back, the prompts
         being prefilled are dropped (returned, to fail) and the cache and the prefix cache start empty."""
         for sequence in left:
-            self.release(sequence.request, 1)
+            self.leave(sequence)
         dropped = self._drop_prefill()
         for request in dropped:
             self.release(request, request.params.n)
@@ -356,6 +466,7 @@ class Scheduler:
         waiting = self.waiting
         self._waiting.clear()
         self._waiting_rows.clear()
+        self._paused.clear()
         return [*waiting, *self._drop_prefill()]
 
     def _drop_prefill(self) -> list[Request]:
@@ -372,4 +483,5 @@ class Scheduler:
                 "waiting_rows": sum(self._waiting_rows.values()), "prefilling": len(self._prefill.requests),
                 "tokens_in_flight": self.tokens_in_flight, "waiting_tenants": len(self._waiting),
                 "prefill_budget_tokens": self.budget.tokens(decoding=True),
+                "paused_rows": sum(len(rows) for rows in self._paused.values()), "pauses": self.pauses,
                 "prefix_cache_blocks": self._prefill.cached_blocks}

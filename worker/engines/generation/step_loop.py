@@ -1,6 +1,7 @@
 """The generation engine's step loop, on the one scheduler thread that computes with the model. Each turn:
 
     gone, left = cancellations        the cancel hook and is_cancelled polls; cancelled running rows leave
+    scheduler.rebalance(...)          rows of tenants above their share pause while others wait; paused rows resume
     plan = scheduler.schedule(...)    what starts and is dropped, the rows to decode, drafts, prompt chunks
     outcome = run the plan            rows open for prompts that end; one forward; the draw; tokens taken, streamed
     scheduler.update(plan, outcome)   prompts that ended hand their blocks on; finished rows give their share back
@@ -102,8 +103,10 @@ class StepLoop:
         if self.lora is not None:
             self.lora.release_finished(self.rows.requests())
         with self._lock:
-            plan = self.scheduler.schedule(self.rows.rows, left=left, gone=gone, now=time.monotonic(),
-                                           adapters=self.lora)
+            pause, resume = self.scheduler.rebalance(self.rows.rows, left=left)
+            self.rows.pause(pause, self.cache)
+            self.rows.resume(resume, self.cache)
+            plan = self.scheduler.schedule(self.rows.rows, gone=gone, now=time.monotonic(), adapters=self.lora)
         self._settle(plan, left)
         if not plan.runs:
             return
@@ -123,18 +126,19 @@ class StepLoop:
         """Requests whose callers went away: the queued ones (their id()s, for the scheduler to drop) and the rows of
         running ones, which finish as "cancelled" with the text so far and leave the batch now (returned)."""
         with self._lock:
+            running = list(self.rows.requests().values())  # paused rows' requests too
             ids = list(dict.fromkeys([r.request_id for r in self.scheduler.queued]
-                                     + [s.request.request_id for s in self.rows.rows]))
+                                     + [r.request_id for r in running]))
         flagged = frozenset(self.cancelled_ids(ids)) if self.cancelled_ids is not None and ids else frozenset()
         with self._lock:
             queued = self.scheduler.queued
         # is_cancelled is caller code: polled without holding the lock.
         gone = {id(r) for r in queued if r.future.cancelled() or (
             (r.is_cancelled is not None or r.request_id in flagged) and self.endings.cancelled(r, flagged))}
-        running = {id(s.request): s.request for s in self.rows.rows
-                   if s.request.is_cancelled is not None or s.request.request_id in flagged}
         hit = False
-        for request in running.values():
+        for request in running:
+            if request.is_cancelled is None and request.request_id not in flagged:
+                continue
             if request.done or not self.endings.cancelled(request, flagged):
                 continue
             hit = True
@@ -307,6 +311,6 @@ class StepLoop:
     def _shutdown(self) -> None:
         with self._lock:
             queued = self.scheduler.drain()
-        self.endings.close([*queued, *(s.request for s in self.rows.rows)],
+        self.endings.close([*queued, *self.rows.requests().values()],
                            EngineClosed("the generation engine was closed"))
         self.rows.clear()
