@@ -111,9 +111,10 @@ def test_validation_errors_name_the_field(client, served, settings):
 
 
 def test_full_queue_gives_429_with_retry_after(client, served, settings):
-    settings.generation_queue_per_model = 2
+    # Other tenants hold the model's whole queue and the share a newcomer would still get beside them.
+    settings.generation_queue_per_model, settings.generation_queue_per_tenant = 2, 1
     slots = redis_lib.Redis.from_url(settings.resolved_redis_url)
-    slots.zadd("trainserve:slots:tiny", {"held-1": time.time(), "held-2": time.time()})
+    slots.zadd("trainserve:slots:tiny", {f"held-{row}": time.time() for row in range(3)})
     try:
         response = client.post("/generate", json={"model": "tiny", "prompt": "hi"})
         assert response.status_code == 429 and response.json()["error"]["code"] == "overloaded"

@@ -296,3 +296,34 @@ def test_a_flood_of_one_tenant_does_not_hold_another_back(served, pg_url) -> Non
         for future in futures:
             future.result()
     assert done["b"][0] < sorted(done["a"])[-ROWS], done
+
+
+def test_one_tenants_long_answers_on_every_row_do_not_hold_back_anothers_chat(served, pg_url) -> None:
+    """Tenant A's request of ROWS choices holds every row of the engine for 120 greedy tokens; tenant B's completion,
+    sent once A decodes, ends while A's answers still run (first come, first served would make it wait for them all):
+    the built-in engine pauses one of A's rows for it and resumes it after; vLLM's engine starts it in a spare row."""
+    holder = served.client(make_key(pg_url, tenant="engines-holder"))
+    newcomer = served.client(make_key(pg_url, tenant="engines-newcomer"))
+    decoding, ended = threading.Event(), threading.Event()
+    finishes: dict[int, str] = {}
+
+    def hold() -> None:
+        for chunk in holder.completions.create(model="smollm2", prompt="1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=120,
+                                               temperature=0, n=ROWS, stream=True, timeout=600):
+            decoding.set()
+            for choice in chunk.choices:
+                if choice.finish_reason:
+                    finishes[choice.index] = choice.finish_reason
+        ended.set()
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    assert decoding.wait(300)
+    started = time.monotonic()
+    reply = newcomer.completions.create(model="smollm2", prompt="Hello", max_tokens=8, temperature=0, timeout=300)
+    waited = time.monotonic() - started
+    still_running = not ended.is_set()
+    thread.join(600)
+    assert reply.usage.completion_tokens == 8
+    assert finishes == dict.fromkeys(range(ROWS), "length")  # every row was held to the end: none freed early
+    assert still_running, waited

@@ -69,6 +69,23 @@ def test_a_waiting_tenants_large_request_gets_the_rows_another_tenant_frees():
     assert names(s.admit(set(), 0.0, None).admitted) == ["b"]
 
 
+def test_spare_rows_let_a_newcomer_start_beside_a_tenant_over_its_share_and_no_one_else():
+    """An engine that cannot pause rows (vLLM's) has spare rows: A alone fills the 8 rows; B's chat starts in a spare
+    row at once, while A's next request does not (it is over its share); with A within its share, B waits."""
+    s = scheduler(spare_rows=4)
+    for i in range(3):
+        s.add(request(f"a{i}", "A", n=4))
+    assert names(s.admit(set(), 0.0, None).admitted) == ["a0", "a1"]  # 8 rows: the batch, no spare row for A alone
+    s.add(request("b0", "B", n=2))
+    assert names(s.admit(set(), 0.0, None).admitted) == ["b0"]  # 10 rows: B within its share, A over its own
+    s.add(request("c0", "C", n=3))  # within its share (8 / 3 tenants), but the spare rows have 2 left
+    assert names(s.admit(set(), 0.0, None).admitted) == []
+    plain = scheduler()
+    for r in [request("a0", "A", n=4), request("a1", "A", n=4), request("b0", "B")]:
+        plain.add(r)
+    assert names(plain.admit(set(), 0.0, None).admitted) == ["a0", "b0"]  # rows free: no spare row needed
+
+
 def test_tenants_take_turns_across_admissions():
     s = scheduler(max_batch_size=2)
     for r in [request("a0", "A"), request("a1", "A"), request("a2", "A"), request("b0", "B"), request("b1", "B")]:

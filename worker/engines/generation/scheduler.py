@@ -27,6 +27,10 @@ Fair share, as the training scheduler shares devices between tenants' jobs:
   into a free row within its tenant's share, before that tenant's new requests start. So a newcomer waits about one
   step for a row, not for another tenant's longest generation to end. What is not preempted: cache positions (a
   request whose positions do not fit waits for them) and the rows of prompts still being prefilled.
+- An engine that cannot pause a row (vLLM's: its requests run in its own scheduler) gives `spare_rows` instead: a
+  tenant within its share may start beyond max_batch_size, up to max_batch_size + spare_rows, while another tenant
+  holds more than its share; the engine's batch is that much wider (vLLM's --max-num-seqs), and only such
+  newcomers use it.
 - The waiting queue holds at most max_queue rows, and one tenant at most max_queue x `tenant_queue_share` of them,
   so a flood of one tenant's requests is refused (QueueFull: 429) while another tenant's are still queued.
 Within one tenant's queue the order is first come, first served: a request that does not fit waits at the head
@@ -77,13 +81,15 @@ class Scheduler:
     def __init__(self, *, max_batch_size: int, max_tokens_in_flight: int, max_queue: int,
                  tenant_queue_share: float = 1.0, prefill_chunk_tokens: int = 2048,
                  prefill_step_ratio: float = 1.5, prefix_cache_bytes: int = 0, speculative_tokens: int = 0,
-                 speculative_max_rows: int = 32, prefix_cache_across_tenants: bool = False) -> None:
+                 speculative_max_rows: int = 32, prefix_cache_across_tenants: bool = False,
+                 spare_rows: int = 0) -> None:
         for name, value in (("max_batch_size", max_batch_size), ("max_tokens_in_flight", max_tokens_in_flight),
                             ("max_queue", max_queue)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name, value in (("prefill_chunk_tokens", prefill_chunk_tokens), ("prefix_cache_bytes", prefix_cache_bytes),
-                            ("speculative_tokens", speculative_tokens), ("speculative_max_rows", speculative_max_rows)):
+                            ("speculative_tokens", speculative_tokens), ("speculative_max_rows", speculative_max_rows),
+                            ("spare_rows", spare_rows)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be 0 (off) or a positive integer, got {value!r}")
         if not isinstance(prefill_step_ratio, int | float) or not (prefill_step_ratio == 0 or prefill_step_ratio > 1):
@@ -91,6 +97,7 @@ class Scheduler:
         if not isinstance(tenant_queue_share, int | float) or not 0 < tenant_queue_share <= 1:
             raise ValueError(f"tenant_queue_share must be in (0, 1], got {tenant_queue_share!r}")
         self.max_batch_size = max_batch_size
+        self.spare_rows = spare_rows  # rows past max_batch_size for a newcomer while another tenant is over its share
         self.max_tokens_in_flight = max_tokens_in_flight
         self.max_queue = max_queue
         self.max_queue_per_tenant = max(1, math.floor(max_queue * tenant_queue_share))
@@ -214,7 +221,8 @@ class Scheduler:
             if request.batch == interactive:
                 continue
             n = request.params.n
-            if rows + n > self.max_batch_size or self.tokens_in_flight + request.cost > self.max_tokens_in_flight \
+            if rows + n > self.max_batch_size + self._spare_for(tenant, n) \
+                    or self.tokens_in_flight + request.cost > self.max_tokens_in_flight \
                     or not self._within_share(tenant, n, interactive):
                 return None  # first come, first served within a tenant: it waits for room at the head
             use = request.adapter
@@ -243,6 +251,17 @@ class Scheduler:
         if not others_wait or held == 0:
             return True
         return held + rows <= self._share(tenant)
+
+    def _spare_for(self, tenant: str | None, rows: int) -> int:
+        """The spare rows a tenant's next `rows` may use: all of them while it stays within its share and another
+        tenant holds more than its own; none otherwise (and none on an engine that pauses rows instead)."""
+        if not self.spare_rows:
+            return 0
+        held = self._running_rows.get(tenant, 0)
+        if held and held + rows > self._share(tenant):
+            return 0
+        over = any(t != tenant and n > self._share(t) for t, n in self._running_rows.items())
+        return self.spare_rows if over else 0
 
     def _share(self, tenant: str | None) -> float:
         """A tenant's share of the batch's rows: max_batch_size over the tenants waiting, running or paused."""

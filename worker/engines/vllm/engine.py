@@ -7,9 +7,11 @@ What stays trainserve's, whichever engine decodes:
   is the same 422 naming the same field on either engine, before vLLM sees it.
 - Admission and the fair share: vLLM has priorities, not tenants, so requests wait here, in the built-in engine's
   own scheduler (its queues, the per-tenant share of the queue and of the rows, interactive before batch lines,
-  deadlines), and only admitted requests go to vLLM, at most max_batch_size rows at once (vLLM's --max-num-seqs is
-  the same number, so what is admitted runs). QueueFull (429) and DeadlineExceeded (504) mean what they mean on
-  the built-in engine.
+  deadlines), and only admitted requests go to vLLM, at most max_batch_size rows at once, so what is admitted runs.
+  vLLM cannot pause a running row for another tenant (the built-in engine does), so its --max-num-seqs is
+  max_batch_size + spare_rows: a tenant within its share may start in the spare rows while another tenant holds
+  more than its own, instead of waiting for that tenant's answers to end. QueueFull (429) and DeadlineExceeded (504)
+  mean what they mean on the built-in engine.
 - Cancel on disconnect: the worker's cancel flags are read every CANCEL_POLL_S for waiting and running requests;
   a running one's streams are closed, and vLLM aborts a request whose client went away.
 
@@ -132,8 +134,12 @@ class VllmEngine:
         self.max_loras = max_loras
         self.prefix_cache_across_tenants = prefix_cache_across_tenants  # else each tenant is its own cache_salt
         self.weight_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+        # vLLM cannot pause a running row for another tenant, so its batch is wider than max_batch_size by rows only
+        # a newcomer within its share may take while another tenant holds more than its own (scheduler.py).
+        self.spare_rows = max(1, max_batch_size // 2)
         self.scheduler = Scheduler(max_batch_size=max_batch_size, max_tokens_in_flight=max_tokens_in_flight,
-                                   max_queue=max_queue, tenant_queue_share=tenant_queue_share)
+                                   max_queue=max_queue, tenant_queue_share=tenant_queue_share,
+                                   spare_rows=self.spare_rows)
         self._lock = threading.RLock()
         self._endings = Endings(self._lock)
         self._encode_lock = threading.Lock()
@@ -161,7 +167,7 @@ class VllmEngine:
         spec = ServerSpec(
             python=options.python, model=self.model, served_name="base", dtype=options.dtype, device=options.device,
             visible_devices=options.visible_devices, tensor_parallel=options.tensor_parallel,
-            max_num_seqs=max_batch_size, max_model_len=self.context_length,
+            max_num_seqs=max_batch_size + self.spare_rows, max_model_len=self.context_length,
             kv_cache_gib=kv_gib, gpu_memory_utilization=options.gpu_memory_utilization,
             enforce_eager=options.device == "cpu" if options.enforce_eager is None else options.enforce_eager,
             prefix_caching=prefix_cache_bytes > 0, max_loras=max_loras, max_lora_rank=options.max_lora_rank,
@@ -172,14 +178,14 @@ class VllmEngine:
         self._spec = spec
         self.server = VllmServer(spec, options.startup_s)
         self._http = self._client()
-        self._streams = ThreadPoolExecutor(max_batch_size, thread_name_prefix="vllm-stream")
+        self._streams = ThreadPoolExecutor(max_batch_size + self.spare_rows, thread_name_prefix="vllm-stream")
         self._thread = threading.Thread(target=self._dispatch, name="vllm-dispatch", daemon=True)
         self._thread.start()
 
     def _client(self) -> httpx.Client:
         return httpx.Client(base_url=self.server.url, timeout=httpx.Timeout(None, connect=10.0),
-                            limits=httpx.Limits(max_connections=self.max_batch_size + 4,
-                                                max_keepalive_connections=self.max_batch_size + 4))
+                            limits=httpx.Limits(max_connections=self.max_batch_size + self.spare_rows + 4,
+                                                max_keepalive_connections=self.max_batch_size + self.spare_rows + 4))
 
     def _kv_bytes(self, config: Any, dtype: str) -> int:
         """KV cache bytes for max_tokens_in_flight positions (every layer's keys and values)."""
