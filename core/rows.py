@@ -435,6 +435,15 @@ class EvalRun(Base):
     error: Mapped[dict[str, Any] | None] = mapped_column(TypedJSON(JSONObject), nullable=True)
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", TypedJSON(JSONObject), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    # Its output items counted as they are stored, in their transaction (core.store.evals.count_items).
+    passed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    failed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    errored: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # {criterion name: {"passed": n, "failed": n}} and {model: {"invocation_count": n, "prompt_tokens": n, ...}}
+    criteria_counts: Mapped[dict[str, Any]] = mapped_column(TypedJSON(dict[str, dict[str, int]]), default=dict,
+                                                            server_default="{}")
+    model_usage: Mapped[dict[str, Any]] = mapped_column(TypedJSON(dict[str, dict[str, int]]), default=dict,
+                                                        server_default="{}")
 
 
 class EvalOutputItem(Base):

@@ -166,6 +166,10 @@ class Settings(BaseSettings):
         65_536, ge=1, description="Most token entries one generation response may hold: n x max_tokens x (1 + "
         "top_logprobs) (about 80 bytes of JSON each with logprobs); a request over it is a 422 naming its token field "
         "(max_tokens, max_completion_tokens or max_new_tokens).")
+    max_grader_model_calls: int = Field(
+        20, ge=1, description="Most served-model calls grading one item may make (a score_model or label_model "
+        "judge, a cosine text_similarity's embeddings; a multi grader's parts and an eval's testing criteria added "
+        "up): a grader or an eval over it is a 422 naming the grader whose call goes past it.")
     generation_queue_per_model: int = Field(64, ge=1, description="Generation rows in flight per model, a request "
                                             "of n choices taking n: a tenant alone on the model may use them all "
                                             "(429 beyond).")

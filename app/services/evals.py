@@ -2,12 +2,12 @@
 
 A run renders each item's messages, stores the items and the rendered requests (a purpose "batch" file), and
 creates a /v1/batches batch naming the run in the same commit; the generation workers run and grade it
-(worker.batches.grading). Counts and status are read from the output items and the batch (core.evals.run_status).
+(worker.batches.grading), counting each item into the run's row as it is stored; the status is read from those counts
+and the batch (core.evals.run_status).
 """
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -35,10 +35,11 @@ from app.schemas.evals import (
 from app.schemas.fine_tuning import JobEval
 from app.services import batches, files
 from app.services.files import unix
+from app.services.generation import check_prompt_bytes
 from core.auth import Principal
 from core.batches import send_batch
 from core.errors import Conflict, NotFound, StorageUnavailable, ValidationFailed
-from core.eval_runs import run_sampling, start_run, store_items
+from core.eval_runs import RunItems, items_at, run_sampling, start_run, store_items
 from core.evals import (
     CANCELED,
     IN_PROGRESS,
@@ -48,15 +49,15 @@ from core.evals import (
     CustomDataSourceConfig,
     FileContentSource,
     FileIdSource,
-    SourceItem,
     input_messages,
     items_key,
     run_status,
 )
-from core.graders.models import judge_refusal
+from core.graders import Grader
+from core.graders.models import calls_refusal, judge_refusal
 from core.queue import TaskQueue
 from core.rows import Batch, Eval, EvalOutputItem, EvalRun, Job, JobStatus, TaskKind, new_id, utcnow
-from core.served_models import resolve_served_model
+from core.served_models import ServedModel, resolve_served_model
 from core.settings import Settings
 from core.storage import ArtifactStore
 from core.store import evals as store
@@ -71,11 +72,20 @@ def eval_object(row: Eval) -> EvalObject:
                       testing_criteria=row.testing_criteria, metadata=row.metadata_)
 
 
+def check_criteria_calls(settings: Settings, criteria: list[Grader]) -> None:
+    """Testing criteria whose judges answer within the server's token cap and which call served models at most
+    Settings.max_grader_model_calls times per item (422s name the criterion's field)."""
+    fields = [(f"testing_criteria.{at}", criterion) for at, criterion in enumerate(criteria)]
+    for where, criterion in fields:
+        if (refusal := judge_refusal(criterion, settings.max_new_tokens, where)) is not None:
+            raise ValidationFailed(*refusal)
+    if (refusal := calls_refusal(fields, settings.max_grader_model_calls)) is not None:
+        raise ValidationFailed(*refusal)
+
+
 def create_eval(session: Session, settings: Settings, principal: Principal, *, body: EvalCreate) -> Eval:
     """Store an eval (its graders validated by the schema, their judges within the server's token cap)."""
-    for at, criterion in enumerate(body.testing_criteria):
-        if (refusal := judge_refusal(criterion, settings.max_new_tokens, f"testing_criteria.{at}")) is not None:
-            raise ValidationFailed(*refusal)
+    check_criteria_calls(settings, body.testing_criteria)
     row = Eval(id=new_id("eval"), tenant_id=principal.tenant_id, name=body.name or "eval",
                data_source_config=body.data_source_config.model_dump(mode="json"),
                testing_criteria=[c.model_dump(mode="json", by_alias=True, exclude_none=True)
@@ -116,19 +126,47 @@ def delete_eval(session: Session, principal: Principal, *, eval_id: str) -> None
     session.commit()
 
 
-def _load_items(session: Session, storage: ArtifactStore, principal: Principal, source: Any) -> list[SourceItem]:
+def _run_items(session: Session, principal: Principal, source: Any) -> RunItems:
     if isinstance(source, FileContentSource):
-        return list(source.content)
+        return RunItems(inline=list(source.content))
     dataset = files.get_file(session, principal, file_id=source.id, field="data_source.source.id")
     if dataset.purpose != "evals":
         raise ValidationFailed("data_source.source.id", f"file {dataset.id!r} has purpose "
                                                         f"{dataset.purpose or 'fine-tune'}; an eval reads a file "
                                                         'uploaded with purpose "evals"')
+    return RunItems(key=dataset.path)
+
+
+def _check_items(settings: Settings, storage: ArtifactStore, items: RunItems, *, schema: dict[str, Any],
+                 source: CompletionsDataSource, model: ServedModel) -> int:
+    """Check each item as it is read (never all at once): the count, the item schema, its messages, and its size
+    and its messages' by chat's byte check (check_prompt_bytes); the number of items."""
+    validator = Draft202012Validator(schema)
+    count = 0
     try:
-        with storage.open(dataset.path) as stream:
-            return [SourceItem.model_validate_json(line) for line in stream if line.strip()][:MAX_ITEMS + 1]
+        for at, entry in enumerate(items.read(storage)):
+            if at >= MAX_ITEMS:
+                raise ValidationFailed("data_source.source", f"at most {MAX_ITEMS} items per run")
+            field = f"data_source.source.content.{at}.item" if items.inline is not None else "data_source.source.id"
+            where = "" if items.inline is not None else f"item {at} of the file: "
+            error = next(iter(validator.iter_errors(entry.item)), None)
+            if error is not None:
+                raise ValidationFailed(field, f"{where}item {at} does not match the eval's item_schema: "
+                                              f"{error.message}")
+            messages = _messages(source, entry.item, at)
+            try:
+                check_prompt_bytes(model, len(entry.model_dump_json().encode()), field, settings)
+                check_prompt_bytes(model, sum(len(m["content"].encode()) for m in messages), field, settings)
+            except ValidationFailed as exc:
+                exc.message = where + exc.message
+                raise
+            count += 1
     except OSError as exc:
         raise StorageUnavailable(f"the artifact store could not be read: {type(exc).__name__}") from exc
+    except ValidationError as exc:  # a kept evals file was checked on upload; one that no longer parses
+        raise ValidationFailed("data_source.source.id", f"the file's items do not parse: {exc.errors()[0]['msg']}"
+                               ) from exc
+    return count
 
 
 def _messages(source: CompletionsDataSource, item: dict[str, Any], at: int) -> list[dict[str, str]]:
@@ -138,35 +176,23 @@ def _messages(source: CompletionsDataSource, item: dict[str, Any], at: int) -> l
         raise ValidationFailed("data_source.input_messages", f"item {at}: {exc}") from exc
 
 
-def _check_items(schema: dict[str, Any], items: list[SourceItem]) -> None:
-    if len(items) > MAX_ITEMS:
-        raise ValidationFailed("data_source.source", f"at most {MAX_ITEMS} items per run")
-    validator = Draft202012Validator(schema)
-    for at, entry in enumerate(items):
-        error = next(iter(validator.iter_errors(entry.item)), None)
-        if error is not None:
-            raise ValidationFailed(f"data_source.source.content.{at}.item",
-                                   f"item {at} does not match the eval's item_schema: {error.message}")
-
-
 def prepare_run(session: Session, settings: Settings, storage: ArtifactStore, principal: Principal, *,
                 eval_row: Eval, source: CompletionsDataSource, name: str | None,
-                metadata: dict[str, str] | None) -> tuple[EvalRun, list[SourceItem], str | None]:
+                metadata: dict[str, str] | None) -> tuple[EvalRun, RunItems, str | None]:
     """Check the model, the items and their messages; an unsaved queued run, its items and their file id."""
     try:
-        resolve_served_model(session, settings, name=source.model, tenant=principal.scope)
+        model = resolve_served_model(session, settings, name=source.model, tenant=principal.scope)
         run_sampling(source, settings)
     except (NotFound, ValidationFailed) as exc:
         exc.field = "data_source.model" if exc.field == "model" else exc.field
         raise
-    items = _load_items(session, storage, principal, source.source)
-    _check_items(CustomDataSourceConfig.model_validate(eval_row.data_source_config).item_schema, items)
-    for at, entry in enumerate(items):
-        _messages(source, entry.item, at)
+    items = _run_items(session, principal, source.source)
+    total = _check_items(settings, storage, items, source=source, model=model,
+                         schema=CustomDataSourceConfig.model_validate(eval_row.data_source_config).item_schema)
     file_id = source.source.id if isinstance(source.source, FileIdSource) else None
     run = EvalRun(id=new_id("evalrun"), eval_id=eval_row.id, tenant_id=principal.tenant_id,
                   name=name or source.model, model=source.model,
-                  data_source=source.model_dump(mode="json", exclude_none=True), total=len(items), status=QUEUED,
+                  data_source=source.model_dump(mode="json", exclude_none=True), total=total, status=QUEUED,
                   metadata_=metadata, created_at=utcnow())
     return run, items, file_id
 
@@ -193,7 +219,7 @@ class JobRuns:
     """A fine-tuning job's eval, checked before the job is created: the base run (unsaved) and its items."""
 
     base: EvalRun
-    items: list[SourceItem]
+    items: RunItems
     file_id: str | None
 
 
@@ -235,7 +261,7 @@ def start_job_runs(session: Session, settings: Settings, storage: ArtifactStore,
         after = EvalRun(id=new_id("evalrun"), eval_id=base.eval_id, tenant_id=base.tenant_id, name="fine-tuned",
                         model=job_id, data_source={**base.data_source, "model": job_id}, total=base.total,
                         status=QUEUED, job_id=job_id, role="fine_tuned", created_at=utcnow())
-        store_items(storage, after.id, runs.items)
+        store_items(storage, after.id, RunItems(key=items_key(base.id)))
     except OSError as exc:
         raise StorageUnavailable(f"the artifact store could not be written: {type(exc).__name__}") from exc
     session.add(after)
@@ -254,12 +280,12 @@ def _status(session: Session, run: EvalRun) -> str:
         job_status = session.scalar(select(Job.status).where(Job.id == run.job_id))
         if job_status in (JobStatus.FAILED, JobStatus.CANCELLED):
             return CANCELED
-    return run_status(run.status, _batch_status(session, run), store.graded_count(session, run_id=run.id), run.total)
+    return run_status(run.status, _batch_status(session, run), run.passed + run.failed + run.errored, run.total)
 
 
 def run_object(session: Session, run: EvalRun) -> EvalRunObject:
-    """A run row as OpenAI's eval.run, its counts read from its output items."""
-    by_status, by_criterion, usage = store.summary(session, run_id=run.id)
+    """A run row as OpenAI's eval.run, its counts as kept on its row (core.store.evals.count_items)."""
+    by_status, by_criterion, usage = store.summary(run)
     criteria = [c["name"] for c in session.scalar(select(Eval.testing_criteria).where(Eval.id == run.eval_id)) or []]
     return EvalRunObject(
         id=run.id, eval_id=run.eval_id, name=run.name, model=run.model, status=_status(session, run),
@@ -307,10 +333,9 @@ def output_item_object(item: EvalOutputItem, datasource_item: dict[str, Any]) ->
                             results=item.results, sample=item.sample)
 
 
-def _items(storage: ArtifactStore, run_id: str) -> list[dict[str, Any]]:
+def _items(storage: ArtifactStore, run_id: str, indexes: list[int]) -> dict[int, dict[str, Any]]:
     try:
-        with storage.open(items_key(run_id)) as stream:
-            return [json.loads(line)["item"] for line in stream if line.strip()]
+        return items_at(storage, run_id, indexes)
     except OSError as exc:
         raise StorageUnavailable(f"the artifact store could not be read: {type(exc).__name__}") from exc
 
@@ -327,7 +352,7 @@ def list_output_items(session: Session, storage: ArtifactStore, principal: Princ
         after_index = previous.datasource_item_id
     rows = store.list_output_items(session, run_id=run.id, limit=limit + 1, after=after_index, status=status,
                                    ascending=order == "asc")
-    items = _items(storage, run.id)
+    items = _items(storage, run.id, [row.datasource_item_id for row in rows[:limit]])
     return OutputItemList.of([output_item_object(row, items[row.datasource_item_id]) for row in rows[:limit]],
                              has_more=len(rows) > limit)
 
@@ -338,4 +363,4 @@ def get_output_item(session: Session, storage: ArtifactStore, principal: Princip
     item = session.get(EvalOutputItem, item_id)
     if item is None or item.run_id != run.id:
         raise NotFound(f"output item {item_id!r} not found")
-    return output_item_object(item, _items(storage, run.id)[item.datasource_item_id])
+    return output_item_object(item, _items(storage, run.id, [item.datasource_item_id])[item.datasource_item_id])

@@ -36,6 +36,17 @@ from core.store.aliases import list_aliases
 from core.tasks import QUEUE_GENERATE, TASK_GENERATE
 
 
+def check_prompt_bytes(model: ServedModel, size: int, field: str, settings: Settings) -> None:
+    """Refuse, by its size in bytes, text for `model` that cannot fit its context (a 422 naming `field`): before a
+    worker spends seconds tokenizing it (a 960 kB prompt is 200k tokens, 1.5 s of a generation worker's CPU)."""
+    if model.context is None:
+        return
+    bound = model.context * settings.prompt_bytes_per_token
+    if size > bound:
+        raise ValidationFailed(field, f"the {field} is {size} bytes; model {model.id!r} reads at most "
+                               f"{model.context} tokens, which no tokenizer makes of more than {bound} bytes")
+
+
 class GenerationGateway:
     """One per API process: talks to Redis directly (events, counters) and to workers through the queue."""
 
@@ -56,16 +67,10 @@ class GenerationGateway:
             raise ValidationFailed(*refusal)
 
     def check_prompt(self, model: ServedModel, prompt: str, messages: list[ChatMessage] | None) -> None:
-        """Refuse, by its size in bytes, a prompt that cannot fit the model's context: before a worker spends
-        seconds tokenizing it (a 960 kB prompt is 200k tokens, 1.5 s of a generation worker's CPU)."""
-        if model.context is None:
-            return
+        """Refuse, by its size in bytes, a prompt that cannot fit the model's context (check_prompt_bytes)."""
         field = "messages" if messages is not None else "prompt"
         size = (sum(len(m.content.encode()) for m in messages) if messages is not None else len(prompt.encode()))
-        bound = model.context * self.settings.prompt_bytes_per_token
-        if size > bound:
-            raise ValidationFailed(field, f"the {field} is {size} bytes; model {model.id!r} reads at most "
-                                   f"{model.context} tokens, which no tokenizer makes of more than {bound} bytes")
+        check_prompt_bytes(model, size, field, self.settings)
 
     async def admit(self, principal: Principal, model: ServedModel, rows: int = 1) -> str:
         """Apply the per-key rate limit and the per-model queue bound, in rows (a request of n choices takes n), with

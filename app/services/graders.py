@@ -23,7 +23,7 @@ from app.services.generation import GenerationGateway
 from core.auth import Principal
 from core.errors import DomainError, ValidationFailed
 from core.graders import Grade, Grader, JudgeReply, ModelCallFailed, grade, sample_namespace
-from core.graders.models import DEFAULT_EMBEDDING_MODEL, judge_refusal, judge_tokens
+from core.graders.models import DEFAULT_EMBEDDING_MODEL, calls_refusal, judge_refusal, judge_tokens
 from core.graders.spec import JudgeSampling
 from core.settings import Settings
 
@@ -84,9 +84,12 @@ def run_response(result: Grade) -> GraderRunResponse:
 
 
 def check_judges(grader: Grader, settings: Settings) -> None:
-    """A model grader whose judge would answer in more tokens than this server generates is a 422 naming its field
-    (under `grader`), before anything runs."""
+    """A model grader whose judge would answer in more tokens than this server generates, or a grader that would
+    call served models more than Settings.max_grader_model_calls times, is a 422 naming its field (under `grader`),
+    before anything runs."""
     if (refusal := judge_refusal(grader, settings.max_new_tokens, "grader")) is not None:
+        raise ValidationFailed(*refusal)
+    if (refusal := calls_refusal([("grader", grader)], settings.max_grader_model_calls)) is not None:
         raise ValidationFailed(*refusal)
 
 

@@ -10,7 +10,14 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 
 from core.generation_limits import JUDGE, Refusal, cap_refusal
-from core.graders.spec import Grader, JudgeSampling, LabelModelGrader, MultiGrader, ScoreModelGrader
+from core.graders.spec import (
+    Grader,
+    JudgeSampling,
+    LabelModelGrader,
+    MultiGrader,
+    ScoreModelGrader,
+    TextSimilarityGrader,
+)
 
 DEFAULT_EMBEDDING_MODEL = "minilm-l6"  # cosine similarity's embeddings model when a grader names none
 
@@ -64,3 +71,26 @@ def judge_refusal(grader: Grader, cap: int, where: str) -> Refusal | None:
     if not isinstance(grader, ScoreModelGrader | LabelModelGrader):
         return None
     return _judge_asks(grader.sampling_params if isinstance(grader, ScoreModelGrader) else None, cap, f"{where}.")[1]
+
+
+def _calls(grader: Grader, where: str) -> list[str]:
+    """The field of each served-model call grading one item makes, in the order it makes them."""
+    if isinstance(grader, MultiGrader):
+        return [call for name, inner in grader.graders.items() for call in _calls(inner, f"{where}.graders.{name}")]
+    if isinstance(grader, ScoreModelGrader | LabelModelGrader):
+        return [where]
+    if isinstance(grader, TextSimilarityGrader) and grader.evaluation_metric == "cosine":
+        return [where]
+    return []
+
+
+def calls_refusal(graders: list[tuple[str, Grader]], bound: int) -> Refusal | None:
+    """Graders (each under its field in the request) that together would call served models more than `bound`
+    times per item (Settings.max_grader_model_calls), naming the grader whose call goes past it, or None."""
+    calls = [call for where, grader in graders for call in _calls(grader, where)]
+    if len(calls) <= bound:
+        return None
+    return Refusal(calls[bound], f"{calls[bound]}: grading one item would call served models {len(calls)} times; "
+                                 f"this server allows at most {bound} per item (score_model, label_model and "
+                                 "cosine text_similarity graders, a multi grader's parts and an eval's testing "
+                                 "criteria added up)")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -62,29 +61,34 @@ def graded_count(session: Session, *, run_id: str) -> int:
 
 
 Summary = tuple[Counter[str], dict[str, Counter[str]], dict[str, dict[str, int]]]
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens")
 
 
-def summary(session: Session, *, run_id: str) -> Summary:
-    """A run's counts: items by status, each criterion's passed/failed, tokens by model (the samples')."""
-    by_status: Counter[str] = Counter()
-    by_criterion: dict[str, Counter[str]] = {}
-    usage: dict[str, dict[str, int]] = {}
-    rows = session.execute(select(EvalOutputItem.status, EvalOutputItem.results, EvalOutputItem.sample)
-                           .where(EvalOutputItem.run_id == run_id))
-    for status, results, sample in rows:
-        by_status[status] += 1
-        for result in results:
-            counts = by_criterion.setdefault(result["name"], Counter())
+def count_items(session: Session, *, run: EvalRun, items: list[EvalOutputItem]) -> None:
+    """Add newly stored output items to their run's counts, in the transaction that stores them: the caller holds
+    the run's row lock (SELECT ... FOR UPDATE), so concurrent graders of one run add up and a rollback adds none."""
+    by_status = Counter(item.status for item in items)
+    run.passed = EvalRun.passed + by_status["pass"]  # type: ignore[assignment]
+    run.failed = EvalRun.failed + by_status["fail"]  # type: ignore[assignment]
+    run.errored = EvalRun.errored + by_status["error"]  # type: ignore[assignment]
+    criteria = {name: dict(counts) for name, counts in (run.criteria_counts or {}).items()}
+    usage = {model: dict(counts) for model, counts in (run.model_usage or {}).items()}
+    for item in items:
+        for result in item.results:
+            counts = criteria.setdefault(result["name"], {"passed": 0, "failed": 0})
             counts["passed" if result.get("passed") else "failed"] += 1
-        _add_usage(usage, sample)
-    return by_status, by_criterion, usage
+        tokens = item.sample.get("usage") or {}
+        total = usage.setdefault(str(item.sample.get("model") or ""),
+                                 {"invocation_count": 0, **{key: 0 for key in USAGE_KEYS}})
+        total["invocation_count"] += 1
+        for key in USAGE_KEYS:
+            total[key] += int(tokens.get(key) or 0)
+    run.criteria_counts, run.model_usage = criteria, usage
+    session.flush()
 
 
-def _add_usage(usage: dict[str, dict[str, int]], sample: dict[str, Any]) -> None:
-    tokens = sample.get("usage") or {}
-    model = str(sample.get("model") or "")
-    total = usage.setdefault(model, {"invocation_count": 0, "prompt_tokens": 0, "completion_tokens": 0,
-                                     "total_tokens": 0, "cached_tokens": 0})
-    total["invocation_count"] += 1
-    for key in ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens"):
-        total[key] += int(tokens.get(key) or 0)
+def summary(run: EvalRun) -> Summary:
+    """A run's counts as kept on its row: items by status, each criterion's passed/failed, tokens by model."""
+    by_status = Counter({"pass": run.passed, "fail": run.failed, "error": run.errored})
+    by_criterion = {name: Counter(counts) for name, counts in (run.criteria_counts or {}).items()}
+    return by_status, by_criterion, dict(run.model_usage or {})

@@ -21,8 +21,8 @@ from core.batches import LineResult, PlannedLine, send_batch
 from core.db import session_scope
 from core.embeddings import resolve_embedding_model
 from core.errors import BrokerUnavailable, DomainError
-from core.eval_runs import start_run, stored_items
-from core.evals import RUN_FAILED, CompletionsDataSource, FileIdSource, SourceItem, input_messages, items_key
+from core.eval_runs import RunItems, items_at, start_run
+from core.evals import RUN_FAILED, CompletionsDataSource, FileIdSource, input_messages, items_key
 from core.generation_limits import JUDGE
 from core.graders import GRADER, AnyGrader, Grade, JudgeReply, ModelCallFailed, grade, sample_namespace
 from core.graders.models import DEFAULT_EMBEDDING_MODEL, judge_tokens
@@ -31,7 +31,7 @@ from core.pretrained import builtin_aliases
 from core.protocol import ChatMessage, Constraint, SamplingParams
 from core.rows import Eval, EvalOutputItem, EvalRun, EventKind, new_id, utcnow
 from core.served_models import resolve_served_model
-from core.store.evals import graded_count, graded_ids, summary
+from core.store.evals import count_items, graded_count, graded_ids, summary
 from core.store.jobs import add_event
 from worker.batches.lines import LINE_HANDLERS, Pacer
 from worker.context import WorkerContext
@@ -140,11 +140,6 @@ async def _grade_item(criteria: list[AnyGrader], item: dict[str, Any], sample: d
     return ("pass" if all(r["passed"] for r in results) else "fail"), results
 
 
-def _load_items(ctx: WorkerContext, run_id: str) -> list[dict[str, Any]]:
-    with ctx.storage.open(items_key(run_id)) as stream:
-        return [SourceItem.model_validate_json(line).item for line in stream if line.strip()]
-
-
 def grade_results(ctx: WorkerContext, batch_id: str, results: list[LineResult], pacer: Pacer) -> None:
     """Grade the items of these stored results that have no grades yet, if the batch is an eval run's."""
     if not results:
@@ -162,7 +157,7 @@ def grade_results(ctx: WorkerContext, batch_id: str, results: list[LineResult], 
     if not todo:
         return
     criteria: list[AnyGrader] = [GRADER.validate_python(spec) for spec in criteria_specs]  # type: ignore[misc]
-    items = _load_items(ctx, run_id)
+    items = items_at(ctx.storage, run_id, [index for index, _ in todo])
     models = WorkerModels(ctx, tenant, batch_id, pacer)
     rows = []
     for index, result in todo:
@@ -177,15 +172,16 @@ def grade_results(ctx: WorkerContext, batch_id: str, results: list[LineResult], 
         if run is None:
             return
         graded = graded_ids(session, run_id=run_id)
-        session.add_all([row for row in rows if row.datasource_item_id not in graded])
-        session.flush()
+        new_rows = [row for row in rows if row.datasource_item_id not in graded]
+        session.add_all(new_rows)
+        count_items(session, run=run, items=new_rows)
         if run.job_id is not None and len(graded) < run.total <= graded_count(session, run_id=run_id):
             report_to_job(session, run)  # with the last grades: once, whatever dies later
     log.info("eval run %s: graded items %d..%d", run_id, todo[0][0], todo[-1][0])
 
 
-def _counts(session: Session, run: EvalRun) -> dict[str, Any]:
-    by_status, by_criterion, _ = summary(session, run_id=run.id)
+def _counts(run: EvalRun) -> dict[str, Any]:
+    by_status, by_criterion, _ = summary(run)
     return {"run_id": run.id, "model": run.model, "passed": by_status["pass"], "total": run.total,
             "pass_rate": by_status["pass"] / run.total if run.total else 0.0,
             "per_testing_criteria": {name: dict(counts) for name, counts in by_criterion.items()}}
@@ -198,13 +194,13 @@ def report_to_job(session: Session, run: EvalRun) -> None:
     """The job's event for a finished run of its eval: its result, beside the other run's once both have finished
     (the base's usually ends first; on a long eval and a short job the fine-tune's may)."""
     name = session.scalar(select(Eval.name).where(Eval.id == run.eval_id))
-    mine = _counts(session, run)
+    mine = _counts(run)
     line = f"{mine['passed']}/{mine['total']} passed ({mine['pass_rate']:.0%})"
     data: dict[str, Any] = {"eval_id": run.eval_id, "role": run.role, run.role or "run": mine}
     other_role = "base" if run.role == "fine_tuned" else "fine_tuned"
     other = session.scalar(select(EvalRun).where(EvalRun.job_id == run.job_id, EvalRun.role == other_role))
     if other is not None and other.total and graded_count(session, run_id=other.id) >= other.total:
-        data[other_role] = theirs = _counts(session, other)
+        data[other_role] = theirs = _counts(other)
         line += f"; {_MODEL_NAMES[other_role]} {theirs['passed']}/{theirs['total']} ({theirs['pass_rate']:.0%})"
     model = _MODEL_NAMES[run.role] if run.role == "fine_tuned" else f"{_MODEL_NAMES['base']} {run.model}"
     message = f"eval {name!r} on {model}: {line}"
@@ -220,7 +216,7 @@ def start_fine_tuned_runs(ctx: WorkerContext, job_id: str) -> None:
             try:
                 source = CompletionsDataSource.model_validate(run.data_source)
                 file_id = source.source.id if isinstance(source.source, FileIdSource) else None
-                items = stored_items(ctx.storage, run.id)
+                items = RunItems(key=items_key(run.id))
                 started.append(start_run(session, ctx.settings, ctx.storage, run=run, items=items,
                                          file_id=file_id).id)
             except (DomainError, OSError) as exc:  # this run cannot start; the job has succeeded all the same
