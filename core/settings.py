@@ -32,12 +32,13 @@ class Settings(BaseSettings):
     # --- The API process: requests, uploads, CORS, logs, its /metrics ---
     max_request_bytes: int = Field(1024 * 1024, description="Largest JSON request body (413 beyond).")
     refusals_per_second: float = Field(
-        5.0, gt=0, description="Requests one credential (one client address without one) may have refused (400, 401, "
-        "413, 422) per second on average in one API process; past its burst, its next requests get 429 "
-        "too_many_refusals before their body is read or their key looked up: a client sending what is refused "
-        "cannot make the API parse megabytes for nothing at the rate it likes.")
-    refusal_burst: int = Field(30, ge=1, description="Refusals one credential may have at once before "
-                               "TRAINSERVE_REFUSALS_PER_SECOND applies.")
+        5.0, gt=0, description="Requests one credential may have refused (400, 401, 413, 422) per second on average "
+        "in one API process, and one client address its 401s (no key, or a made-up or revoked one, whatever the key "
+        "sent); past its burst, its next requests get 429 too_many_refusals before their body is read or their key "
+        "looked up (from a spent address, only keys this process has accepted are answered): a client sending what "
+        "is refused cannot make the API parse megabytes, or look up invented keys, at the rate it likes.")
+    refusal_burst: int = Field(30, ge=1, description="Refusals one credential, or 401s one client address, may have "
+                               "at once before TRAINSERVE_REFUSALS_PER_SECOND applies.")
     db_pool_size: int = Field(5, ge=1, description="Database connections one API process keeps open.")
     db_max_overflow: int = Field(10, ge=0, description="Extra connections an API process may open under load.")
     db_pool_timeout_s: float = Field(10.0, gt=0, description="How long a request waits for a free database "
