@@ -153,6 +153,14 @@ class Settings(BaseSettings):
         4, ge=1, description="/v1/embeddings and /classify requests one tenant may have in flight across the API "
         "processes (429 overloaded beyond): its share of the inference queue.")
 
+    # --- Reinforcement fine-tuning (method reinforcement) ---
+    reinforcement_max_samples: int = Field(
+        64, ge=2, le=64, description="Completions a reinforcement job samples per prompt, in training (samples, or "
+        "compute_multiplier x 4) and per validation prompt (eval_samples); a job over it is a 422 naming the field.")
+    max_graders: int = Field(32, ge=1, description="Graders one multi grader of a reinforcement job may combine (each "
+                             "scores every rollout and is reported as metrics of its own); a 422 naming its graders "
+                             "beyond.")
+
     # --- Generation (/generate, /v1/completions) and its workers ---
     max_new_tokens: int = Field(
         1024, ge=1, le=MAX_TOKENS_BOUND, description="The most tokens one request may generate on this server (per "
