@@ -9,6 +9,7 @@ from fastapi import Depends, Header, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from app.limits import mark_key_accepted
 from core.auth import Principal, authenticate, refuse_query_credentials
 from core.db import release
 from core.queue import TaskQueue
@@ -62,6 +63,7 @@ def get_principal(request: Request, session: SessionDep,
     The key lookup's transaction ends here, so a route starts without a connection checked out."""
     refuse_query_credentials(request.query_params.multi_items())
     principal = authenticate(session, authorization=request.headers.get("authorization"))
+    mark_key_accepted(request.scope)
     release(session)
     return principal
 

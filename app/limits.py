@@ -303,22 +303,57 @@ class RefusalBudget:
             self._buckets.popitem(last=False)
 
 
+# Set in a request's state by the key check that accepted its key (mark_key_accepted).
+KEY_ACCEPTED = "refusal_budget_key_accepted"
+
+
+def mark_key_accepted(scope: Scope) -> None:
+    """Tell the refusal budget this request's key is a real one (the address's budget then does not hold it)."""
+    scope.setdefault("state", {})[KEY_ACCEPTED] = True
+
+
 class RefusalBudgetMiddleware:
     """429 too_many_refusals, before the body is parsed or the key looked up, for a caller whose requests have been
-    refused past its budget (RefusalBudget). The caller is its credential (a digest of the Authorization header) or,
-    without one, its address; the body of a request answered so is drained unparsed, so the client reads the 429."""
+    refused past its budget (RefusalBudget). A caller is its credential (a digest of the Authorization header) and its
+    client address: every refusal spends the credential's bucket, and a 401 (no key, a made-up or revoked one) the
+    address's too, so rotating invented keys from one address spends one budget. A key this process has accepted
+    passes while its address's budget is spent (it is not the one being refused); any other key from that address,
+    and a request without one, is refused with it. The body of a request answered so is drained unparsed, so the
+    client reads the 429."""
 
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
         self.settings = settings
         self.budget = RefusalBudget(settings.refusals_per_second, settings.refusal_burst)
+        self.accepted: OrderedDict[str, None] = OrderedDict()  # credentials whose key check passed, newest last
+
+    def _wait_s(self, credential: str | None, address: str) -> float:
+        own = self.budget.wait_s(credential) if credential is not None else 0.0
+        if credential in self.accepted:
+            return own
+        return max(own, self.budget.wait_s(address))
+
+    def _answered(self, credential: str | None, address: str, status: int, state: dict[str, Any]) -> None:
+        if credential is not None and state.get(KEY_ACCEPTED):
+            self.accepted[credential] = None
+            self.accepted.move_to_end(credential)
+            while len(self.accepted) > REFUSAL_CALLERS_KEPT:
+                self.accepted.popitem(last=False)
+        if status not in REFUSED_STATUSES:
+            return
+        if credential is not None:
+            self.budget.refused(credential)
+        if credential is None or status == 401:
+            self.accepted.pop(credential or "", None)  # a revoked key is a stranger again
+            self.budget.refused(address)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        caller = _caller(scope)
-        wait = self.budget.wait_s(caller)
+        credential, address = _credential(scope), _address(scope)
+        state = scope.setdefault("state", {})  # where the key's check marks it accepted (mark_key_accepted)
+        wait = self._wait_s(credential, address)
         if wait > 0:
             drained = await _drain(receive, self.settings.max_request_bytes, self.settings.body_grace_s)
             retry = max(1, math.ceil(wait))
@@ -329,17 +364,22 @@ class RefusalBudgetMiddleware:
             return
 
         async def counting_send(message: Message) -> None:
-            if message["type"] == "http.response.start" and message["status"] in REFUSED_STATUSES:
-                self.budget.refused(caller)
+            if message["type"] == "http.response.start":
+                self._answered(credential, address, message["status"], state)
             await send(message)
 
         await self.app(scope, receive, counting_send)
 
 
-def _caller(scope: Scope) -> str:
+def _credential(scope: Scope) -> str | None:
+    """The caller's credential as a digest of its Authorization header; None without one."""
     for name, value in scope["headers"]:
         if name == b"authorization":
             return "key:" + hashlib.sha256(value).hexdigest()
+    return None
+
+
+def _address(scope: Scope) -> str:
     client = scope.get("client")
     return f"address:{client[0] if client else ''}"
 

@@ -32,12 +32,13 @@ class Settings(BaseSettings):
     # --- The API process: requests, uploads, CORS, logs, its /metrics ---
     max_request_bytes: int = Field(1024 * 1024, description="Largest JSON request body (413 beyond).")
     refusals_per_second: float = Field(
-        5.0, gt=0, description="Requests one credential (one client address without one) may have refused (400, 401, "
-        "413, 422) per second on average in one API process; past its burst, its next requests get 429 "
-        "too_many_refusals before their body is read or their key looked up: a client sending what is refused "
-        "cannot make the API parse megabytes for nothing at the rate it likes.")
-    refusal_burst: int = Field(30, ge=1, description="Refusals one credential may have at once before "
-                               "TRAINSERVE_REFUSALS_PER_SECOND applies.")
+        5.0, gt=0, description="Requests one credential may have refused (400, 401, 413, 422) per second on average "
+        "in one API process, and one client address its 401s (no key, or a made-up or revoked one, whatever the key "
+        "sent); past its burst, its next requests get 429 too_many_refusals before their body is read or their key "
+        "looked up (from a spent address, only keys this process has accepted are answered): a client sending what "
+        "is refused cannot make the API parse megabytes, or look up invented keys, at the rate it likes.")
+    refusal_burst: int = Field(30, ge=1, description="Refusals one credential, or 401s one client address, may have "
+                               "at once before TRAINSERVE_REFUSALS_PER_SECOND applies.")
     db_pool_size: int = Field(5, ge=1, description="Database connections one API process keeps open.")
     db_max_overflow: int = Field(10, ge=0, description="Extra connections an API process may open under load.")
     db_pool_timeout_s: float = Field(10.0, gt=0, description="How long a request waits for a free database "
@@ -151,6 +152,14 @@ class Settings(BaseSettings):
     inference_per_tenant: int = Field(
         4, ge=1, description="/v1/embeddings and /classify requests one tenant may have in flight across the API "
         "processes (429 overloaded beyond): its share of the inference queue.")
+
+    # --- Reinforcement fine-tuning (method reinforcement) ---
+    reinforcement_max_samples: int = Field(
+        64, ge=2, le=64, description="Completions a reinforcement job samples per prompt, in training (samples, or "
+        "compute_multiplier x 4) and per validation prompt (eval_samples); a job over it is a 422 naming the field.")
+    max_graders: int = Field(32, ge=1, description="Graders one multi grader of a reinforcement job may combine (each "
+                             "scores every rollout and is reported as metrics of its own); a 422 naming its graders "
+                             "beyond.")
 
     # --- Generation (/generate, /v1/completions) and its workers ---
     max_new_tokens: int = Field(

@@ -9,6 +9,7 @@ run must beat the current target's latest.
 from __future__ import annotations
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from app.schemas.aliases import AliasCreate, AliasHistory, AliasList, AliasMove, AliasMoveRead, AliasRead, GateResult
@@ -26,14 +27,16 @@ from core.store import aliases as store
 from core.store.webhooks import emit
 
 
-def _check_target(session: Session, settings: Settings, principal: Principal, target: str) -> None:
+def _check_target(session: Session, settings: Settings, *, tenant: str, target: str) -> None:
+    """Refuse a target the alias's tenant cannot be served (another tenant's model is as absent: 404), whoever asks:
+    an admin's key sees every tenant, the alias's callers only their own."""
     if store.is_alias_name(target):
         raise ValidationFailed("target", "an alias points at a model, not at another alias")
     try:
-        resolve_served_model(session, settings, name=target, tenant=principal.scope)
+        resolve_served_model(session, settings, name=target, tenant=tenant)
     except (NotFound, ValidationFailed) as generation:
         try:  # an embeddings model: the alias serves /v1/embeddings
-            resolve_embedding_model(session, settings, name=target, tenant=principal.scope, aliases=builtin_aliases())
+            resolve_embedding_model(session, settings, name=target, tenant=tenant, aliases=builtin_aliases())
         except (NotFound, ValidationFailed):
             generation.field = "target"
             raise generation from None
@@ -73,19 +76,25 @@ def _record(session: Session, alias: ModelAlias, principal: Principal, *, before
 
 
 def create_alias(session: Session, settings: Settings, principal: Principal, *, body: AliasCreate) -> ModelAlias:
-    """A new alias pointing at a servable model (409 when the name is taken)."""
-    _check_target(session, settings, principal, body.target)
+    """A new alias pointing at a servable model (409 naming `name` when it is taken, also by a create racing this
+    one: the unique (tenant, name) index decides, never a 500)."""
+    _check_target(session, settings, tenant=principal.tenant_id, target=body.target)
     if body.gate_eval_id is not None:
         evals.get_eval(session, principal, eval_id=body.gate_eval_id)
+    taken = Conflict(f"alias {body.name!r} exists; move it with POST /aliases/{body.name}/move", field="name")
     exists = session.scalar(select(ModelAlias.id).where(ModelAlias.tenant_id == principal.tenant_id,
                                                         ModelAlias.name == body.name))
     if exists is not None:
-        raise Conflict(f"alias {body.name!r} exists; move it with POST /aliases/{body.name}/move")
+        raise taken
     now = utcnow()
     alias = ModelAlias(id=new_id("alias"), tenant_id=principal.tenant_id, name=body.name, target=body.target,
                        gate_eval_id=body.gate_eval_id, description=body.description, created_at=now, updated_at=now)
     session.add(alias)
-    session.flush()
+    try:
+        session.flush()
+    except IntegrityError:
+        session.rollback()
+        raise taken from None
     _record(session, alias, principal, before=None, gate=None)
     session.commit()
     return alias
@@ -136,7 +145,8 @@ def check_gate(session: Session, principal: Principal, *, eval_id: str, run_id: 
 def move_alias(session: Session, settings: Settings, principal: Principal, *, name: str, body: AliasMove
                ) -> ModelAlias:
     """Point the alias at `target`: atomically, recorded, and only if its gate (if any) passes (409 otherwise)."""
-    _check_target(session, settings, principal, body.target)
+    tenant = store.find_alias(session, name=name, tenant=principal.scope, field="name").tenant_id
+    _check_target(session, settings, tenant=tenant, target=body.target)  # before the lock: it may read model files
     alias = store.find_alias(session, name=name, tenant=principal.scope, for_update=True, field="name")
     if body.expected_target is not None and alias.target != body.expected_target:
         raise Conflict(f"alias {name!r} points at {alias.target!r}, not {body.expected_target!r}",
@@ -177,5 +187,6 @@ def history(session: Session, principal: Principal, *, name: str) -> AliasHistor
 
 
 def delete_alias(session: Session, principal: Principal, *, name: str) -> None:
-    session.delete(get_alias(session, principal, name=name))
+    """Delete the alias; of deletes racing each other one finds it (the row lock orders them), the rest a 404."""
+    session.delete(store.find_alias(session, name=name, tenant=principal.scope, for_update=True, field="name"))
     session.commit()

@@ -92,6 +92,8 @@ def job_spec(body: FineTuningJobCreate) -> tuple[dict[str, Any], dict[str, str],
     if isinstance(hp, ReinforcementHyperparameters):
         if hp.eval_interval != "auto":
             values["eval_steps"], names["eval_steps"] = hp.eval_interval, "eval_interval"
+        if hp.compute_multiplier != "auto":  # the samples it asks for are the client's compute_multiplier
+            names["samples"] = "compute_multiplier"
         values.setdefault("metric_for_best", "eval_reward")
     if body.seed is not None:
         values["seed"] = body.seed
@@ -173,7 +175,8 @@ def renamed(exc: ValidationFailed, names: dict[str, str], where: str) -> Validat
     elif field.startswith("method.reinforcement"):  # the spec's method union tags its member
         rest = field.removeprefix("method.reinforcement").lstrip(".")
         # The method's own check (the grader runs in the training process) has no location below the method.
-        new = f"method.reinforcement.{rest or 'grader'}" if not rest or rest.startswith("grader") else f"{where}.{rest}"
+        new = (f"method.reinforcement.{rest or 'grader'}" if not rest or rest.startswith("grader")
+               else f"{where}.{names.get(rest, rest)}")
     elif field.startswith("hyperparameters."):
         name = field.split(".", 1)[1]
         new = "seed" if names.get(name) == "seed" else f"{where}.{names.get(name, name)}"

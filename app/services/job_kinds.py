@@ -27,7 +27,7 @@ from core.jobspec import KINDS, CausalLMJob, ClassificationJob, JobKind, JobSpec
 from core.lm_config import DEFAULT_BLOCK_SIZE, GPT2_VOCAB_SIZE, resolve_block_size, validate_model_config
 from core.precision import auto_precision
 from core.protocol import ErrorCode
-from core.reinforcement import ReinforcementConfig
+from core.reinforcement import ReinforcementConfig, graders_of
 from core.rows import Dataset
 from core.settings import Settings
 from core.tabular import MAX_LABEL_CHARS, MAX_TRACKED_VALUES, label_space, name_list, short, to_label
@@ -122,6 +122,8 @@ def causal_lm_fields(settings: Settings, spec: CausalLMJob, train: Dataset, eval
                           context if isinstance(context, int) else CHAT_MAX_LENGTH)
         loss_tokens = None
         if isinstance(spec.method, ReinforcementConfig):  # each prompt trains `samples` rows of prompt + answer
+            check_reinforcement(settings, spec.method, prompt_tokens=seq_len,
+                                context=context if isinstance(context, int) else None)
             hp = hp.model_copy(update={"batch_size": hp.batch_size * spec.method.samples})
             seq_len += spec.method.max_completion_tokens
             loss_tokens = hp.batch_size * spec.method.max_completion_tokens  # only the answers carry a target
@@ -142,6 +144,27 @@ def causal_lm_fields(settings: Settings, spec: CausalLMJob, train: Dataset, eval
                 head="causal-lm", hp=hp, seq_len=resolve_block_size(hp.block_size, architecture["n_positions"]),
                 devices=spec.devices)
     return {"base_model_path": None, "model_config_": architecture, "labels": []}
+
+
+def check_reinforcement(settings: Settings, method: ReinforcementConfig, *, prompt_tokens: int,
+                        context: int | None) -> None:
+    """A reinforcement method's bounds: completions sampled per prompt (TRAINSERVE_REINFORCEMENT_MAX_SAMPLES),
+    graders a multi grader combines (TRAINSERVE_MAX_GRADERS), and the longest prompt the job keeps (its tokens)
+    plus max_completion_tokens within the model's context (a rollout past it has no positions)."""
+    for name in ("samples", "eval_samples"):
+        if (samples := getattr(method, name)) > settings.reinforcement_max_samples:
+            raise ValidationFailed(f"method.reinforcement.{name}", f"{samples} completions per prompt; at most "
+                                   f"{settings.reinforcement_max_samples} on this server")
+    graders = len(graders_of(method.grader))
+    if graders > settings.max_graders:
+        raise ValidationFailed("method.reinforcement.grader.graders", f"{graders} graders; a multi grader combines "
+                               f"at most {settings.max_graders} on this server")
+    if context is not None and prompt_tokens + method.max_completion_tokens > context:
+        raise ValidationFailed(
+            "method.reinforcement.max_completion_tokens",
+            f"{method.max_completion_tokens} tokens after prompts of up to {prompt_tokens} (the longest prompt, or "
+            f"block_size) exceed the model's context of {context}; lower max_completion_tokens (at most "
+            f"{max(context - prompt_tokens, 0)} here) or block_size")
 
 
 def require_fit(settings: Settings, model_config: dict[str, Any] | None, model_field: str, *, head: Head,

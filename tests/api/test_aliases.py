@@ -4,8 +4,12 @@ the gate's eval says the new target beats the current one."""
 
 from __future__ import annotations
 
+import shutil
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 from sqlalchemy import select
@@ -14,6 +18,8 @@ from core.db import make_engine, make_sessionmaker, session_scope
 from core.rows import WebhookEvent
 from tests.api.test_batches import served  # noqa: F401 - "tiny", a chat model; batch tasks run in-process
 from tests.api.test_generation import worker_ctx  # noqa: F401 - the in-process generation worker fixture
+from tests.api.test_upload_slots import running
+from tests.conftest import make_key
 from tests.tiny_lm import build_tiny_gpt2
 from tests.webhook_receiver import Receiver
 
@@ -70,7 +76,7 @@ def test_every_generation_route_serves_an_alias_and_models_lists_it(api, client,
                for model in ("search:production", "minilm-l6")]
     assert vectors[0] == vectors[1]
     for body, field in [({"name": "no-colon", "target": "tiny"}, "name"),
-                        ({"name": "bot:production", "target": "tiny"}, None),
+                        ({"name": "bot:production", "target": "tiny"}, "name"),
                         ({"name": "bot:staging", "target": "nope"}, "target"),
                         ({"name": "bot:staging", "target": "bot:production"}, "target")]:
         refused = client.post("/aliases", json=body)
@@ -150,3 +156,77 @@ def test_a_gated_move_needs_a_better_run_and_every_move_is_recorded(api, client,
         assert client.get("/aliases").json()["data"] == []
     finally:
         receiver.stop()
+
+
+@pytest.fixture()
+def local_model(settings):
+    """<home>/models/tiny: a servable chat model (no worker needed to name it as a target)."""
+    from tests.tiny_chat import build_tiny_llama
+
+    return build_tiny_llama(settings.home / "models" / "tiny", seed=1)
+
+
+def _at_once(calls) -> list[httpx.Response]:
+    """Run the calls in threads released together: the race a second client (or a retry) makes."""
+    barrier = threading.Barrier(len(calls))
+
+    def one(call):
+        barrier.wait()
+        return call()
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(one, calls))
+
+
+def test_racing_creates_and_deletes_of_one_alias_get_one_success_and_the_rest_a_4xx(settings, queue, local_model):
+    key = make_key(settings.resolved_database_url, tenant="tenant-a")
+    with running(settings, queue) as base:
+        api = httpx.Client(base_url=base, timeout=30, headers={"Authorization": f"Bearer {key}"})
+        for round_ in range(3):  # the race is lost or won at the insert: a few rounds make each order likely
+            name = f"bot:race{round_}"
+            created = _at_once([lambda n=name: api.post("/aliases", json={"name": n, "target": "tiny"})] * 4)
+            assert sorted(r.status_code for r in created) == [201, 409, 409, 409], [r.text for r in created]
+            assert all(r.json()["error"]["field"] == "name" for r in created if r.status_code == 409)
+            assert [m["to_target"] for m in api.get(f"/aliases/{name}/history").json()["data"]] == ["tiny"]
+            deleted = _at_once([lambda n=name: api.delete(f"/aliases/{n}")] * 4)
+            assert sorted(r.status_code for r in deleted) == [204, 404, 404, 404], [r.text for r in deleted]
+            assert api.get(f"/aliases/{name}").status_code == 404
+        assert api.get("/aliases").json()["data"] == []
+
+
+def test_an_alias_never_points_at_another_tenants_model(client, settings, local_model):
+    from core.paths import job_model_dir
+    from core.rows import Job, JobStatus
+    from tests.factories import upload
+    from tests.tiny_chat import chat_jsonl
+
+    other = {"Authorization": f"Bearer {make_key(settings.resolved_database_url, tenant='tenant-b')}"}
+    admin = {"Authorization": f"Bearer {make_key(settings.resolved_database_url, tenant='ops', admin=True)}"}
+    client.headers.update(other)
+    dataset = upload(client, chat_jsonl("Blue."), filename="chat.jsonl").json()["id"]
+    submitted = client.post("/jobs", json={"task": "causal-lm", "base_model": "tiny", "train_dataset": dataset})
+    assert submitted.status_code == 201, submitted.text
+    job_id = submitted.json()["id"]
+    shutil.copytree(local_model, job_model_dir(settings, job_id))
+    engine = make_engine(settings.resolved_database_url)
+    with session_scope(make_sessionmaker(engine)) as session:
+        session.get(Job, job_id).status = JobStatus.SUCCEEDED
+    engine.dispose()
+    assert client.post("/aliases", json={"name": "b:prod", "target": job_id}).status_code == 201  # b's own: served
+    absent = "job_" + "0" * 24
+    mine = {"Authorization": f"Bearer {make_key(settings.resolved_database_url, tenant='tenant-a')}"}
+    client.headers.update(mine)
+    assert client.post("/aliases", json={"name": "a:prod", "target": "tiny"}).status_code == 201
+    for target in (job_id, absent):  # another tenant's model answers exactly as a model that does not exist
+        created = client.post("/aliases", json={"name": "a:stage", "target": target})
+        moved = client.post("/aliases/a:prod/move", json={"target": target})
+        for refused in (created, moved):
+            assert refused.status_code == 404 and refused.json()["error"]["field"] == "target", refused.text
+    # An admin moving tenant-a's alias names a model in tenant-a's eyes: b's job is not one.
+    client.headers.update(admin)
+    moved = client.post("/aliases/a:prod/move", json={"target": job_id})
+    assert moved.status_code == 404 and moved.json()["error"]["field"] == "target", moved.text
+    created = client.post("/aliases", json={"name": "ops:prod", "target": job_id})
+    assert created.status_code == 404 and created.json()["error"]["field"] == "target", created.text
+    client.headers.update(mine)
+    assert client.get("/aliases/a:prod").json()["target"] == "tiny"

@@ -53,3 +53,20 @@ def test_a_caller_refused_past_its_burst_gets_429_before_its_body_is_read_and_ot
         anonymous = httpx.Client(base_url=base, timeout=30)
         codes = [anonymous.get("/datasets").status_code for _ in range(4)]
         assert codes == [401, 401, 401, 429]
+
+
+def test_made_up_keys_spend_their_address_budget_and_a_real_key_from_it_is_still_answered(settings, queue):
+    settings.refusal_burst, settings.refusals_per_second = 3, 0.5
+    real = make_key(settings.resolved_database_url, tenant="normal")
+    with running(settings, queue) as base:
+        client = httpx.Client(base_url=base, timeout=30)
+        assert client.get("/datasets", headers={"Authorization": f"Bearer {real}"}).status_code == 200
+        # A new invented key each time: each its own credential, all from one address.
+        codes = [client.get("/datasets", headers={"Authorization": f"Bearer ts_made_up_{i}"}).status_code
+                 for i in range(6)]
+        assert codes == [401, 401, 401, 429, 429, 429], codes
+        refused = client.get("/datasets", headers={"Authorization": "Bearer ts_made_up_next"})
+        assert refused.json()["error"]["code"] == "too_many_refusals" and int(refused.headers["retry-after"]) >= 1
+        assert client.get("/datasets").status_code == 429  # without a key: the same address's budget
+        # The key this process has accepted is not the one refused: it is answered beside the spent address.
+        assert client.get("/datasets", headers={"Authorization": f"Bearer {real}"}).status_code == 200

@@ -10,8 +10,11 @@ import pytest
 
 from core import capacity
 from core.adapters import AdapterConfig
+from core.chat_data import longest_tokens
+from core.db import make_engine, make_sessionmaker, session_scope
 from core.estimate import adapter_parameter_count, architecture, load_model_config, training_memory
 from core.redis_client import redis_from_url
+from core.rows import Dataset
 from tests.api.test_openai_platform import _api
 from tests.tiny_chat import QUESTIONS, chat_jsonl
 
@@ -127,17 +130,52 @@ def test_admission_counts_every_sampled_row(client, settings, prompts_file, tiny
         return training_memory(arch, head="causal-lm", batch_size=rows, seq_len=seq_len, precision="fp32",
                                trainable=trainable, chunked_loss=True, checkpointing=True).total_bytes
 
-    # 8 rows of 1024 tokens vs 8 x 64 rows of 1024 + 4096: 320 times the activations; the device sits between.
-    limit = int((estimate(8, 1024) * estimate(8 * 64, 1024 + 4096)) ** 0.5)
+    # The prompts' token bound plus the answers, within the tiny Llama's 256 positions: 8 x 2 rows of prompt + 32
+    # vs 8 x 64 rows of the whole context, many times the activations; the device sits between.
+    with session_scope(make_sessionmaker(engine := make_engine(settings.resolved_database_url))) as session:
+        prompt = min(longest_tokens(session.get(Dataset, prompts_file.id).column_stats), 256)
+    engine.dispose()
+    limit = int((estimate(8 * 2, prompt + 32) * estimate(8 * 64, 256)) ** 0.5)
     board = redis_from_url(settings.resolved_redis_url)
     capacity.publish(board, capacity.DeviceCapacity(worker="small:1", device="cpu", total_bytes=limit), ttl_s=60)
     try:
         body = {"task": "causal-lm", "base_model": str(tiny_llama_dir), "train_dataset": prompts_file.id,
                 "adapter": {}, "method": {"method": "reinforcement", "grader": GRADER, "samples": 2}}
         assert client.post("/jobs", json=body).status_code == 201
-        body["method"].update(samples=64, max_completion_tokens=4096)
+        body["method"].update(samples=64, max_completion_tokens=256 - prompt)
         response = client.post("/jobs", json=body)
         assert response.status_code == 422 and response.json()["error"]["code"] == "does_not_fit", response.text
     finally:
         capacity.withdraw(board, "small:1")
         board.close()
+
+
+def _multi(count: int) -> dict:
+    graders = {f"g{i}": {**GRADER, "name": f"g{i}"} for i in range(count)}
+    return {"type": "multi", "name": "many", "calculate_output": "g0", "graders": graders}
+
+
+@pytest.mark.parametrize(("reinforcement", "param", "words"), [
+    ({"grader": GRADER, "hyperparameters": {"eval_samples": 9}},
+     "method.reinforcement.hyperparameters.eval_samples", "at most 8"),
+    ({"grader": GRADER, "hyperparameters": {"compute_multiplier": 4}},  # 16 samples per prompt
+     "method.reinforcement.hyperparameters.compute_multiplier", "at most 8"),
+    ({"grader": _multi(33)}, "method.reinforcement.grader.graders", "at most 32"),
+    # tiny Llama: 256 positions; a prompt of a few tokens and 4,000 more cannot be sampled
+    ({"grader": GRADER, "hyperparameters": {"max_completion_tokens": 4000}},
+     "method.reinforcement.hyperparameters.max_completion_tokens", "context of 256"),
+])
+def test_a_job_past_a_reinforcement_bound_is_a_422_naming_the_field(client, settings, prompts_file, tiny_llama_dir,
+                                                                    reinforcement, param, words):
+    settings.reinforcement_max_samples = 8
+    body = _body(tiny_llama_dir, prompts_file)
+    body["method"]["reinforcement"] = reinforcement
+    response = client.post("/v1/fine_tuning/jobs", json=body)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert client.get("/v1/fine_tuning/jobs").json()["data"] == []  # nothing written
+    body["method"]["reinforcement"]["grader"] = _multi(32)
+    hp = body["method"]["reinforcement"].setdefault("hyperparameters", {})
+    hp.update(eval_samples=8, compute_multiplier=2, max_completion_tokens=64)  # at the bounds: admitted
+    assert client.post("/v1/fine_tuning/jobs", json=body).status_code in (200, 201), body
