@@ -70,8 +70,9 @@ def served(request, pg_url, tmp_path_factory) -> Served:
                          TRAINSERVE_MAX_TOKENS_IN_FLIGHT="16384", TRAINSERVE_MODEL_ROOTS=str(smollm2.parent)) as base:
         served = Served(engine, base, make_key(pg_url, tenant="engines"), smollm2, tool_base)
         api = served.client()
-        for model in ("smollm2", "tiny-qwen"):  # each model's first request waits for its engine to load
-            api.completions.create(model=model, prompt="Hi", max_tokens=1, timeout=600)
+        with ThreadPoolExecutor(2) as pool:  # each model's first request waits for its engine, both loading at once
+            list(pool.map(lambda model: api.completions.create(model=model, prompt="Hi", max_tokens=1, timeout=600),
+                          ("smollm2", "tiny-qwen")))
         yield served
     # The generation worker stopped: every vLLM server it started (one per model) stopped with it.
     wait_for(lambda: not _vllm_servers(str(tool_base)), 60, "the worker's vLLM servers to stop")
