@@ -92,7 +92,7 @@ async def start(gateway: GenerationGateway, session: Session, principal: Princip
     params.max_new_tokens name `tokens_field`, the field the client sent it in."""
     gateway.check(params, tokens_field)
     model = await run_in_threadpool(gateway.resolve, session, principal, name)
-    gateway.check_prompt(model, prompt, messages)
+    gateway.check_prompt(model, prompt, messages, chat)
     await run_in_threadpool(session.close)  # no connection held while generating
     request_id = await gateway.admit(principal, model, params.n)
     finished = False

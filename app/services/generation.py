@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -55,16 +56,21 @@ class GenerationGateway:
         if (refusal := server_refusal(params, field, self.settings)) is not None:
             raise ValidationFailed(*refusal)
 
-    def check_prompt(self, model: ServedModel, prompt: str, messages: list[ChatMessage] | None) -> None:
+    def check_prompt(self, model: ServedModel, prompt: str, messages: list[ChatMessage] | None,
+                     chat: ChatOptions | None = None) -> None:
         """Refuse, by its size in bytes, a prompt that cannot fit the model's context: before a worker spends
-        seconds tokenizing it (a 960 kB prompt is 200k tokens, 1.5 s of a generation worker's CPU)."""
+        seconds tokenizing it (a 960 kB prompt is 200k tokens, 1.5 s of a generation worker's CPU). A chat counts
+        everything its template renders: the messages (their tool calls too), the tools and the template's
+        arguments; the error names the largest of those fields."""
         if model.context is None:
             return
-        field = "messages" if messages is not None else "prompt"
-        size = (sum(len(m.content.encode()) for m in messages) if messages is not None else len(prompt.encode()))
+        parts = {"prompt": len(prompt.encode())} if messages is None else _chat_bytes(messages, chat)
+        size, field = sum(parts.values()), max(parts, key=lambda name: parts[name])
         bound = model.context * self.settings.prompt_bytes_per_token
         if size > bound:
-            raise ValidationFailed(field, f"the {field} is {size} bytes; model {model.id!r} reads at most "
+            what = "prompt" if messages is None else "chat (" + ", ".join(f"{name} {parts[name]}" for name in parts
+                                                                          if parts[name]) + ")"
+            raise ValidationFailed(field, f"the {what} is {size} bytes; model {model.id!r} reads at most "
                                    f"{model.context} tokens, which no tokenizer makes of more than {bound} bytes")
 
     async def admit(self, principal: Principal, model: ServedModel, rows: int = 1) -> str:
@@ -179,6 +185,21 @@ class GenerationGateway:
 
     def _lifetime(self) -> float:
         return self.settings.generation_wait_s + self.settings.generation_timeout_s
+
+
+def _chat_bytes(messages: list[ChatMessage], chat: ChatOptions | None) -> dict[str, int]:
+    """The UTF-8 bytes of what a chat template renders, by the request field they came in."""
+    return {"messages": sum(_bytes(m.content) + _bytes(m.tool_calls) + _bytes(m.name) + _bytes(m.tool_call_id)
+                            for m in messages),
+            "tools": _bytes(chat.tools) if chat is not None else 0,
+            "chat_template_kwargs": _bytes(chat.template_kwargs or None) if chat is not None else 0}
+
+
+def _bytes(value: object) -> int:
+    """UTF-8 bytes of a string, or of a JSON value as JSON text; 0 for None."""
+    if value is None:
+        return 0
+    return len((value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)).encode())
 
 
 def list_models_for(session: Session, settings: Settings, principal: Principal) -> ModelList:

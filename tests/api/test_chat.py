@@ -221,4 +221,14 @@ def test_a_prompt_too_large_for_the_context_is_refused_before_any_worker_tokeniz
     plain = client.post("/v1/completions", json={"model": "plain", "prompt": huge, "max_tokens": 4})
     assert plain.status_code == 422 and plain.json()["error"]["field"] == "prompt", plain.text
     assert "at most 64 tokens" in plain.json()["error"]["message"]
+    # A template renders the tools, and earlier calls' arguments, into the prompt too: they count.
+    tool = {"type": "function", "function": {"name": "f", "description": huge, "parameters": {"type": "object"}}}
+    tools = client.post("/v1/chat/completions", json={"model": "chat", "max_tokens": 4, "messages": CHAT,
+                                                      "tools": [tool]})
+    assert tools.status_code == 422 and tools.json()["error"]["field"] == "tools", tools.text
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"text": huge})}}
+    called = [*CHAT, {"role": "assistant", "tool_calls": [call]},
+              {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    calls = client.post("/v1/chat/completions", json={"model": "chat", "max_tokens": 4, "messages": called})
+    assert calls.status_code == 422 and calls.json()["error"]["field"] == "messages", calls.text
     assert len(queue.sent) == sent  # no generation task was sent
