@@ -116,6 +116,10 @@ def test_structured_output_through_the_openai_client(api, served, temperature):
                                   extra_body={"guided_regex": "[A-Z]{2}[0-9]{2}"})
     text = done.choices[0].text
     assert len(text) == 4 and text[:2].isupper() and text[2:].isdigit() and done.choices[0].finish_reason == "stop"
+    for guided_json in (SCHEMA, json.dumps(SCHEMA)):  # vLLM's guided_json, as an object or its text
+        guided = api.completions.create(model="chat", prompt="Colour:", max_tokens=40, temperature=temperature,
+                                        extra_body={"guided_json": guided_json}).choices[0]
+        jsonschema.validate(json.loads(guided.text), SCHEMA)
     loose = api.chat.completions.create(model="chat", messages=CHAT, max_tokens=5, temperature=temperature,
                                         response_format={"type": "json_object"}).choices[0]
     assert loose.message.content.startswith("{") and loose.finish_reason in ("length", "stop")
@@ -154,6 +158,9 @@ def test_completions_logprobs_in_openai_legacy_format(api, served):
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json"),  # the worker's refusal names it too
+    ({"guided_json": {"type": "integer"}, "guided_choice": ["a"]}, "guided_choice"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),  # the same bounds as /v1/completions (one shared schema)
     ({"stop": [""]}, "stop"),
     ({"temperature": 2.5}, "temperature"),
