@@ -61,10 +61,10 @@ class GenerationGateway:
         """Refuse, by its size in bytes, a prompt that cannot fit the model's context: before a worker spends
         seconds tokenizing it (a 960 kB prompt is 200k tokens, 1.5 s of a generation worker's CPU). A chat counts
         everything its template renders: the messages (their tool calls too), the tools and the template's
-        arguments; the error names the largest of those fields."""
+        arguments; the error names the largest of those fields. Text UTF-8 cannot encode is refused too."""
+        parts = {"prompt": _utf8_bytes(prompt, "prompt")} if messages is None else _chat_bytes(messages, chat)
         if model.context is None:
             return
-        parts = {"prompt": len(prompt.encode())} if messages is None else _chat_bytes(messages, chat)
         size, field = sum(parts.values()), max(parts, key=lambda name: parts[name])
         bound = model.context * self.settings.prompt_bytes_per_token
         if size > bound:
@@ -189,17 +189,23 @@ class GenerationGateway:
 
 def _chat_bytes(messages: list[ChatMessage], chat: ChatOptions | None) -> dict[str, int]:
     """The UTF-8 bytes of what a chat template renders, by the request field they came in."""
-    return {"messages": sum(_bytes(m.content) + _bytes(m.tool_calls) + _bytes(m.name) + _bytes(m.tool_call_id)
-                            for m in messages),
-            "tools": _bytes(chat.tools) if chat is not None else 0,
-            "chat_template_kwargs": _bytes(chat.template_kwargs or None) if chat is not None else 0}
+    size = 0
+    for at, message in enumerate(messages):
+        for name in ("content", "tool_calls", "name", "tool_call_id"):
+            size += _utf8_bytes(getattr(message, name), f"messages.{at}.{name}")
+    return {"messages": size, "tools": _utf8_bytes(chat.tools if chat else None, "tools"),
+            "chat_template_kwargs": _utf8_bytes(chat.template_kwargs or None if chat else None, "chat_template_kwargs")}
 
 
-def _bytes(value: object) -> int:
-    """UTF-8 bytes of a string, or of a JSON value as JSON text; 0 for None."""
+def _utf8_bytes(value: object, field: str) -> int:
+    """UTF-8 bytes of a string, or of a JSON value as JSON text (0 for None); a lone surrogate (JSON's "\\ud800"),
+    which no UTF-8 text holds, is a 422 naming `field`."""
     if value is None:
         return 0
-    return len((value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)).encode())
+    try:
+        return len((value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)).encode())
+    except UnicodeEncodeError as exc:
+        raise ValidationFailed(field, "the text holds a lone UTF-16 surrogate, which is not Unicode text") from exc
 
 
 def list_models_for(session: Session, settings: Settings, principal: Principal) -> ModelList:

@@ -203,6 +203,17 @@ def test_a_content_length_of_thousands_of_digits_is_413(settings):
     assert sent[0]["status"] == 413 and json.loads(sent[1]["body"])["error"]["code"] == "payload_too_large"
 
 
+@pytest.fixture()
+def chat_folder(settings):
+    """What the API reads of a served model "chat" (its config and a weights file); no worker loads it here."""
+    folder = settings.home / "models" / "chat"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                                                    "n_positions": 64}))
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
 def _nested_arrays(depth: int) -> dict:
     schema: dict = {"type": "integer"}
     for _ in range(depth):
@@ -241,14 +252,9 @@ def _tool(parameters: object, name: str = "f") -> dict:
     ("completions", {"guided_json": '{"type": "integer", "minimum": NaN}'}, "guided_json"),
     ("completions", {"guided_json": _nested_arrays(70)}, "guided_json"),
 ])
-def test_hostile_schemas_are_422_naming_their_field_before_any_worker(no_server_errors, settings, queue, route, body,
-                                                                      field):
+def test_hostile_schemas_are_422_naming_their_field_before_any_worker(no_server_errors, settings, queue, chat_folder,
+                                                                      route, body, field):
     """Each of these reached a generation worker: a hang of minutes, a recursion error or an error naming no field."""
-    folder = settings.home / "models" / "chat"  # what the API reads of a served model; no worker loads it here
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-                                                    "n_positions": 64}))
-    (folder / "model.safetensors").write_bytes(b"")
     # A request that reaches the queue fails fast here: no worker runs.
     settings.generation_wait_s, settings.generation_timeout_s = 1.0, 1.0
     base = {"model": "chat", "max_tokens": 4}
@@ -257,4 +263,18 @@ def test_hostile_schemas_are_422_naming_their_field_before_any_worker(no_server_
     response = no_server_errors.post(f"/v1/{'chat/completions' if route == 'chat' else 'completions'}",
                                      content=text, headers={"content-type": "application/json"})
     _error(response, 422, field, "validation_error")
+    assert queue.sent == []
+
+
+@pytest.mark.parametrize(("route", "body", "field"), [
+    ("chat", '{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages.0.content"),
+    ("chat", '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
+             '{"name": "f", "description": "\\udfff"}}]}', "tools"),
+    ("completions", '{"prompt": "\\ud83d"}', "prompt"),
+])
+def test_lone_surrogates_in_a_prompt_are_422_not_500(no_server_errors, queue, chat_folder, route, body, field):
+    """JSON may escape half a UTF-16 pair ("\\ud800"), which is no Unicode text: sizing the prompt raised (a 500)."""
+    text = '{"model": "chat", "max_tokens": 4, ' + body[1:]
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    _error(no_server_errors.post(path, content=text, headers={"content-type": "application/json"}), 422, field)
     assert queue.sent == []
