@@ -78,7 +78,11 @@ def check_schema(schema: dict[str, Any], field: str, bounds: SchemaBounds) -> st
                                f"{bounds.max_pattern_properties}")
     if patterns > bounds.max_patterns:
         raise ValidationFailed(field, f"the schema has {patterns} pattern keywords; at most {bounds.max_patterns}")
-    text = json.dumps(schema, sort_keys=True)
-    if len(text.encode()) > bounds.max_bytes:
-        raise ValidationFailed(field, f"the schema is {len(text.encode())} bytes; at most {bounds.max_bytes}")
+    text = json.dumps(schema, sort_keys=True, ensure_ascii=False)
+    try:
+        size = len(text.encode())
+    except UnicodeEncodeError as exc:  # JSON's "\ud800": half a UTF-16 pair, which the grammar library refuses
+        raise ValidationFailed(field, "a string in the schema holds a lone UTF-16 surrogate") from exc
+    if size > bounds.max_bytes:
+        raise ValidationFailed(field, f"the schema is {size} bytes; at most {bounds.max_bytes}")
     return text

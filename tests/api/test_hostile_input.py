@@ -248,6 +248,8 @@ def _tool(parameters: object, name: str = "f") -> dict:
         "n": {"type": "integer", "maximum": -(10**30)}}}, "g")]}, "tools.1.function.parameters"),
     ("chat", {"tools": [_tool(WIDE_TOOL)]}, "tools.0.function.parameters"),
     ("chat", {"tools": [_tool(PATTERNS)], "tool_choice": "required"}, "tools.0.function.parameters"),
+    ("chat", '{"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": '
+             '{"enum": ["\\ud800"]}}}}', "response_format.json_schema.schema"),
     ("completions", {"guided_json": PATTERN_PROPERTIES}, "guided_json"),
     ("completions", {"guided_json": '{"type": "integer", "minimum": NaN}'}, "guided_json"),
     ("completions", {"guided_json": _nested_arrays(70)}, "guided_json"),

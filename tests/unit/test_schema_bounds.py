@@ -58,6 +58,8 @@ def test_a_schema_at_every_bound_passes_as_canonical_json() -> None:
      "4 patternProperties; at most 3"),
     ({"allOf": [{"pattern": "a"}, {"pattern": "b"}, {"pattern": "c"}]}, "3 pattern keywords; at most 2"),
     ({"description": "x" * 2000}, "bytes; at most 2000"),
+    ({"description": "é" * 1000}, "2019 bytes; at most 2000"),  # UTF-8 bytes, not characters
+    ({"properties": {"\udfff": {"enum": ["a"]}}}, "lone UTF-16 surrogate"),  # the worker's compile raised
 ])
 def test_one_past_a_bound_is_refused_naming_the_field(schema, needle) -> None:
     _refused(schema, needle)
