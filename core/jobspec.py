@@ -48,6 +48,7 @@ from core.chat_data import CHAT_FORMATS
 from core.errors import ValidationFailed
 from core.hyperparams import Hyperparameters, LMHyperparameters, TrainingHyperparameters
 from core.reinforcement import ReinforcementConfig
+from core.schema_bounds import nesting_depth
 from core.tasks import MAX_JOB_DEVICES, MAX_JOB_NODES
 from core.vocab import TaskKind
 
@@ -58,16 +59,6 @@ MAX_NESTING = 16  # deeper JSON in hyperparameters cannot be a valid value; refu
 CHAT_VARIANT = "chat"  # a kind's engine variant for any chat format without one of its own
 Method = SupervisedConfig | PreferenceConfig | ReinforcementConfig  # how a kind with methods trains
 MethodConfig = Annotated[Method, Field(discriminator="method")]  # the same, validated by its `method` tag
-
-
-def nesting_depth(value: Any) -> int:
-    """Depth of nested lists/dicts in a JSON value, level by level without recursion (a scalar is 0)."""
-    depth, level = 0, [value]
-    while any(isinstance(node, (dict, list)) for node in level):
-        depth += 1
-        level = [child for node in level if isinstance(node, (dict, list))
-                 for child in (node.values() if isinstance(node, dict) else node)]
-    return depth
 
 
 class JobSpec(BaseModel):

@@ -104,7 +104,7 @@ class Constraint(BaseModel):
 
     kind: Literal["json_schema", "json_object", "choice", "regex", "lark"]
     spec: str = ""  # "lark": a whole llguidance grammar, built by the worker (tool calls, reasoning first)
-    field: str | None = None  # the request field a "lark" grammar came from (tools or response_format)
+    field: str | None = None  # the request field a "lark" grammar (tools or response_format) or guided_json came from
 
 
 class SamplingParams(BaseModel):

@@ -171,6 +171,16 @@ class Settings(BaseSettings):
         32, ge=1, description="A prompt (or a chat's messages) over context length x this many UTF-8 bytes is "
         "refused by the API (422 naming prompt or messages) before any worker tokenizes it: no tokenizer makes "
         "fewer tokens of ordinary text (about 4 bytes per token in English).")
+    max_schema_bytes: int = Field(
+        100_000, ge=1, description="Largest JSON schema compiled into a grammar: response_format's json_schema, "
+        "guided_json, each tool's parameters (422 naming the field beyond; core/schema_bounds.py).")
+    max_schema_depth: int = Field(64, ge=1, description="Deepest nesting of objects and arrays in such a schema.")
+    max_schema_pattern_properties: int = Field(
+        32, ge=0, description="Most patternProperties keys in such a schema, all its objects together: each is a "
+        "regex the grammar's lexer combines with the others.")
+    max_schema_patterns: int = Field(
+        12, ge=0, description="Most `pattern` keywords in such a schema: regexes that may be combined into one "
+        "automaton.")
     max_response_entries: int = Field(
         65_536, ge=1, description="Most token entries one generation response may hold: n x max_tokens x (1 + "
         "top_logprobs) (about 80 bytes of JSON each with logprobs); a request over it is a 422 naming its token field "

@@ -41,11 +41,14 @@ from core.protocol import (
     ChatMessage,
     ChatOptions,
     ChoiceOut,
+    Constraint,
     DoneEvent,
     GenerationEvent,
     SamplingParams,
     TokenEvent,
 )
+from core.schema_bounds import SchemaBounds, check_schema
+from core.settings import Settings
 from core.tool_calls import ToolSpecError, check_tool_calls, check_tool_choice, check_tools
 
 
@@ -94,14 +97,21 @@ def _messages(body: ChatCompletionRequest) -> list[ChatMessage]:
     return messages
 
 
-def chat_options(body: ChatCompletionRequest) -> ChatOptions | None:
-    """The tools, tool_choice and template arguments the worker renders and constrains by; None when none."""
+def chat_options(body: ChatCompletionRequest, bounds: SchemaBounds, constraint: Constraint | None
+                 ) -> ChatOptions | None:
+    """The tools, tool_choice and template arguments the worker renders and constrains by (beside the request's
+    structured-output `constraint`); None when none.
+
+    Each tool's parameters is a JSON schema the worker compiles into the calls' grammar, so it is held to the same
+    bounds as response_format's."""
     try:
         tools = check_tools(body.tools) if body.tools is not None else None
         choice = check_tool_choice(body.tool_choice, tools)
     except ToolSpecError as exc:
         raise ValidationFailed(exc.field, str(exc)) from exc
-    if choice != "none" and constraint_of(body) is not None:
+    for at, tool in enumerate(tools or []):
+        check_schema(tool["function"]["parameters"], f"tools.{at}.function.parameters", bounds)
+    if choice != "none" and constraint is not None:
         raise ValidationFailed("response_format", "give tools or a structured output format, not both")
     if choice == "none" and body.parallel_tool_calls is not None and not tools:
         raise ValidationFailed("parallel_tool_calls", "parallel_tool_calls needs tools")
@@ -111,8 +121,9 @@ def chat_options(body: ChatCompletionRequest) -> ChatOptions | None:
                        template_kwargs=body.chat_template_kwargs or {})
 
 
-def chat_params(body: ChatCompletionRequest) -> ChatParams:
+def chat_params(body: ChatCompletionRequest, settings: Settings) -> ChatParams:
     """Map OpenAI's chat fields onto the messages, SamplingParams and chat options; refuse what cannot be honoured."""
+    bounds = SchemaBounds.of(settings)
     _refuse_unsupported(body)
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
@@ -120,12 +131,13 @@ def chat_params(body: ChatCompletionRequest) -> ChatParams:
     max_tokens, tokens_field = CHAT.chosen({"max_completion_tokens": body.max_completion_tokens,
                                             "max_tokens": body.max_tokens})
     stop = body.stop or []  # the schema checked it: a string or up to 4 strings, as a list
-    options = chat_options(body)
+    constraint = constraint_of(body, bounds)
+    options = chat_options(body, bounds, constraint)
     params = sampling(max_new_tokens=max_tokens,
                       temperature=1.0 if body.temperature is None else body.temperature, top_k=0,
                       top_p=1.0 if body.top_p is None else body.top_p, repetition_penalty=1.0, stop=stop,
                       seed=body.seed, n=body.n or 1, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                      constraint=constraint_of(body))
+                      constraint=constraint)
     return ChatParams(_messages(body), params, options, tokens_field)
 
 
@@ -144,7 +156,7 @@ def chat_reason(reason: str | None) -> str | None:
 async def chat(gateway: GenerationGateway, session: Session, principal: Principal, body: ChatCompletionRequest,
                disconnected: Disconnected) -> ChatCompletion | AsyncIterator[bytes]:
     """/v1/chat/completions: a ChatCompletion, or (stream) its chunks as SSE."""
-    messages, params, options, tokens_field = chat_params(body)
+    messages, params, options, tokens_field = chat_params(body, gateway.settings)
     started = await start(gateway, session, principal, body.model, "", params, messages, options,
                           tokens_field=tokens_field)
     completion_id, created = f"chatcmpl-{started.request_id.removeprefix('gen-')}", int(time.time())

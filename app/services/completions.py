@@ -45,7 +45,9 @@ from core.protocol import (
     TokenEvent,
     TokenLogprob,
 )
+from core.schema_bounds import SchemaBounds
 from core.served_models import ServedModel
+from core.settings import Settings
 
 # How often a non-streaming request asks whether its client is still there.
 DISCONNECT_POLL_S = 0.25
@@ -90,7 +92,7 @@ async def start(gateway: GenerationGateway, session: Session, principal: Princip
     params.max_new_tokens name `tokens_field`, the field the client sent it in."""
     gateway.check(params, tokens_field)
     model = await run_in_threadpool(gateway.resolve, session, principal, name)
-    gateway.check_prompt(model, prompt, messages)
+    gateway.check_prompt(model, prompt, messages, chat)
     await run_in_threadpool(session.close)  # no connection held while generating
     request_id = await gateway.admit(principal, model, params.n)
     finished = False
@@ -187,7 +189,7 @@ async def generate(gateway: GenerationGateway, session: Session, principal: Prin
     return relay(gateway, started, render)
 
 
-def openai_params(body: CompletionRequest) -> tuple[str, SamplingParams]:
+def openai_params(body: CompletionRequest, settings: Settings) -> tuple[str, SamplingParams]:
     """Map OpenAI's fields; refuse the ones this server cannot honour instead of silently ignoring them."""
     unsupported = {"echo": body.echo, "suffix": body.suffix,
                    "logit_bias": body.logit_bias or None}
@@ -208,7 +210,7 @@ def openai_params(body: CompletionRequest) -> tuple[str, SamplingParams]:
                                 temperature=1.0 if body.temperature is None else body.temperature, top_k=0,
                                 top_p=1.0 if body.top_p is None else body.top_p, repetition_penalty=1.0, stop=stop,
                                 seed=body.seed, n=body.n or 1, logprobs=body.logprobs,
-                                constraint=constraint_of(body))
+                                constraint=constraint_of(body, SchemaBounds.of(settings)))
 
 
 def legacy_logprobs(entries: list[TokenLogprob] | None, offset: int = 0) -> LegacyLogprobs:
@@ -230,7 +232,7 @@ def openai_reason(reason: str | None) -> str | None:
 async def complete(gateway: GenerationGateway, session: Session, principal: Principal, body: CompletionRequest,
                    disconnected: Disconnected) -> Completion | AsyncIterator[bytes]:
     """/v1/completions: an OpenAI Completion, or (stream) its chunks as SSE."""
-    prompt, params = openai_params(body)
+    prompt, params = openai_params(body, gateway.settings)
     started = await start(gateway, session, principal, body.model, prompt, params, tokens_field=COMPLETIONS.name)
     completion_id, created = f"cmpl-{started.request_id.removeprefix('gen-')}", int(time.time())
     wants = params.logprobs is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -36,14 +37,16 @@ from core.store.aliases import list_aliases
 from core.tasks import QUEUE_GENERATE, TASK_GENERATE
 
 
-def check_prompt_bytes(model: ServedModel, size: int, field: str, settings: Settings) -> None:
-    """Refuse, by its size in bytes, text for `model` that cannot fit its context (a 422 naming `field`): before a
-    worker spends seconds tokenizing it (a 960 kB prompt is 200k tokens, 1.5 s of a generation worker's CPU)."""
+def check_prompt_bytes(model: ServedModel, size: int, field: str, settings: Settings,
+                       what: str | None = None) -> None:
+    """Refuse, by its size in bytes, text for `model` that cannot fit its context (a 422 naming `field`, its
+    message saying `what` was measured, the field itself when not given): before a worker spends seconds tokenizing
+    it (a 960 kB prompt is 200k tokens, 1.5 s of a generation worker's CPU)."""
     if model.context is None:
         return
     bound = model.context * settings.prompt_bytes_per_token
     if size > bound:
-        raise ValidationFailed(field, f"the {field} is {size} bytes; model {model.id!r} reads at most "
+        raise ValidationFailed(field, f"the {what or field} is {size} bytes; model {model.id!r} reads at most "
                                f"{model.context} tokens, which no tokenizer makes of more than {bound} bytes")
 
 
@@ -66,11 +69,16 @@ class GenerationGateway:
         if (refusal := server_refusal(params, field, self.settings)) is not None:
             raise ValidationFailed(*refusal)
 
-    def check_prompt(self, model: ServedModel, prompt: str, messages: list[ChatMessage] | None) -> None:
-        """Refuse, by its size in bytes, a prompt that cannot fit the model's context (check_prompt_bytes)."""
-        field = "messages" if messages is not None else "prompt"
-        size = (sum(len(m.content.encode()) for m in messages) if messages is not None else len(prompt.encode()))
-        check_prompt_bytes(model, size, field, self.settings)
+    def check_prompt(self, model: ServedModel, prompt: str, messages: list[ChatMessage] | None,
+                     chat: ChatOptions | None = None) -> None:
+        """Refuse, by its size in bytes, a prompt that cannot fit the model's context (check_prompt_bytes). A chat
+        counts everything its template renders: the messages (their tool calls too), the tools and the template's
+        arguments; the error names the largest of those fields. Text UTF-8 cannot encode is refused too."""
+        parts = {"prompt": _utf8_bytes(prompt, "prompt")} if messages is None else _chat_bytes(messages, chat)
+        size, field = sum(parts.values()), max(parts, key=lambda name: parts[name])
+        what = field if messages is None else "chat (" + ", ".join(
+            f"{name} {parts[name]}" for name in parts if parts[name]) + ")"
+        check_prompt_bytes(model, size, field, self.settings, what=what)
 
     async def admit(self, principal: Principal, model: ServedModel, rows: int = 1) -> str:
         """Apply the per-key rate limit and the per-model queue bound, in rows (a request of n choices takes n), with
@@ -184,6 +192,27 @@ class GenerationGateway:
 
     def _lifetime(self) -> float:
         return self.settings.generation_wait_s + self.settings.generation_timeout_s
+
+
+def _chat_bytes(messages: list[ChatMessage], chat: ChatOptions | None) -> dict[str, int]:
+    """The UTF-8 bytes of what a chat template renders, by the request field they came in."""
+    size = 0
+    for at, message in enumerate(messages):
+        for name in ("content", "tool_calls", "name", "tool_call_id"):
+            size += _utf8_bytes(getattr(message, name), f"messages.{at}.{name}")
+    return {"messages": size, "tools": _utf8_bytes(chat.tools if chat else None, "tools"),
+            "chat_template_kwargs": _utf8_bytes(chat.template_kwargs or None if chat else None, "chat_template_kwargs")}
+
+
+def _utf8_bytes(value: object, field: str) -> int:
+    """UTF-8 bytes of a string, or of a JSON value as JSON text (0 for None); a lone surrogate (JSON's "\\ud800"),
+    which no UTF-8 text holds, is a 422 naming `field`."""
+    if value is None:
+        return 0
+    try:
+        return len((value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)).encode())
+    except UnicodeEncodeError as exc:
+        raise ValidationFailed(field, "the text holds a lone UTF-16 surrogate, which is not Unicode text") from exc
 
 
 def list_models_for(session: Session, settings: Settings, principal: Principal) -> ModelList:

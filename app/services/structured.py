@@ -1,7 +1,8 @@
-"""Structured output on the /v1 routes: response_format, guided_choice and guided_regex as one Constraint.
+"""Structured output on the /v1 routes: response_format, guided_json, guided_choice and guided_regex as one Constraint.
 
-The worker compiles the constraint (llguidance, see worker/engines/generation/sampling/grammar.py); a schema it cannot
-enforce comes back as a 422 naming the field.
+The worker compiles the constraint (llguidance, see worker/engines/generation/sampling/grammar.py); a schema past the
+server's bounds (core/schema_bounds.py) is refused here, and one the worker cannot enforce comes back as a 422, each
+naming the field.
 """
 
 from __future__ import annotations
@@ -12,13 +13,19 @@ from typing import Any
 from app.schemas.structured import StructuredFields
 from core.errors import ValidationFailed
 from core.protocol import Constraint
+from core.schema_bounds import SchemaBounds, check_schema
+
+SCHEMA_FIELD = "response_format.json_schema.schema"
 
 
-def constraint_of(body: StructuredFields) -> Constraint | None:
-    """The one output constraint a request asks for (response_format, guided_choice or guided_regex), if any."""
-    given = [name for name in ("response_format", "guided_choice", "guided_regex") if getattr(body, name) is not None]
+def constraint_of(body: StructuredFields, bounds: SchemaBounds) -> Constraint | None:
+    """The one output constraint a request asks for (response_format, guided_json, guided_choice or guided_regex)."""
+    given = [name for name in ("response_format", "guided_json", "guided_choice", "guided_regex")
+             if getattr(body, name) is not None]
     if len(given) > 1:
         raise ValidationFailed(given[1], f"give at most one of {', '.join(given)}")
+    if body.guided_json is not None:
+        return _guided_json(body.guided_json, bounds)
     if body.guided_choice is not None:
         if not body.guided_choice or any(not c for c in body.guided_choice) or len(body.guided_choice) > 1000:
             raise ValidationFailed("guided_choice", "1-1000 non-empty strings")
@@ -27,10 +34,25 @@ def constraint_of(body: StructuredFields) -> Constraint | None:
         if not body.guided_regex:
             raise ValidationFailed("guided_regex", "the regex is empty")
         return Constraint(kind="regex", spec=body.guided_regex)
-    return _response_format(body.response_format)
+    return _response_format(body.response_format, bounds)
 
 
-def _response_format(value: dict[str, Any] | None) -> Constraint | None:
+def _guided_json(value: dict[str, Any] | str, bounds: SchemaBounds) -> Constraint:
+    """vLLM's guided_json: a JSON schema, as an object or as its JSON text."""
+    schema: Any = value
+    if isinstance(value, str):
+        if len(value) > bounds.max_bytes:
+            raise ValidationFailed("guided_json", f"the schema is larger than {bounds.max_bytes} bytes")
+        try:
+            schema = json.loads(value)
+        except (ValueError, RecursionError) as exc:
+            raise ValidationFailed("guided_json", "guided_json is a JSON schema, as an object or JSON text") from exc
+    if not isinstance(schema, dict):
+        raise ValidationFailed("guided_json", "guided_json is a JSON schema object")
+    return Constraint(kind="json_schema", spec=check_schema(schema, "guided_json", bounds), field="guided_json")
+
+
+def _response_format(value: dict[str, Any] | None, bounds: SchemaBounds) -> Constraint | None:
     kind = None if value is None else value.get("type")
     if value is None or kind == "text":
         return None
@@ -42,7 +64,4 @@ def _response_format(value: dict[str, Any] | None) -> Constraint | None:
     schema = spec.get("schema") if isinstance(spec, dict) else None
     if not isinstance(schema, dict):
         raise ValidationFailed("response_format", 'json_schema needs {"name": ..., "schema": {...}}')
-    text = json.dumps(schema, sort_keys=True)  # one cache entry per schema, whatever its key order
-    if len(text) > 100_000:
-        raise ValidationFailed("response_format", "the schema is larger than 100 kB")
-    return Constraint(kind="json_schema", spec=text)
+    return Constraint(kind="json_schema", spec=check_schema(schema, SCHEMA_FIELD, bounds))

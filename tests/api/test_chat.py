@@ -116,6 +116,10 @@ def test_structured_output_through_the_openai_client(api, served, temperature):
                                   extra_body={"guided_regex": "[A-Z]{2}[0-9]{2}"})
     text = done.choices[0].text
     assert len(text) == 4 and text[:2].isupper() and text[2:].isdigit() and done.choices[0].finish_reason == "stop"
+    for guided_json in (SCHEMA, json.dumps(SCHEMA)):  # vLLM's guided_json, as an object or its text
+        guided = api.completions.create(model="chat", prompt="Colour:", max_tokens=40, temperature=temperature,
+                                        extra_body={"guided_json": guided_json}).choices[0]
+        jsonschema.validate(json.loads(guided.text), SCHEMA)
     loose = api.chat.completions.create(model="chat", messages=CHAT, max_tokens=5, temperature=temperature,
                                         response_format={"type": "json_object"}).choices[0]
     assert loose.message.content.startswith("{") and loose.finish_reason in ("length", "stop")
@@ -154,6 +158,9 @@ def test_completions_logprobs_in_openai_legacy_format(api, served):
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json"),  # the worker's refusal names it too
+    ({"guided_json": {"type": "integer"}, "guided_choice": ["a"]}, "guided_choice"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),  # the same bounds as /v1/completions (one shared schema)
     ({"stop": [""]}, "stop"),
     ({"temperature": 2.5}, "temperature"),
@@ -221,4 +228,14 @@ def test_a_prompt_too_large_for_the_context_is_refused_before_any_worker_tokeniz
     plain = client.post("/v1/completions", json={"model": "plain", "prompt": huge, "max_tokens": 4})
     assert plain.status_code == 422 and plain.json()["error"]["field"] == "prompt", plain.text
     assert "at most 64 tokens" in plain.json()["error"]["message"]
+    # A template renders the tools, and earlier calls' arguments, into the prompt too: they count.
+    tool = {"type": "function", "function": {"name": "f", "description": huge, "parameters": {"type": "object"}}}
+    tools = client.post("/v1/chat/completions", json={"model": "chat", "max_tokens": 4, "messages": CHAT,
+                                                      "tools": [tool]})
+    assert tools.status_code == 422 and tools.json()["error"]["field"] == "tools", tools.text
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"text": huge})}}
+    called = [*CHAT, {"role": "assistant", "tool_calls": [call]},
+              {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    calls = client.post("/v1/chat/completions", json={"model": "chat", "max_tokens": 4, "messages": called})
+    assert calls.status_code == 422 and calls.json()["error"]["field"] == "messages", calls.text
     assert len(queue.sent) == sent  # no generation task was sent

@@ -201,3 +201,82 @@ def test_a_content_length_of_thousands_of_digits_is_413(settings):
              "headers": [(b"content-type", b"application/json"), (b"content-length", b"9" * 5000)]}
     asyncio.run(BodyLimitMiddleware(app, settings)(scope, receive, send))
     assert sent[0]["status"] == 413 and json.loads(sent[1]["body"])["error"]["code"] == "payload_too_large"
+
+
+@pytest.fixture()
+def chat_folder(settings):
+    """What the API reads of a served model "chat" (its config and a weights file); no worker loads it here."""
+    folder = settings.home / "models" / "chat"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                                                    "n_positions": 64}))
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
+def _nested_arrays(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+PATTERN_PROPERTIES = {"type": "object", "patternProperties": {f"^a{i}[a-z]*$": {"type": "integer"} for i in range(33)}}
+# 13 patterns one string must match together: llguidance intersects them into one automaton (20 took 42 s and 2.7 GB
+# on the worker's submitting thread, 30 more than two minutes and 5.7 GB).
+PATTERNS = {"type": "string", "allOf": [{"pattern": f".*{chr(97 + i)}.*{chr(97 + i)}.*"} for i in range(13)]}
+WIDE_TOOL = {"type": "object", "properties": {f"p{i:05}": {"type": "string", "description": "x" * 30}
+                                              for i in range(2000)}}  # ~140 kB
+
+
+def _tool(parameters: object, name: str = "f") -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+@pytest.mark.parametrize(("route", "body", "field"), [
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": PATTERN_PROPERTIES}}},
+     "response_format.json_schema.schema"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": PATTERNS}}},
+     "response_format.json_schema.schema"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested_arrays(70)}}},
+     "response_format.json_schema.schema"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "maxLength": 10**30}}}}, "response_format.json_schema.schema"),
+    ("chat", '{"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": '
+             '{"type": "number", "minimum": 1e400}}}}', "response_format.json_schema.schema"),
+    ("chat", {"tools": [_tool({"type": "object"}), _tool({"type": "object", "properties": {
+        "n": {"type": "integer", "maximum": -(10**30)}}}, "g")]}, "tools.1.function.parameters"),
+    ("chat", {"tools": [_tool(WIDE_TOOL)]}, "tools.0.function.parameters"),
+    ("chat", {"tools": [_tool(PATTERNS)], "tool_choice": "required"}, "tools.0.function.parameters"),
+    ("chat", '{"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": '
+             '{"enum": ["\\ud800"]}}}}', "response_format.json_schema.schema"),
+    ("completions", {"guided_json": PATTERN_PROPERTIES}, "guided_json"),
+    ("completions", {"guided_json": '{"type": "integer", "minimum": NaN}'}, "guided_json"),
+    ("completions", {"guided_json": _nested_arrays(70)}, "guided_json"),
+])
+def test_hostile_schemas_are_422_naming_their_field_before_any_worker(no_server_errors, settings, queue, chat_folder,
+                                                                      route, body, field):
+    """Each of these reached a generation worker: a hang of minutes, a recursion error or an error naming no field."""
+    # A request that reaches the queue fails fast here: no worker runs.
+    settings.generation_wait_s, settings.generation_timeout_s = 1.0, 1.0
+    base = {"model": "chat", "max_tokens": 4}
+    base.update({"messages": [{"role": "user", "content": "hi"}]} if route == "chat" else {"prompt": "hi"})
+    text = json.dumps(base)[:-1] + ", " + (body[1:] if isinstance(body, str) else json.dumps(body)[1:])
+    response = no_server_errors.post(f"/v1/{'chat/completions' if route == 'chat' else 'completions'}",
+                                     content=text, headers={"content-type": "application/json"})
+    _error(response, 422, field, "validation_error")
+    assert queue.sent == []
+
+
+@pytest.mark.parametrize(("route", "body", "field"), [
+    ("chat", '{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages.0.content"),
+    ("chat", '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
+             '{"name": "f", "description": "\\udfff"}}]}', "tools"),
+    ("completions", '{"prompt": "\\ud83d"}', "prompt"),
+])
+def test_lone_surrogates_in_a_prompt_are_422_not_500(no_server_errors, queue, chat_folder, route, body, field):
+    """JSON may escape half a UTF-16 pair ("\\ud800"), which is no Unicode text: sizing the prompt raised (a 500)."""
+    text = '{"model": "chat", "max_tokens": 4, ' + body[1:]
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    _error(no_server_errors.post(path, content=text, headers={"content-type": "application/json"}), 422, field)
+    assert queue.sent == []

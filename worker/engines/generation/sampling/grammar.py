@@ -66,9 +66,9 @@ def grammar_text(constraint: Constraint) -> str:
         try:
             schema = json.loads(constraint.spec)
         except json.JSONDecodeError as exc:
-            raise GrammarError(f"the JSON schema is not valid JSON: {exc}", "response_format") from exc
+            raise GrammarError(f"the JSON schema is not valid JSON: {exc}", field_of(constraint)) from exc
         if not isinstance(schema, dict):
-            raise GrammarError("the JSON schema must be an object", "response_format")
+            raise GrammarError("the JSON schema must be an object", field_of(constraint))
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
     if constraint.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(constraint.spec)
