@@ -58,7 +58,7 @@ def _parsed(schema: type[BaseModel], body: dict[str, Any]) -> Any:
 
 def _plan_chat(body: dict[str, Any], planning: Planning) -> PlannedLine:
     request = _parsed(ChatCompletionRequest, body)
-    messages, params, options, tokens_field = chat_params(request)
+    messages, params, options, tokens_field = chat_params(request, planning.settings)
     served = planning.served(request.model)
     return PlannedLine(custom_id="", url="/v1/chat/completions", model=request.model, path=served.path,
                        adapter=served.adapter, messages=messages, params=params, tokens_field=tokens_field,
@@ -69,7 +69,7 @@ def _plan_completion(body: dict[str, Any], planning: Planning) -> PlannedLine:
     request = _parsed(CompletionRequest, body)
     if request.logprobs is not None:  # the legacy logprobs shape is built by the interactive route only
         raise ValidationFailed("logprobs", "logprobs are not returned by batch completions; use the chat endpoint")
-    prompt, params = openai_params(request)
+    prompt, params = openai_params(request, planning.settings)
     served = planning.served(request.model)
     return PlannedLine(custom_id="", url="/v1/completions", model=request.model, path=served.path,
                        adapter=served.adapter, prompt=prompt, params=params, tokens_field=COMPLETIONS.name)

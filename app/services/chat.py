@@ -42,11 +42,13 @@ from core.protocol import (
     ChatMessage,
     ChatOptions,
     ChoiceOut,
+    Constraint,
     DoneEvent,
     GenerationEvent,
     SamplingParams,
     TokenEvent,
 )
+from core.settings import Settings
 from core.tool_calls import ToolSpecError, check_tool_calls, check_tool_choice, check_tools
 
 
@@ -95,14 +97,14 @@ def _messages(body: ChatCompletionRequest) -> list[ChatMessage]:
     return messages
 
 
-def chat_options(body: ChatCompletionRequest) -> ChatOptions | None:
+def chat_options(body: ChatCompletionRequest, constraint: Constraint | None) -> ChatOptions | None:
     """The tools, tool_choice and template arguments the worker renders and constrains by; None when none."""
     try:
         tools = check_tools(body.tools) if body.tools is not None else None
         choice = check_tool_choice(body.tool_choice, tools)
     except ToolSpecError as exc:
         raise ValidationFailed(exc.field, str(exc)) from exc
-    if choice != "none" and constraint_of(body) is not None:
+    if choice != "none" and constraint is not None:
         raise ValidationFailed("response_format", "give tools or a structured output format, not both")
     if choice == "none" and body.parallel_tool_calls is not None and not tools:
         raise ValidationFailed("parallel_tool_calls", "parallel_tool_calls needs tools")
@@ -112,7 +114,7 @@ def chat_options(body: ChatCompletionRequest) -> ChatOptions | None:
                        template_kwargs=body.chat_template_kwargs or {})
 
 
-def chat_params(body: ChatCompletionRequest) -> ChatParams:
+def chat_params(body: ChatCompletionRequest, settings: Settings) -> ChatParams:
     """Map OpenAI's chat fields onto the messages, SamplingParams and chat options; refuse what cannot be honoured."""
     _refuse_unsupported(body)
     if body.max_tokens is not None and body.max_completion_tokens is not None \
@@ -121,8 +123,8 @@ def chat_params(body: ChatCompletionRequest) -> ChatParams:
     max_tokens, tokens_field = CHAT.chosen({"max_completion_tokens": body.max_completion_tokens,
                                             "max_tokens": body.max_tokens})
     stop = body.stop or []  # the schema checked it: a string or up to 4 strings, as a list
-    options = chat_options(body)
-    constraint = constraint_of(body)
+    constraint = constraint_of(body, settings)
+    options = chat_options(body, constraint)
     constrained = constraint is not None or (options is not None and options.tool_choice != "none")
     params = sampling(max_new_tokens=max_tokens,
                       temperature=1.0 if body.temperature is None else body.temperature,
@@ -147,7 +149,7 @@ def chat_reason(reason: str | None) -> str | None:
 async def chat(gateway: GenerationGateway, session: Session, principal: Principal, body: ChatCompletionRequest,
                disconnected: Disconnected) -> ChatCompletion | AsyncIterator[bytes]:
     """/v1/chat/completions: a ChatCompletion, or (stream) its chunks as SSE."""
-    messages, params, options, tokens_field = chat_params(body)
+    messages, params, options, tokens_field = chat_params(body, gateway.settings)
     started = await start(gateway, session, principal, body.model, "", params, messages, options,
                           tokens_field=tokens_field)
     completion_id, created = f"chatcmpl-{started.request_id.removeprefix('gen-')}", int(time.time())

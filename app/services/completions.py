@@ -47,6 +47,7 @@ from core.protocol import (
     TokenLogprob,
 )
 from core.served_models import ServedModel
+from core.settings import Settings
 
 # How often a non-streaming request asks whether its client is still there.
 DISCONNECT_POLL_S = 0.25
@@ -202,7 +203,7 @@ async def generate(gateway: GenerationGateway, session: Session, principal: Prin
     return relay(gateway, started, render)
 
 
-def openai_params(body: CompletionRequest) -> tuple[str, SamplingParams]:
+def openai_params(body: CompletionRequest, settings: Settings) -> tuple[str, SamplingParams]:
     """Map OpenAI's fields; refuse the ones this server cannot honour instead of silently ignoring them."""
     unsupported = {"echo": body.echo, "suffix": body.suffix,
                    "logit_bias": body.logit_bias or None}
@@ -219,7 +220,7 @@ def openai_params(body: CompletionRequest) -> tuple[str, SamplingParams]:
         raise ValidationFailed("prompt", "send exactly one non-empty prompt per request")
     stop = body.stop or []  # the schema checked it: a string or up to 4 strings, as a list
     max_tokens, _ = COMPLETIONS.chosen({COMPLETIONS.name: body.max_tokens})
-    constraint = constraint_of(body)
+    constraint = constraint_of(body, settings)
     return prompts[0], sampling(max_new_tokens=max_tokens,
                                 temperature=1.0 if body.temperature is None else body.temperature,
                                 top_p=1.0 if body.top_p is None else body.top_p, stop=stop,
@@ -246,7 +247,7 @@ def openai_reason(reason: str | None) -> str | None:
 async def complete(gateway: GenerationGateway, session: Session, principal: Principal, body: CompletionRequest,
                    disconnected: Disconnected) -> Completion | AsyncIterator[bytes]:
     """/v1/completions: an OpenAI Completion, or (stream) its chunks as SSE."""
-    prompt, params = openai_params(body)
+    prompt, params = openai_params(body, gateway.settings)
     started = await start(gateway, session, principal, body.model, prompt, params, tokens_field=COMPLETIONS.name)
     completion_id, created = f"cmpl-{started.request_id.removeprefix('gen-')}", int(time.time())
     wants = params.logprobs is not None

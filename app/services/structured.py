@@ -12,10 +12,13 @@ from typing import Any
 from app.schemas.structured import StructuredFields
 from core.errors import ValidationFailed
 from core.protocol import Constraint
+from core.schema_bounds import bounded_schema
+from core.settings import Settings
 
 
-def constraint_of(body: StructuredFields) -> Constraint | None:
-    """The one output constraint a request asks for (response_format, guided_choice or guided_regex), if any."""
+def constraint_of(body: StructuredFields, settings: Settings) -> Constraint | None:
+    """The one output constraint a request asks for (response_format, guided_choice or guided_regex), if any; a JSON
+    schema gets the settings' bounds where it leaves strings and numbers open (core/schema_bounds.py)."""
     given = [name for name in ("response_format", "guided_choice", "guided_regex") if getattr(body, name) is not None]
     if len(given) > 1:
         raise ValidationFailed(given[1], f"give at most one of {', '.join(given)}")
@@ -27,10 +30,10 @@ def constraint_of(body: StructuredFields) -> Constraint | None:
         if not body.guided_regex:
             raise ValidationFailed("guided_regex", "the regex is empty")
         return Constraint(kind="regex", spec=body.guided_regex)
-    return _response_format(body.response_format)
+    return _response_format(body.response_format, settings)
 
 
-def _response_format(value: dict[str, Any] | None) -> Constraint | None:
+def _response_format(value: dict[str, Any] | None, settings: Settings) -> Constraint | None:
     kind = None if value is None else value.get("type")
     if value is None or kind == "text":
         return None
@@ -42,7 +45,10 @@ def _response_format(value: dict[str, Any] | None) -> Constraint | None:
     schema = spec.get("schema") if isinstance(spec, dict) else None
     if not isinstance(schema, dict):
         raise ValidationFailed("response_format", 'json_schema needs {"name": ..., "schema": {...}}')
-    text = json.dumps(schema, sort_keys=True)  # one cache entry per schema, whatever its key order
-    if len(text) > 100_000:
+    if len(json.dumps(schema)) > 100_000:
         raise ValidationFailed("response_format", "the schema is larger than 100 kB")
+    schema = bounded_schema(schema, max_string_chars=settings.structured_max_string_chars,
+                            max_number_digits=settings.structured_max_number_digits,
+                            max_fraction_digits=settings.structured_max_fraction_digits)
+    text = json.dumps(schema, sort_keys=True)  # one cache entry per schema, whatever its key order
     return Constraint(kind="json_schema", spec=text)
