@@ -126,6 +126,10 @@ class SamplingParams(BaseModel):
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely (0-20)
     constraint: Constraint | None = None
     speculative: bool = True  # False: never decode this request with drafts (the engine's speculative decoding)
+    # vLLM's semantics: below min_tokens neither the end-of-sequence token nor a stop string ends a choice;
+    # with ignore_eos the end-of-sequence token never does (max_new_tokens and stop strings still do).
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -141,8 +145,11 @@ class SamplingParams(BaseModel):
         for name in ("max_new_tokens", "n"):
             if name in data:
                 _check_int(name, data[name], 1)
-        if "top_k" in data:
-            _check_int("top_k", data["top_k"], 0)
+        for name in ("top_k", "min_tokens"):
+            if name in data:
+                _check_int(name, data[name], 0)
+        if not isinstance(data.get("ignore_eos", False), bool):
+            raise ValueError(f"ignore_eos must be true or false, got {data['ignore_eos']!r}")
         if data.get("seed") is not None:
             _check_int("seed", data["seed"], 0)
         if data.get("logprobs") is not None:
@@ -164,6 +171,12 @@ class SamplingParams(BaseModel):
     def _seed_range(self) -> SamplingParams:
         if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
             raise ValueError(f"seed + n - 1 must be at most {MAX_SEED}, got {self.seed + self.n - 1}")
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most the tokens to generate "
+                             f"({self.max_new_tokens})")
+        if self.constraint is not None and (self.min_tokens or self.ignore_eos):
+            raise ValueError("min_tokens and ignore_eos cannot be combined with structured output: the grammar "
+                             "decides where the output ends")
         return self
 
     @property

@@ -185,6 +185,15 @@ class Settings(BaseSettings):
         65_536, ge=1, description="Most token entries one generation response may hold: n x max_tokens x (1 + "
         "top_logprobs) (about 80 bytes of JSON each with logprobs); a request over it is a 422 naming its token field "
         "(max_tokens, max_completion_tokens or max_new_tokens).")
+    structured_max_string_chars: int = Field(
+        2000, ge=1, description="Characters a string of schema-constrained output (response_format json_schema) may "
+        "hold where its schema sets no maxLength; the schema's own maxLength wins.")
+    structured_max_number_digits: int = Field(
+        16, ge=1, le=18, description="Digits before the point an integer or number of schema-constrained output may "
+        "hold where its schema sets no minimum / maximum (those win); at most 18, the grammar's 64-bit integers.")
+    structured_max_fraction_digits: int = Field(
+        8, ge=1, le=18, description="Digits after the point a number of schema-constrained output may hold where "
+        "its schema sets no multipleOf (that wins).")
     max_grader_model_calls: int = Field(
         20, ge=1, description="Most served-model calls grading one item may make (a score_model or label_model "
         "judge, a cosine text_similarity's embeddings; a multi grader's parts and an eval's testing criteria added "

@@ -30,7 +30,20 @@ StopSequences = Annotated[list[str], BeforeValidator(_stops), WithJsonSchema(
     {"anyOf": [_STOP, {"type": "array", "items": _STOP, "maxItems": 4}]})]
 
 
-class GenerateRequest(BaseModel):
+class SamplingExtras(BaseModel):
+    """The sampling fields beyond OpenAI's that /generate, /v1/completions and /v1/chat/completions all take (vLLM's
+    names and meanings), honoured alike by both engines; any other unknown field is a 422 naming it."""
+
+    top_k: int = Field(0, ge=-1, le=10_000, description="0 (or vLLM's -1) disables top-k.")
+    repetition_penalty: float = Field(1.0, gt=0, le=10, description="1 disables it; >1 discourages tokens already "
+                                      "in the prompt or the output (HF's CTRL rule).")
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_BOUND, description="Tokens each choice generates before the "
+                            "end-of-sequence token or a stop string may end it; at most the tokens to generate.")
+    ignore_eos: bool = Field(False, description="The end-of-sequence token never ends a choice: it runs to the "
+                             "tokens to generate or a stop string (benchmark clients send it).")
+
+
+class GenerateRequest(SamplingExtras):
     """A completion request; parameters apply per request even inside a shared batch."""
 
     model_config = ConfigDict(extra="forbid")
@@ -40,9 +53,7 @@ class GenerateRequest(BaseModel):
     max_new_tokens: int = Field(GENERATE.default, ge=1, le=MAX_TOKENS_BOUND, description="Tokens to generate at "
                                 "most per choice; at most the server's TRAINSERVE_MAX_NEW_TOKENS.")
     temperature: float = Field(1.0, ge=0, le=5, description="0 means greedy.")
-    top_k: int = Field(0, ge=0, le=10_000, description="0 disables top-k.")
     top_p: float = Field(1.0, gt=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0, le=10)
     stop: StopSequences = Field(default_factory=list, description="A string or up to 4 stop sequences.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same text, whatever shares the batch.")
     n: int = Field(1, ge=1, le=16)
@@ -69,7 +80,7 @@ class GenerateResponse(BaseModel):
     usage: Usage
 
 
-class OpenAISampling(StructuredFields):
+class OpenAISampling(StructuredFields, SamplingExtras):
     """The fields /v1/completions and /v1/chat/completions share, with one set of bounds and defaults."""
 
     model: str = Field(min_length=1, max_length=200)
@@ -87,9 +98,9 @@ class OpenAISampling(StructuredFields):
 
 
 class CompletionRequest(OpenAISampling):
-    """OpenAI's /v1/completions body. Parameters trainserve cannot honour are refused, not ignored."""
+    """OpenAI's /v1/completions body. Unknown fields and parameters trainserve cannot honour are refused."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     prompt: str | list[str] = Field(description="One prompt (a list with one string is accepted too).")
     max_tokens: int | None = Field(COMPLETIONS.default, ge=1, le=MAX_TOKENS_BOUND, description="Tokens to "

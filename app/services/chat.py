@@ -26,6 +26,7 @@ from app.schemas.generation import CompletionUsage
 from app.services.completions import (
     Disconnected,
     collect,
+    extras,
     openai_reason,
     relay,
     sampling,
@@ -131,13 +132,14 @@ def chat_params(body: ChatCompletionRequest, settings: Settings) -> ChatParams:
     max_tokens, tokens_field = CHAT.chosen({"max_completion_tokens": body.max_completion_tokens,
                                             "max_tokens": body.max_tokens})
     stop = body.stop or []  # the schema checked it: a string or up to 4 strings, as a list
-    constraint = constraint_of(body, bounds)
+    constraint = constraint_of(body, settings)
     options = chat_options(body, bounds, constraint)
+    constrained = constraint is not None or (options is not None and options.tool_choice != "none")
     params = sampling(max_new_tokens=max_tokens,
-                      temperature=1.0 if body.temperature is None else body.temperature, top_k=0,
-                      top_p=1.0 if body.top_p is None else body.top_p, repetition_penalty=1.0, stop=stop,
+                      temperature=1.0 if body.temperature is None else body.temperature,
+                      top_p=1.0 if body.top_p is None else body.top_p, stop=stop,
                       seed=body.seed, n=body.n or 1, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                      constraint=constraint)
+                      constraint=constraint, **extras(body, max_tokens, constrained))
     return ChatParams(_messages(body), params, options, tokens_field)
 
 

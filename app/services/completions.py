@@ -26,6 +26,7 @@ from app.schemas.generation import (
     GenerateRequest,
     GenerateResponse,
     LegacyLogprobs,
+    SamplingExtras,
 )
 from app.services.generation import GenerationGateway
 from app.services.structured import constraint_of
@@ -45,7 +46,6 @@ from core.protocol import (
     TokenEvent,
     TokenLogprob,
 )
-from core.schema_bounds import SchemaBounds
 from core.served_models import ServedModel
 from core.settings import Settings
 
@@ -83,6 +83,20 @@ def sampling(**values: Any) -> SamplingParams:
         return SamplingParams(**values)
     except ValidationError as exc:
         raise ValidationFailed(None, str(exc.errors()[0]["msg"]).removeprefix("Value error, ")) from exc
+
+
+def extras(body: SamplingExtras, max_tokens: int, constrained: bool = False) -> dict[str, Any]:
+    """SamplingParams' values of the fields beyond OpenAI's, the same on every route; a min_tokens above the tokens
+    to generate, or min_tokens / ignore_eos with structured output (the grammar ends the output), is a 422."""
+    if body.min_tokens > max_tokens:
+        raise ValidationFailed("min_tokens", f"min_tokens ({body.min_tokens}) is more than the tokens to generate "
+                               f"({max_tokens})")
+    for name in ("min_tokens", "ignore_eos"):
+        if constrained and getattr(body, name):
+            raise ValidationFailed(name, f"{name} cannot be combined with structured output or tools: the grammar "
+                                   "decides where the output ends")
+    return {"top_k": max(body.top_k, 0), "repetition_penalty": body.repetition_penalty,
+            "min_tokens": body.min_tokens, "ignore_eos": body.ignore_eos}
 
 
 async def start(gateway: GenerationGateway, session: Session, principal: Principal, name: str, prompt: str,
@@ -168,9 +182,9 @@ async def relay(gateway: GenerationGateway, started: Started, render: Render) ->
 async def generate(gateway: GenerationGateway, session: Session, principal: Principal, body: GenerateRequest,
                    disconnected: Disconnected) -> GenerateResponse | AsyncIterator[bytes]:
     """/generate: the response, or (stream) its SSE events, one per token then the result."""
-    params = sampling(max_new_tokens=body.max_new_tokens, temperature=body.temperature, top_k=body.top_k,
-                      top_p=body.top_p, repetition_penalty=body.repetition_penalty, stop=body.stop, seed=body.seed,
-                      n=body.n, speculative=body.speculative)
+    params = sampling(max_new_tokens=body.max_new_tokens, temperature=body.temperature, top_p=body.top_p,
+                      stop=body.stop, seed=body.seed, n=body.n, speculative=body.speculative,
+                      **extras(body, body.max_new_tokens))
     started = await start(gateway, session, principal, body.model, body.prompt, params, tokens_field=GENERATE.name)
     request_id = started.request_id
     if not body.stream:
@@ -206,11 +220,12 @@ def openai_params(body: CompletionRequest, settings: Settings) -> tuple[str, Sam
         raise ValidationFailed("prompt", "send exactly one non-empty prompt per request")
     stop = body.stop or []  # the schema checked it: a string or up to 4 strings, as a list
     max_tokens, _ = COMPLETIONS.chosen({COMPLETIONS.name: body.max_tokens})
+    constraint = constraint_of(body, settings)
     return prompts[0], sampling(max_new_tokens=max_tokens,
-                                temperature=1.0 if body.temperature is None else body.temperature, top_k=0,
-                                top_p=1.0 if body.top_p is None else body.top_p, repetition_penalty=1.0, stop=stop,
-                                seed=body.seed, n=body.n or 1, logprobs=body.logprobs,
-                                constraint=constraint_of(body, SchemaBounds.of(settings)))
+                                temperature=1.0 if body.temperature is None else body.temperature,
+                                top_p=1.0 if body.top_p is None else body.top_p, stop=stop,
+                                seed=body.seed, n=body.n or 1, logprobs=body.logprobs, constraint=constraint,
+                                **extras(body, max_tokens, constraint is not None))
 
 
 def legacy_logprobs(entries: list[TokenLogprob] | None, offset: int = 0) -> LegacyLogprobs:

@@ -38,6 +38,7 @@ PROMPTS = [
     "First Citizen: before we proceed any further, hear me speak.",
 ]
 WAIT = 60
+GREEDY = SimpleNamespace(params=SamplingParams(temperature=0))  # a row's request, as the static step reads it
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +111,7 @@ def test_padded_step_equals_the_ordinary_decode_across_a_wider_table(gpt2_dir: P
         runner.prefill(prompts, [[i] for i in range(len(prompts))])
         decoder = StaticDecoder(runner, torch.zeros(8, runner.config.vocab_size, dtype=torch.bool), capture=False)
         greedy = RowParams([SamplingParams(temperature=0)] * 3, runner.device)
-        rows = [SimpleNamespace(tokens=[p[-1]], position=len(p), matcher=None) for p in prompts]
+        rows = [SimpleNamespace(tokens=[p[-1]], position=len(p), matcher=None, request=GREEDY) for p in prompts]
         for _ in range(14):  # positions reach 18: the rows' tables go from one block to two mid-run
             positions = [r.position for r in rows]
             expected = runner.decode(torch.tensor([r.tokens[-1] for r in rows]), torch.tensor(positions),
@@ -200,6 +201,18 @@ def test_grammar_and_large_top_k_rows_draw_eagerly_on_the_graph_logits(gpt2_dir:
     assert padded[0].choices[0].text.isdigit()
 
 
+def test_rows_short_of_min_tokens_draw_eagerly_with_the_eos_masked(gpt2_dir: Path) -> None:
+    params = [SamplingParams(max_new_tokens=12, temperature=0, min_tokens=5),
+              SamplingParams(max_new_tokens=10, temperature=0.9, seed=2, min_tokens=10, ignore_eos=True),
+              SamplingParams(max_new_tokens=12, temperature=0),
+              SamplingParams(max_new_tokens=3, temperature=0),
+              SamplingParams(max_new_tokens=12, temperature=0.9, seed=8)]
+    eager, _ = _generate(gpt2_dir, "off", params)
+    padded, (steps, eager_draws) = _generate(gpt2_dir, "eager", params)
+    assert steps >= 11 and 0 < eager_draws < steps  # eagerly until the second row holds its 10 tokens
+    assert [r.choices[0].token_ids for r in padded] == [r.choices[0].token_ids for r in eager]
+
+
 def arrive_mid_run(engine: GenerationEngine, prompt: str, wait: float) -> tuple[list, int]:
     """"Hello" for 40 greedy tokens, then `prompt` for 90 once the first streams: both results, and the cache pool's
     blocks when the second arrived (the GPU test runs the same scenario)."""
@@ -254,8 +267,8 @@ def test_a_failed_capture_runs_the_step_uncaptured_and_turns_graphs_off(gpt2_dir
         runner.prefill([[464, 3290], [15496]], [[0], [1]])
         decoder = StaticDecoder(runner, torch.zeros(4, runner.config.vocab_size, dtype=torch.bool), capture=False)
         decoder.capture = True  # as on a GPU, with a capture that fails
-        rows = [SimpleNamespace(tokens=[3290], position=2, matcher=None),
-                SimpleNamespace(tokens=[15496], position=1, matcher=None)]
+        rows = [SimpleNamespace(tokens=[3290], position=2, matcher=None, request=GREEDY),
+                SimpleNamespace(tokens=[15496], position=1, matcher=None, request=GREEDY)]
         expected = runner.decode(torch.tensor([3290, 15496]), torch.tensor([2, 1]), 3)
         logits, tokens = decoder.step(rows, RowParams([SamplingParams(temperature=0)] * 2, runner.device))
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)

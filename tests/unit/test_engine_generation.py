@@ -315,6 +315,27 @@ def test_eos_ends_a_choice_and_a_folder_without_tokenizer_uses_the_bundled_one(e
     assert choice.text == engine.tokenizer.decode(tokens[:stop_at])  # ... whose text is left out
 
 
+def test_min_tokens_generates_past_the_eos_and_ignore_eos_runs_to_max_tokens(engine, tmp_path) -> None:
+    tokens = engine.generate(PROMPTS[1], greedy(12)).choices[0].token_ids
+    stop_at = next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])
+    eos = tokens[stop_at]
+    folder = build_tiny_gpt2(tmp_path / "eos", seed=0, eos_token_id=eos, tokenizer=False)
+    with GenerationEngine(folder, device="cpu", precision="fp32") as eng:
+        held = eng.generate(PROMPTS[1], greedy(12, min_tokens=stop_at + 2)).choices[0]
+        ignored = eng.generate(PROMPTS[1], greedy(12, ignore_eos=True)).choices[0]
+    # a stop string in the first min_tokens tokens does not end the choice before them (vLLM's min_tokens)
+    stop = engine.tokenizer.decode(tokens[:1])
+    assert engine.generate(PROMPTS[1], greedy(12, stop=(stop,))).choices[0].token_ids == tokens[:1]
+    stopped = engine.generate(PROMPTS[1], greedy(12, stop=(stop,), min_tokens=3)).choices[0]
+    # below min_tokens the eos is masked (vLLM's min_tokens): the greedy choice is the next best token
+    assert held.token_ids[:stop_at] == tokens[:stop_at] and held.token_ids[stop_at] != eos
+    assert len(held.token_ids) >= stop_at + 2 and eos not in held.token_ids[:stop_at + 2]
+    # ignore_eos: the eos is drawn and the choice goes on to max_tokens
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == 12 and ignored.token_ids[stop_at] == eos
+    assert ignored.token_ids[:stop_at] == tokens[:stop_at]
+    assert len(stopped.token_ids) >= 3 and stopped.token_ids[:3] == tokens[:3] and stopped.text.startswith(stop)
+
+
 def test_cancellation_frees_the_slot(narrow) -> None:
     cancel, deltas = threading.Event(), []
 

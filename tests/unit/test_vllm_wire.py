@@ -86,6 +86,12 @@ def test_sampling_goes_whole_into_the_body() -> None:
     assert plain["top_k"] == -1 and plain["repetition_penalty"] == 1.0 and plain["model"] == "job_x"
     assert "seed" not in plain and "logprobs" not in plain and "structured_outputs" not in plain
     assert "cache_salt" not in plain
+    assert plain["ignore_eos"] is False and plain["min_tokens"] == 0  # sent always, as every sampling parameter
+
+
+def test_ignore_eos_and_min_tokens_go_into_the_body() -> None:
+    body = choice_body("base", [1], SamplingParams(max_new_tokens=9, min_tokens=5, ignore_eos=True), index=0)
+    assert body["ignore_eos"] is True and body["min_tokens"] == 5 and body["max_tokens"] == 9
 
 
 def test_constraints_map_to_structured_outputs() -> None:

@@ -158,9 +158,13 @@ class SequenceState:
             if self.matcher.is_error():  # its mask allowed only eos from here: end as an error, never as a "stop"
                 self.finish_reason = GRAMMAR_ERROR
                 return self.stream.finish()
-        if token in eos_ids:
+        params = self.request.params
+        # vLLM's counts: the eos token may end a choice holding min_tokens tokens before it, and stop strings are
+        # looked for once min_tokens tokens are out.
+        if token in eos_ids and not (params.ignore_eos or len(self.tokens) <= params.min_tokens):
             self.finish_reason = "eos"
             return self.stream.finish()  # the eos token has no text
+        self.stream.stops_armed = len(self.tokens) >= params.min_tokens
         delta = self.stream.push(token)
         if self.stream.stopped:
             self.finish_reason = "stop"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 
 import torch
@@ -12,8 +13,14 @@ from worker.engines.generation.sampling.grammar import allowed_tokens
 from worker.engines.generation.sampling.sampler import constrain, step_logprobs
 
 
-def constrained_logits(logits: torch.Tensor, rows: list[SequenceState]) -> torch.Tensor:
-    """The step's logits [len(rows), V] with each constrained row's grammar mask applied (free rows untouched)."""
+def constrained_logits(logits: torch.Tensor, rows: list[SequenceState], eos_ids: Collection[int]) -> torch.Tensor:
+    """The step's logits [len(rows), V] with each constrained row's grammar mask applied and, in rows holding fewer
+    than their min_tokens, the end-of-sequence ids at -inf (vLLM's min_tokens); other rows untouched."""
+    short = [i for i, s in enumerate(rows) if len(s.tokens) < s.request.params.min_tokens]
+    if short and eos_ids:
+        at = torch.tensor(short, dtype=torch.long, device=logits.device)[:, None]
+        eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=logits.device)[None, :]
+        logits = logits.index_put((at, eos), torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))
     matchers = [(i, s.matcher) for i, s in enumerate(rows) if s.matcher is not None]
     if not matchers:
         return logits

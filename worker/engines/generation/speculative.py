@@ -75,9 +75,11 @@ def propose(history: Sequence[int], k: int, *, max_ngram: int = MAX_NGRAM, min_n
 
 
 def eligible(request: Request) -> bool:
-    """Whether a request's rows may speculate (no grammar, logprobs or repetition penalty; not opted out)."""
+    """Whether a request's rows may speculate (no grammar, logprobs, repetition penalty or min_tokens, whose eos mask
+    only the plain draw applies; not opted out)."""
     params = request.params
-    return params.speculative and not request.matchers and params.logprobs is None and params.repetition_penalty == 1.0
+    return params.speculative and not request.matchers and params.logprobs is None \
+        and params.repetition_penalty == 1.0 and not params.min_tokens
 
 
 def draft(sequence: SequenceState, k: int, context_length: int) -> Proposal:

@@ -204,7 +204,8 @@ class StepLoop:
             kept = self._keep_drafts(rows, plan, logits)
         else:
             seen = self.rows.seen[:len(rows)] if params.penalty is not None else None
-            kept = self._sampled(logits, next_tokens(constrained_logits(logits, rows), params, seen), first > 0)
+            masked = constrained_logits(logits, rows, self.eos_token_ids)
+            kept = self._sampled(logits, next_tokens(masked, params, seen), first > 0)
         return StepOutcome(time.perf_counter() - started, decoded=first, drafted=plan.draft_positions,
                            prefilled=chunks, kept=kept, finished=self._finished())
 

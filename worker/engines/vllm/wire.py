@@ -41,7 +41,8 @@ def choice_body(model: str, prompt: list[int], params: SamplingParams, index: in
         "model": model, "prompt": prompt, "max_tokens": params.max_new_tokens, "n": 1, "stream": True,
         "stream_options": {"include_usage": True}, "temperature": params.temperature, "top_p": params.top_p,
         "top_k": params.top_k or -1, "repetition_penalty": params.repetition_penalty, "return_token_ids": True,
-        "return_tokens_as_token_ids": True, "skip_special_tokens": True, "ignore_eos": False,
+        "return_tokens_as_token_ids": True, "skip_special_tokens": True, "ignore_eos": params.ignore_eos,
+        "min_tokens": params.min_tokens,
     }
     if cache_salt is not None:
         body["cache_salt"] = cache_salt

@@ -74,9 +74,11 @@ def static_eligible(rows: Sequence[SequenceState]) -> bool:
 
 
 def eager_sampler(rows: Sequence[SequenceState], params: RowParams, covered: torch.Tensor) -> bool:
-    """Whether the step's draw must be redone eagerly on the graph's logits: grammar rows, a top-k past the
-    candidates, or a top-p row (without top-k) whose nucleus reaches past them (the one read of `covered`)."""
-    if params.max_top_k >= CANDIDATES or any(s.matcher is not None for s in rows):
+    """Whether the step's draw must be redone eagerly on the graph's logits: grammar rows, rows short of their
+    min_tokens (eos masked), a top-k past the candidates, or a top-p row (without top-k) whose nucleus reaches past
+    them (the one read of `covered`)."""
+    if params.max_top_k >= CANDIDATES or any(
+            s.matcher is not None or len(s.tokens) < s.request.params.min_tokens for s in rows):
         return True
     return params.open_nucleus and not bool(covered.all())
 
@@ -227,7 +229,7 @@ class StaticDecoder:
         if eager_sampler(rows, params, covered[:n]):  # the forward stays the graph's; the draw is next_tokens'
             self.eager_draws += 1
             seen = self.seen[:n] if params.penalty is not None else None
-            return logits, next_tokens(constrained_logits(logits, list(rows)), params, seen)
+            return logits, next_tokens(constrained_logits(logits, list(rows), self.runner.eos_token_ids), params, seen)
         if params.sample_rows:
             params.counters += 1  # as next_tokens does: each sampled row has drawn one more token
         return logits, tokens[:n]

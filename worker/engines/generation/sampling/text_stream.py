@@ -14,6 +14,7 @@ class TextStream:
         self._parts: list[str] = []
         self._pending = ""  # decoded but not yet handed out: a possible start of a stop sequence
         self.stopped = False
+        self.stops_armed = True  # False: text passes unsearched (a request's first min_tokens tokens)
 
     @property
     def text(self) -> str:
@@ -36,7 +37,7 @@ class TextStream:
     def _feed(self, piece: str) -> str:
         if self.stopped or not piece:
             return ""
-        if not self._stop:
+        if not self._stop or not self.stops_armed:
             self._parts.append(piece)
             return piece
         # A stop cannot start inside text already emitted (the longest possible start was held back),
