@@ -159,13 +159,13 @@ def test_a_tenants_cached_prompt_is_no_hit_for_another(served, pg_url) -> None:
     answers sooner; each of three new tenants sending the same prompt is told 0 cached tokens and waits as long as for
     a cold prompt of its own (a hit would tell it, by usage or by timing, that someone sent that text)."""
     def contract(word: str) -> str:  # the word first: two contracts differ from the template's first block on
-        return f"{word} " + " ".join(f"Clause {i} of this contract: the buyer pays within {i} days." for i in range(60))
+        return f"{word} " + " ".join(f"Clause {i} of this contract: the buyer pays within {i} days." for i in range(40))
 
     def ask(api: openai.OpenAI, system: str) -> tuple[float, int]:
         started = time.monotonic()
         reply = api.chat.completions.create(model="smollm2", max_tokens=1, temperature=0, messages=[
             {"role": "system", "content": system}, {"role": "user", "content": "Summarise."}])
-        assert reply.usage.prompt_tokens > 700
+        assert reply.usage.prompt_tokens > 600
         return time.monotonic() - started, reply.usage.prompt_tokens_details.cached_tokens
 
     owner = served.client(make_key(pg_url, tenant="engines-owner"))
@@ -176,7 +176,7 @@ def test_a_tenants_cached_prompt_is_no_hit_for_another(served, pg_url) -> None:
         other = served.client(make_key(pg_url, tenant=f"engines-other-{round_}"))
         for who, api, system in (("other", other, secret), ("cold", other, contract(word)), ("owner", owner, secret)):
             elapsed, cached = ask(api, system)
-            assert (cached >= 700) if who == "owner" else (cached == 0), (who, cached)
+            assert (cached >= 600) if who == "owner" else (cached == 0), (who, cached)
             seconds[who].append(elapsed)
     median = {who: sorted(times)[1] for who, times in seconds.items()}
     assert median["owner"] < 0.5 * median["cold"], median  # a hit is visible in the time: the test can see one
