@@ -208,7 +208,8 @@ async def generate(gateway: GenerationGateway, session: Session, principal: Prin
 
 
 def openai_prompts(body: CompletionRequest, settings: Settings) -> list[Prompt]:
-    """The request's prompts, each text or token ids; none, an empty one, too many, or several streamed is a 422."""
+    """The request's prompts, each text or token ids; none, an empty one, too many (or more rows than a model's queue
+    holds), or several streamed is a 422."""
     prompt = body.prompt
     if isinstance(prompt, str):
         prompts: list[Prompt] = [prompt]
@@ -224,6 +225,11 @@ def openai_prompts(body: CompletionRequest, settings: Settings) -> list[Prompt]:
     if len(prompts) > 1 and body.stream:
         raise ValidationFailed("prompt", "several prompts are answered whole, not streamed: send stream false or "
                                "one prompt")
+    rows = len(prompts) * (body.n or 1)
+    if len(prompts) > 1 and rows > settings.generation_queue_per_model:  # held together: never admitted
+        raise ValidationFailed("prompt", f"{len(prompts)} prompts x n {body.n or 1} = {rows} rows; a model's queue "
+                               f"holds {settings.generation_queue_per_model} (TRAINSERVE_GENERATION_QUEUE_PER_MODEL): "
+                               "send fewer prompts per request")
     return prompts
 
 

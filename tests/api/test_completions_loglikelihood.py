@@ -108,6 +108,7 @@ def test_token_id_prompts_and_lists_of_prompts_answer_one_choice_each_in_order(c
     ({"prompt": [1, 50_257]}, "prompt"),  # past the vocabulary: refused by the worker, naming the field
     ({"prompt": list(range(65))}, "prompt"),  # more ids than the model's context
     ({"prompt": ["x"] * 17}, "prompt"),  # TRAINSERVE_COMPLETIONS_MAX_PROMPTS
+    ({"prompt": ["x"] * 5, "n": 16}, "prompt"),  # more rows than the model's queue: never admitted together
     ({"echo": True, "logprobs": 5, "max_tokens": 8, "n": 16, "prompt": "word " * 40}, "logprobs"),
     ({"max_tokens": -1}, "max_tokens"),
 ])
