@@ -124,6 +124,9 @@ class SamplingParams(BaseModel):
     seed: int | None = None
     n: int = 1
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely (0-20)
+    # None: none; k: every prompt token's logprob after the first, and the k most likely at its position (vLLM's
+    # prompt_logprobs): the prompt is computed whole, never taken from the prefix cache.
+    prompt_logprobs: int | None = None
     constraint: Constraint | None = None
     speculative: bool = True  # False: never decode this request with drafts (the engine's speculative decoding)
     # vLLM's semantics: below min_tokens neither the end-of-sequence token nor a stop string ends a choice;
@@ -152,10 +155,11 @@ class SamplingParams(BaseModel):
             raise ValueError(f"ignore_eos must be true or false, got {data['ignore_eos']!r}")
         if data.get("seed") is not None:
             _check_int("seed", data["seed"], 0)
-        if data.get("logprobs") is not None:
-            _check_int("logprobs", data["logprobs"], 0)
-            if data["logprobs"] > MAX_TOP_LOGPROBS:
-                raise ValueError(f"logprobs must be at most {MAX_TOP_LOGPROBS}, got {data['logprobs']!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if data.get(name) is not None:
+                _check_int(name, data[name], 0)
+                if data[name] > MAX_TOP_LOGPROBS:
+                    raise ValueError(f"{name} must be at most {MAX_TOP_LOGPROBS}, got {data[name]!r}")
         temperature = data.get("temperature", 1.0)
         if not _is_number(temperature) or not 0 <= temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
@@ -209,13 +213,17 @@ class ChatOptions(BaseModel):
 
 
 class GenerateTask(BaseModel):
-    """The broker message for one generation request (API -> generation worker)."""
+    """The broker message for one generation request (API -> generation worker); `op` "tokenize" / "detokenize"
+    asks only the model's tokenizer (the prompt's ids / prompt_ids' text), answered by one TokensEvent."""
 
     request_id: str
+    op: Literal["generate", "tokenize", "detokenize"] = "generate"
+    add_special_tokens: bool = True  # "tokenize": with the tokenizer's own special tokens (Llama's BOS), as prompts
     model: str  # the model's folder, hub id, or a job id (fetched from the artifact store), as resolved by the API
     adapter: str | None = None  # a LoRA adapter job's id: served over `model`, its base, in the base's batches
     tenant: str | None = None  # whose request: the engine shares its queue and rows between tenants
     prompt: str
+    prompt_ids: list[int] | None = None  # the prompt as token ids, sent as such: `prompt` is then empty
     messages: list[ChatMessage] | None = None  # a chat: the prompt is rendered from these by the worker
     chat: ChatOptions | None = None  # a chat's tools and template arguments
     params: SamplingParams
@@ -227,11 +235,16 @@ class GenerateTask(BaseModel):
         return self.deadline - time.time()
 
 
-class TopLogprob(BaseModel):
-    """One candidate token and its log-probability."""
+class Token(BaseModel):
+    """One token as logprobs name it: its text (invalid UTF-8 replaced) and its own bytes."""
 
     token: str
     bytes: list[int]
+
+
+class TopLogprob(Token):
+    """One candidate token and its log-probability."""
+
     logprob: float
 
 
@@ -257,6 +270,14 @@ class AcceptedEvent(BaseModel):
 
     type: Literal["accepted"] = "accepted"
     prompt_tokens: int
+
+
+class PromptLogprobs(BaseModel):
+    """A prompt scored by the model (SamplingParams.prompt_logprobs): its first token, which nothing precedes and so
+    has no logprob, then each later token's logprob given the tokens before it, with the most likely there."""
+
+    first: Token
+    scored: list[TokenLogprob]
 
 
 class ChoiceOut(BaseModel):
@@ -288,6 +309,17 @@ class DoneEvent(BaseModel):
     type: Literal["done"] = "done"
     choices: list[ChoiceOut]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # when params.prompt_logprobs asked for them
+    prompt_text: str | None = None  # a prompt sent as token ids, decoded (echo shows it)
+
+
+class TokensEvent(BaseModel):
+    """A tokenizer's answer (GenerateTask.op): the ids and their text, and the model's context in tokens."""
+
+    type: Literal["tokens"] = "tokens"
+    ids: list[int]
+    text: str
+    context: int
 
 
 class ErrorEvent(BaseModel):
@@ -302,7 +334,8 @@ class ErrorEvent(BaseModel):
         return cls(error=ErrorBody(code=code, message=message, field=field))
 
 
-GenerationEvent = Annotated[TokenEvent | AcceptedEvent | DoneEvent | ErrorEvent, Field(discriminator="type")]
+GenerationEvent = Annotated[TokenEvent | AcceptedEvent | DoneEvent | TokensEvent | ErrorEvent,
+                            Field(discriminator="type")]
 EVENTS: TypeAdapter[GenerationEvent] = TypeAdapter(GenerationEvent)
 
 

@@ -184,7 +184,11 @@ class Settings(BaseSettings):
     max_response_entries: int = Field(
         65_536, ge=1, description="Most token entries one generation response may hold: n x max_tokens x (1 + "
         "top_logprobs) (about 80 bytes of JSON each with logprobs); a request over it is a 422 naming its token field "
-        "(max_tokens, max_completion_tokens or max_new_tokens).")
+        "(max_tokens, max_completion_tokens or max_new_tokens). An echo with logprobs counts its prompt's tokens too "
+        "(a 422 naming logprobs, from the worker once the prompt is tokenized).")
+    completions_max_prompts: int = Field(
+        16, ge=1, le=1024, description="Prompts one /v1/completions request may list (each is its own request on the "
+        "engine, admitted like one; a 422 naming prompt beyond).")
     structured_max_string_chars: int = Field(
         2000, ge=1, description="Characters a string of schema-constrained output (response_format json_schema) may "
         "hold where its schema sets no maxLength; the schema's own maxLength wins.")

@@ -1,4 +1,5 @@
-"""Text generation: /generate (with SSE streaming) and the OpenAI-compatible /v1 routes."""
+"""Text generation: /generate (with SSE streaming), the OpenAI-compatible /v1 routes and vLLM's /tokenize and
+/detokenize."""
 
 from __future__ import annotations
 
@@ -11,9 +12,20 @@ from fastapi.responses import StreamingResponse
 from app.deps import PrincipalDep, SessionDep
 from app.errors import ERROR_RESPONSES
 from app.schemas.chat import ChatCompletion, ChatCompletionRequest
-from app.schemas.generation import Completion, CompletionRequest, GenerateRequest, GenerateResponse, ModelList
+from app.schemas.generation import (
+    Completion,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    GenerateRequest,
+    GenerateResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from app.services import chat as chat_service
 from app.services import completions as service
+from app.services import tokenizer as tokenizer_service
 from app.services.generation import GenerationGateway, list_models_for
 
 router = APIRouter(tags=["generation"], responses=ERROR_RESPONSES)
@@ -56,6 +68,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, sessio
                            principal: PrincipalDep, gateway: GatewayDep) -> Any:
     """OpenAI-compatible chat completions through the model's own chat template; logprobs and response_format."""
     return _respond(await chat_service.chat(gateway, session, principal, body, request.is_disconnected))
+
+
+@router.post("/tokenize", response_model=TokenizeResponse)
+async def tokenize(body: TokenizeRequest, session: SessionDep, principal: PrincipalDep,
+                   gateway: GatewayDep) -> TokenizeResponse:
+    """A served model's token ids of a text (vLLM's /tokenize)."""
+    return await tokenizer_service.tokenize(gateway, session, principal, body)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse)
+async def detokenize(body: DetokenizeRequest, session: SessionDep, principal: PrincipalDep,
+                     gateway: GatewayDep) -> DetokenizeResponse:
+    """A served model's text of token ids (vLLM's /detokenize)."""
+    return await tokenizer_service.detokenize(gateway, session, principal, body)
 
 
 @router.get("/v1/models", response_model=ModelList)

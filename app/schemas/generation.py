@@ -102,21 +102,26 @@ class CompletionRequest(OpenAISampling):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str | list[str] = Field(description="One prompt (a list with one string is accepted too).")
-    max_tokens: int | None = Field(COMPLETIONS.default, ge=1, le=MAX_TOKENS_BOUND, description="Tokens to "
-                                   "generate at most per choice; at most the server's TRAINSERVE_MAX_NEW_TOKENS.")
-    echo: bool | None = False
+    prompt: str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]] = Field(
+        description="A prompt as text or as token ids, or a list of prompts (one choice per prompt and n, in order; "
+        "at most TRAINSERVE_COMPLETIONS_MAX_PROMPTS, not streamed).")
+    max_tokens: int | None = Field(COMPLETIONS.default, ge=0, le=MAX_TOKENS_BOUND, description="Tokens to "
+                                   "generate at most per choice; at most the server's TRAINSERVE_MAX_NEW_TOKENS. 0 "
+                                   "with echo: the prompt alone, scored.")
+    echo: bool | None = Field(False, description="The choice's text and logprobs begin with the prompt's (its first "
+                              "token's logprob null); not streamed.")
     logprobs: int | None = Field(None, ge=0, le=5, description="The sampled token's logprob and the top N (0-5).")
     best_of: int | None = None
     suffix: str | None = None
 
 
 class LegacyLogprobs(BaseModel):
-    """OpenAI's /v1/completions logprobs: parallel lists, top_logprobs as {token: logprob} per position."""
+    """OpenAI's /v1/completions logprobs: parallel lists, top_logprobs as {token: logprob} per position (an echoed
+    prompt's first token: null in both)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -158,3 +163,33 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a served model's tokenizer on a text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=200)
+    prompt: str = Field(min_length=1)
+    add_special_tokens: bool = Field(True, description="With the tokenizer's own special tokens (Llama's BOS), as a "
+                                     "prompt gets them.")
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize body: token ids back to text with a served model's tokenizer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=200)
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

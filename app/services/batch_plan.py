@@ -69,7 +69,12 @@ def _plan_completion(body: dict[str, Any], planning: Planning) -> PlannedLine:
     request = _parsed(CompletionRequest, body)
     if request.logprobs is not None:  # the legacy logprobs shape is built by the interactive route only
         raise ValidationFailed("logprobs", "logprobs are not returned by batch completions; use the chat endpoint")
-    prompt, params = openai_params(request, planning.settings)
+    if request.echo:  # as logprobs: the echoed answer is built by the interactive route only
+        raise ValidationFailed("echo", "echo is not answered by batch completions; use /v1/completions")
+    prompts, params = openai_params(request, planning.settings)
+    prompt = prompts[0]
+    if len(prompts) != 1 or not isinstance(prompt, str):
+        raise ValidationFailed("prompt", "a batch line holds one prompt, as text")
     served = planning.served(request.model)
     return PlannedLine(custom_id="", url="/v1/completions", model=request.model, path=served.path,
                        adapter=served.adapter, prompt=prompt, params=params, tokens_field=COMPLETIONS.name)

@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
@@ -42,9 +42,11 @@ from core.protocol import (
     ErrorBody,
     ErrorEvent,
     GenerationEvent,
+    PromptLogprobs,
     SamplingParams,
     TokenEvent,
     TokenLogprob,
+    Usage,
 )
 from core.served_models import ServedModel
 from core.settings import Settings
@@ -53,6 +55,7 @@ from core.settings import Settings
 DISCONNECT_POLL_S = 0.25
 
 Disconnected = Callable[[], Awaitable[bool]]  # Request.is_disconnected
+Prompt = str | list[int]  # text, or token ids sent as such
 Render = Callable[[GenerationEvent], list[bytes]]
 
 
@@ -99,20 +102,21 @@ def extras(body: SamplingExtras, max_tokens: int, constrained: bool = False) -> 
             "min_tokens": body.min_tokens, "ignore_eos": body.ignore_eos}
 
 
-async def start(gateway: GenerationGateway, session: Session, principal: Principal, name: str, prompt: str,
+async def start(gateway: GenerationGateway, session: Session, principal: Principal, name: str, prompt: Prompt,
                 params: SamplingParams, messages: list[ChatMessage] | None = None,
                 chat: ChatOptions | None = None, *, tokens_field: str) -> Started:
     """Validate, admit, hand off; returns once the worker accepted the request (or raises its error). Errors about
-    params.max_new_tokens name `tokens_field`, the field the client sent it in."""
+    params.max_new_tokens name `tokens_field`, the field the client sent it in. A prompt is text or token ids."""
     gateway.check(params, tokens_field)
     model = await run_in_threadpool(gateway.resolve, session, principal, name)
-    gateway.check_prompt(model, prompt, messages, chat)
+    text, ids = (prompt, None) if isinstance(prompt, str) else ("", prompt)
+    gateway.check_prompt(model, text, messages, chat, prompt_ids=ids)
     await run_in_threadpool(session.close)  # no connection held while generating
     request_id = await gateway.admit(principal, model, params.n)
     finished = False
     try:
-        await gateway.submit(request_id, model, prompt, params, messages, tokens_field=tokens_field,
-                             tenant=principal.tenant_id, chat=chat)
+        await gateway.submit(request_id, model, text, params, messages, tokens_field=tokens_field,
+                             tenant=principal.tenant_id, chat=chat, prompt_ids=ids)
         events = gateway.events(request_id)
         first = await anext(events)
         if isinstance(first, ErrorEvent):
@@ -203,10 +207,35 @@ async def generate(gateway: GenerationGateway, session: Session, principal: Prin
     return relay(gateway, started, render)
 
 
-def openai_params(body: CompletionRequest, settings: Settings) -> tuple[str, SamplingParams]:
+def openai_prompts(body: CompletionRequest, settings: Settings) -> list[Prompt]:
+    """The request's prompts, each text or token ids; none, an empty one, too many (or more rows than a model's queue
+    holds), or several streamed is a 422."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts: list[Prompt] = [prompt]
+    elif prompt and isinstance(prompt[0], int):  # the schema admits no list that mixes kinds
+        prompts = [cast(list[int], prompt)]
+    else:
+        prompts = cast(list[Prompt], list(prompt))
+    if not prompts or not all(prompts):
+        raise ValidationFailed("prompt", "send at least one prompt, and no empty one")
+    if len(prompts) > settings.completions_max_prompts:
+        raise ValidationFailed("prompt", f"{len(prompts)} prompts; one request lists at most "
+                               f"{settings.completions_max_prompts} (TRAINSERVE_COMPLETIONS_MAX_PROMPTS)")
+    if len(prompts) > 1 and body.stream:
+        raise ValidationFailed("prompt", "several prompts are answered whole, not streamed: send stream false or "
+                               "one prompt")
+    rows = len(prompts) * (body.n or 1)
+    if len(prompts) > 1 and rows > settings.generation_queue_per_model:  # held together: never admitted
+        raise ValidationFailed("prompt", f"{len(prompts)} prompts x n {body.n or 1} = {rows} rows; a model's queue "
+                               f"holds {settings.generation_queue_per_model} (TRAINSERVE_GENERATION_QUEUE_PER_MODEL): "
+                               "send fewer prompts per request")
+    return prompts
+
+
+def openai_params(body: CompletionRequest, settings: Settings) -> tuple[list[Prompt], SamplingParams]:
     """Map OpenAI's fields; refuse the ones this server cannot honour instead of silently ignoring them."""
-    unsupported = {"echo": body.echo, "suffix": body.suffix,
-                   "logit_bias": body.logit_bias or None}
+    unsupported = {"suffix": body.suffix, "logit_bias": body.logit_bias or None}
     for name, value in unsupported.items():
         if value:
             raise ValidationFailed(name, f"{name} is not supported by this server")
@@ -215,29 +244,54 @@ def openai_params(body: CompletionRequest, settings: Settings) -> tuple[str, Sam
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise ValidationFailed(name, f"{name} is not supported; use /generate with repetition_penalty")
-    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-    if len(prompts) != 1 or not prompts[0]:
-        raise ValidationFailed("prompt", "send exactly one non-empty prompt per request")
+    if body.echo and body.stream:
+        raise ValidationFailed("echo", "echo is answered whole, not streamed: send stream false")
+    prompts = openai_prompts(body, settings)
     stop = body.stop or []  # the schema checked it: a string or up to 4 strings, as a list
     max_tokens, _ = COMPLETIONS.chosen({COMPLETIONS.name: body.max_tokens})
+    if max_tokens == 0 and not body.echo:
+        raise ValidationFailed(COMPLETIONS.name, "max_tokens 0 scores the prompt alone: it needs echo true")
     constraint = constraint_of(body, settings)
-    return prompts[0], sampling(max_new_tokens=max_tokens,
-                                temperature=1.0 if body.temperature is None else body.temperature,
-                                top_p=1.0 if body.top_p is None else body.top_p, stop=stop,
-                                seed=body.seed, n=body.n or 1, logprobs=body.logprobs, constraint=constraint,
-                                **extras(body, max_tokens, constraint is not None))
+    # max_tokens 0: one token is generated and left out of the answer (vLLM's way of scoring a prompt alone).
+    return prompts, sampling(max_new_tokens=max(max_tokens, 1),
+                             temperature=1.0 if body.temperature is None else body.temperature,
+                             top_p=1.0 if body.top_p is None else body.top_p, stop=stop,
+                             seed=body.seed, n=body.n or 1, logprobs=body.logprobs,
+                             prompt_logprobs=body.logprobs if body.echo else None, constraint=constraint,
+                             **extras(body, max_tokens, constraint is not None))
 
 
-def legacy_logprobs(entries: list[TokenLogprob] | None, offset: int = 0) -> LegacyLogprobs:
-    """OpenAI's legacy completions logprobs; text_offset counts characters of the completion from `offset`."""
-    tokens, offsets = [], []
-    for entry in entries or []:
-        tokens.append(entry.token)
+def legacy_logprobs(entries: list[TokenLogprob] | None, offset: int = 0,
+                    prompt: PromptLogprobs | None = None) -> LegacyLogprobs:
+    """OpenAI's legacy completions logprobs; text_offset counts characters from `offset`. An echoed prompt's
+    entries come first, its first token's logprob and alternatives null (as OpenAI's legacy API and vLLM)."""
+    rows: list[tuple[str, float | None, dict[str, float] | None]] = []
+    if prompt is not None:
+        rows.append((prompt.first.token, None, None))
+    for entry in [*(prompt.scored if prompt is not None else []), *(entries or [])]:
+        rows.append((entry.token, entry.logprob, {t.token: t.logprob for t in entry.top_logprobs}))
+    offsets = []
+    for token, _, _ in rows:
         offsets.append(offset)
-        offset += len(entry.token)
-    return LegacyLogprobs(tokens=tokens, token_logprobs=[e.logprob for e in entries or []],
-                          top_logprobs=[{t.token: t.logprob for t in e.top_logprobs} for e in entries or []],
-                          text_offset=offsets)
+        offset += len(token)
+    return LegacyLogprobs(tokens=[r[0] for r in rows], token_logprobs=[r[1] for r in rows],
+                          top_logprobs=[r[2] for r in rows], text_offset=offsets)
+
+
+def completion_choices(body: CompletionRequest, prompt: Prompt, done: DoneEvent, first: int) -> list[CompletionChoice]:
+    """One prompt's choices, numbered from `first`; with echo each begins with the prompt (max_tokens 0: is it)."""
+    alone = bool(body.echo) and body.max_tokens == 0
+    echoed = (prompt if isinstance(prompt, str) else done.prompt_text or "") if body.echo else ""
+    choices = []
+    for choice in done.choices:
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = legacy_logprobs(None if alone else choice.logprobs,
+                                       prompt=done.prompt_logprobs if body.echo else None)
+        choices.append(CompletionChoice(text=echoed if alone else echoed + choice.text, index=first + choice.index,
+                                        logprobs=logprobs,
+                                        finish_reason="length" if alone else openai_reason(choice.finish_reason)))  # type: ignore[arg-type]
+    return choices
 
 
 def openai_reason(reason: str | None) -> str | None:
@@ -246,19 +300,14 @@ def openai_reason(reason: str | None) -> str | None:
 
 async def complete(gateway: GenerationGateway, session: Session, principal: Principal, body: CompletionRequest,
                    disconnected: Disconnected) -> Completion | AsyncIterator[bytes]:
-    """/v1/completions: an OpenAI Completion, or (stream) its chunks as SSE."""
-    prompt, params = openai_params(body, gateway.settings)
-    started = await start(gateway, session, principal, body.model, prompt, params, tokens_field=COMPLETIONS.name)
+    """/v1/completions: an OpenAI Completion (one choice per prompt and n, in order), or (stream, one prompt) its
+    chunks as SSE."""
+    prompts, params = openai_params(body, gateway.settings)
+    if not body.stream:
+        return await _complete_whole(gateway, session, principal, body, prompts, params, disconnected)
+    started = await start(gateway, session, principal, body.model, prompts[0], params, tokens_field=COMPLETIONS.name)
     completion_id, created = f"cmpl-{started.request_id.removeprefix('gen-')}", int(time.time())
     wants = params.logprobs is not None
-    if not body.stream:
-        done = await collect(gateway, started, disconnected)
-        return Completion(id=completion_id, created=created, model=body.model,
-                          choices=[CompletionChoice(text=c.text, index=c.index,
-                                                    logprobs=legacy_logprobs(c.logprobs) if wants else None,
-                                                    finish_reason=openai_reason(c.finish_reason))  # type: ignore[arg-type]
-                                   for c in done.choices],
-                          usage=CompletionUsage(**done.usage.openai()))
     include_usage = bool((body.stream_options or {}).get("include_usage"))
     offsets: dict[int, int] = {}  # characters streamed so far per choice, for text_offset
 
@@ -286,3 +335,36 @@ async def complete(gateway: GenerationGateway, session: Session, principal: Prin
         return out
 
     return relay(gateway, started, render)
+
+
+async def _complete_whole(gateway: GenerationGateway, session: Session, principal: Principal,
+                          body: CompletionRequest, prompts: list[Prompt], params: SamplingParams,
+                          disconnected: Disconnected) -> Completion:
+    """Every prompt its own request, admitted in turn and decoded together; one Completion of all their choices. A
+    prompt refused or failed fails the whole answer, and the others are cancelled."""
+    started: list[Started] = []
+    try:
+        for prompt in prompts:
+            started.append(await start(gateway, session, principal, body.model, prompt, params,
+                                       tokens_field=COMPLETIONS.name))
+    except BaseException:
+        for one in started:
+            await gateway.release(one.request_id, one.model, finished=False, tenant=one.tenant, rows=one.rows)
+        raise
+    waits = [asyncio.ensure_future(collect(gateway, one, disconnected)) for one in started]
+    try:
+        dones = await asyncio.gather(*waits)
+    except BaseException:
+        for wait in waits:
+            wait.cancel()  # collect's release cancels its request on the worker
+        await asyncio.gather(*waits, return_exceptions=True)
+        raise
+    alone = bool(body.echo) and body.max_tokens == 0
+    choices = [choice for at, (prompt, done) in enumerate(zip(prompts, dones, strict=True))
+               for choice in completion_choices(body, prompt, done, at * params.n)]
+    prompt_tokens = sum(done.usage.prompt_tokens for done in dones)
+    completion_tokens = 0 if alone else sum(done.usage.completion_tokens for done in dones)
+    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                  cached_tokens=sum(done.usage.cached_tokens for done in dones))
+    return Completion(id=f"cmpl-{started[0].request_id.removeprefix('gen-')}", created=int(time.time()),
+                      model=body.model, choices=choices, usage=CompletionUsage(**usage.openai()))

@@ -7,6 +7,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Literal
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -50,6 +51,12 @@ def check_prompt_bytes(model: ServedModel, size: int, field: str, settings: Sett
                                f"{model.context} tokens, which no tokenizer makes of more than {bound} bytes")
 
 
+def check_token_count(model: ServedModel, count: int, field: str) -> None:
+    """Refuse (a 422 naming `field`) more token ids than `model` reads."""
+    if model.context is not None and count > model.context:
+        raise ValidationFailed(field, f"{count} token ids; model {model.id!r} reads at most {model.context} tokens")
+
+
 class GenerationGateway:
     """One per API process: talks to Redis directly (events, counters) and to workers through the queue."""
 
@@ -70,10 +77,14 @@ class GenerationGateway:
             raise ValidationFailed(*refusal)
 
     def check_prompt(self, model: ServedModel, prompt: str, messages: list[ChatMessage] | None,
-                     chat: ChatOptions | None = None) -> None:
-        """Refuse, by its size in bytes, a prompt that cannot fit the model's context (check_prompt_bytes). A chat
-        counts everything its template renders: the messages (their tool calls too), the tools and the template's
-        arguments; the error names the largest of those fields. Text UTF-8 cannot encode is refused too."""
+                     chat: ChatOptions | None = None, *, prompt_ids: list[int] | None = None) -> None:
+        """Refuse, by its size in bytes, a prompt that cannot fit the model's context (check_prompt_bytes), or token
+        ids (`prompt_ids`, then `field`) more than the context. A chat counts everything its template renders: the
+        messages (their tool calls too), the tools and the template's arguments; the error names the largest of
+        those fields. Text UTF-8 cannot encode is refused too."""
+        if prompt_ids is not None:
+            check_token_count(model, len(prompt_ids), "prompt")
+            return
         parts = {"prompt": _utf8_bytes(prompt, "prompt")} if messages is None else _chat_bytes(messages, chat)
         size, field = sum(parts.values()), max(parts, key=lambda name: parts[name])
         what = field if messages is None else "chat (" + ", ".join(
@@ -128,16 +139,20 @@ class GenerationGateway:
 
     async def submit(self, request_id: str, model: ServedModel, prompt: str, params: SamplingParams,
                      messages: list[ChatMessage] | None = None, *, tokens_field: str, tenant: str | None = None,
-                     chat: ChatOptions | None = None) -> None:
-        """Hand the request of `tenant` to a generation worker; it must start before the wait deadline."""
-        task = GenerateTask(request_id=request_id, model=model.path, adapter=model.adapter, tenant=tenant,
-                            prompt=prompt, params=params, tokens_field=tokens_field, messages=messages, chat=chat,
+                     chat: ChatOptions | None = None, prompt_ids: list[int] | None = None,
+                     op: Literal["generate", "tokenize", "detokenize"] = "generate",
+                     add_special_tokens: bool = True) -> None:
+        """Hand the request of `tenant` to a generation worker; it must start before the wait deadline (`op`: or
+        ask only the model's tokenizer, GenerateTask.op)."""
+        task = GenerateTask(request_id=request_id, op=op, model=model.path, adapter=model.adapter, tenant=tenant,
+                            prompt=prompt, prompt_ids=prompt_ids, params=params, tokens_field=tokens_field,
+                            messages=messages, chat=chat, add_special_tokens=add_special_tokens,
                             deadline=time.time() + self.settings.generation_wait_s)
         await run_in_threadpool(self.queue.send, TASK_GENERATE, [task.model_dump(mode="json")], queue=QUEUE_GENERATE,
                                 headers=task_headers())
 
     async def events(self, request_id: str) -> AsyncIterator[GenerationEvent]:
-        """The worker's events for this request, in order, until `done` or `error` (or the lifetime ends)."""
+        """The worker's events for this request, in order, until `done`, `tokens` or `error` (or the lifetime ends)."""
         key = stream_key(request_id)
         last = "0-0"
         deadline = time.monotonic() + self._lifetime()
@@ -156,7 +171,7 @@ class GenerationGateway:
                     last = entry_id
                     event = parse_event(fields[b"data"])
                     yield event
-                    if event.type in ("done", "error"):
+                    if event.type in ("done", "tokens", "error"):
                         return
 
     async def release(self, request_id: str, model: ServedModel, *, finished: bool, tenant: str, rows: int = 1

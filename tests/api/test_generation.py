@@ -148,7 +148,7 @@ def test_official_openai_client_completes_and_streams(client, served):
               for _ in range(2)]
     assert [c.text for c in seeded[0].choices] == [c.text for c in seeded[1].choices]
     with pytest.raises(openai.UnprocessableEntityError):
-        api.completions.create(model="tiny", prompt="Hi", echo=True)
+        api.completions.create(model="tiny", prompt="Hi", suffix="!")
     models = api.models.list()
     assert [m.id for m in models.data] == ["tiny"]
 

@@ -26,7 +26,7 @@ from worker.engines.generation.engine import (
 from worker.engines.generation.requests import AdapterUse, Request
 from worker.engines.generation.runners.gpt2 import Gpt2Runner
 from worker.engines.generation.runners.gpt2_weights import load_gpt2
-from worker.engines.generation.runners.runner import DecodeInput
+from worker.engines.generation.runners.runner import DecodeInput, PrefillInput
 
 PROMPTS = [
     "Hello",
@@ -526,7 +526,7 @@ def test_a_decode_step_and_a_prefill_in_one_pass_equal_both_apart(model_dir, eng
         for each in (together, apart):
             torch.manual_seed(0)
             filled(each.cache, 6, 16)
-        both = together.forward(DecodeInput(tokens, positions, 10), (prompts, rows, [0, 0]))
+        both = together.forward(DecodeInput(tokens, positions, 10), PrefillInput(prompts, rows, [0, 0]))
         step, first = apart.decode(tokens, positions, 10), apart.prefill(prompts, rows)
     torch.testing.assert_close(both, torch.cat([step, first]), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(together.cache.keys, apart.cache.keys, rtol=1e-4, atol=1e-5)  # same cache writes

@@ -144,3 +144,32 @@ def test_chunks_fold_into_a_choice_with_logprobs_by_token_id() -> None:
 def test_error_messages_are_read_from_vllms_envelope() -> None:
     assert error_message(json.dumps({"error": {"message": "bad grammar", "type": "BadRequestError"}})) == "bad grammar"
     assert error_message("not json") == "not json"
+
+
+def test_a_scored_prompt_is_asked_of_choice_0_as_an_echo_and_read_back_apart() -> None:
+    params = SamplingParams(max_new_tokens=1, n=2, logprobs=1, prompt_logprobs=2)
+    first = choice_body("base", [0, 2, 1], params, index=0)
+    assert first["echo"] is True and first["logprobs"] == 2 and first["return_token_ids"] is True  # echo text ""
+    second = choice_body("base", [0, 2, 1], params, index=1)
+    assert "echo" not in second and second["logprobs"] == 1
+    stream = ChoiceStream(0, TABLE, frozenset({4}), echoed=3)
+    # vLLM's echo chunk: the prompt's entries (the first null), then the generated token's; its text only the output.
+    delta, logprobs = stream.take(_chunk("b", [1], {
+        "tokens": ["token_id:0", "token_id:2", "token_id:4", "token_id:1"],
+        "token_logprobs": [None, -1.25, -0.5, -0.75],
+        "top_logprobs": [None, {"token_id:2": -1.25, "token_id:0": -0.25, "token_id:1": -2.0},
+                         {"token_id:4": -0.5}, {"token_id:1": -0.75, "token_id:3": -1.0}],
+        "text_offset": [0, 1, 3, 3]}), top=1, prompt_top=2)
+    assert delta == "b" and stream.text == "b"
+    assert logprobs is not None and [(e.token, e.logprob) for e in logprobs] == [("b", -0.75)]
+    assert [t.token for t in logprobs[0].top_logprobs] == ["b"]
+    prompt = stream.prompt_logprobs
+    assert prompt is not None and (prompt.first.token, prompt.first.bytes) == ("a", [97])
+    assert [(e.token, e.logprob) for e in prompt.scored] == [(" c", -1.25), ("", -0.5)]  # a prompt's eos is scored
+    assert [(t.token, t.logprob) for t in prompt.scored[0].top_logprobs] == [("a", -0.25), (" c", -1.25)]
+    later, _ = stream.take(_chunk("a", [0], {"tokens": ["token_id:0"], "token_logprobs": [-0.1],
+                                             "top_logprobs": [{"token_id:0": -0.1}]}), top=1, prompt_top=2)
+    assert later == "a" and len(prompt.scored) == 2 and stream.logprobs is not None and len(stream.logprobs) == 2
+    with pytest.raises(ValueError, match="echoed 1 prompt tokens"):
+        ChoiceStream(0, TABLE, frozenset({4}), echoed=3).take(_chunk("", [], {
+            "tokens": ["token_id:0"], "token_logprobs": [None], "top_logprobs": [None]}), top=None, prompt_top=0)

@@ -7,7 +7,8 @@ engine starts, for GPU hosts, tensor parallelism and any architecture vLLM serve
 for both; an engine only decodes what it is given.
 
 The contract both keep:
-- `encode` / `encode_chat`: prompt ids with the tokenizer's own special tokens / through the model's chat template.
+- `encode` / `encode_chat`: prompt ids with the tokenizer's own special tokens / through the model's chat template;
+  `decode`: ids back to text, special tokens included.
 - `submit(ids, params, request_id=, on_token=, deadline=, adapter=, tenant=, batch=)` returns a future of a
   GenerationResult; on_token(choice, text delta[, logprobs]) streams. ValueError for a request this engine can
   never run (its message names what is wrong; a GrammarError also the request field), QueueFull when the queue or
@@ -32,6 +33,7 @@ class ServingEngine(Protocol):
     """What the generation worker needs of an engine."""
 
     tokenizer: Any
+    vocab_size: int
     context_length: int
     max_batch_size: int
     max_tokens_in_flight: int
@@ -40,10 +42,12 @@ class ServingEngine(Protocol):
     @property
     def weight_bytes(self) -> int: ...
 
-    def encode(self, prompt: str) -> list[int]: ...
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     **template_kwargs: Any) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
 
     def read_adapter(self, name: str) -> AdapterUse: ...
 

@@ -33,6 +33,7 @@ from core.protocol import (
     SamplingParams,
     TokenEvent,
     TokenLogprob,
+    TokensEvent,
     Usage,
 )
 from core.redis_keys import cancel_key
@@ -311,6 +312,8 @@ class GenerationService:
     def _run(self, engine: ServingEngine, task: GenerateTask, writer: EventWriter, remaining: float) -> BaseModel:
         from worker.engines.generation.requests import GRAMMAR_ERROR  # the engine and torch are loaded by now
 
+        if task.op != "generate":
+            return tokens_event(engine, task)
         parsers: list[ChoiceParser | None] = [None] * task.params.n
         if task.messages is not None:
             plan = plan_chat(engine, task)
@@ -318,6 +321,10 @@ class GenerationService:
                 return plan
             prompt_ids, params = plan.ids, plan.params
             parsers = [plan.parser() for _ in range(params.n)]
+        elif task.prompt_ids is not None:
+            prompt_ids, params = task.prompt_ids, task.params
+            if refused := _token_ids_refusal(prompt_ids, engine.vocab_size, "prompt"):
+                return refused
         else:
             prompt_ids, params = engine.encode(task.prompt), task.params
         if not prompt_ids:
@@ -325,6 +332,13 @@ class GenerationService:
         refusal = engine_fit(engine, len(prompt_ids), params, task.tokens_field)
         if refusal is not None:  # the engine would refuse it too; here the error names the request's field
             return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, refusal.message, refusal.field)
+        if params.prompt_logprobs is not None:  # each choice's answer repeats the scored prompt (an echo)
+            entries = params.n * (len(prompt_ids) + params.max_new_tokens) * (1 + params.prompt_logprobs)
+            if entries > self.settings.max_response_entries:
+                return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, f"n ({params.n}) x (prompt tokens "
+                                     f"({len(prompt_ids)}) + tokens to generate ({params.max_new_tokens})) x (1 + "
+                                     f"logprobs {params.prompt_logprobs}) = {entries} token entries; a response "
+                                     f"holds at most {self.settings.max_response_entries} on this server", "logprobs")
         clock = metrics.TokenClock()
 
         def on_token(index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> None:
@@ -351,7 +365,10 @@ class GenerationService:
             return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, "the output constraint is too complex to enforce: its "
                                  "matcher failed during generation; simplify the schema or pattern",
                                  field_of(params.constraint))
-        return done_event(result, parsers)
+        done = done_event(result, parsers)
+        if task.prompt_ids is not None:  # the text of a prompt given as ids, for an echo
+            done.prompt_text = engine.decode(task.prompt_ids)
+        return done
 
 
 def _on_cuda(settings: Settings) -> bool:
@@ -405,7 +422,27 @@ def done_event(result: Any, parsers: list[ChoiceParser | None]) -> DoneEvent:
     """The engine's result as the wire's last event, each chat choice split into content, reasoning and calls."""
     return DoneEvent(choices=[choice_out(c, parsers[c.index]) for c in result.choices],
                      usage=Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
-                                 cached_tokens=result.cached_tokens))
+                                 cached_tokens=result.cached_tokens), prompt_logprobs=result.prompt_logprobs)
+
+
+def tokens_event(engine: ServingEngine, task: GenerateTask) -> TokensEvent | ErrorEvent:
+    """A tokenizer's answer: the prompt's ids ("tokenize"), or the text of prompt_ids ("detokenize")."""
+    if task.op == "tokenize":
+        ids = engine.encode(task.prompt, add_special_tokens=task.add_special_tokens)
+        return TokensEvent(ids=ids, text=task.prompt, context=engine.context_length)
+    ids = task.prompt_ids or []
+    if refused := _token_ids_refusal(ids, engine.vocab_size, "tokens"):
+        return refused
+    return TokensEvent(ids=ids, text=engine.decode(ids), context=engine.context_length)
+
+
+def _token_ids_refusal(ids: list[int], vocab_size: int, field: str) -> ErrorEvent | None:
+    """A 422 naming `field` for token ids outside the model's vocabulary, else None."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if not bad:
+        return None
+    return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, f"token ids must be in [0, {vocab_size}) for this model, got "
+                         f"{bad[:5]!r}", field)
 
 
 def engine_fit(engine: ServingEngine, prompt_tokens: int, params: SamplingParams, field: str) -> Refusal | None:

@@ -128,16 +128,21 @@ class GenerationEngine:
 
     # -- the callers' side --
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt with the tokenizer's own special tokens (Llama's BOS; none for GPT-2), as vLLM does."""
         with self._encode_lock:
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     **template_kwargs: Any) -> list[int]:
         """Prompt ids of a chat through the model's own chat template (NoChatTemplate when it has none)."""
         with self._encode_lock:
             return chat_ids(self.tokenizer, messages, tools, **template_kwargs)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids, special tokens included (an echoed prompt, /detokenize)."""
+        with self._encode_lock:
+            return str(self.tokenizer.decode(list(ids)))
 
     def read_adapter(self, name: str) -> AdapterUse:
         """Adapter `name` for a request, read now unless resident (ValueError if this base cannot serve it)."""

@@ -104,8 +104,9 @@ class PrefillQueue:
         return len(self.prefix.blocks) if self.prefix is not None else 0
 
     def add(self, cache: PagedCache, request: Request) -> None:
-        """Queue a started request (its cached prefix looked up now: held until its prefill, whatever is evicted)."""
-        if self.prefix is not None:
+        """Queue a started request (its cached prefix looked up now: held until its prefill, whatever is evicted). A
+        request that scores its prompt computes it whole: no cached prefix."""
+        if self.prefix is not None and request.params.prompt_logprobs is None:
             self.prefix.lookup(cache, request)
         self.requests.append(request)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from core.generation_limits import fit_refusal
-from core.protocol import SamplingParams, TokenLogprob
+from core.protocol import PromptLogprobs, SamplingParams, TokenLogprob
 from worker.engines.generation.lora.adapter_cache import LoraWeights
 from worker.engines.generation.sampling.detokenize import Pieces
 from worker.engines.generation.sampling.sampler import row_seed
@@ -58,6 +58,7 @@ class GenerationResult:
     prompt_tokens: int
     completion_tokens: int  # sum over choices
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prompt_logprobs: PromptLogprobs | None = None  # the prompt scored, when params.prompt_logprobs asked for it
 
 
 @dataclass(eq=False)
@@ -88,6 +89,7 @@ class Request:
     batch: bool = False  # a /v1/batches line: admitted after interactive requests
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (prefix_cache.py)
     prefix: list[int] = field(default_factory=list)  # their blocks in the paged cache, held until restored
+    prompt_logprobs: PromptLogprobs | None = None  # filled chunk by chunk as the prompt prefills, when asked for
 
     def result(self) -> GenerationResult:
         """The outcome from its sequences; a request dropped before it started has empty cancelled choices."""
@@ -97,7 +99,7 @@ class Request:
         choices = [Choice(s.index, s.stream.text, s.finish_reason or "cancelled", list(s.tokens), s.logprobs)
                    for s in self.sequences]
         return GenerationResult(self.request_id, choices, len(self.prompt), sum(len(c.token_ids) for c in choices),
-                                self.cached_tokens)
+                                self.cached_tokens, self.prompt_logprobs)
 
     def start(self) -> bool:
         """Mark the request running as it is admitted (its future can no longer be cancelled); False when its caller

@@ -1,13 +1,15 @@
-"""What a decode step adds per row beyond the next token (grammar masks before the draw, logprobs after it)."""
+"""What a step adds per row beyond the next token (grammar masks before the draw, logprobs after it) and what it
+records of a scored prompt (every prompt token's logprob)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import torch
 
-from core.protocol import TokenLogprob, TopLogprob
+from core.protocol import PromptLogprobs, Token, TokenLogprob, TopLogprob
+from worker.engines.generation.prefill import Chunk
 from worker.engines.generation.requests import SequenceState
 from worker.engines.generation.sampling.grammar import allowed_tokens
 from worker.engines.generation.sampling.sampler import constrain, step_logprobs
@@ -50,3 +52,35 @@ def record_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[Seque
         entry = TokenLogprob(**_top(table, chosen[at], step.chosen[at]).model_dump(), top_logprobs=top)
         sequence.logprobs.append(entry)
         sequence.unsent.append(entry)
+
+
+# Prompt positions whose log-softmax is taken at once: bounds the fp32 copy of [positions, vocabulary].
+SCORE_SLICE = 256
+
+
+def record_prompt_logprobs(logits: torch.Tensor, chunks: Sequence[Chunk], table: list[bytes]) -> None:
+    """Append to each scored chunk's request the logprobs of the prompt tokens its positions predict: position i
+    scores prompt token i + 1, in fp32 from the model's own logits, with the `prompt_logprobs` most likely there.
+    `logits`: every position of the scored chunks, in order (the runner's rows after the chunks' last positions)."""
+    at = 0
+    for chunk in chunks:
+        request, top = chunk.request, chunk.request.params.prompt_logprobs
+        if top is None:
+            continue
+        prompt = request.prompt
+        if chunk.start == 0:
+            raw = table[prompt[0]]
+            request.prompt_logprobs = PromptLogprobs(first=Token(token=raw.decode("utf-8", errors="replace"),
+                                                                 bytes=list(raw)), scored=[])
+        assert request.prompt_logprobs is not None
+        targets = prompt[chunk.start + 1:chunk.end + 1]  # the prompt's last position predicts no prompt token
+        for first in range(0, len(targets), SCORE_SLICE):
+            part = targets[first:first + SCORE_SLICE]
+            step = step_logprobs(logits[at + first:at + first + len(part)],
+                                 torch.tensor(part, dtype=torch.long, device=logits.device), list(range(len(part))),
+                                 [top] * len(part))
+            for token, value, ids, values in zip(part, step.chosen, step.top_ids, step.top_values, strict=True):
+                request.prompt_logprobs.scored.append(TokenLogprob(
+                    **_top(table, token, value).model_dump(),
+                    top_logprobs=[_top(table, i, v) for i, v in zip(ids, values, strict=True)]))
+        at += chunk.end - chunk.start

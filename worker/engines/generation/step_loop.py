@@ -27,7 +27,7 @@ from worker.engines.generation.endings import Endings
 from worker.engines.generation.lora_manager import LoraManager
 from worker.engines.generation.prefill import Chunk
 from worker.engines.generation.requests import EngineClosed, SequenceState
-from worker.engines.generation.row_outputs import constrained_logits, record_logprobs
+from worker.engines.generation.row_outputs import constrained_logits, record_logprobs, record_prompt_logprobs
 from worker.engines.generation.runners.cuda_graphs import static_decoder, static_eligible
 from worker.engines.generation.runners.runner import DecodeInput, PrefillInput, Runner
 from worker.engines.generation.running import RunningRows
@@ -187,8 +187,9 @@ class StepLoop:
             positions = [s.position for s in plan.decode]
             tokens = torch.tensor([s.tokens[-1] for s in plan.decode], dtype=torch.long, device=self.device)
             decode = DecodeInput(tokens, torch.tensor(positions, device=self.device), max(positions) + 1)
-        prefill: PrefillInput | None = ([c.tokens for c in chunks], [list(c.rows) for c in chunks],
-                                        [c.start for c in chunks]) if chunks else None
+        scored = tuple(i for i, c in enumerate(chunks) if c.request.params.prompt_logprobs is not None)
+        prefill = PrefillInput([c.tokens for c in chunks], [list(c.rows) for c in chunks], [c.start for c in chunks],
+                               scored) if chunks else None
         try:
             logits = self.runner.forward(decode, prefill)
         except Exception as error:
@@ -197,6 +198,10 @@ class StepLoop:
             self._abort(chunks, error)  # their rows go; the running rows step again alone
             return StepOutcome(time.perf_counter() - started)
         if chunks:
+            if scored:  # the scored chunks' every position, after the decode rows and each chunk's last position
+                end = (0 if decode is None else decode.tokens.shape[0]) + len(chunks)
+                record_prompt_logprobs(logits[end:], chunks, self.table)
+                logits = logits[:end]
             logits = self._prompt_logits(logits, decode, chunks, len(rows))
         if not rows:  # only a prompt's first chunks ran: nothing to sample yet
             return StepOutcome(time.perf_counter() - started, prefilled=chunks)

@@ -195,14 +195,18 @@ class VllmEngine:
 
     # -- the callers' side --
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         with self._encode_lock:
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     **template_kwargs: Any) -> list[int]:
         with self._encode_lock:
             return chat_ids(self.tokenizer, messages, tools, **template_kwargs)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        with self._encode_lock:
+            return str(self.tokenizer.decode(list(ids)))
 
     def read_adapter(self, name: str) -> AdapterUse:
         """Adapter `name` loaded into vLLM (once; its folder fetched on this, the caller's, thread)."""
@@ -358,7 +362,9 @@ class VllmEngine:
                     self.scheduler.release(request, request.params.n)
                     continue
                 model = request.adapter.name if request.adapter is not None else "base"
-                run = _Running(request, model, [ChoiceStream(i, self._table, self.eos_token_ids)
+                scored = len(request.prompt) if request.params.prompt_logprobs is not None else 0
+                run = _Running(request, model, [ChoiceStream(i, self._table, self.eos_token_ids,
+                                                             echoed=scored if i == 0 else 0)
                                                 for i in range(request.params.n)], request.params.n)
                 self._running[id(request)] = run
                 started.append(run)
@@ -407,7 +413,7 @@ class VllmEngine:
                     chunk = json.loads(data)
                     if "error" in chunk:
                         raise RuntimeError(f"vLLM failed the request: {error_message(data)}")
-                    delta, logprobs = stream.take(chunk, request.params.logprobs)
+                    delta, logprobs = stream.take(chunk, request.params.logprobs, request.params.prompt_logprobs)
                     if (delta or logprobs) and request.on_token is not None:
                         self._endings.emit(request, index, delta, logprobs)
         except BaseException as error:  # noqa: BLE001 - the request fails; the engine goes on
@@ -447,7 +453,8 @@ class VllmEngine:
                             cached_prompt_tokens=max(s.cached_tokens for s in run.streams),
                             **({"cancelled": 1} if run.gone else {"completed": 1}))
         request.future.set_result(GenerationResult(request.request_id, choices, len(request.prompt), completion,
-                                                   max(s.cached_tokens for s in run.streams)))
+                                                   max(s.cached_tokens for s in run.streams),
+                                                   run.streams[0].prompt_logprobs))
 
 
 def _lora_rank(folder: Path) -> int | None:

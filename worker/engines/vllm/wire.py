@@ -4,7 +4,9 @@ One choice is one vLLM request (`n` 1): choice i of a seeded request is seeded `
 seeds its rows (sampling/sampler.row_seed), so a seed means the same thing whichever engine decodes. Prompts go as
 token ids (the worker renders chats and encodes prompts itself, so both engines see the same ids); vLLM answers
 with the token ids it sampled (`return_token_ids`) and logprobs keyed by id (`return_tokens_as_token_ids`), read
-back through the same byte table the built-in engine reports logprobs with.
+back through the same byte table the built-in engine reports logprobs with. A scored prompt (prompt_logprobs) is
+asked of choice 0 as vLLM's streamed `echo` with `logprobs`: its first chunk's logprobs open with the prompt's tokens
+(the first with none), then the choice's own; with return_token_ids the echoed text is empty.
 
 Sampling parameters are all sent, defaults included: vLLM otherwise takes a model's generation_config.json
 sampling defaults (its `--generation-config auto`), where the built-in engine's defaults are the request's.
@@ -16,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.protocol import Constraint, SamplingParams, TokenLogprob, TopLogprob
+from core.protocol import Constraint, PromptLogprobs, SamplingParams, Token, TokenLogprob, TopLogprob
 
 
 def structured_outputs(constraint: Constraint) -> dict[str, Any]:
@@ -52,6 +54,9 @@ def choice_body(model: str, prompt: list[int], params: SamplingParams, index: in
         body["seed"] = params.seed + index
     if params.logprobs is not None:
         body["logprobs"] = params.logprobs
+    if params.prompt_logprobs is not None and index == 0:  # one choice scores the prompt for all of them
+        body["echo"] = True
+        body["logprobs"] = max(params.logprobs or 0, params.prompt_logprobs)
     if params.constraint is not None:
         body["structured_outputs"] = structured_outputs(params.constraint)
     return body
@@ -79,9 +84,13 @@ class ChoiceStream:
     logprobs: list[TokenLogprob] | None = None
     finish: str | None = None
     cached_tokens: int = 0
+    echoed: int = 0  # prompt tokens whose logprobs open the first chunk's (choice_body's echo); 0: none
+    prompt_logprobs: PromptLogprobs | None = None
 
-    def take(self, chunk: dict[str, Any], top: int | None) -> tuple[str, list[TokenLogprob] | None]:
-        """Fold one streamed chunk in; returns its text delta and the logprobs of the tokens it brought."""
+    def take(self, chunk: dict[str, Any], top: int | None,
+             prompt_top: int | None = None) -> tuple[str, list[TokenLogprob] | None]:
+        """Fold one streamed chunk in; returns its text delta and the logprobs of the tokens it brought (`top` the
+        choice's, `prompt_top` the echoed prompt's alternatives at most)."""
         usage = chunk.get("usage")
         if usage:
             self.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
@@ -90,8 +99,11 @@ class ChoiceStream:
             ids = [int(t) for t in choice.get("token_ids") or []]
             self.token_ids += ids
             delta += choice.get("text") or ""
+            logprobs = choice.get("logprobs") or {}
+            if self.echoed and self.prompt_logprobs is None:
+                logprobs = self._prompt(logprobs, prompt_top or 0)
             if top is not None:
-                delta_logprobs = (delta_logprobs or []) + self._logprobs(choice.get("logprobs") or {}, top)
+                delta_logprobs = (delta_logprobs or []) + self._logprobs(logprobs, top)
             if choice.get("finish_reason") is not None:
                 self.finish = finish_reason(choice["finish_reason"], choice.get("stop_reason"))
         self.text += delta
@@ -99,20 +111,35 @@ class ChoiceStream:
             self.logprobs = (self.logprobs or []) + delta_logprobs
         return delta, delta_logprobs
 
-    def _logprobs(self, logprobs: dict[str, Any], top: int) -> list[TokenLogprob]:
+    def _prompt(self, logprobs: dict[str, Any], top: int) -> dict[str, Any]:
+        """Keep the echoed prompt's entries (the first `echoed` of each list) as prompt_logprobs; the rest back."""
+        n = self.echoed
+        tokens = logprobs.get("tokens") or []
+        if len(tokens) < n:
+            raise ValueError(f"vLLM echoed {len(tokens)} prompt tokens' logprobs, not {n}")
+        raw = self._bytes(_id(tokens[0]))
+        prompt = {key: (value or [])[1:n] for key, value in logprobs.items()}
+        first = Token(token=raw.decode("utf-8", errors="replace"), bytes=list(raw))
+        self.prompt_logprobs = PromptLogprobs(first=first, scored=self._logprobs(prompt, top, skip_eos=False))
+        return {key: (value or [])[n:] for key, value in logprobs.items()}
+
+    def _logprobs(self, logprobs: dict[str, Any], top: int, skip_eos: bool = True) -> list[TokenLogprob]:
         out = []
         for token, value, alternatives in zip(logprobs.get("tokens") or [], logprobs.get("token_logprobs") or [],
                                               logprobs.get("top_logprobs") or [], strict=False):
             token_id = _id(token)
-            if token_id in self.eos_ids:  # as the built-in engine: no logprob for the end-of-sequence token
+            if skip_eos and token_id in self.eos_ids:  # as the built-in engine: no logprob for the end-of-sequence
                 continue
             ranked = sorted(((_id(t), v) for t, v in (alternatives or {}).items()), key=lambda item: -item[1])
             out.append(TokenLogprob(**self._top(token_id, value).model_dump(),
                                     top_logprobs=[self._top(i, v) for i, v in ranked[:top]]))
         return out
 
+    def _bytes(self, token_id: int) -> bytes:
+        return self.logprob_table[token_id] if 0 <= token_id < len(self.logprob_table) else b""
+
     def _top(self, token_id: int, value: float | None) -> TopLogprob:
-        raw = self.logprob_table[token_id] if 0 <= token_id < len(self.logprob_table) else b""
+        raw = self._bytes(token_id)
         return TopLogprob(token=raw.decode("utf-8", errors="replace"), bytes=list(raw),
                           logprob=float(value) if value is not None else float("-inf"))
 

@@ -415,8 +415,9 @@ class PrefillLayout:
     """
 
     def __init__(self, cache: PagedCache, prompts: list[list[int]], groups: list[list[int]], starts: list[int],
-                 device: torch.device) -> None:
+                 device: torch.device, scored: Sequence[int] = ()) -> None:
         self.cache = cache
+        self.scored = scored  # chunks whose every position needs logits (their prompt is scored)
         self.count = len(prompts)
         self.lengths = [len(prompt) for prompt in prompts]
         self.width = max(self.lengths)
@@ -482,6 +483,10 @@ class PrefillLayout:
         return sees(at, start + length, window)[None, None]
 
     def picked(self, batch: int, device: torch.device) -> torch.Tensor:
-        """Flat token indices that need logits: the `batch` decode rows first, then each prompt's last position."""
-        last = torch.tensor([batch + i * self.width + n - 1 for i, n in enumerate(self.lengths)], device=device)
+        """Flat token indices that need logits: the `batch` decode rows first, then each prompt's last position, then
+        every position of each scored chunk, in order."""
+        picked = [batch + i * self.width + n - 1 for i, n in enumerate(self.lengths)]
+        for i in self.scored:
+            picked += range(batch + i * self.width, batch + i * self.width + self.lengths[i])
+        last = torch.tensor(picked, device=device)
         return last if batch == 0 else torch.cat([torch.arange(batch, device=device), last])

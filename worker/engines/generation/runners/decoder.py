@@ -128,7 +128,8 @@ class DecoderRunner:
             ids.append(decode.tokens)
             positions.append(decode.positions)
         if prefill is not None:
-            layout = PrefillLayout(cache, *prefill, self.device)
+            layout = PrefillLayout(cache, prefill.prompts, prefill.rows, prefill.starts, self.device,
+                                   prefill.scored)
             ids.append(layout.ids.view(-1))
             positions.append(layout.positions.view(-1))
             if not layout.chunked:
@@ -163,7 +164,8 @@ class DecoderRunner:
 
         for index in range(self.n_layer):
             hidden = self._block(index, hidden, rotary, attend)
-        # Only the decode rows and each prompt's last position need logits: the LM head is the largest matmul.
+        # Only the decode rows and each prompt's last position (a scored prompt's every one) need logits: the LM
+        # head is the largest matmul.
         if layout is not None:
             hidden = hidden.index_select(0, layout.picked(batch, self.device))
         return linear(self._norm(hidden, self.weights.norm), self.weights.head, None).float()

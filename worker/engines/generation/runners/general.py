@@ -145,7 +145,8 @@ class GeneralRunner:
             ids.append(decode.tokens)
             positions.append(decode.positions)
         if prefill is not None:
-            layout = PrefillLayout(self.cache, *prefill, self.device)
+            layout = PrefillLayout(self.cache, prefill.prompts, prefill.rows, prefill.starts, self.device,
+                                   prefill.scored)
             ids.append(layout.ids.view(-1))
             positions.append(layout.positions.view(-1))
             if not layout.chunked:
@@ -153,8 +154,8 @@ class GeneralRunner:
                 masks = {window: sees(at, layout.width, window) for window in self.windows}
         flat_ids = (ids[0] if len(ids) == 1 else torch.cat(ids))[None]
         flat_positions = (positions[0] if len(positions) == 1 else torch.cat(positions))[None]
-        # Only the decode rows and each prompt's last position need logits (the model applies its own final
-        # soft-capping or scaling to those).
+        # Only the decode rows and each prompt's last position (a scored prompt's every one) need logits (the
+        # model applies its own final soft-capping or scaling to those).
         keep = layout.picked(batch, self.device) if layout is not None else torch.arange(batch, device=self.device)
         token = _STEP.set(_Step(self, batch, rows, layout, masks))
         try:

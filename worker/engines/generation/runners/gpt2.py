@@ -131,7 +131,7 @@ class Gpt2Runner:
 
         rows[i] lists the cache rows that start from prompt i (n choices share one prefill).
         """
-        return self.forward(None, (prompts, rows, [0] * len(prompts)))
+        return self.forward(None, PrefillInput(prompts, rows, [0] * len(prompts)))
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         """One step for rows 0..B-1: token b sits at positions[b]; attention covers positions < span. Logits [B, V]."""
@@ -156,7 +156,8 @@ class Gpt2Runner:
             parts.append(self._embed(wte, tokens) + self._embed(wpe, positions))
         layout = None
         if prefill is not None:
-            layout = PrefillLayout(cache, *prefill, self.device)
+            layout = PrefillLayout(cache, prefill.prompts, prefill.rows, prefill.starts, self.device,
+                                   prefill.scored)
             embedded = self._embed(wte, layout.ids) + self._embed(wpe, layout.positions)
             parts.append(embedded.view(-1, self.n_embd))
         hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -186,7 +187,8 @@ class Gpt2Runner:
 
         for index in range(self.n_layer):
             hidden = self._block(index, hidden, attend)
-        # Only the decode rows and each prompt's last position need logits: the LM head is the largest matmul.
+        # Only the decode rows and each prompt's last position (a scored prompt's every one) need logits: the LM
+        # head is the largest matmul.
         if layout is not None:
             hidden = hidden.index_select(0, layout.picked(batch, self.device))
         return self._logits(hidden)

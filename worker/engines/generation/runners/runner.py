@@ -25,8 +25,14 @@ class DecodeInput(NamedTuple):
     rows: list[int] | None = None
 
 
-# Prompt chunks: their token ids, the cache rows each fills (n choices share one prefill), where each begins.
-PrefillInput = tuple[list[list[int]], list[list[int]], list[int]]
+class PrefillInput(NamedTuple):
+    """Prompt chunks: their token ids, the cache rows each fills (n choices share one prefill), where each begins
+    and which of them (by index) need logits at every position (a prompt scored: SamplingParams.prompt_logprobs)."""
+
+    prompts: list[list[int]]
+    rows: list[list[int]]
+    starts: list[int]
+    scored: tuple[int, ...] = ()
 
 
 class Runner(Protocol):
@@ -47,5 +53,6 @@ class Runner(Protocol):
         ...
 
     def forward(self, decode: DecodeInput | None, prefill: PrefillInput | None) -> torch.Tensor:
-        """A decode step for rows 0..B-1 and the prefill of prompt chunks in one pass: logits [B + P, V]."""
+        """A decode step for rows 0..B-1 and the prefill of prompt chunks in one pass: logits [B + P, V], then
+        those of every position of each scored chunk, in order (PrefillLayout.picked)."""
         ...
