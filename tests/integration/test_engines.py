@@ -4,8 +4,8 @@ Each engine gets its own started service (the API, a training and a generation w
 TRAINSERVE_GENERATION_ENGINE set, serving the real SmolLM2-135M-Instruct and a tiny Qwen2 with Qwen 2.5's tool
 template; every test runs against both and asks the same of each, with the official openai client: greedy chat
 equal to HF `generate` in a mixed batch, streaming, seeds, logprobs, stop strings, prefix caching, structured output
-valid, a tool call constrained, a LoRA fine-tune served equal to HF + PEFT, cancel on disconnect, and two tenants
-sharing the engine's rows fairly.
+valid, a tool call constrained, an echoed prompt scored as HF scores it, a LoRA fine-tune served equal to HF + PEFT,
+cancel on disconnect, and two tenants sharing the engine's rows fairly.
 """
 
 from __future__ import annotations
@@ -181,6 +181,31 @@ def test_a_tenants_cached_prompt_is_no_hit_for_another(served, pg_url) -> None:
     median = {who: sorted(times)[1] for who, times in seconds.items()}
     assert median["owner"] < 0.5 * median["cold"], median  # a hit is visible in the time: the test can see one
     assert 0.6 < median["other"] / median["cold"] < 1.67, median
+
+
+def test_an_echoed_prompt_is_scored_as_hf_scores_it(served) -> None:
+    """lm-evaluation-harness's log-likelihood request (echo, logprobs, max_tokens 0) on the prompt's own tokens, as
+    /tokenize gives them: each prompt token's logprob is HF's fp32 log-softmax at the position before it, the first
+    one null, and nothing is generated."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = "To be, or not to be: that is the question."
+    with httpx.Client(base_url=served.base, headers={"Authorization": f"Bearer {served.key}"}, timeout=120) as c:
+        ids = c.post("/tokenize", json={"model": "smollm2", "prompt": prompt}).json()["tokens"]
+    reply = served.client().completions.create(model="smollm2", prompt=prompt, max_tokens=0, echo=True, logprobs=2,
+                                               temperature=0)
+    scored = reply.choices[0].logprobs
+    assert reply.choices[0].text == prompt and reply.usage.completion_tokens == 0
+    assert len(scored.token_logprobs) == len(ids)
+    assert scored.token_logprobs[0] is None and scored.top_logprobs[0] is None
+    model = AutoModelForCausalLM.from_pretrained(served.smollm2, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = model(torch.tensor([ids])).logits[0].log_softmax(dim=-1)
+    for position, token in enumerate(ids[1:]):
+        assert scored.token_logprobs[position + 1] == pytest.approx(expected[position, token].item(), abs=1e-4)
+        assert max(scored.top_logprobs[position + 1].values()) == pytest.approx(expected[position].max().item(),
+                                                                                abs=1e-4)
 
 
 def test_structured_output_is_valid(served) -> None:
