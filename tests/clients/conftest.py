@@ -3,8 +3,9 @@ SmolLM2-135M-Instruct (a Llama chat template with no tool section, as most model
 2.5's tool template, on the built-in engine.
 
 Every module under tests/clients drives it with a client installed from PyPI (the Agents SDK, LangChain, instructor,
-lm-evaluation-harness), unchanged: its own requests, its own parsing. Module-scoped like every started service
-(another module's service empties the tables and Redis when it stops), so each module here starts it once.
+lm-evaluation-harness), unchanged: its own requests, its own parsing. Package-scoped: the xdist worker that runs
+these modules one after another starts it once (and stops it before any other module's service starts, which
+empties the tables and Redis when it stops).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class ClientService:
         return openai.OpenAI(base_url=self.v1, api_key=self.key, max_retries=0, timeout=300)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def client_service(pg_url, tmp_path_factory) -> Iterator[ClientService]:
     from trainserve.real_models import build_smollm2
 
