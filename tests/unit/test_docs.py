@@ -51,6 +51,35 @@ def test_stale_page_is_reported(tmp_path: Path):
     assert docs_reference.stale(rendered) == []
 
 
+def test_a_record_is_stale_from_the_first_commit_that_changes_what_it_measures(tmp_path: Path):
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    git("init", "-q")
+    git("config", "user.email", "bench@example.com")
+    git("config", "user.name", "bench")
+    (tmp_path / "engine").mkdir()
+    for path in ("engine/kernel.py", "docs.md"):
+        (tmp_path / path).write_text("v1\n")
+    git("add", "-A")
+    git("commit", "-qm", "measured")
+    record = docs_reference.BenchmarkResult(
+        benchmark="bench/x.py", what="x", command="python bench/x.py", date="2026-12-06", machine="m", load="1.0",
+        result="2x", commit=git("rev-parse", "--short", "HEAD"), measures=["bench/x.py", "engine"])
+    (tmp_path / "docs.md").write_text("v2\n")  # a commit that leaves the measured code alone
+    git("commit", "-qam", "docs")
+    assert docs_reference.freshness(record, tmp_path) == "current"
+    (tmp_path / "engine" / "kernel.py").write_text("v2\n")
+    git("commit", "-qam", "faster kernel")
+    first = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "engine" / "kernel.py").write_text("v3\n")
+    git("commit", "-qam", "faster still")
+    assert docs_reference.freshness(record, tmp_path).startswith(f"stale: the measured code changed in {first} ")
+    unknown = record.model_copy(update={"commit": "0" * 40})
+    assert docs_reference.freshness(unknown, tmp_path).startswith("unknown")
+
+
 def test_configuration_page_lists_every_setting_with_type_and_default():
     from core.settings import Settings
 
