@@ -141,8 +141,9 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses' flat function tools as the chat's {"type": "function", "function": {...}}."""
-    if tools is None:
+    """Responses' flat function tools as the chat's {"type": "function", "function": {...}}; none for an empty list
+    (OpenAI's own answer to `tools: []`, which the Agents SDK sends for an agent without tools)."""
+    if not tools:
         return None
     out = []
     for at, tool in enumerate(tools):
@@ -187,7 +188,7 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         raise ValidationFailed(f"text.format.{unknown[0]}", f"unknown field {unknown[0]!r}")
     if kind == "json_schema":
         return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if k != "type"}}
-    return {"type": kind}
+    return None if kind == "text" else {"type": kind}
 
 
 def refuse_unsupported(body: ResponseCreate) -> None:
