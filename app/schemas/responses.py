@@ -7,7 +7,7 @@ complaint at once.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -44,8 +44,9 @@ class ResponseCreate(SamplingExtras):
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = Field(None, description='{"format": {"type": "text" | "json_object"}} or '
                                         '{"format": {"type": "json_schema", "name", "schema", "strict"}}.')
-    metadata: dict[str, str] | None = Field(None, max_length=16, description="Up to 16 string pairs, kept with "
-                                            "the response.")
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16, description="Up to 16 pairs (keys up to 64 characters, values up to 512), kept with "
+        "the response.")
     include: list[str] | None = Field(None, description="Extra output to include; none is offered, so only [].")
     background: bool | None = Field(None, description="Only false: every response is answered in the request.")
     truncation: Literal["disabled"] | None = Field(None, description='Only "disabled": an input over the model\'s '

@@ -151,3 +151,12 @@ def test_an_empty_answer_streams_an_empty_message():
     assert types == ["response.output_item.added", "response.content_part.added", "response.output_text.done",
                      "response.content_part.done", "response.output_item.done"]
     assert stream.items[0]["status"] == "incomplete" and stream.items[0]["content"][0]["text"] == ""
+
+
+def test_metadata_is_held_to_openais_bounds():
+    from pydantic import ValidationError
+
+    ResponseCreate(model="m", input="Hi", metadata={f"k{i}": "v" * 512 for i in range(16)})
+    for metadata in ({f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}):
+        with pytest.raises(ValidationError):
+            ResponseCreate(model="m", input="Hi", metadata=metadata)
