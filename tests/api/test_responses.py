@@ -62,14 +62,16 @@ def test_a_whole_response_then_retrieve_input_items_and_delete(api, models):
         api.responses.retrieve(response.id)
 
 
-def test_the_same_greedy_answer_as_chat_completions(api, models):
+def test_the_same_greedy_answer_as_chat_completions(api, client, models):
+    """Through an alias, as every generation route resolves model names."""
+    assert client.post("/aliases", json={"name": "bot:prod", "target": "qwen25"}).status_code == 201
     chat = api.chat.completions.create(model="qwen25", messages=[{"role": "system", "content": "Be brief."},
                                                                  {"role": "user", "content": "Hi"}],
                                        max_completion_tokens=12, temperature=0)
-    response = api.responses.create(model="qwen25", instructions="Be brief.",
+    response = api.responses.create(model="bot:prod", instructions="Be brief.",
                                     input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
                                     max_output_tokens=12, temperature=0, store=False)
-    assert response.output_text == chat.choices[0].message.content
+    assert response.model == "bot:prod" and response.output_text == chat.choices[0].message.content
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     with pytest.raises(openai.NotFoundError):  # store false: nothing kept
         api.responses.retrieve(response.id)
