@@ -28,6 +28,7 @@ from app.routes import (
     health,
     jobs,
     metrics,
+    responses,
     sweeps,
     webhooks,
 )
@@ -108,7 +109,7 @@ def create_app(settings: Settings | None = None, task_queue: TaskQueue | None = 
     app.add_middleware(ObservabilityMiddleware, metrics=HttpMetrics(app.state.metrics_registry))
     app.add_middleware(SecurityHeadersMiddleware)  # outside everything: every answer carries them
     for router in (health.router, datasets.router, jobs.router, sweeps.router,
-                   classify.router, embeddings.router, generation.router,
+                   classify.router, embeddings.router, generation.router, responses.router,
                    files.router, fine_tuning.router, graders.router, evals.router, aliases.router, batches.router,
                    webhooks.router, metrics.router):
         app.include_router(router)

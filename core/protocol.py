@@ -296,6 +296,7 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the engine's prefix cache
+    reasoning_tokens: int = 0  # of completion_tokens, those of a chat's thinking sections (its text, tokenized)
 
     def openai(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,

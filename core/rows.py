@@ -492,4 +492,24 @@ class ModelAliasMove(Base):
     moved_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
 
 
+class StoredResponse(Base):
+    """A /v1/responses answer kept for retrieval and for `previous_response_id` chains, until it expires.
+
+    `context` is the conversation the model saw before this request's own input (the chain's earlier inputs and
+    outputs, as Responses items); `input_items` is this request's input, `body` the Response object as answered.
+    """
+
+    __tablename__ = "responses"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    model: Mapped[str] = mapped_column(String(200))
+    previous_response_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    context: Mapped[list[dict[str, Any]]] = mapped_column(TypedJSON(list[JSONObject]))
+    input_items: Mapped[list[dict[str, Any]]] = mapped_column(TypedJSON(list[JSONObject]))
+    body: Mapped[dict[str, Any]] = mapped_column(TypedJSON(JSONObject))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+
+
 check_assignments(Base)  # a typed JSON attribute refuses a value its type does not take when it is assigned

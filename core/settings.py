@@ -216,6 +216,9 @@ class Settings(BaseSettings):
                            "one base model (least recently used out, never one in use).")
     generation_wait_s: float = Field(30.0, description="A generation request not started within this is dropped.")
     generation_timeout_s: float = Field(300.0, description="Longest a generation request may take in all.")
+    responses_retention_s: float = Field(30 * 24 * 3600.0, gt=0, description="/v1/responses: how long a stored "
+                                         "response (store true) can be retrieved and named as previous_response_id; "
+                                         "after it, it is gone (404).")
     generation_rate_per_minute: int = Field(600, description="Generation requests per API key per minute (429 beyond).")
     generation_threads: int = Field(128, description="Requests one generation worker keeps in flight, waiting for a "
                                     "row or decoding: at least generation_queue_per_model + "

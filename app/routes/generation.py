@@ -43,7 +43,8 @@ def get_gateway(request: Request) -> GenerationGateway:
 GatewayDep = Annotated[GenerationGateway, Depends(get_gateway)]
 
 
-def _respond(result: Any) -> Any:
+def respond(result: Any) -> Any:
+    """A service's answer, or its SSE stream as a streaming response."""
     if isinstance(result, AsyncIterator):
         return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
     return result
@@ -53,21 +54,21 @@ def _respond(result: Any) -> Any:
 async def generate(body: GenerateRequest, request: Request, session: SessionDep, principal: PrincipalDep,
                    gateway: GatewayDep) -> Any:
     """Complete a prompt with a served causal LM; `stream: true` sends one SSE event per token."""
-    return _respond(await service.generate(gateway, session, principal, body, request.is_disconnected))
+    return respond(await service.generate(gateway, session, principal, body, request.is_disconnected))
 
 
 @router.post("/v1/completions", response_model=Completion, responses=STREAM_DOC)
 async def completions(body: CompletionRequest, request: Request, session: SessionDep, principal: PrincipalDep,
                    gateway: GatewayDep) -> Any:
     """OpenAI-compatible completions (official clients work unchanged; the API key is a trainserve key)."""
-    return _respond(await service.complete(gateway, session, principal, body, request.is_disconnected))
+    return respond(await service.complete(gateway, session, principal, body, request.is_disconnected))
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses=STREAM_DOC)
 async def chat_completions(body: ChatCompletionRequest, request: Request, session: SessionDep,
                            principal: PrincipalDep, gateway: GatewayDep) -> Any:
     """OpenAI-compatible chat completions through the model's own chat template; logprobs and response_format."""
-    return _respond(await chat_service.chat(gateway, session, principal, body, request.is_disconnected))
+    return respond(await chat_service.chat(gateway, session, principal, body, request.is_disconnected))
 
 
 @router.post("/tokenize", response_model=TokenizeResponse)

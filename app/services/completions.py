@@ -163,8 +163,10 @@ async def collect(gateway: GenerationGateway, started: Started, disconnected: Di
                               rows=started.rows)
 
 
-async def relay(gateway: GenerationGateway, started: Started, render: Render) -> AsyncIterator[bytes]:
-    """Relay events as SSE; a client that goes away cancels this generator, and the release still happens."""
+async def relay(gateway: GenerationGateway, started: Started, render: Render, *, done_marker: bool = True
+                ) -> AsyncIterator[bytes]:
+    """Relay events as SSE, then `data: [DONE]` (as the completions streams end; the Responses API's end with an
+    event of their own instead); a client that goes away cancels this generator, and the release still happens."""
     finished = False
     try:
         async for event in started.events:
@@ -177,7 +179,8 @@ async def relay(gateway: GenerationGateway, started: Started, render: Render) ->
             if isinstance(event, DoneEvent):
                 finished = True
                 break
-        yield sse("[DONE]")
+        if done_marker:
+            yield sse("[DONE]")
     finally:
         await gateway.release(started.request_id, started.model, finished=finished, tenant=started.tenant,
                               rows=started.rows)

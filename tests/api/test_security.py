@@ -57,6 +57,19 @@ def test_revoked_key_stops_working(client, settings):
     assert client.get("/jobs", headers={"Authorization": f"Bearer {raw}"}).status_code == 401
 
 
+def _stored_response(settings) -> str:
+    """A response of tenant-a, kept as POST /v1/responses keeps one (no generation needed to own it)."""
+    from core.db import make_engine, make_sessionmaker, session_scope
+    from core.store.responses import keep_response
+
+    engine = make_engine(settings.resolved_database_url)
+    with session_scope(make_sessionmaker(engine)) as session:
+        keep_response(session, response_id="resp_" + "1" * 24, tenant="tenant-a", model="tiny",
+                      previous_response_id=None, context=[], input_items=[], body={}, retention_s=60)
+    engine.dispose()
+    return "resp_" + "1" * 24
+
+
 def test_other_tenants_get_404_on_every_route_with_an_id(client, settings, queue):
     ds = upload(client, tsv_bytes(sentiment_rows())).json()["id"]
     job = client.post("/jobs", json=job_body(ds)).json()["id"]
@@ -77,7 +90,8 @@ def test_other_tenants_get_404_on_every_route_with_an_id(client, settings, queue
         "source": {"type": "file_content", "content": [{"item": {}}]}}}
     run = client.post(f"/v1/evals/{evaluation}/runs", json=run_body).json()["id"]
     assert client.post("/aliases", json={"name": "bot:prod", "target": "tiny"}).status_code == 201
-    ids = {"dataset_id": ds, "job_id": job, "artifact_id": "art_x", "endpoint_id": hook["id"],
+    stored = _stored_response(settings)
+    ids = {"response_id": stored, "dataset_id": ds, "job_id": job, "artifact_id": "art_x", "endpoint_id": hook["id"],
            "sweep_id": "swp_x", "file_id": ds, "batch_id": batch, "eval_id": evaluation, "run_id": run,
            "item_id": "outitem_" + "0" * 24, "name": "bot:prod"}
     bodies = {"/v1/evals/{eval_id}": {}, "/v1/evals/{eval_id}/runs": run_body,

@@ -366,6 +366,8 @@ class GenerationService:
                                  "matcher failed during generation; simplify the schema or pattern",
                                  field_of(params.constraint))
         done = done_event(result, parsers)
+        done.usage.reasoning_tokens = sum(len(engine.encode(c.reasoning, add_special_tokens=False))
+                                          for c in done.choices if c.reasoning)
         if task.prompt_ids is not None:  # the text of a prompt given as ids, for an echo
             done.prompt_text = engine.decode(task.prompt_ids)
         return done
