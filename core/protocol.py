@@ -10,12 +10,15 @@ import math
 import time
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from core.generation_limits import GENERATE
 from core.public_text import public_text
+
+if TYPE_CHECKING:
+    from core.settings import Settings
 
 MAX_SEED = 2**63 - 1
 
@@ -201,6 +204,24 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+class ValueBounds(BaseModel):
+    """How long a string and how many digits a number of schema-constrained output may be where its schema leaves
+    them open (the settings' structured_max_*; core.schema_bounds.bounded_schema takes them as its arguments)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_string_chars: int
+    max_number_digits: int
+    max_fraction_digits: int
+
+    @classmethod
+    def of(cls, settings: Settings) -> ValueBounds:
+        """The server's bounds."""
+        return cls(max_string_chars=settings.structured_max_string_chars,
+                   max_number_digits=settings.structured_max_number_digits,
+                   max_fraction_digits=settings.structured_max_fraction_digits)
+
+
 class ChatOptions(BaseModel):
     """What a chat renders and constrains by beyond its messages: the tools and the template's own arguments."""
 
@@ -210,6 +231,7 @@ class ChatOptions(BaseModel):
     tool_choice: str = "none"  # "none", "auto", "required" or the one function's name
     parallel_tool_calls: bool = True
     template_kwargs: dict[str, Any] = Field(default_factory=dict)  # chat_template_kwargs (enable_thinking)
+    tool_bounds: ValueBounds | None = None  # the server's bounds on the calls' open strings and numbers
 
 
 class GenerateTask(BaseModel):

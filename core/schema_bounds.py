@@ -10,8 +10,12 @@ refuses such a schema in the API, naming the request's field, before any worker 
 A schema that passes may still let a small model loop inside an unbounded value (`"population": 1111...` until
 max_tokens). `bounded_schema` fills in, wherever the schema leaves them open: `maxLength` on strings (not on a
 `format`, `enum` or `const`, bounded already), `minimum` / `maximum` of +-(10**digits - 1) on integers and numbers,
-and `multipleOf` 10**-fraction_digits on numbers (llguidance bounds a number's fraction by it). A bound the schema
-sets itself wins; `not` sub-schemas and data keywords (`enum`, `const`, `default`, `examples`) are left alone.
+and `multipleOf` 10**-fraction_digits on numbers (llguidance bounds a number's fraction by it); and an object that
+names its `properties` but says nothing of others gets `additionalProperties: false` (JSON Schema's default allows
+any number of extra keys, each an unbounded string: a Pydantic model's schema loops so on a random model), as
+xgrammar's strict mode does, unless subschemas describe one object together (allOf, if/then, properties beside
+anyOf/oneOf/$ref). A bound the schema sets itself wins; `not` sub-schemas and data keywords (`enum`, `const`,
+`default`, `examples`) are left alone.
 """
 
 from __future__ import annotations
@@ -98,23 +102,45 @@ _DATA = frozenset({"enum", "const", "default", "examples", "not"})
 _MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
+_JOINING = frozenset({"allOf", "if", "dependentSchemas", "unevaluatedProperties"})
+
+
 def bounded_schema(schema: Any, *, max_string_chars: int, max_number_digits: int, max_fraction_digits: int) -> Any:
-    """A copy of `schema` with the open string, integer and number bounds filled in (see the module's docstring)."""
+    """A copy of `schema` with the open string, integer and number bounds filled in, and its objects closed to the
+    properties they name (see the module's docstring)."""
+    return _bounded(schema, (max_string_chars, max_number_digits, max_fraction_digits), _closable(schema))
+
+
+def _closable(schema: Any) -> bool:
+    """Whether no two subschemas describe one object together (allOf, if/then, `properties` beside anyOf, oneOf or
+    $ref): there, a property one names is an extra one to the other, so neither may be closed."""
+    nodes = [schema]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, list):
+            nodes.extend(node)
+        elif isinstance(node, dict):
+            if _JOINING & node.keys() or "properties" in node and {"anyOf", "oneOf", "$ref"} & node.keys():
+                return False
+            nodes.extend(node.values())
+    return True
+
+
+def _bounded(schema: Any, bounds: tuple[int, int, int], close: bool) -> Any:
     if isinstance(schema, list):
-        return [bounded_schema(item, max_string_chars=max_string_chars, max_number_digits=max_number_digits,
-                               max_fraction_digits=max_fraction_digits) for item in schema]
+        return [_bounded(item, bounds, close) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    def bound(value: Any) -> Any:
-        return bounded_schema(value, max_string_chars=max_string_chars, max_number_digits=max_number_digits,
-                              max_fraction_digits=max_fraction_digits)
-
+    max_string_chars, max_number_digits, max_fraction_digits = bounds
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _MAPS and isinstance(value, dict):  # names to schemas: a property may be called "enum"
-            out[key] = {name: bound(sub) for name, sub in value.items()}
+            out[key] = {name: _bounded(sub, bounds, close) for name, sub in value.items()}
         else:
-            out[key] = value if key in _DATA else bound(value)
+            out[key] = value if key in _DATA else _bounded(value, bounds, close)
+    if close and isinstance(schema.get("properties"), dict) \
+            and not {"additionalProperties", "patternProperties"} & schema.keys():
+        out["additionalProperties"] = False
     kind = schema.get("type")
     kinds = set(kind) if isinstance(kind, list) else {kind} if isinstance(kind, str) else set()
     if "string" in kinds and not {"maxLength", "format", "enum", "const"} & schema.keys():

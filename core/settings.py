@@ -190,8 +190,8 @@ class Settings(BaseSettings):
         16, ge=1, le=1024, description="Prompts one /v1/completions request may list (each is its own request on the "
         "engine, admitted like one; a 422 naming prompt beyond).")
     structured_max_string_chars: int = Field(
-        2000, ge=1, description="Characters a string of schema-constrained output (response_format json_schema) may "
-        "hold where its schema sets no maxLength; the schema's own maxLength wins.")
+        2000, ge=1, description="Characters a string of schema-constrained output (response_format json_schema, a "
+        "tool call's arguments) may hold where its schema sets no maxLength; the schema's own maxLength wins.")
     structured_max_number_digits: int = Field(
         16, ge=1, le=18, description="Digits before the point an integer or number of schema-constrained output may "
         "hold where its schema sets no minimum / maximum (those win); at most 18, the grammar's 64-bit integers.")

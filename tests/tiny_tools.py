@@ -17,7 +17,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from tests.tiny_chat import CORPUS, SPECIALS, build_chat_tokenizer, tiny_llama_config
+from tests.tiny_chat import CORPUS, LLAMA3_TEMPLATE, SPECIALS, build_chat_tokenizer, tiny_llama_config
 
 # Qwen 2.5's own template (its default system prompt shortened).
 QWEN25 = (
@@ -151,14 +151,16 @@ def build_tiny_qwen2(folder: Path, tokenizer: PreTrainedTokenizerFast, seed: int
 
 def build_tool_model(folder: Path, name: str, seed: int = 0) -> Path:
     """A random tiny model whose tokenizer carries family `name`'s template and markers (Qwen's as added tokens,
-    Mistral's [TOOL_CALLS] as a special one); Qwen 3's is a Qwen3 decoder, the others a Llama."""
+    Mistral's [TOOL_CALLS] as a special one); Qwen 3's is a Qwen3 decoder, the others a Llama. `name` "plain": Llama
+    3's template without a tool section and no markers (as SmolLM2's: the default tool prompt, `<tool_call>` text)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_chat_tokenizer(TEMPLATES[name])
+    tokenizer = build_chat_tokenizer(TEMPLATES.get(name, LLAMA3_TEMPLATE))
     if name == "llama31":
         tokenizer.eos_token = "<|eot_id|>"
-    tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<think>", "</think>"])
-    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    if name != "plain":
+        tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<think>", "</think>"])
+        tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
     if name == "mistral":
         tokenizer.eos_token = "</s>"
     torch.manual_seed(seed)
@@ -175,3 +177,15 @@ def build_tool_model(folder: Path, name: str, seed: int = 0) -> Path:
         LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def grammar_accepts(tokenizer: PreTrainedTokenizerFast, grammar: str, text: str) -> bool:
+    """Whether llguidance's matcher of a Lark `grammar` takes `text`'s tokens and may end there."""
+    import llguidance
+    import llguidance.hf
+
+    lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=[tokenizer.eos_token_id])
+    matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting() \
+        and not matcher.is_error()

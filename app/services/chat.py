@@ -42,11 +42,11 @@ from core.protocol import (
     ChatMessage,
     ChatOptions,
     ChoiceOut,
-    Constraint,
     DoneEvent,
     GenerationEvent,
     SamplingParams,
     TokenEvent,
+    ValueBounds,
 )
 from core.schema_bounds import SchemaBounds, check_schema
 from core.settings import Settings
@@ -98,33 +98,30 @@ def _messages(body: ChatCompletionRequest) -> list[ChatMessage]:
     return messages
 
 
-def chat_options(body: ChatCompletionRequest, bounds: SchemaBounds, constraint: Constraint | None
-                 ) -> ChatOptions | None:
-    """The tools, tool_choice and template arguments the worker renders and constrains by (beside the request's
-    structured-output `constraint`); None when none.
+def chat_options(body: ChatCompletionRequest, settings: Settings) -> ChatOptions | None:
+    """The tools, tool_choice and template arguments the worker renders and constrains by; None when none.
 
     Each tool's parameters is a JSON schema the worker compiles into the calls' grammar, so it is held to the same
-    bounds as response_format's."""
+    bounds as response_format's, and its calls' open strings and numbers to the same lengths. A structured-output
+    format beside the tools constrains the answer when it is not calls (core/tool_grammar.py)."""
     try:
         tools = check_tools(body.tools) if body.tools is not None else None
         choice = check_tool_choice(body.tool_choice, tools)
     except ToolSpecError as exc:
         raise ValidationFailed(exc.field, str(exc)) from exc
     for at, tool in enumerate(tools or []):
-        check_schema(tool["function"]["parameters"], f"tools.{at}.function.parameters", bounds)
-    if choice != "none" and constraint is not None:
-        raise ValidationFailed("response_format", "give tools or a structured output format, not both")
+        check_schema(tool["function"]["parameters"], f"tools.{at}.function.parameters", SchemaBounds.of(settings))
     if choice == "none" and body.parallel_tool_calls is not None and not tools:
         raise ValidationFailed("parallel_tool_calls", "parallel_tool_calls needs tools")
     if tools is None and not body.chat_template_kwargs:
         return None
     return ChatOptions(tools=tools, tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls is not False,
-                       template_kwargs=body.chat_template_kwargs or {})
+                       template_kwargs=body.chat_template_kwargs or {},
+                       tool_bounds=ValueBounds.of(settings) if tools else None)
 
 
 def chat_params(body: ChatCompletionRequest, settings: Settings) -> ChatParams:
     """Map OpenAI's chat fields onto the messages, SamplingParams and chat options; refuse what cannot be honoured."""
-    bounds = SchemaBounds.of(settings)
     _refuse_unsupported(body)
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
@@ -133,7 +130,7 @@ def chat_params(body: ChatCompletionRequest, settings: Settings) -> ChatParams:
                                             "max_tokens": body.max_tokens})
     stop = body.stop or []  # the schema checked it: a string or up to 4 strings, as a list
     constraint = constraint_of(body, settings)
-    options = chat_options(body, bounds, constraint)
+    options = chat_options(body, settings)
     constrained = constraint is not None or (options is not None and options.tool_choice != "none")
     params = sampling(max_new_tokens=max_tokens,
                       temperature=1.0 if body.temperature is None else body.temperature,

@@ -13,7 +13,7 @@ from typing import Any
 
 from app.schemas.structured import StructuredFields
 from core.errors import ValidationFailed
-from core.protocol import Constraint
+from core.protocol import Constraint, ValueBounds
 from core.schema_bounds import SchemaBounds, bounded_schema, check_schema
 from core.settings import Settings
 
@@ -43,9 +43,7 @@ def _schema_spec(schema: dict[str, Any], field: str, settings: Settings) -> str:
     """The schema checked against the server's bounds (a 422 naming `field`), its open values bounded, as canonical
     JSON text (sorted keys: one grammar per schema, whatever its key order)."""
     check_schema(schema, field, SchemaBounds.of(settings))  # first: bounded_schema walks it recursively
-    bounded = bounded_schema(schema, max_string_chars=settings.structured_max_string_chars,
-                             max_number_digits=settings.structured_max_number_digits,
-                             max_fraction_digits=settings.structured_max_fraction_digits)
+    bounded = bounded_schema(schema, **ValueBounds.of(settings).model_dump())
     return json.dumps(bounded, sort_keys=True, ensure_ascii=False)
 
 

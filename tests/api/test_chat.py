@@ -143,7 +143,7 @@ def test_completions_logprobs_in_openai_legacy_format(api, served):
 @pytest.mark.parametrize(("body", "field"), [
     ({"model": "plain"}, "model"),  # no chat template
     ({"messages": [{"role": "assistant", "content": "hi"}]}, "messages"),  # the template's raise_exception
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools.0.function.parameters"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

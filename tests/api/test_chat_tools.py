@@ -1,7 +1,8 @@
 """Tool calls and reasoning on /v1/chat/completions through the official `openai` client: each family's template
-(Qwen 2.5 / Hermes, Llama 3.1 JSON, Mistral [TOOL_CALLS]) on a random tiny model, tool_choice required, named and
-auto, streamed and not, at temperature 0 and 1; every call parses and its arguments validate. A Qwen 3-style
-template's thinking comes back as reasoning_content.
+(Qwen 2.5 / Hermes, Llama 3.1 JSON, Mistral [TOOL_CALLS]) and a template with no tool section (the default tool
+prompt) on a random tiny model, tool_choice required, named and auto, streamed and not, at temperature 0 and 1,
+beside a response_format too; every call parses and its arguments validate. A Qwen 3-style template's thinking comes
+back as reasoning_content.
 """
 
 from __future__ import annotations
@@ -170,7 +171,6 @@ def test_enable_thinking_false_leaves_no_reasoning(api, models):
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_bad_tool_requests_are_422_naming_the_field(client, models, body, field):
     response = client.post("/v1/chat/completions", json={"model": "qwen25", "messages": CHAT, **body})
@@ -178,12 +178,70 @@ def test_bad_tool_requests_are_422_naming_the_field(client, models, body, field)
     assert response.json()["error"]["field"] == field
 
 
-def test_a_template_without_tool_calls_refuses_tools(api, models, settings):
-    from tests.tiny_chat import build_tiny_llama
+@pytest.fixture()
+def plain(settings, worker_ctx):  # noqa: F811
+    """A tiny Llama whose template has no tool section (as most models'): served with the default tool prompt."""
+    build_tool_model(settings.home / "models" / "plain-chat", "plain")
+    return "plain-chat"
 
-    build_tiny_llama(settings.home / "models" / "plain-chat")
-    with pytest.raises(openai.UnprocessableEntityError, match="renders no tool calls"):
-        api.chat.completions.create(model="plain-chat", messages=CHAT, tools=TOOLS, max_tokens=5)
+
+def test_a_template_without_tool_calls_gets_the_default_prompt(api, plain):
+    """Named, required, auto, streamed and a round trip with a tool result: the Hermes form, constrained and parsed
+    as on a tool-calling template."""
+    named = {"type": "function", "function": {"name": "add"}}
+    reply = api.chat.completions.create(model=plain, messages=CHAT, tools=TOOLS, tool_choice=named,
+                                        temperature=1.0, max_tokens=120, seed=4)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    _valid(reply.choices[0].message.tool_calls, ["add"])
+    kwargs = {"model": plain, "messages": CHAT, "tools": TOOLS, "tool_choice": "required", "temperature": 0,
+              "max_tokens": 120, **ONE}
+    whole = api.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 1
+    _valid(whole.message.tool_calls)
+    content, _, calls, finish = _streamed(api, **kwargs)
+    assert not content and finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    reply = api.chat.completions.create(model=plain, messages=CHAT, tools=TOOLS, temperature=1.0, max_tokens=60,
+                                        n=4, seed=1, **ONE)
+    for choice in reply.choices:
+        if choice.message.tool_calls:
+            _valid(choice.message.tool_calls)
+        else:
+            assert "<tool_call>" not in (choice.message.content or "")
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "days": 1}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    reply = api.chat.completions.create(model=plain, messages=history, tools=TOOLS, tool_choice="required",
+                                        temperature=0, max_tokens=120, **ONE)
+    _valid(reply.choices[0].message.tool_calls)
+    reply = api.chat.completions.create(model=plain, messages=history, tools=TOOLS, tool_choice="none",
+                                        temperature=0, max_tokens=10)
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason != "tool_calls"
+
+
+@pytest.mark.parametrize("model", ["plain-chat", "qwen25"])
+def test_tools_beside_a_response_format_answer_calls_or_the_formats_json(api, models, plain, model):
+    """Under auto the answer is either valid calls or the format's JSON; under required, calls."""
+    schema = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+    reply = api.chat.completions.create(model=model, messages=CHAT, tools=TOOLS, response_format=schema,
+                                        temperature=1.0, max_tokens=120, n=6, seed=7, **ONE)
+    kinds = set()
+    for choice in reply.choices:
+        if choice.message.tool_calls:
+            kinds.add("calls")
+            _valid(choice.message.tool_calls)
+            assert choice.finish_reason == "tool_calls"
+        else:
+            kinds.add("json")
+            jsonschema.validate(json.loads(choice.message.content), WEATHER)
+            assert choice.finish_reason == "stop"
+    assert kinds == {"calls", "json"}, kinds
+    reply = api.chat.completions.create(model=model, messages=CHAT, tools=TOOLS, tool_choice="required",
+                                        response_format={"type": "json_object"}, temperature=1.0, max_tokens=120,
+                                        seed=8, **ONE)
+    _valid(reply.choices[0].message.tool_calls)
 
 
 def test_batch_chat_lines_take_tools_and_answer_as_the_interactive_route(api, models, worker_ctx, queue):  # noqa: F811

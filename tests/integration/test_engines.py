@@ -4,8 +4,9 @@ Each engine gets its own started service (the API, a training and a generation w
 TRAINSERVE_GENERATION_ENGINE set, serving the real SmolLM2-135M-Instruct and a tiny Qwen2 with Qwen 2.5's tool
 template; every test runs against both and asks the same of each, with the official openai client: greedy chat
 equal to HF `generate` in a mixed batch, streaming, seeds, logprobs, stop strings, prefix caching, structured output
-valid, a tool call constrained, an echoed prompt scored as HF scores it, a LoRA fine-tune served equal to HF + PEFT,
-cancel on disconnect, and two tenants sharing the engine's rows fairly.
+valid, a tool call constrained (on SmolLM2 by the default tool prompt, and beside a response_format), an echoed
+prompt scored as HF scores it, a LoRA fine-tune served equal to HF + PEFT, cancel on disconnect, and two tenants
+sharing the engine's rows fairly.
 """
 
 from __future__ import annotations
@@ -251,6 +252,28 @@ def test_a_tool_call_is_constrained_to_the_schema(served) -> None:
         assert choice.finish_reason == "tool_calls", choice
         assert [c.function.name for c in choice.message.tool_calls] == ["pick"]
         jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), PICK)
+
+
+def test_tools_on_a_template_without_them_and_beside_a_response_format(served) -> None:
+    """SmolLM2's template has no tool section: the default tool prompt, its call constrained as the Hermes family's.
+    Beside a response_format, the one lark grammar allows calls or the format's JSON on either engine."""
+    api = served.client()
+    tools = [{"type": "function", "function": {"name": "pick", "description": "Pick a colour and a count",
+                                               "parameters": PICK}}]
+    ask = [{"role": "user", "content": "Pick a colour and a count."}]
+    reply = api.chat.completions.create(model="smollm2", messages=ask, tools=tools, tool_choice="required",
+                                        temperature=0, max_tokens=60, parallel_tool_calls=False)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), PICK)
+    reply = api.chat.completions.create(model="tiny-qwen", messages=ask, tools=tools, temperature=1.0, seed=3, n=4,
+                                        max_tokens=120, parallel_tool_calls=False, response_format={
+                                            "type": "json_schema", "json_schema": {"name": "pick", "schema": PICK}})
+    for choice in reply.choices:
+        if choice.message.tool_calls:
+            jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), PICK)
+        else:
+            jsonschema.validate(json.loads(choice.message.content), PICK)
 
 
 def test_a_lora_fine_tune_is_served_equal_to_hf_peft(served, tmp_path) -> None:

@@ -103,6 +103,22 @@ def test_open_bounds_are_filled_and_the_schemas_own_win() -> None:
     assert not validate({"population": int("1" * 40)}) and not validate({"population": 1, "name": "x" * 13})
 
 
+def test_objects_are_closed_to_their_named_properties_unless_subschemas_join() -> None:
+    model = {"type": "object", "properties": {"city": {"type": "string"}, "where": {"anyOf": [
+        {"type": "object", "properties": {"lat": {"type": "number"}}}, {"type": "null"}]}}}
+    bounded = bounded_schema(model, **VALUE_BOUNDS)  # a Pydantic model's schema: no additionalProperties
+    assert bounded["additionalProperties"] is False
+    assert bounded["properties"]["where"]["anyOf"][0]["additionalProperties"] is False
+    assert bounded_schema({"type": "object"}, **VALUE_BOUNDS) == {"type": "object"}  # names none: stays open
+    own = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "integer"}}
+    assert bounded_schema(own, **VALUE_BOUNDS)["additionalProperties"] == {
+        "type": "integer", "minimum": -(10**16 - 1), "maximum": 10**16 - 1}
+    joined = {"allOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {"type": "integer"}}}]}
+    assert all("additionalProperties" not in branch for branch in bounded_schema(joined, **VALUE_BOUNDS)["allOf"])
+    beside = {"properties": {"a": {"type": "integer"}}, "oneOf": [{"properties": {"b": {"const": 1}}}]}
+    assert "additionalProperties" not in bounded_schema(beside, **VALUE_BOUNDS)
+
+
 @pytest.fixture(scope="module")
 def grammars() -> tuple[Grammars, GPT2TokenizerFast]:
     tokenizer = GPT2TokenizerFast.from_pretrained(GPT2_TOKENIZER_DIR)

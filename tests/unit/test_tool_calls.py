@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 
-import llguidance
-import llguidance.hf
 import pytest
 
 from core.tool_calls import (
@@ -23,7 +21,7 @@ from core.tool_calls import (
 )
 from core.tool_grammar import lark, tool_rules
 from tests.tiny_chat import CHATML_TEMPLATE, build_chat_tokenizer
-from tests.tiny_tools import TEMPLATES
+from tests.tiny_tools import TEMPLATES, grammar_accepts
 
 TOOLS = check_tools([
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -48,14 +46,6 @@ def tokenizer():
     return tokenizer
 
 
-def _accepts(tokenizer, grammar: str, text: str) -> bool:
-    lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=[tokenizer.eos_token_id])
-    matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
-    assert not matcher.is_error(), matcher.get_error()
-    return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting() \
-        and not matcher.is_error()
-
-
 def test_the_family_is_read_from_the_template():
     assert family_of(TEMPLATES["qwen25"]) is HERMES and family_of(TEMPLATES["qwen3"]) is HERMES
     assert family_of(TEMPLATES["llama31"]) is LLAMA3 and family_of(TEMPLATES["mistral"]) is MISTRAL
@@ -66,27 +56,29 @@ def test_the_family_is_read_from_the_template():
 def test_the_grammar_allows_calls_of_the_tools_only(tokenizer, family):
     ids = {m: tokenizer.convert_tokens_to_ids(m) for m in ("<tool_call>", "</tool_call>", "[TOOL_CALLS]")}
     auto = lark(tool_rules(family, TOOLS, "auto", True, ids), think=None, token_ids=ids)
-    assert _accepts(tokenizer, auto, _calls(family, WEATHER, ADD))
-    assert _accepts(tokenizer, auto, "Just text.")
-    assert not _accepts(tokenizer, auto, _calls(family, WEATHER.replace("Paris", "Oslo")))  # the schema's enum
-    assert not _accepts(tokenizer, auto, _calls(family, WEATHER.replace("get_weather", "delete_all")))
-    assert not _accepts(tokenizer, auto, _calls(family, WEATHER.replace(": ", ":")))  # tojson's separators
+    assert grammar_accepts(tokenizer, auto, _calls(family, WEATHER, ADD))
+    assert grammar_accepts(tokenizer, auto, "Just text.")
+    assert not grammar_accepts(tokenizer, auto, _calls(family, WEATHER.replace("Paris", "Oslo")))  # the schema's enum
+    assert not grammar_accepts(tokenizer, auto, _calls(family, WEATHER.replace("get_weather", "delete_all")))
+    assert not grammar_accepts(tokenizer, auto, _calls(family, WEATHER.replace(": ", ":")))  # tojson's separators
     one = lark(tool_rules(family, TOOLS, "required", False, ids), think=None, token_ids=ids)
-    assert _accepts(tokenizer, one, _calls(family, ADD)) and not _accepts(tokenizer, one, _calls(family, ADD, ADD))
-    assert not _accepts(tokenizer, one, "Just text.")
+    assert grammar_accepts(tokenizer, one, _calls(family, ADD))
+    assert not grammar_accepts(tokenizer, one, _calls(family, ADD, ADD))
+    assert not grammar_accepts(tokenizer, one, "Just text.")
     named = lark(tool_rules(family, TOOLS, "add", True, ids), think=None, token_ids=ids)
-    assert _accepts(tokenizer, named, _calls(family, ADD)) and not _accepts(tokenizer, named, _calls(family, WEATHER))
+    assert grammar_accepts(tokenizer, named, _calls(family, ADD))
+    assert not grammar_accepts(tokenizer, named, _calls(family, WEATHER))
     if family is not LLAMA3:  # free text never writes the marker
-        assert not _accepts(tokenizer, auto, f"Sure: {family.marker}")
+        assert not grammar_accepts(tokenizer, auto, f"Sure: {family.marker}")
 
 
 def test_thinking_comes_first_then_the_calls(tokenizer):
     ids = {m: tokenizer.convert_tokens_to_ids(m) for m in ("<tool_call>", "</tool_call>", "<think>", "</think>")}
     grammar = lark(tool_rules(HERMES, TOOLS, "required", True, ids), think="open", token_ids=ids)
-    assert _accepts(tokenizer, grammar, "<think>\nhmm\n</think>\n\n" + _calls(HERMES, ADD))
-    assert not _accepts(tokenizer, grammar, _calls(HERMES, ADD))
+    assert grammar_accepts(tokenizer, grammar, "<think>\nhmm\n</think>\n\n" + _calls(HERMES, ADD))
+    assert not grammar_accepts(tokenizer, grammar, _calls(HERMES, ADD))
     inside = lark(tool_rules(HERMES, TOOLS, "required", True, ids), think="inside", token_ids=ids)
-    assert _accepts(tokenizer, inside, "hmm\n</think>\n\n" + _calls(HERMES, ADD))
+    assert grammar_accepts(tokenizer, inside, "hmm\n</think>\n\n" + _calls(HERMES, ADD))
 
 
 @pytest.mark.parametrize("family", FAMILIES.values(), ids=list(FAMILIES))

@@ -1,7 +1,9 @@
 """A chat request on the worker: rendered with its tools through the model's template, constrained, parsed back.
 
 The template that renders the tools is the one whose text names the call format (core.tool_calls.family_of),
-so the grammar (core.tool_grammar) and the parser read the format the model was trained on. Rendered here, not
+so the grammar (core.tool_grammar) and the parser read the format the model was trained on; a template that renders
+no tools gets the default tool prompt in the Hermes form (core.tool_prompt), its calls read as that family's. A
+response_format beside the tools constrains the answer that is not calls. Rendered here, not
 in the API: the API may not hold the model's files, and the worker's ids equal `apply_chat_template` by
 construction, whatever Jinja extensions a template uses.
 """
@@ -12,8 +14,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from core.protocol import ChatOptions, Constraint, ErrorCode, ErrorEvent, GenerateTask, SamplingParams
-from core.tool_calls import THINK_CLOSE, THINK_OPEN, ChoiceParser, Family, family_of, template_messages, thinks
+from core.tool_calls import (
+    HERMES,
+    THINK_CLOSE,
+    THINK_OPEN,
+    ChoiceParser,
+    Family,
+    family_of,
+    template_messages,
+    thinks,
+)
 from core.tool_grammar import MARKERS, constraint_rules, lark, tool_rules
+from core.tool_prompt import plain_messages
 
 if TYPE_CHECKING:
     from worker.engines.serving import ServingEngine
@@ -53,14 +65,12 @@ def plan_chat(engine: ServingEngine, task: GenerateTask) -> ChatPlan | ErrorEven
 
     options = task.chat or ChatOptions()
     template = getattr(engine.tokenizer, "chat_template", None) or ""
-    family = family_of(template) if options.tools and options.tool_choice != "none" else None
-    if options.tools and options.tool_choice != "none" and family is None:
-        return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, "this model's chat template renders no tool calls in a "
-                             "format trainserve reads (Hermes/Qwen <tool_call>, Llama 3 JSON, Mistral "
-                             "[TOOL_CALLS]); send tool_choice none or serve a tool-calling model", "tools")
-    messages = template_messages([m.model_dump(exclude_none=True) for m in task.messages or []])
+    calls = bool(options.tools) and options.tool_choice != "none"
+    native = family_of(template)
+    # A template that renders no tools gets trainserve's default tool prompt, in the Hermes form (core/tool_prompt.py).
+    family = (native or HERMES) if calls else None
     try:
-        ids = list(engine.encode_chat(messages, options.tools, **options.template_kwargs))
+        ids = _render(engine, task, options, generic=native is None, calls=calls)
     except NoChatTemplate as exc:
         return ErrorEvent.of(ErrorCode.VALIDATION_ERROR, str(exc), "model")
     except Exception as exc:  # noqa: BLE001 - a template's raise_exception (e.g. roles out of order) is the client's
@@ -71,7 +81,8 @@ def plan_chat(engine: ServingEngine, task: GenerateTask) -> ChatPlan | ErrorEven
     rules: list[str] | None = None
     token_ids = _marker_ids(engine.tokenizer)
     if family is not None:
-        rules = tool_rules(family, options.tools or [], options.tool_choice, options.parallel_tool_calls, token_ids)
+        rules = tool_rules(family, options.tools or [], options.tool_choice, options.parallel_tool_calls, token_ids,
+                           bounds=options.tool_bounds, answer=params.constraint)
     elif think is not None and params.constraint is not None:
         rules = constraint_rules(params.constraint)
     if rules is not None:
@@ -79,6 +90,28 @@ def plan_chat(engine: ServingEngine, task: GenerateTask) -> ChatPlan | ErrorEven
         field = "tools" if family is not None else field_of(params.constraint) if params.constraint else None
         params = params.model_copy(update={"constraint": Constraint(kind="lark", spec=grammar, field=field)})
     return ChatPlan(ids, params, family, think)
+
+
+def _render(engine: ServingEngine, task: GenerateTask, options: ChatOptions, *, generic: bool, calls: bool
+            ) -> list[int]:
+    """The chat's prompt ids: through the template with its tools, or (`generic`) as plain messages with the default
+    tool prompt when `calls` may be made."""
+    from worker.engines.generation.tokenizer import NoChatTemplate
+
+    messages = template_messages([m.model_dump(exclude_none=True) for m in task.messages or []])
+    if not generic:
+        return list(engine.encode_chat(messages, options.tools, **options.template_kwargs))
+    tools = options.tools if calls else None
+    try:
+        return list(engine.encode_chat(plain_messages(messages, tools), None, **options.template_kwargs))
+    except NoChatTemplate:
+        raise
+    except Exception:
+        if not tools:
+            raise
+        # A template that refuses a system message (Gemma's): the tools' text opens the first user message instead.
+        return list(engine.encode_chat(plain_messages(messages, tools, system_role=False), None,
+                                       **options.template_kwargs))
 
 
 def _marker_ids(tokenizer: Any) -> dict[str, int]:
