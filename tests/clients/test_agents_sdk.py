@@ -1,6 +1,7 @@
 """The OpenAI Agents SDK 0.24, unchanged, on its default model API (the Responses API: OpenAIResponsesModel over an
 AsyncOpenAI client pointed at trainserve): a plain run and a streamed run on SmolLM2, function tools and multi-turn
-runs (input lists and previous_response_id) on the tiny Qwen 2.5 tool template, an output_type on both.
+runs (input lists and previous_response_id) on the tiny Qwen 2.5 tool template, a tool on SmolLM2 (whose template
+has no tool section: the default tool prompt), an output_type alone and after a tool.
 
 The tiny Qwen2 is random: its text never ends before the token limit (which the SDK rightly takes for a failed
 response), so its turns end in tool calls or in a structured output, whose grammar ends it.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Annotated
 
 import pytest
 from agents import (
@@ -46,7 +48,7 @@ def _model(service: ClientService, name: str) -> OpenAIResponsesModel:
 
 def _weather_tool(calls: list[str]):
     @function_tool
-    def get_weather(city: str) -> str:
+    def get_weather(city: Annotated[str, Field(max_length=12)]) -> str:
         """Weather in a city."""
         calls.append(city)
         return f"sunny in {city}"
@@ -112,8 +114,8 @@ def test_an_output_type_is_a_structured_answer(client_service):
 
 
 def test_a_tool_then_an_output_type(client_service):
-    """Needs tools together with a structured output on the chat path (until then: a 422 'give tools or a
-    structured output format, not both')."""
+    """Tools beside a structured output: a call first (required), then (the SDK resets tool_choice to auto) calls
+    or the output type's JSON, one call a turn."""
     calls: list[str] = []
     agent = Agent(name="weather", instructions="Look the weather up, then report it.",
                   model=_model(client_service, "tiny-qwen"), tools=[_weather_tool(calls)], output_type=Weather,
@@ -124,10 +126,12 @@ def test_a_tool_then_an_output_type(client_service):
 
 
 def test_a_function_tool_on_a_template_without_tools(client_service):
-    """Needs tools on any chat model (until then: a 422 'renders no tool calls' from SmolLM2's template)."""
+    """SmolLM2's template renders no tools: the default tool prompt, the call constrained to the tool's schema. One
+    call a turn (greedy SmolLM2 repeats a call while parallel calls are allowed, until the token limit)."""
     calls: list[str] = []
     agent = Agent(name="weather", instructions="Answer with the tool.", model=_model(client_service, "smollm2"),
                   tools=[_weather_tool(calls)], tool_use_behavior="stop_on_first_tool",
-                  model_settings=ModelSettings(temperature=0, max_tokens=60, tool_choice="required"))
+                  model_settings=ModelSettings(temperature=0, max_tokens=60, tool_choice="required",
+                                               parallel_tool_calls=False))
     result = asyncio.run(Runner.run(agent, "What is the weather in Paris?"))
     assert calls and result.final_output == f"sunny in {calls[0]}"
