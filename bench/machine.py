@@ -1,10 +1,20 @@
-"""The machine line of a bench/results file: the CPU, its cores, its vector extensions and the library versions."""
+"""The machine line of a bench/results file (the CPU, its cores, its vector extensions and the library versions) and
+the commit it measured."""
 
 from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def commit() -> str:
+    """The checkout's commit (`git rev-parse --short=9 HEAD`): a record's `commit`, the code it measured."""
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=9", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
 
 
 def describe() -> str:

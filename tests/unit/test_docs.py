@@ -134,9 +134,10 @@ def test_benchmark_result_refuses_unknown_fields_and_bad_dates():
     from pydantic import ValidationError
 
     good = {"benchmark": "bench/x.py", "what": "w", "command": "python bench/x.py", "date": "2026-01-02",
-            "machine": "m", "load": "quiet", "result": "1x"}
+            "machine": "m", "load": "quiet", "result": "1x", "commit": "e21f442", "measures": ["bench/x.py"]}
     docs_reference.BenchmarkResult.model_validate(good)
-    for bad in ({**good, "date": "yesterday"}, {**good, "speedup": 2}):
+    for bad in ({**good, "date": "yesterday"}, {**good, "speedup": 2}, {**good, "commit": "HEAD"},
+                {**good, "measures": []}):
         with pytest.raises(ValidationError):
             docs_reference.BenchmarkResult.model_validate(bad)
 
