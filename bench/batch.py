@@ -46,7 +46,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 from bench.generate import build_model, free_port, spread, start_service  # noqa: E402
-from bench.machine import describe  # noqa: E402
+from bench.machine import describe, provenance  # noqa: E402
 from core.settings import Settings  # noqa: E402
 
 SST2 = ROOT / "examples" / "data" / "sst2_train_4k.tsv"
@@ -265,7 +265,7 @@ def main() -> None:
         args.json.write_text(json.dumps({
             "benchmark": "bench/batch.py", "what": what, "command": "python bench/batch.py " + " ".join(sys.argv[1:]),
             "date": date.today().isoformat(), "machine": describe(), "load": f"{min(loads):.1f}-{max(loads):.1f}",
-            "result": "; ".join(lines), "target": args.target,
+            "result": "; ".join(lines), "target": args.target, **provenance("bench/batch.py"),
         }, indent=2, ensure_ascii=False) + "\n")
 
 

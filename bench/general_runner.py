@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from bench.generate_engine import default_text, load_prompts  # noqa: E402
-from bench.machine import describe  # noqa: E402
+from bench.machine import describe, provenance  # noqa: E402
 from trainserve.real_models import SMOLLM2_DIR, build_smollm2  # noqa: E402
 from worker.engines.generation.engine import GenerationEngine, SamplingParams  # noqa: E402
 
@@ -113,6 +113,7 @@ def main() -> int:
                    f"{args.max_new_tokens} --repeats {args.repeats}",
         "date": time.strftime("%Y-%m-%d"),
         "machine": describe(),
+        **provenance("bench/general_runner.py"),
         "load": f"{loads[0]:.1f} (1-minute load average after the runs)",
         "result": (f"general runner {figure('general-runner')} vs llama-family runner {figure('llama-family-runner')} "
                    f"vs HF generate batched {figure('hf-generate-batched')} tokens/s: "

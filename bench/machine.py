@@ -11,6 +11,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# The code each script's records measure (a record's `measures`): a later commit that changes one of these paths
+# marks the record stale on the results page (trainserve/docs_reference.py).
+_GENERATION = ["worker/engines/generation", "worker/engines/models", "worker/engines/serving.py"]
+_HTTP = ["app/services/chat.py", "app/services/completions.py", "app/services/generation.py",
+         "app/services/inference.py", "worker/servers"]
+_TRAINING = ["worker/engines/models", "worker/engines/training"]
+MEASURES = {
+    "bench/batch.py": ["app/services/batches.py", "worker/batches", "worker/engines/encoders", *_GENERATION, *_HTTP],
+    "bench/general_runner.py": _GENERATION,
+    "bench/paged_memory.py": _GENERATION,
+    "bench/peers.py": [*_GENERATION, *_HTTP, "worker/engines/vllm"],
+    "bench/speculative.py": _GENERATION,
+    "bench/training_memory.py": [*_TRAINING, "core/estimate.py"],
+    "bench/trl_compare.py": _TRAINING,
+    "bench/vllm_cpu_settings.py": ["worker/engines/vllm"],
+}
+
+
+def provenance(script: str) -> dict[str, str | list[str]]:
+    """A record's `commit` and `measures` (the script itself and the code it drives)."""
+    return {"commit": commit(), "measures": sorted({script, *MEASURES[script]})}
+
+
 def commit() -> str:
     """The checkout's commit (`git rev-parse --short=9 HEAD`): a record's `commit`, the code it measured."""
     return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=9", "HEAD"], capture_output=True, text=True,

@@ -30,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
-from bench.machine import describe  # noqa: E402
+from bench.machine import describe, provenance  # noqa: E402
 from trainserve.real_models import SMOLLM2_DIR, build_smollm2  # noqa: E402
 from worker.engines.generation.caches.paged_cache import BLOCK  # noqa: E402
 from worker.engines.generation.engine import GenerationEngine, SamplingParams  # noqa: E402
@@ -135,7 +135,7 @@ def main() -> None:
             "command": "python bench/paged_memory.py" + "".join(
                 f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                 if k not in ("model", "out") and v != parser.get_default(k)),
-            "date": datetime.date.today().isoformat(), "machine": describe(),
+            "date": datetime.date.today().isoformat(), "machine": describe(), **provenance("bench/paged_memory.py"),
             "load": "not relevant (memory)", "result": result,
             "target": f"held <= 1.10x the tokens' KV size: {'met' if med['held'] <= 1.10 else 'not met'}"}
         args.out.write_text(json.dumps(record, indent=2) + "\n")

@@ -67,16 +67,12 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 from bench.generate import children, free_port, served_precision, start_service  # noqa: E402
-from bench.machine import commit, describe  # noqa: E402
+from bench.machine import describe, provenance  # noqa: E402
 from trainserve.real_models import SMOLLM2_DIR, build_smollm2, smollm2_gguf  # noqa: E402
 
 SST2 = ROOT / "examples" / "data" / "sst2_train_4k.tsv"
 SHAKESPEARE = ROOT / "examples" / "data" / "tinyshakespeare_sample.txt"
 LLAMA_CACHE = Path.home() / ".cache" / "trainserve" / "llama.cpp"
-# The code a record of this script measures (its `measures`): the engines and the HTTP path in front of them.
-MEASURES = ["app/services/chat.py", "app/services/completions.py", "app/services/generation.py",
-            "app/services/inference.py", "bench/peers.py", "worker/engines/generation", "worker/engines/models",
-            "worker/engines/serving.py", "worker/engines/vllm", "worker/servers"]
 INSTRUCTIONS = (
     "Is this movie review positive or negative? Explain why: \"{s}\"",
     "Rewrite this sentence in formal English: \"{s}\"",
@@ -427,7 +423,7 @@ def result_json(args: argparse.Namespace, rows: dict[tuple[str, str], list[Row]]
     return {"benchmark": "bench/peers.py", "what": what, "command": "python bench/peers.py " + " ".join(sys.argv[1:]),
             "date": datetime.now(UTC).strftime("%Y-%m-%d"), "machine": describe(),
             "load": f"{min(loads):.1f}-{max(loads):.1f}" if loads else "not recorded",
-            "result": "; ".join(lines + notes), "target": args.target, "commit": commit(), "measures": MEASURES}
+            "result": "; ".join(lines + notes), "target": args.target, **provenance("bench/peers.py")}
 
 
 # --- Main ---

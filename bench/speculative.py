@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
-from bench.machine import describe  # noqa: E402
+from bench.machine import describe, provenance  # noqa: E402
 from core.settings import Settings  # noqa: E402
 from worker.engines.generation.engine import GenerationEngine, SamplingParams  # noqa: E402
 
@@ -205,6 +205,7 @@ def main() -> None:
             "command": "python bench/speculative.py " + " ".join(sys.argv[1:]),
             "date": date.today().isoformat(),
             "machine": describe(),
+            **provenance("bench/speculative.py"),
             "load": f"{min(loads):.1f}-{max(loads):.1f}",
             "result": "; ".join(lines),
             "target": args.target,

@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import describe  # noqa: E402
+from bench.machine import describe, provenance  # noqa: E402
 from trainserve.real_models import SMOLLM2_DIR, build_smollm2  # noqa: E402
 
 TECHNIQUES = ("plain", "chunked", "chunked+ckpt")
@@ -203,6 +203,7 @@ def main() -> int:
                     "measured (ratio), seconds per step",
             "command": "python bench/training_memory.py " + " ".join(sys.argv[1:]),
             "date": datetime.now(UTC).strftime("%Y-%m-%d"), "machine": describe(),
+            **provenance("bench/training_memory.py"),
             "load": f"{min(loads):.1f}-{max(loads):.1f}" if loads else "",
             "result": "; ".join([summary, *map(describe_row, rows)])}, indent=2) + "\n")
     return 0

@@ -45,7 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import describe  # noqa: E402
+from bench.machine import describe, provenance  # noqa: E402
 from bench.training_memory import _rss, _words  # noqa: E402
 from trainserve.real_models import SMOLLM2_DIR, build_smollm2  # noqa: E402
 
@@ -427,6 +427,7 @@ def main() -> int:
             "command": "python bench/trl_compare.py " + " ".join(passed),
             "date": datetime.now(UTC).strftime("%Y-%m-%d"),
             "machine": f"{describe()}, peft {version('peft')}, trl {version('trl')}",
+            **provenance("bench/trl_compare.py"),
             "load": f"{min(loads):.1f}-{max(loads):.1f}" if loads else "", "result": "; ".join(lines),
             "target": "at least 1.2x TRL's tokens/s at no more than its peak memory, the same loss (within 5%): "
                       + "; ".join(f"{job} {verdict(job, runs)}" for job in jobs)}, indent=2) + "\n")

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.generate import free_port  # noqa: E402
-from bench.machine import describe  # noqa: E402
+from bench.machine import describe, provenance  # noqa: E402
 from trainserve.real_models import SMOLLM2_DIR, build_smollm2  # noqa: E402
 from worker.engines.vllm.server import INSTALL_HINT, cpu_list, find_python  # noqa: E402
 
@@ -139,6 +139,7 @@ def main() -> int:
                     f"LoRA setting, medians [min-max] of {args.repeats} interleaved rounds",
             "command": "python bench/vllm_cpu_settings.py " + " ".join(sys.argv[1:]),
             "date": datetime.now(UTC).strftime("%Y-%m-%d"), "machine": describe(),
+            **provenance("bench/vllm_cpu_settings.py"),
             "load": f"{min(loads):.1f}-{max(loads):.1f}", "result": "; ".join(lines + ratios)}, indent=2) + "\n")
     return 0
 

@@ -128,6 +128,11 @@ def test_benchmark_results_are_well_formed():
     for name, result in results:
         assert Path(result.benchmark).name in scripts, name
         assert Path(result.benchmark).name.removesuffix(".py") in result.command or result.benchmark in result.command
+        # A path that is not there would never change: the record would stay current whatever the code became.
+        missing = [path for path in result.measures if not (ROOT / path).exists()]
+        assert result.benchmark in result.measures and not missing, (name, missing)
+    from bench.machine import MEASURES  # what the scripts that write their own records name
+    assert all((ROOT / path).exists() for paths in MEASURES.values() for path in paths), MEASURES
 
 
 def test_benchmark_result_refuses_unknown_fields_and_bad_dates():
