@@ -294,10 +294,12 @@ def freshness(result: BenchmarkResult, root: Path = ROOT) -> str:
                            capture_output=True)
     if known.returncode:
         return f"unknown: commit {result.commit} is not in this clone's history"
-    changed = subprocess.run(["git", "-C", str(root), "log", "--reverse", "--format=%h %ad", "--date=short",
+    # The full hash cut to 9 characters: git's own abbreviation grows with the object count, so a fresh clone and
+    # an old checkout would render the page differently.
+    changed = subprocess.run(["git", "-C", str(root), "log", "--reverse", "--format=%H %ad", "--date=short",
                               f"{result.commit}..HEAD", "--", *result.measures],
                              capture_output=True, text=True, check=True).stdout.split("\n", 1)[0].split()
-    return f"stale: the measured code changed in {changed[0]} ({changed[1]})" if changed else "current"
+    return f"stale: the measured code changed in {changed[0][:9]} ({changed[1]})" if changed else "current"
 
 
 def has_history(root: Path = ROOT) -> bool:

@@ -72,7 +72,7 @@ def test_a_record_is_stale_from_the_first_commit_that_changes_what_it_measures(t
     assert docs_reference.freshness(record, tmp_path) == "current"
     (tmp_path / "engine" / "kernel.py").write_text("v2\n")
     git("commit", "-qam", "faster kernel")
-    first = git("rev-parse", "--short", "HEAD")
+    first = git("rev-parse", "HEAD")[:9]
     (tmp_path / "engine" / "kernel.py").write_text("v3\n")
     git("commit", "-qam", "faster still")
     assert docs_reference.freshness(record, tmp_path).startswith(f"stale: the measured code changed in {first} ")
