@@ -17,7 +17,6 @@ from sqlalchemy import select
 from core.db import make_engine, make_sessionmaker, session_scope
 from core.rows import WebhookEvent
 from tests.api.test_batches import served  # noqa: F401 - "tiny", a chat model; batch tasks run in-process
-from tests.api.test_generation import worker_ctx  # noqa: F401 - the in-process generation worker fixture
 from tests.api.test_upload_slots import running
 from tests.conftest import make_key
 from tests.tiny_lm import build_tiny_gpt2

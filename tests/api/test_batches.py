@@ -15,7 +15,6 @@ import pytest
 
 from core.batches import part_key
 from core.tasks import TASK_BATCH
-from tests.api.test_generation import worker_ctx  # noqa: F401 - the in-process generation worker fixture
 from tests.tiny_lm import build_tiny_gpt2
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
@@ -33,7 +32,7 @@ def _chat(custom_id: str, content: str, model: str = "tiny", **more) -> bytes:
 
 
 @pytest.fixture()
-def served(settings, worker_ctx, queue):  # noqa: F811
+def served(settings, worker_ctx, queue):
     """A tiny GPT-2 with a chat template as <home>/models/tiny; batch tasks run by the worker code in-process."""
     from transformers import AutoTokenizer
 
@@ -129,7 +128,7 @@ EMBED_TEXTS = ["A cat sits on the mat.", "Stock markets fell sharply today.", "C
 
 
 def test_an_embeddings_batch_equals_the_interactive_route_and_sentence_transformers(
-        api, served, worker_ctx, queue):  # noqa: F811
+        api, served, worker_ctx, queue):
     from sentence_transformers import SentenceTransformer
     from transformers import AutoTokenizer
 
@@ -191,7 +190,7 @@ def test_validation_errors_name_the_field(api, client, served):
         api.batches.retrieve("batch_" + "0" * 24)
 
 
-def test_cancel_before_the_worker_and_after_the_end(api, served, worker_ctx, queue):  # noqa: F811
+def test_cancel_before_the_worker_and_after_the_end(api, served, worker_ctx, queue):
     from worker.batches.run import run_batch
 
     queue.handlers.pop(TASK_BATCH)  # no worker yet: the batch waits in the queue
@@ -213,7 +212,7 @@ def test_cancel_before_the_worker_and_after_the_end(api, served, worker_ctx, que
     assert api.batches.retrieve(other.id).request_counts.completed == 2
 
 
-def test_a_resumed_batch_never_reruns_a_done_line(api, served, settings, worker_ctx, queue, monkeypatch):  # noqa: F811
+def test_a_resumed_batch_never_reruns_a_done_line(api, served, settings, worker_ctx, queue, monkeypatch):
     from worker.batches import run as batches
 
     queue.handlers.pop(TASK_BATCH)
@@ -248,7 +247,7 @@ def test_a_resumed_batch_never_reruns_a_done_line(api, served, settings, worker_
     assert [line["custom_id"] for line in _lines(api, done.output_file_id)] == [f"r{i}" for i in range(5)]
 
 
-def test_a_silent_batch_is_handed_on_once_and_runs_under_one_lease(api, served, settings, worker_ctx, queue):  # noqa: F811
+def test_a_silent_batch_is_handed_on_once_and_runs_under_one_lease(api, served, settings, worker_ctx, queue):
     from datetime import timedelta
 
     from core.db import session_scope

@@ -13,7 +13,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.api.test_generation import worker_ctx  # noqa: F401 - the in-process generation worker fixture
 from tests.tiny_lm import build_tiny_gpt2
 
 # ChatML with the tokenizer's bos token and a raise_exception, as hub templates use them.
@@ -30,7 +29,7 @@ SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]},
 
 
 @pytest.fixture()
-def served(settings, worker_ctx):  # noqa: F811
+def served(settings, worker_ctx):
     """A tiny GPT-2 with a chat template ("chat") and one without ("plain"), served by the worker in-process."""
     chat = build_tiny_gpt2(settings.home / "models" / "chat", n_positions=128)
     tokenizer = AutoTokenizer.from_pretrained(chat)

@@ -14,8 +14,6 @@ import openai
 import pytest
 import torch
 
-from tests.api.test_generation import worker_ctx  # noqa: F401 - the in-process generation worker fixture
-
 # Llama-2's chat format ([INST] ... [/INST]) and ChatML, as the families ship them.
 LLAMA2 = ("{% if messages[0]['role'] == 'system' %}{% set system = '<<SYS>>\\n' + messages[0]['content'] + "
           "'\\n<</SYS>>\\n\\n' %}{% set messages = messages[1:] %}{% else %}{% set system = '' %}{% endif %}"

@@ -13,7 +13,6 @@ import jsonschema
 import openai
 import pytest
 
-from tests.api.test_generation import worker_ctx  # noqa: F401 - the in-process generation worker fixture
 from tests.tiny_tools import build_tool_model
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},

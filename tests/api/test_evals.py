@@ -13,7 +13,6 @@ import pytest
 from rapidfuzz import fuzz
 
 from tests.api.test_batches import served  # noqa: F401 - a tiny chat model; batch tasks run in-process
-from tests.api.test_generation import worker_ctx  # noqa: F401 - the in-process generation worker fixture
 
 ITEMS = [{"question": "Name a colour", "answer": "red"}, {"question": "Say hi", "answer": "hi"},
          {"question": "Count to three", "answer": "one two three"}]

@@ -15,26 +15,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.tasks import TASK_GENERATE
-from tests.tiny_lm import build_tiny_gpt2
-
-
-@pytest.fixture()
-def worker_ctx(settings, queue):
-    """The generation worker's context; its tasks run in threads through the recording queue."""
-    from worker.context import WorkerContext
-    from worker.servers import generation as serving
-
-    ctx = WorkerContext(settings, queue)
-    queue.handlers[TASK_GENERATE] = lambda payload: serving.serve(ctx, payload)
-    yield ctx
-    ctx.service("generation", serving.GenerationService.build).registry.close()
-    ctx.close()
-
-
-@pytest.fixture()
-def served(settings, worker_ctx):
-    """A tiny GPT-2 installed as <home>/models/tiny, served by the worker code in-process."""
-    return build_tiny_gpt2(settings.home / "models" / "tiny", n_positions=64)
 
 
 def _reference_greedy(path, prompt, max_new_tokens):

@@ -10,7 +10,6 @@ import pytest
 from rapidfuzz import fuzz
 
 from tests.api.test_chat import served  # noqa: F401 - a tiny chat model served in-process
-from tests.api.test_generation import worker_ctx  # noqa: F401 - the in-process generation worker fixture
 
 
 @pytest.fixture()

@@ -12,7 +12,6 @@ import jsonschema
 import openai
 import pytest
 
-from tests.api.test_generation import worker_ctx  # noqa: F401 - the in-process generation worker fixture
 from tests.conftest import make_key
 from tests.tiny_tools import build_tool_model
 

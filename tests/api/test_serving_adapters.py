@@ -17,7 +17,6 @@ from core.adapters import AdapterConfig
 from core.db import make_engine, make_sessionmaker, session_scope
 from core.paths import MANIFEST_NAME, job_model_dir
 from core.rows import Job, JobStatus
-from tests.api.test_generation import worker_ctx  # noqa: F401 - the in-process generation worker fixture
 from tests.factories import upload
 from tests.tiny_adapters import hf_greedy, make_adapters, peft_model
 from tests.tiny_chat import build_tiny_llama, chat_jsonl
@@ -37,7 +36,7 @@ def _finish(settings, job_id: str, folder) -> None:
 
 
 @pytest.fixture()
-def served(client, settings, worker_ctx, tmp_path):  # noqa: F811
+def served(client, settings, worker_ctx, tmp_path):
     """<home>/models/tiny (a chat Llama) and two adapter jobs over it: name -> (job id, adapter folder)."""
     base = build_tiny_llama(settings.home / "models" / "tiny", seed=1)
     folders = make_adapters(base, tmp_path)
@@ -52,7 +51,7 @@ def served(client, settings, worker_ctx, tmp_path):  # noqa: F811
     return base, folders, jobs
 
 
-def test_adapter_jobs_answer_as_peft_in_one_burst_with_their_base(client, served, worker_ctx):  # noqa: F811
+def test_adapter_jobs_answer_as_peft_in_one_burst_with_their_base(client, served, worker_ctx):
     from worker.servers import generation as serving
 
     base, folders, jobs = served
@@ -93,7 +92,7 @@ def test_adapter_jobs_answer_as_peft_in_one_burst_with_their_base(client, served
         assert sorted(engine.stats()["adapters"]) == sorted(jobs.values())
 
 
-def test_an_adapter_over_a_gpt2_base_is_served_merged_and_answers_as_peft(client, settings, worker_ctx,  # noqa: F811
+def test_an_adapter_over_a_gpt2_base_is_served_merged_and_answers_as_peft(client, settings, worker_ctx,
                                                                           tiny_gpt2_dir, tmp_path):
     dataset = upload(client, "\n".join(["some text to learn"] * 8).encode(), filename="corpus.txt").json()["id"]
     response = client.post("/jobs", json={"task": "causal-lm", "train_dataset": dataset,
