@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -52,10 +52,11 @@ def _parts_text(content: Any, role: str, field: str) -> str:
     if not isinstance(content, list):
         raise ValidationFailed(field, "content is a string or a list of text parts")
     allowed = "output_text" if role == "assistant" else "input_text"
+    accepted = {allowed, "input_text"}  # an assistant's parts may also be input_text
     texts = []
     for at, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in (allowed, "input_text" if role == "assistant" else allowed):
+        if kind not in accepted:
             raise ValidationFailed(f"{field}.{at}.type", f"a {role} message's parts are {allowed} (no images, "
                                    "files or audio: the served models read text)")
         unknown = sorted(set(part) - PART_KEYS[kind])
@@ -191,11 +192,15 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return None if kind == "text" else {"type": kind}
 
 
+def refuse_include(include: list[str] | None) -> None:
+    """`include` (on create and on input items) names extra outputs; none is offered, so any is a 422."""
+    if include:
+        raise ValidationFailed("include", f"{include[0]!r} cannot be included: none of the extra outputs is offered")
+
+
 def refuse_unsupported(body: ResponseCreate) -> None:
     """The Responses fields this server takes only at their neutral value: any other is a 422 naming it."""
-    if body.include:
-        raise ValidationFailed("include", f"{body.include[0]!r} cannot be included: none of the extra outputs is "
-                               "offered")
+    refuse_include(body.include)
     if body.background:
         raise ValidationFailed("background", "background responses are not supported: every response is answered "
                                "in its request")
@@ -241,9 +246,15 @@ def responses_field(field: str | None) -> str | None:
     return _TOOL_FIELD.sub(lambda m: f"tools.{m.group(1)}" + m.group(2), field)
 
 
+def response_status(finish_reason: str | None) -> Literal["completed", "incomplete"]:
+    """A response's (and its open items') status from its choice's finish reason: the token limit leaves it
+    incomplete."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
 def output_items(choice: ChoiceOut) -> list[dict[str, Any]]:
     """A finished chat choice as Responses output items: its reasoning, its message, then its function calls."""
-    status = "incomplete" if choice.finish_reason == "length" else "completed"
+    status = response_status(choice.finish_reason)
     items: list[dict[str, Any]] = []
     if choice.reasoning:
         items.append(reasoning_item(item_id("reasoning"), choice.reasoning, status))

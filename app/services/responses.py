@@ -27,6 +27,8 @@ from app.services.response_items import (
     chat_request,
     input_items,
     output_items,
+    refuse_include,
+    response_status,
     response_usage,
     responses_field,
 )
@@ -47,10 +49,6 @@ def _named_as_responses() -> Iterator[None]:
     except DomainError as exc:
         exc.field = responses_field(exc.field)
         raise
-
-
-def _status(finish_reason: str) -> Literal["completed", "incomplete"]:
-    return "incomplete" if finish_reason == "length" else "completed"
 
 
 def _response(response_id: str, created: int, body: ResponseCreate, status: str,
@@ -108,8 +106,8 @@ async def create_response(gateway: GenerationGateway, session: Session, sessions
         with _named_as_responses():
             done = await collect(gateway, started, disconnected)
         choice = done.choices[0]
-        return await kept(_response(response_id, created, body, _status(choice.finish_reason), output_items(choice),
-                                    done))
+        return await kept(_response(response_id, created, body, response_status(choice.finish_reason),
+                                    output_items(choice), done))
     stream = ResponseStream()
     finals: list[DoneEvent] = []
 
@@ -121,7 +119,7 @@ async def create_response(gateway: GenerationGateway, session: Session, sessions
             return [frame(e) for e in stream.feed(event.text, event.reasoning, event.tool_calls)]
         if isinstance(event, DoneEvent):
             finals.append(event)
-            return [frame(e) for e in stream.finish(_status(event.choices[0].finish_reason))]
+            return [frame(e) for e in stream.finish(response_status(event.choices[0].finish_reason))]
         return []
 
     async def events() -> AsyncIterator[bytes]:
@@ -132,7 +130,7 @@ async def create_response(gateway: GenerationGateway, session: Session, sessions
             yield chunk
         if not finals:  # an error event ended the stream
             return
-        status = _status(finals[0].choices[0].finish_reason)
+        status = response_status(finals[0].choices[0].finish_reason)
         response = await kept(_response(response_id, created, body, status, stream.items, finals[0]))
         yield frame(stream.event(f"response.{status}", response=response.model_dump(mode="json")))
 
@@ -162,8 +160,7 @@ def cancel_response(session: Session, principal: Principal, response_id: str) ->
 def list_input_items(session: Session, principal: Principal, response_id: str, *, after: str | None, limit: int,
                      order: Literal["asc", "desc"], include: list[str]) -> InputItemList:
     """GET /v1/responses/{id}/input_items: the request's own input items (not the chain's), a page at a time."""
-    if include:
-        raise ValidationFailed("include", f"{include[0]!r} cannot be included: none of the extra outputs is offered")
+    refuse_include(include)
     items = find_response(session, response_id=response_id, tenant=principal.scope).input_items
     ordered = items if order == "asc" else items[::-1]
     start_at = 0
