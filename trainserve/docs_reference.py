@@ -324,7 +324,7 @@ def results_page(results: list[tuple[str, BenchmarkResult]]) -> str:
            "is described in [Benchmarks](index.md#recording-a-result)). A figure holds for its machine, date and "
            "load; rerun the command to measure yours. The code column says whether the code the figure measures "
            "(the record's `measures`) is still what its commit held: a stale figure describes older code, and "
-           "`make test` fails until this page says so.\n\n",
+           "`make test` fails while a record is stale, until it is measured again or removed.\n\n",
            f"{current} of {len(results)} records measure today's code.\n"]
     by_script: dict[str, list[tuple[str, BenchmarkResult]]] = {}
     for name, result in results:

@@ -80,6 +80,15 @@ def test_a_record_is_stale_from_the_first_commit_that_changes_what_it_measures(t
     assert docs_reference.freshness(unknown, tmp_path).startswith("unknown")
 
 
+@pytest.mark.skipif(not docs_reference.has_history(), reason="a shallow clone cannot tell what changed since a record")
+def test_every_benchmark_record_measures_todays_code():
+    # The results page lists only figures of the code they name: a record whose measured code a later commit changed
+    # is measured again or removed (docs/benchmarks/index.md#recording-a-result).
+    stale = [f"{name}: {state}" for name, result in docs_reference.load_results(docs_reference.RESULTS)
+             if (state := docs_reference.freshness(result)) != "current"]
+    assert not stale, "measure again or remove:\n" + "\n".join(stale)
+
+
 def test_configuration_page_lists_every_setting_with_type_and_default():
     from core.settings import Settings
 

@@ -33,8 +33,7 @@ QLORA = LORA.model_copy(update={"quantize_base": "nf4"})
 # NF4 rounds each weight to one of 16 levels scaled by its block's absmax: a relative RMS error of about 10% per
 # weight, unbiased, so a layer's output moves by about 10% / sqrt(fan-in) of its size. On this 32-wide, 2-layer
 # random model (fan-in 32-64) that moves the loss by 3% (measured: 6.85 -> 7.04; SmolLM2-135M: 5%, on an easy loss
-# of 0.28, docs/guides/fitting.md). 5% is that rounding with room to spare, far below what an unquantized-vs-random
-# base would differ by.
+# of 0.28). 5% is that rounding with room to spare, far below what an unquantized-vs-random base would differ by.
 FIRST_LOSS_TOLERANCE = 0.05
 
 
