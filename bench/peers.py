@@ -9,8 +9,8 @@ completions, greedy, on the same weights:
   (the engine's rows, 32: `max_batch_size`),
   prefix caching on (its default), eager unless `--vllm-compile` (its compile warm-up takes minutes here), one
   engine thread bound per core and none reserved (`VLLM_CPU_OMP_THREADS_BIND=0,1,...`,
-  `VLLM_CPU_NUM_OF_RESERVED_CPU=0`: its `auto` binding keeps a core for its API server and ran 16 streams at 0.73x
-  these tokens/s on 2 cores, bench/vllm_cpu_settings.py); no LoRA (`--enable-lora` halved its tokens/s here);
+  `VLLM_CPU_NUM_OF_RESERVED_CPU=0`: its `auto` binding keeps a core of 2 for its API server;
+  bench/vllm_cpu_settings.py compares these settings); no LoRA (`--enable-lora` costs it tokens/s on a CPU);
 - `llama-f32`, `llama-f16`, `llama-q8_0`, `llama-q4_k_m`: llama.cpp's own `llama-server` (`make llama-server`) on
   GGUFs of the same folder at those precisions (f32, f16 and Q8_0 written by llama.cpp's converter, Q4_K_M by
   `llama-quantize`), continuous batching with `--slots` parallel slots (as many as the engine's rows), one thread
