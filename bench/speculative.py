@@ -1,22 +1,28 @@
-"""Benchmark: speculative decoding with prompt-lookup drafts against plain decoding, on editing and extraction chats.
+"""Benchmark: speculative decoding with prompt-lookup drafts against plain decoding, on neutral chats and on editing
+and extraction chats, each set measured on its own.
 
 The same engine settings but `speculative_tokens` (the baseline: 0, plain decoding) decode the same chats (greedy,
-or with `--temperature` sampled, chat i seeded `--seed` + i):
-"copy this text with one word changed" and "list the words of this text that ..." prompts over SST-2 sentences
-(examples/data), rendered with the model's chat template: answers that repeat their input, the narrow tasks a
-fine-tune serves, the four tasks in turn over the sentences. At each `--concurrency` c, `--chats` x c chats (at
-least 16) run c at a time against one engine (a closed loop: a finished chat's client sends the next); tokens/s is
-all generated tokens over the wall time from the first submit to the last answer (per stream: divided by c). Every
-answer is compared token for token between the sides: greedy answers must be equal; a sampled one (the same seed
-and per-token uniforms on both sides) may part only at a draw within ROUNDING of the edge between two tokens in
-the inverse CDF, recomputed in float64, where the logits' last bits decide (the run stops otherwise). Sides
-interleaved (the first side alternating per repeat), medians and the spread over `--repeats`, the load average
-after each run; engine alone, fp32 on the CPU unless `--precision`, each side with the prefix cache the service
-keeps by default (`--prefix-cache-mb`; every run sends chats of its own, so only what chats share is found cached).
+or with `--temperature` sampled, chat i seeded `--seed` + i), rendered with the model's chat template over SST-2
+sentences (examples/data), the set's four tasks in turn (`--tasks`, both sets by default, in one record):
+- extraction: "copy this text with one word changed", "list the words of this text that ..." prompts, answers that
+  repeat their input: the narrow tasks a fine-tune serves, and the drafts' best case;
+- neutral: open questions about the text (is the review positive and why, what film it might be, questions for its
+  critic, a reply that disagrees), answers that are new text: a general chat, where drafts are seldom right and
+  speculation, on by default in the service, must cost nothing.
+At each `--concurrency` c, `--chats` x c chats (at least 16) run c at a time against one engine (a closed loop: a
+finished chat's client sends the next); tokens/s is all generated tokens over the wall time from the first submit to
+the last answer (per stream: divided by c). Every answer is compared token for token between the sides: greedy
+answers must be equal; a sampled one (the same seed and per-token uniforms on both sides) may part only at a draw
+within ROUNDING of the edge between two tokens in the inverse CDF, recomputed in float64, where the logits' last bits
+decide (the run stops otherwise). Sides interleaved (the first side alternating per repeat), medians and the spread
+over `--repeats`, the draft tokens checked and kept in each set at each concurrency, the load average after each run;
+every figure names its set. Engine alone, fp32 on the CPU unless `--precision`, each side with the prefix cache the
+service keeps by default (`--prefix-cache-mb`; every run sends chats of its own, each set its own sentences, so only
+what chats share is found cached).
 
-    python bench/speculative.py --model ~/.cache/trainserve/smollm2-135m-instruct   # c = 1 and 16, k = 8
+    python bench/speculative.py --model ~/.cache/trainserve/smollm2-135m-instruct   # both sets, c = 1 and 16, k = 8
     python bench/speculative.py --model DIR --temperature 0.7   # sampled rows
-    python bench/speculative.py --model DIR --concurrency 1 --repeats 1 --max-tokens 48   # smoke run
+    python bench/speculative.py --model DIR --tasks neutral --concurrency 1 --repeats 1 --max-tokens 48   # smoke run
 """
 
 from __future__ import annotations
@@ -44,12 +50,25 @@ from worker.engines.generation.engine import GenerationEngine, SamplingParams  #
 BASELINE = "plain"
 # A sampled draw this close to the edge between two tokens' intervals goes to either with the logits' last bits.
 ROUNDING = 1e-5
-TASKS = (
-    "Copy the following text exactly, but replace the word \"the\" with \"a\" everywhere. Text: {text}",
-    "Repeat the following sentence word for word, then repeat it once more: {text}",
-    "Rewrite the text below with every word in lowercase, keeping everything else the same.\n\n{text}",
-    "List every word of this text that is longer than four letters, one per line, in order: {text}",
-)
+# Two sets of chats over the same SST-2 sentences. Extraction: answers that repeat their input (the narrow tasks a
+# fine-tune serves; drafts' best case). Neutral: open questions about the text whose answers are new text (a general
+# chat, where a draft is seldom right and speculation must not cost).
+TASK_SETS = {
+    "extraction": (
+        "Copy the following text exactly, but replace the word \"the\" with \"a\" everywhere. Text: {text}",
+        "Repeat the following sentence word for word, then repeat it once more: {text}",
+        "Rewrite the text below with every word in lowercase, keeping everything else the same.\n\n{text}",
+        "List every word of this text that is longer than four letters, one per line, in order: {text}",
+    ),
+    "neutral": (
+        "Is this movie review positive or negative? Explain your answer in a few sentences.\n\n{text}",
+        "What film might this review describe? Guess its genre and say what a viewer should expect.\n\n{text}",
+        "Give three questions you would ask the critic who wrote this review.\n\n{text}",
+        "Write a short reply to this review from someone who disagrees with it.\n\n{text}",
+    ),
+}
+SET_WHAT = {"extraction": "editing and extraction tasks whose answers repeat their input",
+            "neutral": "open questions about the text whose answers are new text"}
 
 
 def sentences(count: int) -> list[str]:
@@ -59,9 +78,9 @@ def sentences(count: int) -> list[str]:
     return sorted(rows, key=len, reverse=True)[:count]
 
 
-def chats(engine: GenerationEngine, count: int) -> list[list[int]]:
-    texts = sentences(count)
-    return [engine.encode_chat([{"role": "user", "content": TASKS[i % len(TASKS)].format(text=text)}])
+def chats(engine: GenerationEngine, tasks: tuple[str, ...], texts: list[str]) -> list[list[int]]:
+    """A chat per text, the tasks in turn, rendered with the model's chat template."""
+    return [engine.encode_chat([{"role": "user", "content": tasks[i % len(tasks)].format(text=text)}])
             for i, text in enumerate(texts)]
 
 
@@ -118,13 +137,65 @@ def spread(values: list[float]) -> str:
     return f"{min(values):.1f}-{max(values):.1f}"
 
 
+def measure(engines: dict[str, GenerationEngine], args: argparse.Namespace, label: str, concurrency: int,
+            prompts: list[list[int]], loads: list[float]) -> list[str]:
+    """One task set at one concurrency: `--repeats` runs of each side on new chats (`prompts`, a run's worth each,
+    in turn), the answers compared; the result's lines, each naming the set."""
+    count = len(prompts) // args.repeats
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    parted = 0
+    speculating = next(name for name in engines if name != BASELINE)
+    before = engines[speculating].stats()
+    for repeat in range(args.repeats):
+        order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
+        answers = {}
+        sent = prompts[repeat * count:(repeat + 1) * count]
+        for name in order:
+            rate, answers[name] = run(engines[name], sent, args.max_tokens, args.temperature, args.seed,
+                                      concurrency=concurrency)
+            rates[name].append(rate)
+            loads.append(os.getloadavg()[0])
+            print(f"{label} c={concurrency} repeat {repeat + 1} {name}: {rate:.1f} tokens/s (load {loads[-1]:.2f})",
+                  flush=True)
+        differing = [i for i, (a, b) in enumerate(zip(*answers.values(), strict=True)) if a != b]
+        print(f"  answers equal across sides: {count - len(differing)} of {count}")
+        if differing and not args.temperature:
+            raise SystemExit(f"speculative decoding changed a greedy {label} answer")
+        for i in differing:  # sampled: each must part at a draw on the edge between two tokens
+            margin = draw_margin(args.model, sent[i], answers[BASELINE], answers[speculating], i, args.seed,
+                                 args.temperature)
+            print(f"  chat {i} parts at a draw {margin:.1e} from the edge between the two sides' tokens")
+            if margin > ROUNDING:
+                raise SystemExit(f"speculative decoding changed sampled {label} chat {i} beyond float rounding")
+            parted += 1
+    after = engines[speculating].stats()
+    checked, kept = (after[key] - before[key] for key in ("draft_tokens", "accepted_draft_tokens"))
+    base = statistics.median(rates[BASELINE])
+    lines = []
+    for name, values in rates.items():
+        median = statistics.median(values)
+        lines.append(f"{label} c={concurrency} {name}: {median:.1f} tokens/s ({median / concurrency:.1f} per stream), "
+                     f"spread {spread(values)}, {median / base:.2f}x {BASELINE}")
+    lines.append(f"{label} c={concurrency}: {kept} of {checked} draft tokens kept")
+    if parted:
+        lines.append(f"{label} c={concurrency}: {parted} of {args.repeats * count} sampled answers parted from plain "
+                     f"decoding at a draw within {ROUNDING:g} of the edge between two tokens")
+    for line in lines:
+        print(line, flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a served model's folder (e.g. SmolLM2-135M-Instruct)")
+    parser.add_argument("--tasks", nargs="+", choices=list(TASK_SETS), default=list(TASK_SETS),
+                        help="the sets of chats, each measured on its own (extraction: answers that repeat their "
+                             "input; neutral: open questions about it)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16],
                         help="chats in flight at once (a closed loop)")
     parser.add_argument("--chats", type=int, default=4,
-                        help="chats per stream in a run (at least 16 a run), the tasks in turn over SST-2 sentences")
+                        help="chats per stream in a run (at least 16 a run), the set's tasks in turn over SST-2 "
+                             "sentences")
     parser.add_argument("--k", type=int, default=8, help="the most draft tokens a row checks a step (speculative side)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
@@ -144,50 +215,21 @@ def main() -> None:
                for name, k in sides.items()}
     lines: list[str] = []
     loads: list[float] = []
-    parted = dict.fromkeys(args.concurrency, 0)
     try:
-        # Every run sends chats of its own (both sides the same ones): with the prefix cache on, a repeat must not
-        # find its whole prompts cached by the one before, only what chats share (the template, the task).
+        # Every run sends chats of its own (both sides the same ones, each set its own sentences): with the prefix
+        # cache on, a repeat must not find its whole prompts cached by the one before, only what chats share (the
+        # template, the task).
         counts = {c: max(16, args.chats * c) for c in args.concurrency}  # the chats of a run at each concurrency
-        prompts = chats(engines[BASELINE], 1 + args.repeats * sum(counts.values()))
+        per_set = args.repeats * sum(counts.values())
+        texts = sentences(1 + per_set * len(args.tasks))
         for engine in engines.values():  # warm up: first forwards allocate and pack
-            run(engine, prompts[-1:], 8)
-        first = 0
-        for c in args.concurrency:
-            count = counts[c]
-            rates: dict[str, list[float]] = {name: [] for name in sides}
-            for repeat in range(args.repeats):
-                order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
-                answers = {}
-                sent, first = prompts[first:first + count], first + count
-                for name in order:
-                    rate, answers[name] = run(engines[name], sent, args.max_tokens, args.temperature, args.seed,
-                                              concurrency=c)
-                    rates[name].append(rate)
-                    loads.append(os.getloadavg()[0])
-                    print(f"c={c} repeat {repeat + 1} {name}: {rate:.1f} tokens/s (load {loads[-1]:.2f})", flush=True)
-                differing = [i for i, (a, b) in enumerate(zip(*answers.values(), strict=True)) if a != b]
-                print(f"  answers equal across sides: {count - len(differing)} of {count}")
-                if differing and not args.temperature:
-                    raise SystemExit("speculative decoding changed a greedy answer")
-                for i in differing:  # sampled: each must part at a draw on the edge between two tokens
-                    margin = draw_margin(args.model, sent[i], *answers.values(), i, args.seed, args.temperature)
-                    print(f"  chat {i} parts at a draw {margin:.1e} from the edge between the two sides' tokens")
-                    if margin > ROUNDING:
-                        raise SystemExit(f"speculative decoding changed sampled chat {i} beyond float rounding")
-                    parted[c] += 1
-            stats = engines[f"prompt-lookup k={args.k}"].stats()
-            base = statistics.median(rates[BASELINE])
-            for name, values in rates.items():
-                median = statistics.median(values)
-                line = (f"c={c} {name}: {median:.1f} tokens/s ({median / c:.1f} per stream), spread "
-                        f"{spread(values)}, {median / base:.2f}x {BASELINE}")
-                print(line)
-                lines.append(line)
-            if parted[c]:
-                lines.append(f"c={c}: {parted[c]} of {args.repeats * count} sampled answers parted "
-                             f"from plain decoding at a draw within {ROUNDING:g} of the edge between two tokens")
-            print(f"  drafts kept: {stats['accepted_draft_tokens']} of {stats['draft_tokens']}")
+            run(engine, chats(engine, TASK_SETS[args.tasks[0]], texts[-1:]), 8)
+        for index, label in enumerate(args.tasks):
+            prompts = chats(engines[BASELINE], TASK_SETS[label], texts[index * per_set:(index + 1) * per_set])
+            first = 0
+            for c in args.concurrency:
+                run_prompts, first = prompts[first:first + args.repeats * counts[c]], first + args.repeats * counts[c]
+                lines += measure(engines, args, label, c, run_prompts, loads)
     finally:
         for engine in engines.values():
             engine.close()
@@ -196,10 +238,12 @@ def main() -> None:
             "benchmark": "bench/speculative.py",
             "what": f"Speculative decoding (prompt-lookup drafts, k={args.k}) against plain decoding: "
                     f"{'greedy' if args.temperature == 0 else f'sampled (temperature {args.temperature}, seeded)'} "
-                    f"editing and extraction chats over SST-2 sentences, up to {args.max_tokens} tokens, "
-                    f"{args.chats} chats per stream (at least 16) in a closed loop at each concurrency, new chats in "
-                    f"every run, engine alone, {args.precision}, prefix cache {args.prefix_cache_mb:g} MB on both "
-                    f"sides; the drafts each step checks priced from measured step times; "
+                    f"chats over SST-2 sentences in {len(args.tasks)} set(s) measured apart, "
+                    + ", ".join(f"{label} ({SET_WHAT[label]})" for label in args.tasks)
+                    + f"; up to {args.max_tokens} tokens, {args.chats} chats per stream (at least 16) in a closed loop "
+                    f"at each concurrency, new chats in every run, engine alone, {args.precision}, prefix cache "
+                    f"{args.prefix_cache_mb:g} MB on both sides; the drafts each step checks priced from measured "
+                    f"step times; "
                     f"{'answers equal token for token' if not args.temperature else 'answers compared seed for seed'}"
                     f"; medians of {args.repeats} interleaved repeats",
             "command": "python bench/speculative.py " + " ".join(sys.argv[1:]),

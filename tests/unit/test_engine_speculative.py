@@ -6,6 +6,7 @@ step times and each row's acceptance rate."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,26 @@ def test_propose_takes_what_followed_the_most_recent_longest_match():
     assert propose([4, 4], 5) == ([4], 1)
 
 
+def longest_recent_match(history: list[int], k: int, max_ngram: int = 4) -> tuple[list[int], int]:
+    """The definition propose() keeps: the longest suffix (up to max_ngram) found earlier with a token after it, at
+    its most recent such occurrence, and the k tokens after that."""
+    for n in range(min(max_ngram, len(history) - 1), 0, -1):
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start:start + n] == history[-n:]:
+                return history[start + n:start + n + k], n
+    return [], 0
+
+
+def test_propose_finds_what_the_definition_finds():
+    """propose() searches by the last token's occurrences (list.index in C), not every suffix length at every
+    position: the same proposal, on histories of few distinct tokens (many partial matches) and of none repeated."""
+    rng = random.Random(0)
+    for _ in range(3000):
+        history = [rng.randrange(rng.choice([2, 3, 6, 50])) for _ in range(rng.randrange(0, 40))]
+        k = rng.randrange(1, 9)
+        assert tuple(propose(history, k)) == longest_recent_match(history, k), history
+
+
 def test_accepted_keeps_agreeing_drafts_then_the_models_token():
     assert accepted([7, 8, 9], [7, 8, 5, 1]) == [7, 8, 5]
     assert accepted([7, 8], [7, 8, 6]) == [7, 8, 6]  # all kept, plus the token after them
@@ -52,7 +73,10 @@ def chances(rate: float, count: int = 8) -> list[float]:
 def test_lengths_spend_positions_where_they_pay():
     half = chances(0.5)
     assert lengths([half] * 2, None, None) == [0, 0]  # this row count's plain step is not measured yet
-    assert lengths([half] * 2, 0.05, None) == [8, 8]  # nor is a draft position: check them all once
+    # Nor is a draft position: the likeliest draft tokens are checked, one proposal's worth in all (that measures it).
+    assert lengths([half] * 2, 0.05, None) == [4, 4]
+    assert lengths([chances(0.9), chances(0.2), half[:3]], 0.05, None) == [7, 0, 1]
+    assert lengths([half[:3], chances(0.4, 2)], 0.05, None) == [2, 1]
     # Beside one row a position is nearly free (the weights are read once): a good row checks its whole draft, even
     # a poor one checks a few.
     assert lengths([chances(0.9)], 0.05, 0.0005) == [8]
