@@ -31,7 +31,7 @@ mkdir -p "$DEST"
 LOG="$DEST/log.txt"
 # On the device: python3, the image's (it holds CUDA torch). The smoke run imports exactly what the device will: a
 # Python 3.12 of its own (cached under ~/.cache/trainserve/gpu-image) with torch 2.13.0 and only the image's
-# packages the carried wheels require (bench/gpu_packages.py), the wheels of bench/gpu_wheels.sh installed over it
+# packages the check needs (bench/gpu_packages.py), the wheels of bench/gpu_wheels.sh installed over it
 # as below; PYTHON overrides either.
 PY=${PYTHON:-python3}
 if [[ $SMOKE == 1 && -z "${PYTHON:-}" ]]; then

